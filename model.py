@@ -1,0 +1,207 @@
+"""
+A Llama-style decoder whose hidden matrices can be BitNet b1.58 ternary layers.
+
+The idea: pre-norm transformer blocks (RMSNorm, rotary positions, gated MLP, no biases) in which every
+hidden projection (q, k, v, o, gate, up, down) is a separate `BitLinear` when `quant=True`. Separate
+projections matter because gamma is per tensor: a fused qkv matrix would share one scale. The token
+embedding, the LM head and the norms stay full precision. SubLN adds one more RMSNorm right before
+o_proj and right before down_proj, which keeps the inputs of those two quantised matrices well scaled.
+
+Sources: BitNet b1.58 2B4T (HF modeling_bitnet) for the layout, BitDistill (arXiv 2510.13998, Stage 1)
+for SubLN; RoPE (arXiv 2104.09864); REFERENCE section 2, and section 6 for the document mask.
+
+    h   = x + o_proj(SubLN(Attn(RMSNorm(x))))          Attn: causal SDPA with RoPE on q and k
+    out = h + down_proj(SubLN(silu(gate(RMSNorm(h))) * up(RMSNorm(h))))     (SwiGLU; we pick SiLU)
+
+Document mask (optional, `doc_mask=True`): documents start with the end-of-text token; a token attends
+only to earlier tokens of its own document, doc = cumsum(idx == eot), and positions restart at 0 in each
+document, so a packed row computes exactly what each document alone would.
+
+Run:  python model.py (prints a parameter count and a forward pass)    Test:  python -m pytest tests/test_model.py
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from quant import BitLinear
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 257      # 257 = bytes + end-of-text; 50257 for GPT-2
+    block_size: int = 256      # max context length
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_hidden: int = 0        # 0 = 8/3 * n_embd rounded up to a multiple of 64 (Llama)
+    quant: bool = True         # hidden projections are BitLinear (ternary) instead of nn.Linear
+    subln: bool = True         # extra RMSNorm before o_proj and down_proj (BitDistill Stage 1)
+    tie_embeddings: bool = True  # LM head shares the embedding matrix (nanoGPT, BitNet 2B4T)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    doc_mask: bool = False     # attend within documents only (needs eot); off = plain causal, faster
+    eot: int = 256             # end-of-text id that starts every document in the shards
+
+    def hidden_dim(self):
+        return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+
+def precompute_rope(head_dim, length, theta):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # (hd/2,)
+    freqs = torch.outer(torch.arange(length).float(), inv_freq)                   # (L, hd/2)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, nh, T, hd); cos, sin: (T, hd/2) or (B, 1, T, hd/2). Rotates the two halves of hd."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        Linear = BitLinear if config.quant else nn.Linear
+        C = config.n_embd
+        self.n_head = config.n_head
+        self.q_proj = Linear(C, C, bias=False)
+        self.k_proj = Linear(C, C, bias=False)
+        self.v_proj = Linear(C, C, bias=False)
+        self.o_proj = Linear(C, C, bias=False)
+        self.subln = nn.RMSNorm(C, eps=config.norm_eps) if config.subln else nn.Identity()
+
+    def forward(self, x, cos, sin, mask, want_qkv=False):
+        B, T, C = x.size()
+        nh, hd = self.n_head, C // self.n_head
+        q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, nh, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, nh, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)       # (B, T, C) heads concatenated
+        return self.o_proj(self.subln(y)), ((q, k, v) if want_qkv else None)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        Linear = BitLinear if config.quant else nn.Linear
+        C, H = config.n_embd, config.hidden_dim()
+        self.gate_proj = Linear(C, H, bias=False)
+        self.up_proj = Linear(C, H, bias=False)
+        self.down_proj = Linear(H, C, bias=False)
+        self.subln = nn.RMSNorm(H, eps=config.norm_eps) if config.subln else nn.Identity()
+
+    def forward(self, x):
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, H)
+        return self.down_proj(self.subln(h))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, want_qkv=False):
+        a, qkv = self.attn(self.attn_norm(x), cos, sin, mask, want_qkv)
+        x = x + a
+        x = x + self.mlp(self.mlp_norm(x))
+        return x, qkv
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.norm_f = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        cos, sin = precompute_rope(config.n_embd // config.n_head, config.block_size, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2 scaled init of the residual projections
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def get_num_params(self, non_embedding=True):
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wte.weight.numel() if non_embedding else n
+
+    def forward(self, idx, targets=None, qkv_layer=None, return_hiddens=False):
+        """idx, targets: (B, T) int64. Returns (logits, loss), or (logits, loss, states) when the caller asks
+        for the q/k/v of one layer (`qkv_layer`, may be negative) or every block's output (`return_hiddens`).
+        Without targets only the last position's logits are computed, as in nanoGPT."""
+        B, T = idx.size()
+        assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
+        mask = None
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd/2)
+        if self.config.doc_mask:
+            t = torch.arange(T, device=idx.device)
+            starts = idx == self.config.eot                                       # (B, T)
+            doc = starts.cumsum(dim=1)
+            seg_start = torch.where(starts, t, 0).cummax(dim=1).values
+            pos = t - seg_start                                                   # restarts at each doc
+            cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)  # (B, 1, T, hd/2)
+            mask = (doc.unsqueeze(2) == doc.unsqueeze(1)) & (t.unsqueeze(1) >= t.unsqueeze(0))
+            mask = mask.unsqueeze(1)                                              # (B, 1, T, T)
+        want_layer = None if qkv_layer is None else qkv_layer % self.config.n_layer
+        x = self.wte(idx)  # (B, T, C)
+        qkv, hiddens = None, []
+        for i, block in enumerate(self.h):
+            x, layer_qkv = block(x, cos, sin, mask, want_qkv=(i == want_layer))
+            if i == want_layer:
+                qkv = layer_qkv
+            if return_hiddens:
+                hiddens.append(x)
+        x = self.norm_f(x)
+        if targets is not None or want_layer is not None or return_hiddens:
+            logits = self.lm_head(x)  # (B, T, V)
+            loss = None
+            if targets is not None:
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits, loss = self.lm_head(x[:, [-1], :]), None  # (B, 1, V)
+        if want_layer is None and not return_hiddens:
+            return logits, loss
+        return logits, loss, {"qkv": qkv, "hiddens": hiddens}
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        """Sample max_new_tokens continuations of idx (B, T), cropping the context to block_size."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx[:, -self.config.block_size:]
+            logits = self(idx_cond)[0][:, -1, :] / max(temperature, 1e-6)  # (B, V)
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+            idx = torch.cat((idx, idx_next), dim=1)
+        return idx
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    n_bit = sum(m.weight.numel() for m in model.modules() if isinstance(m, BitLinear))
+    print(f"{model.get_num_params() / 1e6:.2f}M non-embedding params, {n_bit / 1e6:.2f}M of them ternary")
+    idx = torch.randint(0, 256, (2, 64))
+    logits, loss = model(idx, idx)
+    print(f"loss at init {loss.item():.3f} (ln(vocab) = {math.log(model.config.vocab_size):.3f})")

@@ -1,0 +1,138 @@
+"""
+BitNet b1.58: ternary weights and 8-bit activations, trained with a straight-through estimator.
+
+The idea: every hidden matrix is used as W_q * gamma with W_q in {-1, 0, +1} (1.58 bits), and every
+activation entering it as x_q / s with x_q an int8. Training keeps full-precision "latent" weights and
+quantises on the fly in the forward pass; the straight-through estimator (STE) lets the gradient pass
+through the rounding as if it were the identity, so the optimizer updates the latent weights.
+
+Sources: BitNet b1.58 (arXiv 2402.17764, section 2); Microsoft's "training tips, code and FAQ" (Fig. 3);
+HF transformers integrations/bitnet.py; lambda-warmup from the HF blog "Fine-tuning LLMs to 1.58bit".
+
+    weights (per tensor, absmean):  gamma = max(mean|W|, 1e-5)
+                                    W_q   = clamp(round(W / gamma), -1, 1)           fake-quant: W_q * gamma
+    activations (per token, absmax): s    = 127 / max(max|x|, 1e-5)                   (per row of the last dim)
+                                    x_q   = clamp(round(x * s), -128, 127)           fake-quant: x_q / s
+    STE with lambda-warmup:         v_lam = v + lam * stopgrad(Q(v) - v)             lam: 0 = fp, 1 = ternary
+    inference:                      y = (x_q @ W_q^T) * gamma / s                    (int32 accumulation, exact)
+
+torch.round rounds half to even (0.5 -> 0, 1.5 -> 2 -> clamped to 1), computed in fp32.
+lambda lives in a 0-d tensor buffer, so moving it from 0 to 1 never recompiles a torch.compile'd model.
+
+Packed storage (REFERENCE section 8): code = W_q + 1 in {0, 1, 2} (0b00 = -1, 0b01 = 0, 0b10 = +1), four
+codes per uint8 along K, element k % 4 == j in bits 2j..2j+1, K padded to a multiple of 4 with 0b01.
+That is 2 bits per weight: 1/8 of the bytes of bf16.
+
+Run the demo:  python quant.py          Test:  python -m pytest tests/test_quant.py
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# quantizers: integer codes plus the scale, and the fake-quantised ("dequantised") forms used in training
+
+
+def weight_quant(w):
+    """Absmean ternary quantisation of a whole matrix. Returns int8 codes in {-1,0,1} and fp32 gamma."""
+    w = w.float()
+    scale = w.abs().mean().clamp(min=1e-5)  # gamma, 0-d
+    w_q = (w / scale).round().clamp(-1, 1).to(torch.int8)
+    return w_q, scale
+
+
+def activation_quant(x):
+    """Per-token absmax int8 quantisation over the last dim. Returns int8 codes and fp32 scale = 1/s."""
+    x = x.float()
+    s = 127.0 / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)  # (..., 1)
+    x_q = (x * s).round().clamp(-128, 127).to(torch.int8)
+    return x_q, 1.0 / s
+
+
+def weight_fake_quant(w):
+    """W_q * gamma in w's dtype, computed in fp32 (the forward value seen by F.linear in training)."""
+    wf = w.float()
+    scale = wf.abs().mean().clamp(min=1e-5)
+    return ((wf / scale).round().clamp(-1, 1) * scale).to(w.dtype)
+
+
+def activation_fake_quant(x):
+    """x_q / s in x's dtype, computed in fp32."""
+    xf = x.float()
+    s = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
+    return ((xf * s).round().clamp(-128, 127) / s).to(x.dtype)
+
+
+def ste(v, v_quant, lambda_):
+    """v + lambda * stopgrad(Q(v) - v): forward value blends to Q(v), gradient is exactly the identity."""
+    return v + lambda_.to(v.dtype) * (v_quant - v).detach()
+
+
+# -----------------------------------------------------------------------------
+# BitLinear
+
+
+class BitLinear(nn.Linear):
+    """nn.Linear whose forward sees lambda-blended fake-quantised activations and weights.
+
+    The latent weight stays full precision (the optimizer's master copy). Set the blend with
+    `set_lambda(model, lam)` or `m.lambda_.fill_(lam)`; 0 is exactly F.linear, 1 is BitNet b1.58.
+    """
+
+    def __init__(self, in_features, out_features, bias=False, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.register_buffer("lambda_", torch.ones((), device=device))  # 0-d; 0 = fp, 1 = ternary
+
+    def forward(self, x):
+        lam = self.lambda_
+        x = ste(x, activation_fake_quant(x), lam)                 # (..., in)
+        w = ste(self.weight, weight_fake_quant(self.weight), lam)  # (out, in)
+        return F.linear(x, w, self.bias)                           # (..., out)
+
+
+def set_lambda(model, lam):
+    """Write lam into every BitLinear's buffer in place (no recompilation, no host sync)."""
+    for m in model.modules():
+        if isinstance(m, BitLinear):
+            m.lambda_.fill_(lam)
+
+
+# -----------------------------------------------------------------------------
+# 2-bit packing: four ternary codes per byte along the input dimension
+
+
+def pack_ternary(w_q):
+    """(N, K) int8 in {-1,0,1} -> (N, ceil(K/4)) uint8, element k%4 == j in bits 2j..2j+1."""
+    N, K = w_q.shape
+    pad = (-K) % 4
+    codes = (w_q.to(torch.int16) + 1).to(torch.uint8)  # {0, 1, 2}
+    if pad:  # pad with code 0b01, i.e. weight 0, so padded K contributes nothing
+        codes = torch.cat([codes, codes.new_ones(N, pad)], dim=1)
+    codes = codes.view(N, -1, 4)  # (N, K/4, 4)
+    packed = codes[..., 0] | (codes[..., 1] << 2) | (codes[..., 2] << 4) | (codes[..., 3] << 6)
+    return packed.contiguous()
+
+
+def unpack_ternary(packed, in_features):
+    """(N, ceil(K/4)) uint8 -> (N, K) int8 in {-1,0,1}; the inverse of pack_ternary."""
+    N = packed.shape[0]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & 3  # (N, K/4, 4)
+    return (codes.view(N, -1)[:, :in_features].to(torch.int8) - 1).contiguous()
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    w = torch.randn(4, 6)
+    w_q, gamma = weight_quant(w)
+    print("W:\n", w, "\nW_q:\n", w_q, "\ngamma:", gamma.item(), "(= mean|W|)", w.abs().mean().item())
+    x = torch.randn(2, 6)
+    x_q, x_scale = activation_quant(x)
+    print("x_q:\n", x_q, "\nrow absmax / 127:", (x.abs().amax(-1) / 127).tolist(), "scale:", x_scale.flatten().tolist())
+    packed = pack_ternary(w_q)
+    print("packed", tuple(packed.shape), packed.dtype, "round-trip ok:", torch.equal(unpack_ternary(packed, 6), w_q))
+    lin = BitLinear(6, 4)
+    lin.weight.data.copy_(w)
+    y_int = (x_q.int() @ w_q.int().T).float() * x_scale * gamma  # inference form
+    print("int path vs fake-quant BitLinear, max abs diff:", (y_int - lin(x)).abs().max().item())

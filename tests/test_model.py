@@ -1,0 +1,150 @@
+"""Tests for model.py: layout (REFERENCE section 2), causality, the document mask (section 6), states."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import GPT, GPTConfig, apply_rope, precompute_rope
+from quant import BitLinear, set_lambda
+
+SMALL = dict(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=32, eot=60)
+
+
+def make(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**SMALL, **kw}))
+
+
+def test_hidden_projections_are_bitlinear_and_embedding_head_norms_stay_fp():
+    model = make(quant=True)
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    bit = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, BitLinear)}
+    assert bit == set(names)
+    assert sum(isinstance(m, BitLinear) for m in model.modules()) == 7 * SMALL["n_layer"]
+    assert type(model.lm_head) is nn.Linear and type(model.wte) is nn.Embedding
+    assert all(m.bias is None for m in model.modules() if isinstance(m, nn.Linear))
+    fp = make(quant=False)
+    assert not any(isinstance(m, BitLinear) for m in fp.modules())
+
+
+def test_subln_is_an_rmsnorm_right_before_o_proj_and_down_proj():
+    seen = {}
+    for subln in (True, False):
+        model = make(subln=subln, quant=False)
+        for parent, name in ((model.h[1].attn, "o_proj"), (model.h[1].mlp, "down_proj")):
+            getattr(parent, name).register_forward_pre_hook(
+                lambda m, a, key=(name, subln): seen.__setitem__(key, a[0]))
+            if subln:
+                parent.subln.register_forward_pre_hook(lambda m, a, key=(name, "raw"): seen.__setitem__(key, a[0]))
+        model(torch.randint(0, 60, (2, 16)), torch.randint(0, 60, (2, 16)))
+    for name, width in (("o_proj", 32), ("down_proj", GPTConfig(**SMALL).hidden_dim())):
+        raw = seen[(name, "raw")]
+        assert raw.shape[-1] == width  # heads concatenated / the gated MLP activation
+        assert torch.allclose(seen[(name, True)], F.rms_norm(raw, (width,), eps=1e-5), atol=1e-6)
+        rms_on = seen[(name, True)].pow(2).mean(-1)
+        rms_off = seen[(name, False)].pow(2).mean(-1)
+        assert rms_on.min() > 0.5 and rms_off.max() < 0.1  # small init: only SubLN brings it to unit scale
+
+
+def test_lambda_zero_ternary_model_equals_fp_model_exactly():
+    q = make(quant=True)
+    fp = make(quant=False)
+    missing, unexpected = fp.load_state_dict(q.state_dict(), strict=False)
+    assert not missing and all(k.endswith("lambda_") for k in unexpected)
+    set_lambda(q, 0.0)
+    idx = torch.randint(0, 60, (2, 20))
+    assert torch.equal(q(idx, idx)[0], fp(idx, idx)[0])
+    set_lambda(q, 1.0)
+    assert not torch.allclose(q(idx, idx)[0], fp(idx, idx)[0])
+
+
+def test_loss_is_cross_entropy_and_starts_near_ln_vocab():
+    model = make()
+    idx, tgt = torch.randint(0, 60, (4, 24)), torch.randint(0, 60, (4, 24))
+    logits, loss = model(idx, tgt)
+    assert torch.allclose(loss, F.cross_entropy(logits.view(-1, 61), tgt.view(-1)))
+    assert abs(loss.item() - math.log(61)) < 0.3
+    tgt[:, :10] = -1  # ignore_index
+    assert torch.allclose(model(idx, tgt)[1], F.cross_entropy(logits[:, 10:].reshape(-1, 61), tgt[:, 10:].reshape(-1)))
+
+
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_model_is_causal(doc_mask):
+    model = make(doc_mask=doc_mask)
+    idx = torch.randint(0, 60, (1, 24))
+    idx2 = idx.clone()
+    idx2[0, 12:] = (idx2[0, 12:] + 7) % 60
+    a, b = model(idx, idx)[0], model(idx2, idx2)[0]
+    assert torch.allclose(a[:, :12], b[:, :12], atol=1e-6) and not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cos, sin = precompute_rope(8, 32, 10000.0)
+    torch.manual_seed(0)
+    q, k = torch.randn(8), torch.randn(8)
+
+    def score(m, n):
+        qm = apply_rope(q.view(1, 1, 1, 8), cos[m:m + 1], sin[m:m + 1])
+        kn = apply_rope(k.view(1, 1, 1, 8), cos[n:n + 1], sin[n:n + 1])
+        return (qm * kn).sum()
+    assert torch.allclose(score(5, 2), score(20, 17), atol=1e-5)
+    assert not torch.allclose(score(5, 2), score(5, 4), atol=1e-3)
+
+
+def test_packed_row_with_doc_mask_equals_each_document_alone():
+    model = make(doc_mask=True)
+    eot = SMALL["eot"]
+    docs = [torch.tensor([eot] + list(range(1, 9))), torch.tensor([eot] + list(range(20, 26))),
+            torch.tensor([eot, 40, 41, 42, 43])]
+    row = torch.cat(docs).unsqueeze(0)  # (1, 21)
+    targets = torch.cat([torch.cat([d[1:], torch.tensor([-1])]) for d in docs]).unsqueeze(0)
+    logits, _ = model(row, targets)
+    loss_tok = F.cross_entropy(logits[0], targets[0], ignore_index=-1, reduction="none")
+    start = 0
+    for d in docs:
+        t = torch.cat([d[1:], torch.tensor([-1])]).unsqueeze(0)
+        alone, _ = model(d.unsqueeze(0), t)
+        n = len(d)
+        assert torch.allclose(logits[0, start:start + n], alone[0], atol=1e-5)
+        alone_loss = F.cross_entropy(alone[0], t[0], ignore_index=-1, reduction="none")
+        assert torch.allclose(loss_tok[start:start + n], alone_loss, atol=1e-5)
+        start += n
+    plain = make(doc_mask=False)
+    assert not torch.allclose(plain(row, targets)[0][0, 9:], logits[0, 9:], atol=1e-3)  # the mask matters
+
+
+def test_states_are_the_ones_the_forward_uses():
+    model = make(quant=True)
+    idx, tgt = torch.randint(0, 60, (2, 16)), torch.randint(0, 60, (2, 16))
+    logits, loss = model(idx, tgt)
+    logits2, loss2, states = model(idx, tgt, qkv_layer=-1, return_hiddens=True)
+    assert torch.equal(logits, logits2) and torch.equal(loss, loss2)
+    hiddens, (q, k, v) = states["hiddens"], states["qkv"]
+    assert len(hiddens) == SMALL["n_layer"]
+    assert torch.allclose(model.lm_head(model.norm_f(hiddens[-1])), logits, atol=1e-6)
+    # recompute the last layer's q, k, v from the previous block's output
+    blk = model.h[-1]
+    x = blk.attn_norm(hiddens[-2])
+    B, T, C = x.shape
+    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
+    q_ref = apply_rope(blk.attn.q_proj(x).view(B, T, 2, C // 2).transpose(1, 2), cos, sin)
+    v_ref = blk.attn.v_proj(x).view(B, T, 2, C // 2).transpose(1, 2)
+    assert torch.allclose(q, q_ref, atol=1e-6) and torch.allclose(v, v_ref, atol=1e-6) and k.shape == q.shape
+    assert len(model(idx, tgt)) == 2  # nothing extra unless asked
+
+
+def test_generate_greedy_matches_argmax_loop():
+    model = make()
+    idx = torch.randint(0, 60, (1, 5))
+    out = model.generate(idx, 6, top_k=1)
+    ref = idx
+    for _ in range(6):
+        logits = model(ref, torch.zeros_like(ref))[0][:, -1]
+        ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)

@@ -1,0 +1,137 @@
+"""Tests for quant.py against hand-computed BitNet b1.58 values (REFERENCE sections 1 and 8)."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from quant import (BitLinear, activation_fake_quant, activation_quant, pack_ternary, set_lambda, ste,
+                   unpack_ternary, weight_fake_quant, weight_quant)
+
+
+def test_weight_quant_matches_hand_computed_absmean():
+    w = torch.tensor([[0.5, -1.5, 3.0, 0.0]])  # gamma = mean|w| = 1.25; w/gamma = [0.4, -1.2, 2.4, 0]
+    w_q, gamma = weight_quant(w)
+    assert gamma.dtype == torch.float32 and gamma.item() == pytest.approx(1.25)
+    assert w_q.dtype == torch.int8 and w_q.tolist() == [[0, -1, 1, 0]]
+
+
+def test_weight_quant_rounds_exact_halves_to_even():
+    # gamma = 1 exactly, so w / gamma keeps the halves: 0.5 -> 0, -0.5 -> 0, 1.5 -> 2 -> clamped to 1
+    w_q, gamma = weight_quant(torch.tensor([[0.5, -0.5, 1.5, 1.5]]))
+    assert gamma.item() == 1.0 and w_q.tolist() == [[0, 0, 1, 1]]
+    w_q, _ = weight_quant(torch.tensor([[2.5, 0.5, 0.5, -0.5]]))  # 2.5 -> 2 -> 1, -0.5 -> -0
+    assert w_q.tolist() == [[1, 0, 0, 0]]
+
+
+def test_weight_quant_clamps_gamma_at_1e_5():
+    w_q, gamma = weight_quant(torch.zeros(3, 5))
+    assert gamma.item() == pytest.approx(1e-5) and not w_q.any()
+    w_q, gamma = weight_quant(torch.full((2, 2), 1e-7))  # 1e-7 / 1e-5 = 0.01 -> 0
+    assert gamma.item() == pytest.approx(1e-5) and not w_q.any()
+    assert torch.isfinite(weight_fake_quant(torch.zeros(3, 5))).all()
+
+
+def test_activation_quant_matches_hand_computed_absmax():
+    x = torch.tensor([[1.0, -0.5, 0.25, 0.0]])  # s = 127: [127, -63.5, 31.75, 0] -> [127, -64, 32, 0]
+    x_q, scale = activation_quant(x)
+    assert x_q.dtype == torch.int8 and x_q.tolist() == [[127, -64, 32, 0]]
+    assert scale.shape == (1, 1) and scale.item() == pytest.approx(1 / 127)
+    x_q, _ = activation_quant(torch.tensor([[127.0, 0.5, 1.5, 2.5, -2.5]]))  # s = 1: halves go to even
+    assert x_q.tolist() == [[127, 0, 2, 2, -2]]
+
+
+def test_activation_quant_all_zero_row_is_finite_and_zero():
+    x = torch.tensor([[0.0, 0.0, 0.0], [63.5, -127.0, 0.5]])
+    x_q, scale = activation_quant(x)
+    assert x_q[0].tolist() == [0, 0, 0] and x_q[1].tolist() == [64, -127, 0]  # s = 1: 63.5 -> 64, 0.5 -> 0
+    assert scale[0].item() == pytest.approx(1e-5 / 127) and torch.isfinite(activation_fake_quant(x)).all()
+
+
+def test_quantizers_reconstruct_within_half_a_step():
+    torch.manual_seed(0)
+    x = torch.randn(8, 64)
+    x_q, scale = activation_quant(x)
+    assert ((x_q.float() * scale - x).abs() <= 0.5 * scale + 1e-7).all()
+    assert torch.allclose(activation_fake_quant(x), x_q.float() * scale, rtol=1e-6, atol=1e-7)
+    w = torch.randn(16, 64)
+    w_q, gamma = weight_quant(w)
+    assert torch.equal(weight_fake_quant(w), w_q.float() * gamma)
+
+
+def test_ste_gradient_is_identity():
+    torch.manual_seed(0)
+    v = torch.randn(5, 7, requires_grad=True)
+    g = torch.randn(5, 7)
+    out = ste(v, activation_fake_quant(v), torch.tensor(1.0))
+    out.backward(g)
+    assert torch.equal(v.grad, g)
+    assert torch.equal(out.detach(), activation_fake_quant(v.detach()))
+
+
+def test_bitlinear_lambda_zero_is_exactly_f_linear():
+    torch.manual_seed(0)
+    lin = BitLinear(32, 24)
+    lin.lambda_.fill_(0.0)
+    x = torch.randn(3, 5, 32)
+    assert lin.bias is None
+    assert torch.equal(lin(x), F.linear(x, lin.weight))
+
+
+def test_bitlinear_lambda_one_matches_integer_inference_form():
+    torch.manual_seed(0)
+    lin = BitLinear(64, 48)
+    x = torch.randn(6, 64)
+    x_q, x_scale = activation_quant(x)
+    w_q, gamma = weight_quant(lin.weight)
+    y_int = (x_q.to(torch.int32) @ w_q.to(torch.int32).T).float() * x_scale * gamma  # exact int accumulation
+    assert torch.allclose(lin(x), y_int, rtol=1e-5, atol=1e-6)
+
+
+def test_bitlinear_lambda_blends_and_gradients_flow_straight_through():
+    torch.manual_seed(0)
+    lin = BitLinear(16, 8)
+    set_lambda(lin, 0.25)
+    x = torch.randn(4, 16, requires_grad=True)
+    y = lin(x)
+    xb = x.detach() + 0.25 * (activation_fake_quant(x.detach()) - x.detach())
+    wb = lin.weight.detach() + 0.25 * (weight_fake_quant(lin.weight.detach()) - lin.weight.detach())
+    assert torch.allclose(y, F.linear(xb, wb), rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.allclose(x.grad, g @ wb, rtol=1e-6, atol=1e-6)            # d/dx through STE = W_blend
+    assert torch.allclose(lin.weight.grad, g.T @ xb, rtol=1e-6, atol=1e-6)  # d/dW through STE = x_blend
+
+
+def test_set_lambda_writes_every_buffer_and_it_is_saved():
+    model = torch.nn.Sequential(BitLinear(4, 4), torch.nn.ReLU(), BitLinear(4, 4))
+    set_lambda(model, 0.3)
+    assert all(abs(m.lambda_.item() - 0.3) < 1e-7 for m in model if isinstance(m, BitLinear))
+    assert "0.lambda_" in model.state_dict() and model.state_dict()["2.lambda_"].dim() == 0
+
+
+def test_pack_ternary_matches_hand_computed_bytes():
+    w_q = torch.tensor([[-1, 0, 1, 1, 1], [0, 0, 0, 0, -1]], dtype=torch.int8)
+    packed = pack_ternary(w_q)
+    # row 0: codes [0,1,2,2] -> 0 | 1<<2 | 2<<4 | 2<<6 = 164; then [2, pad 1,1,1] -> 2|4|16|64 = 86
+    # row 1: codes [1,1,1,1] -> 85; then [0, pad 1,1,1] -> 0|4|16|64 = 84
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[164, 86], [85, 84]]
+
+
+@pytest.mark.parametrize("K", [1, 3, 4, 5, 7, 13, 64, 65])
+def test_pack_unpack_round_trip(K):
+    torch.manual_seed(K)
+    w_q = torch.randint(-1, 2, (9, K), dtype=torch.int8)
+    packed = pack_ternary(w_q)
+    assert packed.shape == (9, (K + 3) // 4)
+    assert torch.equal(unpack_ternary(packed, K), w_q)
+
+
+def test_packed_weight_is_one_eighth_of_bf16():
+    w_q, _ = weight_quant(torch.randn(96, 256))
+    packed = pack_ternary(w_q)
+    bf16_bytes = w_q.to(torch.bfloat16).numel() * 2
+    assert packed.numel() * packed.element_size() * 8 == bf16_bytes
