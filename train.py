@@ -27,8 +27,11 @@ from dataclasses import dataclass
 import torch
 
 import data
-from model import GPT, GPTConfig
+from distill import BitDistillLoss
+from model import GPT, GPTConfig, precompute_rope
+from muon import configure_muon
 from quant import set_lambda
+from zclip import ZClip
 
 
 @dataclass
@@ -37,7 +40,9 @@ class TrainConfig:
     device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset below
     out_dir: str = "out"         # checkpoints and metrics go to <out_dir>/stage<N>/
     resume: bool = False         # continue from <out_dir>/stage<N>/ckpt.pt
-    init_from: str = "auto"      # stage 2: auto = the stage-1 checkpoint if it exists, else scratch; or a path; or "scratch"
+    run_name: str = ""           # output subdirectory of out_dir; "" = stage<N>
+    init_from: str = "auto"      # auto: stage 2 <- stage-1 ckpt if present, else scratch; stage 3 <- stage-2 ckpt;
+                                 # or a path (stage 1: an fp checkpoint, SubLN is inserted if it has none); or "scratch"
     seed: int = 1337
     # data
     tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
@@ -58,8 +63,10 @@ class TrainConfig:
     eval_iters: int = 20
     log_interval: int = 1
     # optimizer and schedules
-    optimizer: str = "adamw"
-    lr: float = 3e-3             # peak learning rate
+    optimizer: str = "muon"      # muon (Muon for hidden matrices, AdamW for the rest) or adamw (AdamW for all)
+    lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw)
+    muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
+    muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
     min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
     schedule: str = "wsd"        # cosine (nanoGPT) or wsd (warmup-stable-decay, MiniCPM)
     warmup_iters: int = 50
@@ -67,8 +74,21 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    grad_clip: float = 1.0       # 0 = off
+    zclip: bool = True           # ZClip adaptive clipping (REFERENCE section 4); False = clip_grad_norm_ at grad_clip
+    zclip_z_thresh: float = 2.5
+    grad_clip: float = 1.0       # fixed max grad norm when zclip=False; 0 = no clipping at all
+    two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight decay -> 0
+    two_phase_lr_drop: float = 0.5
     lambda_warmup_steps: int = 200  # stage 2: lambda goes 0 -> 1 linearly over this many steps
+    # stage 3: BitDistill (distill.py), L = CE + lambda * logits KD + gamma * attention-relation KD (+ delta * hidden)
+    teacher: str = ""            # teacher checkpoint; "" = <out_dir>/stage1/ckpt.pt
+    distill_preset: str = "summarization"  # lambda 1, gamma 1e3; classification: lambda 10, gamma 1e5
+    distill_lambda: float = -1.0  # logits-KD weight; -1 = the preset's
+    distill_gamma: float = -1.0  # attention-relation weight; -1 = the preset's
+    distill_tau: float = 5.0     # logits-KD temperature
+    distill_layer: int = -1      # layer whose Q/K/V relations are distilled; negative counts from the end
+    distill_relation_heads: int = 4  # A_r; the paper's 32 needs H*d >= 32*d_r, too many for a 128-wide model
+    distill_hidden: float = 0.0  # delta: weight of hidden-state distillation (0 = off)
     # system
     compile: str = "auto"        # auto = on for cuda only
     dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu
@@ -84,7 +104,7 @@ DEVICE_PRESETS = {
 STAGE_PRESETS = {
     1: dict(schedule="cosine"),
     2: dict(schedule="wsd"),
-    3: dict(),
+    3: dict(schedule="cosine"),
 }
 
 
@@ -129,15 +149,23 @@ def build_config(overrides, base=None):
     cfg = TrainConfig(**cfg)
     if cfg.schedule not in ("cosine", "wsd"):
         die(f"--schedule={cfg.schedule}: expected cosine or wsd", 2)
-    if cfg.optimizer not in ("adamw",):
-        die(f"--optimizer={cfg.optimizer}: expected adamw", 2)
+    if cfg.optimizer not in ("muon", "adamw"):
+        die(f"--optimizer={cfg.optimizer}: expected muon or adamw", 2)
+    if cfg.muon_adjust_lr not in ("original", "match_rms_adamw"):
+        die(f"--muon_adjust_lr={cfg.muon_adjust_lr}: expected original or match_rms_adamw", 2)
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"n_embd={cfg.n_embd} must split into n_head={cfg.n_head} heads of even size", 2)
     return cfg
 
 
 def lr_mult(step, cfg):
-    """Multiplier on every group's peak lr: warmup-cosine (nanoGPT) or warmup-stable-decay (MiniCPM)."""
+    """Multiplier on every group's peak lr: warmup-cosine (nanoGPT) or warmup-stable-decay (MiniCPM),
+    times two_phase_lr_drop in the second half with --two_phase=True (BitNet b1.58 FAQ)."""
+    drop = cfg.two_phase_lr_drop if cfg.two_phase and step >= cfg.max_iters // 2 else 1.0
+    return drop * _schedule(step, cfg)
+
+
+def _schedule(step, cfg):
     if step < cfg.warmup_iters:
         return (step + 1) / (cfg.warmup_iters + 1)
     if cfg.schedule == "cosine":
@@ -151,19 +179,55 @@ def lr_mult(step, cfg):
 
 
 def lambda_at(step, cfg):
-    """REFERENCE section 1: lambda = min(step / warmup_steps, 1); 0 = full precision, 1 = ternary."""
-    return 1.0 if cfg.lambda_warmup_steps <= 0 else min(step / cfg.lambda_warmup_steps, 1.0)
+    """REFERENCE section 1: lambda = min(step / warmup_steps, 1); 0 = full precision, 1 = ternary.
+    Stage 3 starts from an already ternary student, so lambda is 1 throughout."""
+    if cfg.stage >= 3 or cfg.lambda_warmup_steps <= 0:
+        return 1.0
+    return min(step / cfg.lambda_warmup_steps, 1.0)
 
 
 def configure_optimizer(model, cfg, device_type):
-    """AdamW: weight decay on matrices (>= 2-D), none on norm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device_type == "cuda")
+    """muon: Muon for the 2-D hidden matrices, AdamW for embeddings/head (decayed) and norm gains (not);
+    adamw: AdamW for all, weight decay on matrices only. Every group records its initial lr and wd."""
+    fused = device_type == "cuda"
+    if cfg.optimizer == "muon":  # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 matmuls are ~25x slower
+        opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr, muon_weight_decay=cfg.weight_decay,
+                             adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
+                             adamw_betas=(cfg.beta1, cfg.beta2), fused=fused,
+                             ns_dtype=torch.bfloat16 if device_type == "cuda" else torch.float32)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
     for g in opt.param_groups:
-        g["initial_lr"] = cfg.lr
+        g["initial_lr"], g["initial_wd"] = g["lr"], g["weight_decay"]
     return opt
+
+
+def clip_gradients(params, clipper, cfg):
+    """ZClip, or a fixed clip_grad_norm_; both return the same 0-d tensor stats (read only when logging)."""
+    if clipper is not None:
+        return clipper.clip(params)
+    raw = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    clipped = (raw > cfg.grad_clip) if cfg.grad_clip > 0 else torch.zeros((), dtype=torch.bool)
+    return {"raw_norm": raw, "clipped_norm": raw.clamp(max=cfg.grad_clip) if cfg.grad_clip > 0 else raw,
+            "was_clipped": clipped.float(), "z_score": torch.zeros(())}
+
+
+def optimizer_step(optimizer, device_type, timed):
+    """Step; with timed=True also return the milliseconds of Muon's part (synchronising on CUDA)."""
+    if not timed or not hasattr(optimizer, "muon"):
+        optimizer.step()
+        return None
+    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    optimizer.muon.step()
+    sync()
+    muon_ms = 1000 * (time.perf_counter() - t)
+    optimizer.adamw.step()
+    return muon_ms
 
 
 def resolve_data(cfg):
@@ -203,10 +267,11 @@ def load_checkpoint(path):
         die(f"{path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
 
 
-def load_weights(model, state, path):
-    """Load a state dict; lambda_ buffers may be missing (an fp checkpoint into a ternary model)."""
+def load_weights(model, state, path, insert_subln=False):
+    """Load a state dict; lambda_ buffers may be missing (an fp checkpoint into a ternary model), and with
+    insert_subln the SubLN gains too: they keep their unit init (BitDistill Stage 1, REFERENCE section 2)."""
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("lambda_")]
+    missing = [k for k in missing if not k.endswith("lambda_") and not (insert_subln and ".subln." in k)]
     if missing or unexpected:
         die(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]}); "
             f"check n_layer/n_embd/n_head/subln/tokenizer")
@@ -220,6 +285,49 @@ def save_checkpoint(path, obj):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def make_teacher(cfg, path, student_conf, device_type):
+    """Stage 3: the frozen full-precision teacher (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
+    With every distillation weight 0 there is no teacher: plain CE, the control run."""
+    try:
+        crit = BitDistillLoss(cfg.distill_preset, lambda_ld=None if cfg.distill_lambda < 0 else cfg.distill_lambda,
+                              gamma_ad=None if cfg.distill_gamma < 0 else cfg.distill_gamma,
+                              delta_hidden=cfg.distill_hidden, temperature=cfg.distill_tau,
+                              n_relation_heads=cfg.distill_relation_heads, distill_layer=cfg.distill_layer)
+    except ValueError as e:
+        die(str(e), 2)
+    if crit.lambda_ld == crit.gamma_ad == crit.delta_hidden == 0:
+        print("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
+        return None, crit
+    ckpt = load_checkpoint(path)
+    tconf = GPTConfig(**ckpt["model_args"])
+    if tconf.vocab_size != student_conf.vocab_size:
+        die(f"{path}: teacher vocabulary {tconf.vocab_size} != student {student_conf.vocab_size}; same tokenizer needed")
+    teacher = GPT(tconf)
+    load_weights(teacher, ckpt["model"], path)
+    teacher.requires_grad_(False).eval().to(cfg.device)
+    if device_type == "cuda":
+        teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
+        cos, sin = precompute_rope(tconf.n_embd // tconf.n_head, tconf.block_size, tconf.rope_theta)
+        teacher.rope_cos, teacher.rope_sin = cos.to(cfg.device), sin.to(cfg.device)
+    try:
+        crit.layer_index(student_conf.n_layer), crit.layer_index(tconf.n_layer)
+    except ValueError as e:
+        die(str(e), 2)
+    print(f"stage 3: teacher {path} (quant={tconf.quant}), {crit}")
+    return teacher, crit
+
+
+def distill_losses(student, teacher, crit, x, y):
+    """Student and frozen teacher on the same batch; returns the dict of loss terms (total in "loss")."""
+    kw = dict(qkv_layer=crit.distill_layer if crit.gamma_ad != 0 else None, return_hiddens=crit.delta_hidden != 0)
+    s_out = student(x, y, **kw)
+    with torch.no_grad():
+        t_out = teacher(x, y, **kw)
+    s_st, t_st = (s_out[2], t_out[2]) if len(s_out) == 3 else ({}, {})
+    return crit(s_out[0], t_out[0], y, s_st.get("qkv"), t_st.get("qkv"), s_st.get("hiddens") or None,
+                t_st.get("hiddens") or None)
 
 
 @torch.no_grad()
@@ -238,7 +346,7 @@ def estimate_val_loss(model, loader, cfg, ctx):
 def main(argv):
     overrides = parse_args(argv)
     cfg = build_config(overrides)
-    out_dir = os.path.join(cfg.out_dir, f"stage{cfg.stage}")
+    out_dir = os.path.join(cfg.out_dir, cfg.run_name or f"stage{cfg.stage}")
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     ckpt = None
     if cfg.resume:
@@ -246,8 +354,9 @@ def main(argv):
             die(f"--resume=True but there is no checkpoint at {ckpt_path}; start without --resume")
         ckpt = load_checkpoint(ckpt_path)
         cfg = build_config(overrides, base=ckpt["config"])  # the saved run, with command-line overrides on top
-    if cfg.stage == 3:
-        die("stage 3 (distillation) is not implemented yet; run --stage=1 then --stage=2")
+    teacher_path = cfg.teacher or os.path.join(cfg.out_dir, "stage1", "ckpt.pt")
+    if cfg.stage == 3 and not os.path.exists(teacher_path):
+        die(f"stage 3 needs the full-precision teacher at {teacher_path}; make it with: python train.py --stage=1")
     try:
         os.makedirs(out_dir, exist_ok=True)
         open(os.path.join(out_dir, ".write_test"), "w").close()
@@ -279,21 +388,33 @@ def main(argv):
         step = ckpt["step"]
         train_loader.load_state_dict(ckpt["loader"])
         print(f"resuming stage {cfg.stage} from {ckpt_path} at step {step}")
-    elif cfg.stage == 2 and cfg.init_from != "scratch":
-        init_path = os.path.join(cfg.out_dir, "stage1", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
+    elif cfg.init_from != "scratch" and (cfg.stage > 1 or cfg.init_from != "auto"):
+        prev = f"stage{cfg.stage - 1}"
+        init_path = os.path.join(cfg.out_dir, prev, "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
         if os.path.exists(init_path):
-            load_weights(model, load_checkpoint(init_path)["model"], init_path)
-            print(f"stage 2: starting from the stage-1 weights in {init_path}")
-        elif cfg.init_from == "auto":
+            init = load_checkpoint(init_path)
+            insert = cfg.stage == 1 and not init.get("model_args", {}).get("subln", True) and gptconf.subln
+            load_weights(model, init["model"], init_path, insert_subln=insert)
+            src = f"stage-{cfg.stage - 1} weights" if cfg.init_from == "auto" else "weights"
+            print(f"stage {cfg.stage}: starting from the {src} in {init_path}" +
+                  (" (SubLN inserted with unit gain)" if insert else ""))
+        elif cfg.init_from == "auto" and cfg.stage == 2:
             print(f"stage 2: no stage-1 checkpoint at {init_path}; training the ternary model from scratch")
         else:
-            die(f"--init_from={init_path}: no such checkpoint")
+            die(f"no checkpoint at {init_path} to start stage {cfg.stage} from; make it with: "
+                f"python train.py --stage={max(cfg.stage - 1, 1)}")
     else:
         print(f"stage {cfg.stage}: training from scratch")
+    teacher, crit = None, None
+    if cfg.stage == 3:
+        teacher, crit = make_teacher(cfg, teacher_path, gptconf, device_type)
     model.to(cfg.device)
     optimizer = configure_optimizer(model, cfg, device_type)
+    clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
+        if clipper is not None and ckpt.get("zclip") is not None:
+            clipper.load_state_dict(ckpt["zclip"])
     print(f"{model.get_num_params() / 1e6:.2f}M non-embedding params, quant={gptconf.quant}, subln={gptconf.subln}, "
           f"vocab={gptconf.vocab_size}, device={cfg.device}, dtype={dtype}")
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device_type == "cuda")
@@ -302,7 +423,8 @@ def main(argv):
     def checkpoint():
         save_checkpoint(ckpt_path, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                                     "config": dataclasses.asdict(cfg), "model_args": dataclasses.asdict(gptconf),
-                                    "loader": train_loader.state_dict()})
+                                    "loader": train_loader.state_dict(),
+                                    "zclip": clipper.state_dict() if clipper is not None else None})
 
     metrics = open(os.path.join(out_dir, "metrics.jsonl"), "a")
     tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum
@@ -312,7 +434,7 @@ def main(argv):
         lam = lambda_at(step, cfg) if gptconf.quant else 0.0
         if gptconf.quant:
             set_lambda(model, lam)
-        if step > 0 and (step % cfg.eval_interval == 0 or step == cfg.max_iters):
+        if (step > 0 and step % cfg.eval_interval == 0) or step == cfg.max_iters:
             val_loss = estimate_val_loss(train_model, val_loader, cfg, ctx)
             print(f"step {step}: val loss {val_loss:.4f}")
             metrics.write(json.dumps({"step": step, "val_loss": val_loss, "lambda": lam}) + "\n")
@@ -322,26 +444,42 @@ def main(argv):
         if step >= cfg.max_iters:
             break
         mult = lr_mult(step, cfg)
+        phase2 = cfg.two_phase and step >= cfg.max_iters // 2
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"] * mult
+            g["weight_decay"] = 0.0 if phase2 else g["initial_wd"]
         for _ in range(cfg.grad_accum):
             x, y = train_loader.next_batch()
             x, y = x.to(cfg.device, non_blocking=True), y.to(cfg.device, non_blocking=True)
             with ctx:
-                _, loss = train_model(x, y)
+                if teacher is None:
+                    _, loss = train_model(x, y)
+                else:
+                    parts = distill_losses(train_model, teacher, crit, x, y)
+                    loss = parts["loss"]
             (loss / cfg.grad_accum).backward()
         params = [p for p in model.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        optimizer.step()
+        stats = clip_gradients(params, clipper, cfg)
+        log_now = (step + 1) % cfg.log_interval == 0
+        muon_ms = optimizer_step(optimizer, device_type, timed=log_now)
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        if step % cfg.log_interval == 0:
-            loss_f, norm_f = loss.item(), grad_norm.item()  # the one host sync, after the step
+        if log_now:
+            # the one host read per logged step, after the optimizer step
+            st = {k: float(stats[k]) for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")}
+            loss_f = loss.item()
             dt = (time.time() - t0) / cfg.log_interval
-            rec = {"step": step, "loss": loss_f, "lr": cfg.lr * mult, "lambda": lam, "grad_norm": norm_f,
-                   "ms": 1000 * dt, "tok_per_s": tokens_per_step / dt}
+            rec = {"step": step, "loss": loss_f, "lr": cfg.lr * mult, "lambda": lam,
+                   "grad_norm_raw": st["raw_norm"], "grad_norm": st["clipped_norm"],
+                   "clipped": int(st["was_clipped"]), "z": st["z_score"], "ms": 1000 * dt,
+                   "tok_per_s": tokens_per_step / dt, "muon_ms": muon_ms}
+            if teacher is not None:
+                rec.update({k: float(parts[k]) for k in ("ce", "ld", "ad", "hidden")})
             print(f"step {step} | loss {loss_f:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | "
-                  f"grad norm {norm_f:.3f} | {rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s")
+                  f"grad norm {st['raw_norm']:.3f} -> {st['clipped_norm']:.3f} (clipped {rec['clipped']}, "
+                  f"z {st['z_score']:.2f}) | {rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
+                  (f" | ce {rec['ce']:.4f} ld {rec['ld']:.4f} ad {rec['ad']:.5f} hidden {rec['hidden']:.4f}"
+                   if teacher is not None else ""))
             metrics.write(json.dumps(rec) + "\n")
             t0 = time.time()
     metrics.close()
