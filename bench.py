@@ -5,6 +5,8 @@ Benchmarks. Every speed number in README comes from one of these commands.
                              prints a note and exits 0 without a GPU)
   python bench.py --data     tokeniser throughput on the shipped corpus (target: gpt2 >= 2M tokens/s on 2 cores)
   python bench.py --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the hidden matrices of the CPU model
+  python bench.py --train    full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT, eager and
+                             compiled, with the QAT/dense ratio, Muon's share and MFU (GPU); CPU or CUDA preset
 
 Kernel timing: triton.testing.do_bench (median of many runs), with the weights rotated through enough
 copies to exceed L2, so each call streams its weights from HBM as a real decode step does. Bandwidth is
@@ -40,6 +42,125 @@ def bench_muon():
             [zeropower_via_newtonschulz5(m, dtype=dtype) for m in mats]
         ms = (time.perf_counter() - t) / 5 * 1000
         print(f"NS5 on the {len(mats)} hidden matrices of the CPU model, {str(dtype):15s}: {ms:8.1f} ms per step")
+
+
+class NanoGPTBlock(torch.nn.Module):
+    """nanoGPT's block, written out here as the baseline: LayerNorm, fused qkv, GELU MLP 4x, biases."""
+
+    def __init__(self, C, n_head):
+        super().__init__()
+        nn = torch.nn
+        self.ln_1, self.ln_2, self.n_head = nn.LayerNorm(C), nn.LayerNorm(C), n_head
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.mlp = nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(torch.nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+        super().__init__()
+        nn = torch.nn
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList([NanoGPTBlock(n_embd, n_head) for _ in range(n_layer)])
+        self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, per GPU
+
+
+def bench_train(steps=10, warmup=3):
+    """ms/step and tokens/s of full training steps (forward, backward, clipping, optimizer) for one shape."""
+    import train
+    from model import GPT
+    from zclip import ZClip
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    base = train.build_config({"device": dev, "stage": 2})  # the device preset's model shape
+    B, T, V = base.batch_size, base.block_size, 50304 if base.tokenizer == "gpt2" else 257
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"device: {name}, torch {torch.__version__}, {torch.get_num_threads()} threads; model "
+          f"{base.n_layer}x{base.n_embd}, {base.n_head} heads, B={B}, T={T}, vocab {V}; "
+          f"{'bf16 autocast' if cuda else 'fp32'}, Muon+ZClip unless noted")
+    x = torch.randint(0, V, (B, T), device=dev)
+    y = torch.randint(0, V, (B, T), device=dev)
+
+    def run(label, quant, compile_=False, nanogpt=False, autocast=None):
+        torch.manual_seed(0)
+        cfg = train.build_config({"device": dev, "stage": 2 if quant else 1})
+        if nanogpt:
+            model = NanoGPT(V, T, cfg.n_layer, cfg.n_head, cfg.n_embd).to(dev)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
+        else:
+            model = GPT(train.model_config(cfg, V, V - 1)).to(dev)
+            opt = train.configure_optimizer(model, cfg, dev)
+        clipper = None if nanogpt else ZClip()
+        step_model = torch.compile(model) if compile_ else model
+        c = ctx if autocast is None else autocast
+        muon_ms, t_total = [], 0.0
+        for i in range(warmup + steps):
+            sync()
+            t0 = time.perf_counter()
+            with c:
+                _, loss = step_model(x, y)
+            loss.backward()
+            if clipper is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                clipper.clip(model)
+            if hasattr(opt, "muon"):
+                sync()
+                t1 = time.perf_counter()
+                opt.muon.step()
+                sync()
+                muon_ms.append(1000 * (time.perf_counter() - t1))
+                opt.adamw.step()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            if i >= warmup:
+                t_total += time.perf_counter() - t0
+        ms = 1000 * t_total / steps
+        n_params = sum(p.numel() for p in model.parameters())
+        flops = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T  # per token, PaLM appendix B
+        mfu = ""
+        for key, peak in PEAK_BF16_FLOPS.items():
+            if cuda and key in name:
+                mfu = f"{100 * flops * B * T / (ms / 1000) / peak:5.1f}%"
+        muon = f"{100 * sum(muon_ms[warmup:]) / steps / ms:5.1f}%" if muon_ms else "    -"
+        print(f"{label:34s} {n_params / 1e6:7.2f}M {ms:9.1f} {B * T / ms * 1000:10.0f} {muon:>7s} {mfu:>6s}")
+        return ms
+
+    print(f"{'run':34s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} {'MFU':>6s}")
+    r = {"nanogpt": run("nanoGPT baseline (fp, AdamW)", False, nanogpt=True),
+         "dense": run("ours fp (stage 1)", False),
+         "qat": run("ours ternary QAT (stage 2)", True)}
+    if not cuda:
+        r["qat_bf16"] = run("ours ternary QAT, bf16 autocast", True, autocast=torch.autocast("cpu", torch.bfloat16))
+    r["dense_c"] = run("ours fp, compiled", False, compile_=True)
+    r["qat_c"] = run("ours ternary QAT, compiled", True, compile_=True)
+    print(f"QAT / dense step time: eager {r['qat'] / r['dense']:.3f}, compiled {r['qat_c'] / r['dense_c']:.3f}; "
+          f"ours fp / nanoGPT step time {r['dense'] / r['nanogpt']:.3f}")
 
 
 def bench_kernels():
@@ -102,8 +223,10 @@ if __name__ == "__main__":
         bench_data()
     elif args == ["--muon"]:
         bench_muon()
+    elif args == ["--train"]:
+        bench_train()
     elif not args:
         bench_kernels()
     else:
-        print(f"bench.py: unknown arguments {args}; use no argument, --data or --muon", file=sys.stderr)
+        print(f"bench.py: unknown arguments {args}; use no argument, --data, --muon or --train", file=sys.stderr)
         sys.exit(2)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quant import BitLinear
+from quant import BitLinear, QuantRMSNorm
 
 
 @dataclass
@@ -62,18 +62,29 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
+def make_linear(config, fan_in, fan_out, input_quantized):
+    """BitLinear when quant (which skips its own activation quantiser if a QuantRMSNorm did it), else nn.Linear."""
+    if config.quant:
+        return BitLinear(fan_in, fan_out, bias=False, quantize_input=not input_quantized)
+    return nn.Linear(fan_in, fan_out, bias=False)
+
+
+def make_norm(config, dim):
+    """The norm before quantised projections: it quantises its output for them when quant (quant.QuantRMSNorm)."""
+    return QuantRMSNorm(dim, eps=config.norm_eps) if config.quant else nn.RMSNorm(dim, eps=config.norm_eps)
+
+
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        Linear = BitLinear if config.quant else nn.Linear
         C = config.n_embd
         self.n_head = config.n_head
-        self.q_proj = Linear(C, C, bias=False)
-        self.k_proj = Linear(C, C, bias=False)
-        self.v_proj = Linear(C, C, bias=False)
-        self.o_proj = Linear(C, C, bias=False)
-        self.subln = nn.RMSNorm(C, eps=config.norm_eps) if config.subln else nn.Identity()
+        self.q_proj = make_linear(config, C, C, input_quantized=True)  # input: Block.attn_norm
+        self.k_proj = make_linear(config, C, C, input_quantized=True)
+        self.v_proj = make_linear(config, C, C, input_quantized=True)
+        self.o_proj = make_linear(config, C, C, input_quantized=config.subln)
+        self.subln = make_norm(config, C) if config.subln else nn.Identity()
 
     def forward(self, x, cos, sin, mask, want_qkv=False):
         B, T, C = x.size()
@@ -90,12 +101,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        Linear = BitLinear if config.quant else nn.Linear
         C, H = config.n_embd, config.hidden_dim()
-        self.gate_proj = Linear(C, H, bias=False)
-        self.up_proj = Linear(C, H, bias=False)
-        self.down_proj = Linear(H, C, bias=False)
-        self.subln = nn.RMSNorm(H, eps=config.norm_eps) if config.subln else nn.Identity()
+        self.gate_proj = make_linear(config, C, H, input_quantized=True)  # input: Block.mlp_norm
+        self.up_proj = make_linear(config, C, H, input_quantized=True)
+        self.down_proj = make_linear(config, H, C, input_quantized=config.subln)
+        self.subln = make_norm(config, H) if config.subln else nn.Identity()
 
     def forward(self, x):
         h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, H)
@@ -105,9 +115,9 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.attn_norm = make_norm(config, config.n_embd)
         self.attn = Attention(config)
-        self.mlp_norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.mlp_norm = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, mask, want_qkv=False):

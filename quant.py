@@ -78,24 +78,63 @@ class BitLinear(nn.Linear):
 
     The latent weight stays full precision (the optimizer's master copy). Set the blend with
     `set_lambda(model, lam)` or `m.lambda_.fill_(lam)`; 0 is exactly F.linear, 1 is BitNet b1.58.
+    quantize_input=False when the op before it already quantised x (QuantRMSNorm below).
     """
 
-    def __init__(self, in_features, out_features, bias=False, device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=False, quantize_input=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.register_buffer("lambda_", torch.ones((), device=device))  # 0-d; 0 = fp, 1 = ternary
+        self.quantize_input = quantize_input
+        self.w_delta = None  # stopgrad(Q(w) - w), cached once per step by cache_weight_quant
 
     def forward(self, x):
         lam = self.lambda_
-        x = ste(x, activation_fake_quant(x), lam)                 # (..., in)
-        w = ste(self.weight, weight_fake_quant(self.weight), lam)  # (out, in)
+        if self.quantize_input:
+            x = ste(x, activation_fake_quant(x), lam)                 # (..., in)
+        if self.w_delta is None:
+            w = ste(self.weight, weight_fake_quant(self.weight), lam)  # (out, in)
+        else:  # same value and gradient as above, without re-quantising the weight
+            w = self.weight + lam.to(self.weight.dtype) * self.w_delta
         return F.linear(x, w, self.bias)                           # (..., out)
 
 
+class QuantRMSNorm(nn.RMSNorm):
+    """RMSNorm whose output is already the lambda-blended int8 fake-quantised activation.
+
+    In our model every BitLinear reads the output of a norm (pre-norms feed q/k/v and gate/up, SubLN feeds
+    o_proj and down_proj), so the activation quantiser moves into that norm: one quantisation for q, k and v
+    instead of three, and under torch.compile the norm, the row absmax and the rounding fuse into one kernel.
+    """
+
+    def __init__(self, dim, eps=1e-5, device=None):
+        super().__init__(dim, eps=eps, device=device)
+        self.register_buffer("lambda_", torch.ones((), device=device))
+
+    def forward(self, x):
+        y = super().forward(x)
+        return ste(y, activation_fake_quant(y), self.lambda_)
+
+
 def set_lambda(model, lam):
-    """Write lam into every BitLinear's buffer in place (no recompilation, no host sync)."""
+    """Write lam into every BitLinear's and QuantRMSNorm's buffer in place (no recompilation, no host sync)."""
+    for m in model.modules():
+        if isinstance(m, (BitLinear, QuantRMSNorm)):
+            m.lambda_.fill_(lam)
+
+
+@torch.no_grad()
+def cache_weight_quant(model):
+    """Quantise every BitLinear weight once, for all micro-batches of one optimizer step (gradient
+    accumulation). Call after the optimizer step, before the next forward; clear_weight_quant undoes it."""
     for m in model.modules():
         if isinstance(m, BitLinear):
-            m.lambda_.fill_(lam)
+            m.w_delta = weight_fake_quant(m.weight) - m.weight
+
+
+def clear_weight_quant(model):
+    for m in model.modules():
+        if isinstance(m, BitLinear):
+            m.w_delta = None
 
 
 # -----------------------------------------------------------------------------

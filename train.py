@@ -30,7 +30,7 @@ import data
 from distill import BitDistillLoss
 from model import GPT, GPTConfig, precompute_rope
 from muon import configure_muon
-from quant import set_lambda
+from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from zclip import ZClip
 
 
@@ -448,6 +448,8 @@ def main(argv):
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"] * mult
             g["weight_decay"] = 0.0 if phase2 else g["initial_wd"]
+        if gptconf.quant and cfg.grad_accum > 1:
+            cache_weight_quant(model)  # quantise each weight once per step, not once per micro-batch
         for _ in range(cfg.grad_accum):
             x, y = train_loader.next_batch()
             x, y = x.to(cfg.device, non_blocking=True), y.to(cfg.device, non_blocking=True)
@@ -458,6 +460,7 @@ def main(argv):
                     parts = distill_losses(train_model, teacher, crit, x, y)
                     loss = parts["loss"]
             (loss / cfg.grad_accum).backward()
+        clear_weight_quant(model)  # the optimizer step below changes the weights
         params = [p for p in model.parameters() if p.grad is not None]
         stats = clip_gradients(params, clipper, cfg)
         log_now = (step + 1) % cfg.log_interval == 0

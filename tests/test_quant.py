@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from quant import (BitLinear, activation_fake_quant, activation_quant, pack_ternary, set_lambda, ste,
-                   unpack_ternary, weight_fake_quant, weight_quant)
+from quant import (BitLinear, QuantRMSNorm, activation_fake_quant, activation_quant, cache_weight_quant,
+                   clear_weight_quant, pack_ternary, set_lambda, ste, unpack_ternary, weight_fake_quant, weight_quant)
 
 
 def test_weight_quant_matches_hand_computed_absmean():
@@ -135,3 +135,43 @@ def test_packed_weight_is_one_eighth_of_bf16():
     packed = pack_ternary(w_q)
     bf16_bytes = w_q.to(torch.bfloat16).numel() * 2
     assert packed.numel() * packed.element_size() * 8 == bf16_bytes
+
+
+def test_quant_rmsnorm_then_bitlinear_equals_rmsnorm_then_self_quantising_bitlinear():
+    torch.manual_seed(0)
+    norm, fused_norm = torch.nn.RMSNorm(24, eps=1e-5), QuantRMSNorm(24, eps=1e-5)
+    lin = BitLinear(24, 16)
+    lin_pre = BitLinear(24, 16, quantize_input=False)
+    lin_pre.weight.data.copy_(lin.weight.data)
+    for lam in (0.0, 0.4, 1.0):
+        set_lambda(lin, lam), set_lambda(lin_pre, lam), set_lambda(fused_norm, lam)
+        x = torch.randn(3, 7, 24, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_(True)
+        y, y2 = lin(norm(x)), lin_pre(fused_norm(x2))
+        assert torch.equal(y, y2)
+        g = torch.randn_like(y)
+        y.backward(g), y2.backward(g)
+        assert torch.allclose(x.grad, x2.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_cached_weight_quant_gives_identical_outputs_and_gradients():
+    torch.manual_seed(0)
+    lin = BitLinear(32, 16)
+    set_lambda(lin, 0.7)
+    xs = [torch.randn(4, 32) for _ in range(3)]
+    for x in xs:  # three micro-batches, weight quantised in every forward
+        lin(x).square().sum().backward()
+    ref_grad, lin.weight.grad = lin.weight.grad.clone(), None
+    ref_out = lin(xs[0])
+    cache_weight_quant(lin)  # quantised once for all three
+    assert lin.w_delta is not None and not lin.w_delta.requires_grad
+    for x in xs:
+        lin(x).square().sum().backward()
+    assert torch.equal(lin(xs[0]), ref_out) and torch.equal(lin.weight.grad, ref_grad)
+    clear_weight_quant(lin)
+    with torch.no_grad():
+        lin.weight.add_(0.1)  # after an optimizer step the cache must be gone, or the forward would be stale
+    fresh = BitLinear(32, 16)
+    fresh.weight.data.copy_(lin.weight.data)
+    set_lambda(fresh, 0.7)
+    assert torch.equal(lin(xs[0]), fresh(xs[0]))
