@@ -1,0 +1,113 @@
+"""
+Export a trained ternary checkpoint as packed 2-bit weights, and load such an export back.
+
+  python export.py                                              (out/stage2/ckpt.pt -> out/stage2/packed.pt)
+  python export.py --ckpt=out/stage3/ckpt.pt --out=out/stage3/packed.pt
+  python sample.py --ckpt=out/stage2/packed.pt                  (sample.py reads exports directly)
+
+The idea: a training checkpoint holds the fp32 latent hidden weights (and the optimizer state); inference
+needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma (kernels/packed_linear.py). The export is
+a plain dict that loads with torch.load(weights_only=True):
+
+    {"format": "nanobitnet-packed-v1", "model_args": asdict(GPTConfig), "tokenizer": "byte" | "gpt2",
+     "packed": {module name: {"w_packed": (N, ceil(K/4)) uint8, "w_scale": 0-d fp32 gamma,
+                              "in_features": K, "out_features": N}},
+     "fp": {every other state-dict tensor: embedding, LM head, norms; no latent weights, no lambda_}}
+
+Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 bits against 16).
+GGUF export is not implemented. Test: python -m pytest tests/test_packed.py
+"""
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+from kernels.packed_linear import PackedBitLinear, freeze_ternary
+from model import GPT, GPTConfig
+
+FORMAT = "nanobitnet-packed-v1"
+DEFAULTS = dict(ckpt="out/stage2/ckpt.pt", out="")  # out "" = packed.pt beside the checkpoint
+
+
+def die(msg, code=1):
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def packed_state(model, tokenizer):
+    """The export dict of a frozen model (every hidden projection a PackedBitLinear)."""
+    packed = {name: {"w_packed": m.w_packed, "w_scale": m.w_scale, "in_features": m.in_features,
+                     "out_features": m.out_features}
+              for name, m in model.named_modules() if isinstance(m, PackedBitLinear)}
+    if not packed:
+        raise ValueError("the model has no PackedBitLinear layers; run kernels.packed_linear.freeze_ternary first")
+    fp = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in packed}
+    return {"format": FORMAT, "model_args": dataclasses.asdict(model.config), "tokenizer": tokenizer, "packed": packed, "fp": fp}
+
+
+def model_from_packed(obj, source="export"):
+    """Rebuild a GPT whose hidden projections are PackedBitLinear from an export dict; ValueError if it does not fit."""
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{source}: not a packed export (format {found!r}, expected {FORMAT!r}); "
+                         "make one with: python export.py --ckpt=<ckpt.pt>")
+    model = freeze_ternary(GPT(GPTConfig(**obj["model_args"])))  # the packed structure; weights come below
+    state = dict(obj["fp"])
+    for name, p in obj["packed"].items():
+        m = model.get_submodule(name)
+        if not isinstance(m, PackedBitLinear) or (m.in_features, m.out_features) != (p["in_features"], p["out_features"]):
+            raise ValueError(f"{source}: {name} ({p['in_features']} -> {p['out_features']}) does not fit the model "
+                             f"that model_args describe ({m})")
+        state[f"{name}.w_packed"], state[f"{name}.w_scale"] = p["w_packed"], p["w_scale"]
+    model.load_state_dict(state)  # strict: every tensor of the model must come from the file
+    return model.eval()
+
+
+def load_packed(path):
+    """(model, tokenizer name) from an export written by this script."""
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    return model_from_packed(obj, path), obj["tokenizer"]
+
+
+def export(ckpt_path, out_path):
+    """Load a training checkpoint, freeze it to packed weights, write the export; returns it."""
+    if not os.path.exists(ckpt_path):
+        die(f"no checkpoint at {ckpt_path}; train one first: python train.py --stage=2")
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        model_args, tokenizer = ckpt["model_args"], ckpt["config"]["tokenizer"]
+        model = GPT(GPTConfig(**model_args))
+        model.load_state_dict(ckpt["model"])
+    except Exception as e:  # truncated, foreign or mismatched file: name it, no traceback
+        die(f"{ckpt_path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    try:
+        obj = packed_state(freeze_ternary(model.eval()), tokenizer)
+    except ValueError as e:
+        die(f"{ckpt_path}: {e}")
+    tmp = out_path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, out_path)  # never leave a half-written export under the final name
+    return obj
+
+
+def main(argv):
+    args = dict(DEFAULTS)
+    for arg in argv:
+        key, eq, val = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or not eq or key not in args:
+            die(f"unknown or malformed argument {arg!r}; use --key=value with key one of: {', '.join(args)}", 2)
+        args[key] = val
+    out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt")
+    obj = export(args["ckpt"], out_path)
+    packed = sum(p["w_packed"].numel() for p in obj["packed"].values())  # uint8: one byte each
+    bf16 = sum(2 * p["in_features"] * p["out_features"] for p in obj["packed"].values())
+    other = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in obj["fp"].values()}.values())
+    print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB on disk): {len(obj['packed'])} packed matrices, "
+          f"hidden-matrix bytes {packed:,} vs {bf16:,} in bf16 (1/{bf16 / packed:.3g}), plus {4 * len(obj['packed'])} "
+          f"bytes of fp32 gammas; other weights (embedding, head, norms) {other:,} bytes")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,165 @@
+"""
+Packed-weight inference for BitNet b1.58: a trained BitLinear frozen to 2-bit codes plus one fp32 scale.
+
+The idea: once lambda = 1, a hidden matrix is only ever used as W_q * gamma with W_q in {-1, 0, +1}, so
+inference needs no full-precision latent weight at all. PackedBitLinear keeps the ternary codes packed
+four to a byte (quant.pack_ternary: 1/8 of the bytes of bf16) and gamma, and computes the inference form,
+an exact int32 accumulation with the scales applied after it:
+
+    x_q, x_scale = activation_quant(x)            per token: x_q int8 (..., K), x_scale = 1/s (..., 1)
+    y = (x_q @ W_q^T) * x_scale * gamma           (..., N): int32 accumulation, then two fp32 multiplies
+
+On CUDA inputs it runs the Triton kernels of kernels/ternary_matmul.py (quantize_activations, then
+ternary_matmul with a bf16 result for bf16 input, else fp32); on CPU the torch reference of the same
+contract (quant.activation_quant, ternary_matmul_reference). use_triton=True forces the kernels, e.g. on
+CPU under TRITON_INTERPRET=1. A layer's result equals BitLinear's fake-quantised forward at lambda = 1 up
+to fp32 rounding (that path rounds every product and partial sum, this one only the final scalings). In a
+whole model those ulps can flip an activation that sits on a rounding tie to the neighbouring int8 code,
+so frozen logits agree with the unfrozen model's closely, not to the last bit.
+
+freeze_ternary(model) swaps every BitLinear for a PackedBitLinear in place; weight_bytes(model) measures
+the hidden matrices and the rest. Source: BitNet b1.58 (arXiv 2402.17764, section 2); REFERENCE.md 1, 8.
+
+Demo:  python -m kernels.packed_linear          Test:  python -m pytest tests/test_packed.py
+"""
+
+import torch
+import torch.nn as nn
+
+import kernels.ternary_matmul as tm  # used as tm.<name>, so a test that reloads the module is seen here
+import quant
+
+
+class PackedBitLinear(nn.Module):
+    """y = (x_q @ W_q^T) * x_scale * gamma from 2-bit packed W_q. Buffers only: nothing here trains.
+
+    use_triton: None = the Triton kernels for CUDA inputs and the torch reference otherwise;
+    True/False forces one (True on CPU needs TRITON_INTERPRET=1 set before kernels are imported).
+    """
+
+    def __init__(self, in_features, out_features, w_packed, w_scale, use_triton=None):
+        super().__init__()
+        shape = (out_features, (in_features + 3) // 4)
+        if w_packed.dtype != torch.uint8 or tuple(w_packed.shape) != shape:
+            raise ValueError(f"w_packed: expected uint8 {shape} for {in_features} -> {out_features} features, "
+                             f"got {w_packed.dtype} {tuple(w_packed.shape)}; pack W_q with quant.pack_ternary")
+        if w_scale.dtype != torch.float32 or w_scale.numel() != 1:
+            raise ValueError(f"w_scale: expected one float32 gamma, got {w_scale.dtype} {tuple(w_scale.shape)}")
+        self.in_features, self.out_features, self.use_triton = in_features, out_features, use_triton
+        self.register_buffer("w_packed", w_packed)            # (N, ceil(K/4)) uint8, four codes per byte
+        self.register_buffer("w_scale", w_scale.reshape(()))  # gamma, 0-d fp32
+
+    @classmethod
+    def from_bitlinear(cls, m, use_triton=None):
+        """Pack weight_quant(m.weight); refuses a layer that is not ternary yet (lambda_ != 1) or has a bias."""
+        lam = float(m.lambda_)
+        if lam != 1.0:
+            raise ValueError(f"lambda_ = {lam:.4g}, not 1: the layer still blends in its full-precision weight "
+                             "(lambda-warmup unfinished), so it is not ternary; train until lambda reaches 1 "
+                             "(past lambda_warmup_steps) before packing")
+        if m.bias is not None:
+            raise ValueError("BitLinear has a bias; PackedBitLinear has none (the model uses bias=False)")
+        w_q, gamma = quant.weight_quant(m.weight.detach())  # int8 (N, K), fp32 0-d
+        return cls(m.in_features, m.out_features, quant.pack_ternary(w_q), gamma, use_triton)
+
+    def forward(self, x):  # x (..., K) any float dtype -> (..., N) in x.dtype
+        use_triton = x.is_cuda if self.use_triton is None else self.use_triton
+        if use_triton:
+            x_q, x_scale = tm.quantize_activations(x)  # bit-identical to quant.activation_quant
+            out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+            y = tm.ternary_matmul(x_q, x_scale, self.w_packed, self.w_scale, out_dtype=out_dtype)
+        else:
+            x_q, x_scale = quant.activation_quant(x)
+            y = tm.ternary_matmul_reference(x_q, x_scale, self.w_packed, self.w_scale)
+        return y.to(x.dtype)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed 2-bit, use_triton={self.use_triton}"
+
+
+def freeze_ternary(model, use_triton=None):
+    """Replace every BitLinear in model by a PackedBitLinear, in place, and return the model.
+
+    A QuantRMSNorm (a norm that fake-quantises its output for the BitLinears after it) becomes a plain
+    nn.RMSNorm with the same gain: PackedBitLinear quantises its own input, to the int8 codes the integer
+    product needs. Everything is checked before anything is replaced, so a refused model stays unchanged.
+    Raises ValueError for a model without BitLinear (quant=False) and for any lambda_ != 1.
+    """
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (quant.BitLinear, quant.QuantRMSNorm))]
+    if not any(isinstance(m, (quant.BitLinear, PackedBitLinear)) for m in model.modules()):
+        raise ValueError("the model has no BitLinear layers to pack: it is full precision (quant=False, e.g. a "
+                         "stage-1 checkpoint); use a ternary one (stage 2 or 3)")
+    new = {}
+    for name, m in targets:
+        try:
+            if isinstance(m, quant.BitLinear):
+                new[name] = PackedBitLinear.from_bitlinear(m, use_triton)
+            elif float(m.lambda_) != 1.0:
+                raise ValueError(f"lambda_ = {float(m.lambda_):.4g}, not 1: its output is not the int8 activation "
+                                 "yet (lambda-warmup unfinished); train until lambda reaches 1 before packing")
+            else:
+                new[name] = nn.RMSNorm(m.normalized_shape, eps=m.eps, device=m.weight.device, dtype=m.weight.dtype)
+                new[name].weight = m.weight
+        except ValueError as e:
+            raise ValueError(f"{name or type(model).__name__}: {e}") from None
+    if "" in new:  # the model is itself one BitLinear
+        return new[""]
+    for name, m in new.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, m)
+    return model
+
+
+def weight_bytes(model):
+    """Measured bytes: {"hidden": the hidden matrices as stored (packed codes, or BitLinear latent weights),
+    "hidden_numel": how many weights they hold, "other": every other state-dict tensor (embedding, head,
+    norms, scales), a tied tensor counted once}."""
+    hidden, numel, seen = 0, 0, set()
+    for m in model.modules():
+        t = m.w_packed if isinstance(m, PackedBitLinear) else m.weight if isinstance(m, quant.BitLinear) else None
+        if t is not None:
+            hidden += t.numel() * t.element_size()
+            numel += m.in_features * m.out_features
+            seen.add(t.data_ptr())
+    other = 0
+    for t in model.state_dict().values():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            other += t.numel() * t.element_size()
+    return {"hidden": hidden, "hidden_numel": numel, "other": other}
+
+
+def bytes_line(packed, latent=None):
+    """One line: packed hidden-matrix bytes vs bf16 and fp32, both weight_bytes dicts. latent, measured
+    before freeze_ternary, gives the trained size; without it (a packed export) fp32 is 4 bytes a weight."""
+    mb = lambda b: f"{b / 1e6:.2f} MB" if b >= 1e5 else f"{b / 1e3:.2f} kB"  # noqa: E731
+    numel, hidden = packed["hidden_numel"], packed["hidden"]
+    if latent is None:
+        before = f"{mb(4 * numel)} fp32 (from shapes)"
+    else:
+        kind = {4: "fp32", 2: "16-bit"}.get(latent["hidden"] / numel, "latent")
+        before = f"{mb(latent['hidden'])} {kind}"
+    return (f"hidden-matrix weights: {before} / {mb(2 * numel)} bf16 -> {mb(hidden)} packed "
+            f"(1/{2 * numel / hidden:.3g} of bf16); other weights (embedding, head, norms, scales): "
+            f"{mb(packed['other'])}")
+
+
+if __name__ == "__main__":
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig()).eval()
+    idx = torch.randint(0, 256, (1, 64))
+    with torch.no_grad():
+        ref = model(idx, idx)[0]
+    before = weight_bytes(model)
+    freeze_ternary(model)
+    after = weight_bytes(model)
+    with torch.no_grad():
+        out = model(idx, idx)[0]
+    print(bytes_line(after, before))
+    names = [n for n, _ in model.named_parameters()]
+    print(f"{len(names)} parameters left, none a hidden projection: {not any('proj' in n for n in names)}")
+    print(f"logits, packed vs fake-quantised BitLinear: max |diff| {(out - ref).abs().max().item():.2e}, "
+          f"median {(out - ref).abs().median().item():.2e} (logits up to {ref.abs().max().item():.2f}; "
+          "the large ones come from activations on a rounding tie)")

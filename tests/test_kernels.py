@@ -1,0 +1,181 @@
+"""
+Tests for kernels/ternary_matmul.py against independent torch computations and quant.py.
+
+Without a CUDA device the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1), so these tests
+are part of the normal suite everywhere and are never skipped. On a GPU they run compiled and autotuned.
+
+    python -m pytest tests/test_kernels.py
+"""
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    # triton.jit reads TRITON_INTERPRET when it decorates a kernel, i.e. when kernels.ternary_matmul
+    # is imported, not at launch. So set it before that import, and re-import the module if another
+    # test module already imported it without the flag. The variable stays set for the rest of the
+    # pytest process, which is what any other Triton code wants on a machine without a GPU.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import kernels.ternary_matmul as tm  # noqa: E402
+import quant  # noqa: E402
+
+if not ON_GPU and not tm.INTERPRETED:
+    tm = importlib.reload(tm)
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+def _case_data(M, K, N, seed):
+    """Fresh random int8 activations, ternary weights (packed by quant.pack_ternary) and scales."""
+    g = torch.Generator().manual_seed(seed)
+    x_q = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+    w_q = (torch.randint(0, 3, (N, K), generator=g) - 1).to(torch.int8)
+    x_scale = torch.rand(M, 1, generator=g) * 0.05 + 1e-3
+    w_scale = torch.rand((), generator=g) + 0.01
+    return x_q, w_q, x_scale, w_scale
+
+
+# M in {1, 3, 17, 64} x K in {4, 60, 100, 256}, N cycling through odd sizes; each in both configurations
+MK = [(M, K) for M in (1, 3, 17, 64) for K in (4, 60, 100, 256)]
+SHAPES = [(M, K, (1, 33, 37)[i % 3]) for i, (M, K) in enumerate(MK)]
+CONFIGS = ["decode", "prefill"]  # forced, so both code paths (split-K atomics, fused epilogue) run on CPU
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_ternary_matmul_integer_part_exact_and_scaled_within_1e6(M, K, N, config):
+    x_q, w_q, x_scale, w_scale = _case_data(M, K, N, seed=M * 100_003 + K * 101 + N * 2 + CONFIGS.index(config))
+    x_q, x_scale, w_scale = x_q.to(DEVICE), x_scale.to(DEVICE), w_scale.to(DEVICE)
+    w_packed = quant.pack_ternary(w_q).to(DEVICE)
+
+    # integer part: bitwise equal to x_q @ W_q^T in int64, from the codes before packing
+    acc_expected = (x_q.cpu().long() @ w_q.long().T).int()
+    acc_out = torch.full((M, N), 2**31 - 1, dtype=torch.int32, device=DEVICE)  # poison: unwritten stays huge
+    acc = tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, config=config, return_acc=True, out=acc_out)
+    assert acc is acc_out
+    assert torch.equal(acc.cpu(), acc_expected)
+    assert torch.equal(tm.ternary_matmul_reference(x_q, x_scale, w_packed, w_scale, return_acc=True).cpu(), acc_expected)
+
+    # fp32: elementwise |y - y_ref| <= 1e-6 |y_ref| (where y_ref == 0 this demands y == 0; NaN fails)
+    y_ref = tm.ternary_matmul_reference(x_q, x_scale, w_packed, w_scale)
+    y = tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, config=config,
+                          out=torch.full((M, N), float("nan"), device=DEVICE))
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert ((y - y_ref).abs() <= 1e-6 * y_ref.abs()).all()
+
+    # bf16 output: within one bf16 ulp (2**-7 relative) of the fp32 reference
+    y16 = tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.bfloat16, config=config,
+                            out=torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE))
+    assert y16.dtype == torch.bfloat16
+    assert ((y16.float() - y_ref).abs() <= 2**-7 * y_ref.abs()).all()
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_ternary_matmul_extreme_accumulator_and_leading_dims(config):
+    """All x_q = -128 against all-(+1) or all-(-1) rows: |acc| = 128 * K, the largest possible."""
+    K, N = 256, 2
+    x_q = torch.full((2, 1, K), -128, dtype=torch.int8, device=DEVICE)  # (B, T, K)
+    w_q = torch.stack([torch.ones(K), -torch.ones(K)]).to(torch.int8)  # (N, K)
+    x_scale = torch.full((2, 1, 1), 0.5, device=DEVICE)
+    gamma = torch.tensor(0.25, device=DEVICE)
+    acc = tm.ternary_matmul(x_q, x_scale, quant.pack_ternary(w_q).to(DEVICE), gamma, config=config, return_acc=True)
+    assert acc.shape == (2, 1, N)
+    assert acc[..., 0].eq(-128 * K).all() and acc[..., 1].eq(128 * K).all()
+
+
+def test_reference_unpack_matches_quant_unpack_ternary():
+    g = torch.Generator().manual_seed(7)
+    for K in (1, 4, 5, 99):
+        w_q = (torch.randint(0, 3, (6, K), generator=g) - 1).to(torch.int8)
+        packed = quant.pack_ternary(w_q)
+        assert torch.equal(tm.unpack_ternary_reference(packed, K), w_q)
+        assert torch.equal(quant.unpack_ternary(packed, K), w_q)
+
+
+def test_ternary_matmul_matches_bitlinear_forward():
+    """quantize_activations + packed matmul computes what the fake-quantised BitLinear computes."""
+    torch.manual_seed(0)
+    lin = quant.BitLinear(100, 37)
+    x = torch.randn(2, 3, 100)
+    w_q, gamma = quant.weight_quant(lin.weight.detach())
+    x_q, x_scale = tm.quantize_activations(x.to(DEVICE))
+    y = tm.ternary_matmul(x_q, x_scale, quant.pack_ternary(w_q).to(DEVICE), gamma.to(DEVICE))
+    with torch.no_grad():
+        y_fake = lin(x)
+    assert y.shape == (2, 3, 37)
+    torch.testing.assert_close(y.cpu(), y_fake, rtol=1e-5, atol=1e-5)
+
+
+def test_ternary_matmul_rejects_bad_inputs_with_clear_errors():
+    x_q = torch.zeros(2, 8, dtype=torch.int8, device=DEVICE)
+    w = torch.zeros(3, 2, dtype=torch.uint8, device=DEVICE)
+    xs, g = torch.ones(2, 1, device=DEVICE), torch.tensor(1.0, device=DEVICE)
+    with pytest.raises(TypeError, match="x_q: expected int8"):
+        tm.ternary_matmul(x_q.float(), xs, w, g)
+    with pytest.raises(ValueError, match="bytes per row"):
+        tm.ternary_matmul(x_q, xs, w[:, :1], g)
+    with pytest.raises(ValueError, match="x_scale"):
+        tm.ternary_matmul(x_q, xs[:1], w, g)
+    with pytest.raises(ValueError, match="w_scale"):
+        tm.ternary_matmul(x_q, xs, w, g.double())
+    with pytest.raises(ValueError, match="out_dtype"):
+        tm.ternary_matmul(x_q, xs, w, g, out_dtype=torch.float16)
+
+
+# -----------------------------------------------------------------------------
+# quantize_activations == quant.activation_quant, bit for bit
+
+
+def _assert_same_as_activation_quant(x, **kw):
+    x_q, x_scale = tm.quantize_activations(x.to(DEVICE), **kw)
+    ref_q, ref_scale = quant.activation_quant(x)
+    assert x_q.dtype == torch.int8 and x_scale.dtype == torch.float32
+    assert x_q.shape == ref_q.shape and x_scale.shape == ref_scale.shape
+    assert torch.equal(x_q.cpu(), ref_q)
+    assert torch.equal(x_scale.cpu(), ref_scale)
+    return x_q.cpu()
+
+
+def test_quantize_activations_rounds_half_to_even():
+    # absmax 127, 254, 31.75 give s = 1, 0.5, 4 exactly, so these products are exact ties
+    rows = torch.tensor([
+        [127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 0.49999997, -0.49999997, 126.5, -126.5, 3.5, -1.5],
+        [254.0, 1.0, 3.0, 5.0, -1.0, -5.0, 0.99999994, 7.0, 253.0, -253.0, 9.0, 0.0],
+        [31.75, 0.125, 0.375, 0.625, -0.125, -0.625, 0.12499999, 0.875, 31.625, -31.625, 0.0, 0.0],
+    ])
+    assert quant.activation_quant(rows)[1].flatten().tolist() == [1.0, 2.0, 0.25]  # 1/s: ties are real ties
+    x_q = _assert_same_as_activation_quant(rows)
+    assert x_q.tolist() == [
+        [127, 0, 2, 2, 0, -2, 0, 0, 126, -126, 4, -2],
+        [127, 0, 2, 2, 0, -2, 0, 4, 126, -126, 4, 0],
+        [127, 0, 2, 2, 0, -2, 0, 4, 126, -126, 0, 0],
+    ]
+
+
+def test_quantize_activations_matches_activation_quant():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 100, generator=g) * torch.logspace(-3, 3, 3).view(3, 1)  # (B, T, K), wide range
+    x[1, 2] = 0.0  # an all-zero row: absmax clamps to 1e-5
+    _assert_same_as_activation_quant(x)
+    # many exact ties: half-integers in a row whose absmax makes s = 1
+    ties = torch.randint(-254, 255, (4, 64), generator=g).float() / 2
+    ties[:, 0] = 127.0
+    _assert_same_as_activation_quant(ties)
+    _assert_same_as_activation_quant((torch.randn(5, 60, generator=g) * 4).bfloat16())  # bf16 in, fp32 math
+
+
+@pytest.mark.parametrize("block_k", [None, 128])  # one pass over a 512 block, and two loops of 128
+def test_quantize_activations_long_row(block_k):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 300, generator=g)
+    x[1, 257] = -9.0  # the absmax sits in the last block of the two-loop path
+    _assert_same_as_activation_quant(x, block_k=block_k)
