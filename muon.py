@@ -20,12 +20,21 @@ Formulas (momentum β = 0.95, (a, b, c) = (3.4445, -4.7750, 2.0315), all NS5 ari
     lr_adj = lr·sqrt(max(1, rows/cols))             "original" (Keller Jordan, the default)
     lr_adj = lr·0.2·sqrt(max(rows, cols))           "match_rms_adamw" (Moonlight: reuse AdamW's lr and wd)
 
-Test:  python -m pytest tests/test_muon.py        Demo:  python muon.py
+Distributed (process_group=, or FSDP2 DTensor parameters): NS5 is the expensive part, so each of the W ranks
+orthogonalises every W-th matrix (round-robin: matrix i belongs to rank i % W) and broadcasts the result to the
+others. Momentum, cheap and elementwise, runs on every rank for every matrix, so each rank's optimizer state is
+complete (DDP: replicated; FSDP2: each rank's shard) and the update equals the single-process one bit for bit.
+With FSDP2 the matrices are sharded by rows, and NS5 needs whole matrices: every rank all-gathers each momentum
+update (DTensor.full_tensor), the owner orthogonalises it, broadcasts it, and each rank applies its own rows.
+This moves 2x the bytes of an ideal gather-to-owner / scatter-back, and is the simplest correct form.
+
+Test:  python -m pytest tests/test_muon.py tests/test_scale.py        Demo:  python muon.py
 This file imports only torch and the standard library, so it can be copied into another project.
 """
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: maximal slope at zero, 5 steps suffice
@@ -86,10 +95,13 @@ class Muon(torch.optim.Optimizer):
     Muon for 2-D weight matrices. Defaults follow KellerJordan/Muon (lr 0.02, no weight decay); note that
     torch.optim.Muon defaults to lr 1e-3 and weight_decay 0.1. Any parameter that is not 2-D is refused.
     The momentum buffer is state[p]["momentum_buffer"], so state_dict() round-trips like any optimizer.
+    process_group: None = one process; a group (e.g. torch.distributed.group.WORLD) = the parameters are
+    replicated with identical gradients on its ranks (DDP), which share out NS5. DTensor (FSDP2) parameters
+    always use their mesh's group.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
-                 adjust_lr_fn=None, ns_dtype=torch.bfloat16):
+                 adjust_lr_fn=None, ns_dtype=torch.bfloat16, process_group=None):
         if lr < 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0.0 <= momentum < 1.0:
@@ -99,6 +111,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         self.ns_dtype = ns_dtype  # bf16 (paper); float32 on CPUs, where bf16 matmuls are slow
+        self.process_group = process_group
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -115,19 +128,41 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group({**param_group, "params": params})
 
     def _orthogonalized_update(self, p, group):
-        """
-        Momentum then NS5 for one parameter: the unit of work of Muon. A distributed version would give each
-        rank a share of the parameters for this call (momentum state living on that rank) and all-gather the
-        results; nothing else in step() needs to change.
-        """
+        """Momentum then NS5 for one parameter: the unit of work of Muon."""
+        return zeropower_via_newtonschulz5(self._momentum_update(p, group), steps=group["ns_steps"],
+                                           dtype=self.ns_dtype)
+
+    def _momentum_update(self, p, group):
         g = p.grad
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
         buf.lerp_(g, 1 - group["momentum"])  # buf = β·buf + (1-β)·g
-        update = g.lerp(buf, group["momentum"]) if group["nesterov"] else buf  # (1-β)·g + β·buf
-        return zeropower_via_newtonschulz5(update, steps=group["ns_steps"], dtype=self.ns_dtype)
+        return g.lerp(buf, group["momentum"]) if group["nesterov"] else buf  # (1-β)·g + β·buf
+
+    def _distributed_step(self, params, group, pg):
+        """Round-robin NS5 over the ranks of pg, see the module docstring. Every rank must call it."""
+        rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+        outs, works = [], []
+        for i, p in enumerate(params):
+            update = self._momentum_update(p, group)
+            if hasattr(update, "full_tensor"):  # an FSDP2 shard: all-gather the whole matrix
+                update = update.full_tensor()
+            if i % world == rank:
+                # contiguous: a tall matrix comes back as a transposed view, and broadcast sends raw storage
+                o = zeropower_via_newtonschulz5(update, steps=group["ns_steps"], dtype=self.ns_dtype).contiguous()
+            else:
+                o = torch.empty(update.shape, dtype=self.ns_dtype, device=update.device)
+            works.append(dist.broadcast(o, src=dist.get_global_rank(pg, i % world), group=pg, async_op=True))
+            outs.append(o)
+        for p, o, work in zip(params, outs, works):
+            work.wait()
+            if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no communication)
+                from torch.distributed.tensor import distribute_tensor
+                o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -137,9 +172,13 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             lr = group["lr"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            meshes = [p.device_mesh for p in params if hasattr(p, "device_mesh")]
+            pg = meshes[0].get_group() if meshes else self.process_group
+            if pg is not None and dist.get_world_size(pg) > 1:
+                self._distributed_step(params, group, pg)
+                continue
+            for p in params:
                 update = self._orthogonalized_update(p, group)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-adjusted_lr(lr, p.shape, group["adjust_lr_fn"]))
@@ -179,12 +218,12 @@ class MuonWithAdamW:
 
     def __init__(self, muon_params, adamw_params, muon_lr=0.02, adamw_lr=3e-4, muon_weight_decay=0.0,
                  adamw_weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn=None,
-                 adamw_betas=(0.9, 0.95), adamw_eps=1e-8, fused=None, ns_dtype=torch.bfloat16):
+                 adamw_betas=(0.9, 0.95), adamw_eps=1e-8, fused=None, ns_dtype=torch.bfloat16, process_group=None):
         adamw_params = list(adamw_params)
         # Groups are passed as dicts so that an empty list (e.g. a model with no hidden matrix) is allowed.
         self.muon = Muon([{"params": list(muon_params)}], lr=muon_lr, momentum=momentum, nesterov=nesterov,
                          weight_decay=muon_weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                         ns_dtype=ns_dtype)
+                         ns_dtype=ns_dtype, process_group=process_group)
         self.adamw = torch.optim.AdamW(
             [{"params": [p for p in adamw_params if p.ndim >= 2], "weight_decay": adamw_weight_decay},
              {"params": [p for p in adamw_params if p.ndim < 2], "weight_decay": 0.0}],
@@ -195,6 +234,11 @@ class MuonWithAdamW:
     @property
     def param_groups(self):
         return self.muon.param_groups + self.adamw.param_groups
+
+    @property
+    def state(self):
+        """parameter -> its state dict, as torch.optim.Optimizer.state (the inner dicts are the live ones)."""
+        return {**self.muon.state, **self.adamw.state}
 
     def step(self, closure=None):
         loss = None

@@ -30,6 +30,10 @@ Non-finite g (NaN/inf): gradients are left untouched and mu/var are not updated;
 expected to skip that optimizer step. A non-finite norm collected during warmup is left out of the
 initial mean/variance.
 
+Distributed: under DDP every rank holds the whole all-reduced gradients, so the local norm is the global one.
+Under FSDP2 the gradients are DTensors sharded by rows: clip() works on the local shards, and g is
+sqrt(all_reduce_sum(||local shards||^2)) over the mesh's process group, the same g on every rank.
+
 No host synchronisation: mu and var are 0-d fp32 tensors on the gradients' device, every decision is a
 torch.where, and the gradients are always multiplied by one 0-d factor in a single _foreach_mul_. When
 nothing is clipped the factor is exactly 1.0, and x * 1.0 == x bitwise in IEEE arithmetic, so the
@@ -101,11 +105,29 @@ class ZClip:
                                                   for t in (self.mean, self.var, self.warmup_norms))
         return self
 
-    def _total_norm(self, grads):
-        # Seam for FSDP/sharded grads: a subclass all-reduces the sum of local squared norms, then sqrt.
-        # Assumes all grads share one device (the state lives there).
+    def _total_norm(self, grads, group=None):
+        # Assumes all grads share one device (the state lives there). group: the process group over which
+        # the grads are sharded (FSDP2); the global norm is then the root of the summed squared shard norms.
         norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # one fused kernel, fp32 accumulation
-        return torch.linalg.vector_norm(torch.stack(norms))
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        if group is None:
+            return total
+        sq = total.square()
+        torch.distributed.all_reduce(sq, group=group)
+        return sq.sqrt()
+
+    @staticmethod
+    def _local_shards(grads):
+        """(tensors to clip in place, process group or None): FSDP2 DTensor grads -> their local shards."""
+        sharded = [g for g in grads if hasattr(g, "to_local")]
+        if not sharded:
+            return grads, None
+        mesh = sharded[0].device_mesh
+        if len(sharded) != len(grads) or mesh.ndim != 1 or not all(
+                pl.is_shard() for g in sharded for pl in g.placements) or any(g.device_mesh != mesh for g in sharded):
+            raise ValueError("ZClip: expected all gradients sharded (Shard placements) on one 1-D device mesh, "
+                             "as FSDP2's fully_shard makes them")
+        return [g.to_local() for g in grads], mesh.get_group()
 
     def _init_stats(self):
         x = self.warmup_norms
@@ -125,9 +147,10 @@ class ZClip:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             raise ValueError("ZClip.clip: no parameter has a .grad; call it after loss.backward()")
+        grads, group = self._local_shards(grads)  # in-place ops on a shard change the DTensor gradient
         if self.mean.device != grads[0].device:
             self.to(grads[0].device)  # e.g. after load_state_dict of a CPU checkpoint
-        g = self._total_norm(grads)  # ()
+        g = self._total_norm(grads, group)  # ()
         finite = torch.isfinite(g)
         decide = self.initialized  # depends on the call count only, never on data
         if not decide:

@@ -1,0 +1,196 @@
+"""
+The run's configuration and its per-step schedules: one dataclass of defaults, presets as small dicts of
+overrides, a --key=value parser checked against the field types, and the LR and lambda schedules.
+
+  defaults (TrainConfig) -> device preset (cpu | cuda) -> stage preset (1 | 2 | 3) -> command line
+
+Schedules (REFERENCE section 7): warmup-cosine (nanoGPT) or WSD, warmup-stable-decay (MiniCPM, arXiv 2404.06395),
+linear warmup, constant, then a linear decay to min_lr over the last decay_frac of the steps; lambda-warmup
+(REFERENCE section 1) lambda = min(step / lambda_warmup_steps, 1).
+
+Used by train.py; test: python -m pytest tests/test_train.py
+"""
+
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainConfig:
+    stage: int = 2               # 1 = fp pre-training, 2 = ternary continued pre-training, 3 = distillation
+    device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset below
+    out_dir: str = "out"         # checkpoints and metrics go to <out_dir>/stage<N>/
+    resume: bool = False         # continue from <out_dir>/stage<N>/ckpt.pt
+    run_name: str = ""           # output subdirectory of out_dir; "" = stage<N>
+    init_from: str = "auto"      # auto: stage 2 <- stage-1 ckpt if present, else scratch; stage 3 <- stage-2 ckpt;
+                                 # or a path (stage 1: an fp checkpoint, SubLN is inserted if it has none); or "scratch"
+    seed: int = 1337
+    # data
+    tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
+    data: str = ""               # shard dir, or "dirA:0.7,dirB:0.3" to mix; "" = the shipped corpus
+    # model
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 256
+    subln: bool = True
+    doc_mask: bool = False       # attend within documents only (REFERENCE section 6)
+    pad_vocab: bool = False      # round the vocabulary up to a multiple of 64 (faster matmuls on GPU)
+    # batch and length
+    batch_size: int = 16         # sequences per micro-batch
+    grad_accum: int = 1          # micro-batches per optimizer step
+    max_iters: int = 600
+    eval_interval: int = 200
+    eval_iters: int = 20
+    log_interval: int = 1
+    # optimizer and schedules
+    optimizer: str = "muon"      # muon (Muon for hidden matrices, AdamW for the rest) or adamw (AdamW for all)
+    lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw)
+    muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
+    muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
+    min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
+    schedule: str = "wsd"        # cosine (nanoGPT) or wsd (warmup-stable-decay, MiniCPM)
+    warmup_iters: int = 50
+    decay_frac: float = 0.2      # wsd: decay over the last 20% of steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    zclip: bool = True           # ZClip adaptive clipping (REFERENCE section 4); False = clip_grad_norm_ at grad_clip
+    zclip_z_thresh: float = 2.5
+    grad_clip: float = 1.0       # fixed max grad norm when zclip=False; 0 = no clipping at all
+    two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight decay -> 0
+    two_phase_lr_drop: float = 0.5
+    lambda_warmup_steps: int = 200  # stage 2: lambda goes 0 -> 1 linearly over this many steps
+    # stage 3: BitDistill (distill.py), L = CE + lambda * logits KD + gamma * attention-relation KD (+ delta * hidden)
+    teacher: str = ""            # teacher checkpoint; "" = <out_dir>/stage1/ckpt.pt
+    distill_preset: str = "summarization"  # lambda 1, gamma 1e3; classification: lambda 10, gamma 1e5
+    distill_lambda: float = -1.0  # logits-KD weight; -1 = the preset's
+    distill_gamma: float = -1.0  # attention-relation weight; -1 = the preset's
+    distill_tau: float = 5.0     # logits-KD temperature
+    distill_layer: int = -1      # layer whose Q/K/V relations are distilled; negative counts from the end
+    distill_relation_heads: int = 4  # A_r; the paper's 32 needs H*d >= 32*d_r, too many for a 128-wide model
+    distill_hidden: float = 0.0  # delta: weight of hidden-state distillation (0 = off)
+    # system
+    compile: str = "auto"        # auto = on for cuda only
+    dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu
+    # scale-out and fault tolerance
+    fsdp: bool = False           # under torchrun: FSDP2 shards params, grads and optimizer state (else DDP)
+    checkpoint_interval: int = 0  # also checkpoint every N steps; 0 = at evals and at the end only
+    keep_last: int = 1           # numbered checkpoints ckpt_<step>.pt kept; ckpt.pt always names the newest
+    max_bad_steps: int = 10      # this many non-finite steps in a row: save and stop
+    # fault-injection hooks for tests/test_fault.py; never saved in a checkpoint, so a resume does not inherit them
+    fault_nan_steps: str = ""    # e.g. "3,5": multiply the loss of these steps (numbered as logged, from 1) by NaN
+    fault_hang_at: int = -1      # after writing the checkpoint of this step, sleep until killed
+    fault_slow_write: float = 0.0  # sleep this many seconds after each write() of a checkpoint file
+
+
+# Presets are plain overrides, applied in this order: defaults, device preset, stage preset, command line.
+DEVICE_PRESETS = {
+    "cpu": dict(),  # the defaults above are the CPU quick start
+    "cuda": dict(tokenizer="gpt2", n_layer=12, n_head=12, n_embd=768, block_size=1024, pad_vocab=True,
+                 batch_size=16, grad_accum=4, max_iters=5000, eval_interval=500, eval_iters=50,
+                 log_interval=10, warmup_iters=200, lambda_warmup_steps=1000, lr=1.5e-3),
+}
+STAGE_PRESETS = {
+    1: dict(schedule="cosine"),
+    2: dict(schedule="wsd"),
+    3: dict(schedule="cosine"),
+}
+
+
+def die(msg, code=1):
+    rank = int(os.environ.get("RANK", 0))  # under torchrun every rank may fail; say which one this is
+    print(f"error: {msg}" if rank == 0 else f"error: [rank {rank}] {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def parse_args(argv):
+    """--key=value pairs, each checked against TrainConfig's field types."""
+    fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for arg in argv:
+        key, eq, val = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or not eq or key not in fields:
+            die(f"unknown or malformed argument {arg!r}; use --key=value with key one of: {', '.join(fields)}", 2)
+        typ = fields[key]
+        try:
+            if typ is bool:
+                if val.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                out[key] = val.lower() in ("true", "1")
+            else:
+                out[key] = typ(val)
+        except ValueError:
+            die(f"--{key}={val}: expected {typ.__name__}; valid keys: {', '.join(fields)}", 2)
+    return out
+
+
+def build_config(overrides, base=None):
+    """Defaults + device preset + stage preset + overrides; or, on resume, the saved config + overrides."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = {k: v for k, v in (base or {}).items() if k in known and not k.startswith("fault_")}
+    if not base:
+        device = overrides.get("device", "auto")
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        stage = overrides.get("stage", TrainConfig.stage)
+        if stage not in STAGE_PRESETS:
+            die(f"--stage={stage}: expected one of {sorted(STAGE_PRESETS)}", 2)
+        cfg.update(DEVICE_PRESETS.get(device.split(":")[0], {}))
+        cfg.update(STAGE_PRESETS[stage])
+        cfg["device"] = device
+    cfg.update(overrides)
+    cfg = TrainConfig(**cfg)
+    if cfg.schedule not in ("cosine", "wsd"):
+        die(f"--schedule={cfg.schedule}: expected cosine or wsd", 2)
+    if cfg.optimizer not in ("muon", "adamw"):
+        die(f"--optimizer={cfg.optimizer}: expected muon or adamw", 2)
+    if cfg.muon_adjust_lr not in ("original", "match_rms_adamw"):
+        die(f"--muon_adjust_lr={cfg.muon_adjust_lr}: expected original or match_rms_adamw", 2)
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"n_embd={cfg.n_embd} must split into n_head={cfg.n_head} heads of even size", 2)
+    for key, low in (("batch_size", 1), ("grad_accum", 1), ("keep_last", 1), ("max_bad_steps", 1),
+                     ("checkpoint_interval", 0), ("eval_interval", 1), ("eval_iters", 1), ("log_interval", 1)):
+        if getattr(cfg, key) < low:
+            die(f"--{key}={getattr(cfg, key)}: expected an integer >= {low}", 2)
+    nan_steps(cfg)  # refuses a malformed list now, not at step 1
+    return cfg
+
+
+def nan_steps(cfg):
+    try:
+        return {int(s) for s in cfg.fault_nan_steps.split(",") if s.strip()}
+    except ValueError:
+        die(f"--fault_nan_steps={cfg.fault_nan_steps}: expected comma-separated step numbers, e.g. 3,5", 2)
+
+
+def lr_mult(step, cfg):
+    """Multiplier on every group's peak lr: warmup-cosine (nanoGPT) or warmup-stable-decay (MiniCPM),
+    times two_phase_lr_drop in the second half with --two_phase=True (BitNet b1.58 FAQ)."""
+    drop = cfg.two_phase_lr_drop if cfg.two_phase and step >= cfg.max_iters // 2 else 1.0
+    return drop * _schedule(step, cfg)
+
+
+def _schedule(step, cfg):
+    if step < cfg.warmup_iters:
+        return (step + 1) / (cfg.warmup_iters + 1)
+    if cfg.schedule == "cosine":
+        progress = min((step - cfg.warmup_iters) / max(cfg.max_iters - cfg.warmup_iters, 1), 1.0)
+        return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_start = int(cfg.max_iters * (1 - cfg.decay_frac))
+    if step < decay_start:
+        return 1.0
+    progress = min((step - decay_start) / max(cfg.max_iters - decay_start, 1), 1.0)
+    return 1.0 - (1 - cfg.min_lr_frac) * progress  # linear decay to min_lr
+
+
+def lambda_at(step, cfg):
+    """REFERENCE section 1: lambda = min(step / warmup_steps, 1); 0 = full precision, 1 = ternary.
+    Stage 3 starts from an already ternary student, so lambda is 1 throughout."""
+    if cfg.stage >= 3 or cfg.lambda_warmup_steps <= 0:
+        return 1.0
+    return min(step / cfg.lambda_warmup_steps, 1.0)

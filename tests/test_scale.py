@@ -1,0 +1,197 @@
+"""Scale-out tests on CPU: train.py under torchrun with 2 gloo processes (DDP and FSDP2) against 1 process,
+checkpoints written by 2 ranks resumed on 1, and distributed Muon and sharded ZClip against their
+single-process forms.
+
+Every process runs with OMP_NUM_THREADS=1 (torchrun sets it too): on 2 shared cores, 2 OpenMP threads per
+process make these tiny steps ~100x slower.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import train  # noqa: E402
+from muon import Muon  # noqa: E402
+from zclip import ZClip  # noqa: E402
+
+TINY = ["--stage=2", "--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--eval_iters=2",
+        "--warmup_iters=2", "--lambda_warmup_steps=4", "--device=cpu", "--max_iters=6", "--eval_interval=6",
+        "--checkpoint_interval=3", "--keep_last=2", "--batch_size=4", "--grad_accum=2"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def run(out, *args, nproc=1):
+    launch = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    p = subprocess.run([*launch, os.path.join(ROOT, "train.py"), f"--out_dir={out}", *args], capture_output=True,
+                       text=True, cwd=ROOT, env=ENV, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p
+
+
+def losses(out):
+    """Loss of each step as logged (the last record wins: a resumed run logs its steps again)."""
+    recs = [json.loads(line) for line in open(os.path.join(out, "stage2", "metrics.jsonl"))]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same flags, --batch_size=4 --grad_accum=2 (a global batch of 8 sequences), on 1 process (2 micro-
+    batches of 4 per step) and on 2 ranks (1 micro-batch of 4 each: half the per-rank batch), DDP and FSDP2.
+    Then the step-3 checkpoint of each 2-rank run is resumed to step 6 on 1 process."""
+    base = tmp_path_factory.mktemp("scale")
+    out = {name: str(base / name) for name in ("one", "ddp", "fsdp")}
+    run(out["one"], *TINY)
+    procs = {k: run(out[k], *TINY, f"--fsdp={k == 'fsdp'}", nproc=2) for k in ("ddp", "fsdp")}
+    for k in ("ddp", "fsdp"):
+        d = base / f"{k}_resumed1" / "stage2"
+        d.mkdir(parents=True)
+        shutil.copy(os.path.join(out[k], "stage2", "ckpt_000003.pt"), d / "ckpt.pt")
+        out[f"{k}_resumed1"] = str(base / f"{k}_resumed1")
+        procs[f"{k}_resumed1"] = run(out[f"{k}_resumed1"], "--stage=2", "--resume=True")
+    return out, procs
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_ranks_with_half_the_batch_match_one_rank(runs, mode):
+    out, procs = runs
+    one, two = losses(out["one"]), losses(out[mode])
+    assert sorted(one) == sorted(two) == [1, 2, 3, 4, 5, 6]
+    for s in one:
+        assert two[s] == pytest.approx(one[s], rel=1e-5, abs=0), (s, one[s], two[s])
+    assert one[6] < one[1] - 0.1  # it trained: a run that updates nothing would also "match"
+    val = [[r["val_loss"] for r in map(json.loads, open(os.path.join(o, "stage2", "metrics.jsonl"))) if "val_loss" in r]
+           for o in (out["one"], out[mode])]
+    assert val[1][0] == pytest.approx(val[0][0], rel=1e-5, abs=0)  # the ranks split the same val rows
+    assert ("FSDP2" if mode == "fsdp" else "DDP") in procs[mode].stdout
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_only_rank_0_logs_and_checkpoints_are_whole_and_unprefixed(runs, mode):
+    out, procs = runs
+    steps = [json.loads(line)["step"] for line in open(os.path.join(out[mode], "stage2", "metrics.jsonl"))]
+    assert steps == [1, 2, 3, 4, 5, 6, 6]  # one record per step and the final val loss: one writer
+    assert procs[mode].stdout.count("step 1 |") == 1
+    d = os.path.join(out[mode], "stage2")
+    assert sorted(os.listdir(d)) == ["ckpt.pt", "ckpt_000003.pt", "ckpt_000006.pt", "metrics.jsonl"]
+    ck = torch.load(os.path.join(d, "ckpt.pt"), weights_only=True)
+    assert ck["step"] == 6 and not any(k.startswith(("module.", "_orig_mod.")) for k in ck["model"])
+    ref = torch.load(os.path.join(out["one"], "stage2", "ckpt.pt"), weights_only=True)
+    for k, v in ref["model"].items():  # whole tensors of the full shapes, not one rank's shard
+        assert ck["model"][k].shape == v.shape, k
+    for a, b in zip(ck["optimizer"]["muon"]["state"].values(), ref["optimizer"]["muon"]["state"].values()):
+        assert a["momentum_buffer"].shape == b["momentum_buffer"].shape
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_checkpoint_written_by_two_ranks_resumes_on_one(runs, mode):
+    out, procs = runs
+    assert "at step 3" in procs[f"{mode}_resumed1"].stdout and "world=1" in procs[f"{mode}_resumed1"].stdout
+    resumed, two = losses(out[f"{mode}_resumed1"]), losses(out[mode])
+    assert sorted(resumed) == [4, 5, 6]
+    for s in resumed:  # 1 process does the 2 micro-batches that the 2 ranks did
+        assert resumed[s] == pytest.approx(two[s], rel=1e-5, abs=0), (s, resumed[s], two[s])
+
+
+def test_grad_accum_that_does_not_divide_the_world_size_is_refused(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; the check runs before any process group
+    with pytest.raises(SystemExit) as e:
+        train.main(["--grad_accum=3", f"--out_dir={tmp_path}", "--device=cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0].startswith("error: --grad_accum=3") and "multiple of 2" in err[0]
+
+# -----------------------------------------------------------------------------
+# distributed Muon and sharded ZClip, 2 spawned gloo processes against the single-process result
+
+SHAPES = [(64, 32), (32, 64), (7, 129), (129, 7), (48, 48)]  # tall ones come back from NS5 transposed
+
+
+def _grads(steps):
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randn(*s, generator=g) for s in SHAPES] for _ in range(steps)]
+
+
+def _muon_run(make_param, grad_of, read, steps=3, **kw):
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(make_param(torch.randn(*s))) for s in SHAPES]
+    opt = Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, **kw)
+    for gs in _grads(steps):
+        for p, g in zip(ps, gs):
+            p.grad = grad_of(g.clone())
+        opt.step()
+    return [read(p) for p in ps], [read(opt.state[p]["momentum_buffer"]) for p in ps]
+
+
+def _zclip_run(sharded, mesh=None):
+    """ZClip (warmup 3) on 5 steps of gradients, the last a 50x spike; returns the stats and clipped grads."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    z, out = ZClip(warmup_steps=3), []
+    for k, gs in enumerate(_grads(5)):
+        gs = [g * (50.0 if k == 4 else 1.0) for g in gs]
+        ps = [torch.nn.Parameter(torch.zeros(g.shape)) for g in gs]
+        for p, g in zip(ps, gs):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)]) if sharded else g.clone()
+        st = z.clip(ps)
+        out.append(({k: float(v) for k, v in st.items()},
+                    [p.grad.full_tensor() if sharded else p.grad for p in ps]))
+    return out
+
+
+def _worker(rank, world, store, result_dir):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    res = {"single": _muon_run(lambda t: t, lambda g: g, lambda t: t.detach()),  # same process, same threads
+           "replicated": _muon_run(lambda t: t, lambda g: g, lambda t: t.detach(), process_group=dist.group.WORLD),
+           "fsdp": _muon_run(lambda t: distribute_tensor(t, mesh, [Shard(0)]),
+                             lambda g: distribute_tensor(g, mesh, [Shard(0)]), lambda t: t.full_tensor().detach()),
+           "zclip": _zclip_run(True, mesh)}
+    torch.save(res, os.path.join(result_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spawn")
+    mp.spawn(_worker, args=(2, str(d / "store"), str(d)), nprocs=2)
+    return [torch.load(d / f"rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
+def test_distributed_muon_equals_single_process_muon_bitwise(spawned, mode):
+    """Each rank orthogonalises every other matrix and broadcasts it (replicated = DDP); with FSDP2 DTensor
+    shards the update is all-gathered first. After 3 steps, weights and momentum equal one process's (run in
+    the same worker: fp32 matmuls may differ in the last bit between thread counts)."""
+    for rank in range(2):
+        ps, ms = spawned[rank][mode]
+        ref_p, ref_m = spawned[rank]["single"]
+        for s, a, b in zip(SHAPES, ps, ref_p):
+            assert torch.equal(a, b), (mode, rank, s, (a - b).abs().max())
+        for a, b in zip(ms, ref_m):
+            assert torch.equal(a, b)
+    torch.manual_seed(0)
+    assert (ref_p[0] - torch.randn(*SHAPES[0])).abs().max() > 1e-3  # the steps moved the weights
+
+
+def test_zclip_on_fsdp_shards_uses_the_global_norm(spawned):
+    ref = _zclip_run(False)
+    for rank in range(2):
+        for (st, grads), (ref_st, ref_grads) in zip(spawned[rank]["zclip"], ref):
+            assert st["raw_norm"] == pytest.approx(ref_st["raw_norm"], rel=1e-6)
+            assert st["was_clipped"] == ref_st["was_clipped"]
+            for a, b in zip(grads, ref_grads):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    assert ref[-1][0]["was_clipped"] == 1.0 and ref[-1][0]["clipped_norm"] < ref[-1][0]["raw_norm"] / 10
