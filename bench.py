@@ -7,6 +7,7 @@ Benchmarks. Every speed number in README comes from one of these commands.
   python bench.py --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the hidden matrices of the CPU model
   python bench.py --train    full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT, eager and
                              compiled, with the QAT/dense ratio, Muon's share and MFU (GPU); CPU or CUDA preset
+  python bench.py --profile  where the CPU step time goes (torch.profiler), ours fp vs the nanoGPT baseline
 
 Kernel timing: triton.testing.do_bench (median of many runs), with the weights rotated through enough
 copies to exceed L2, so each call streams its weights from HBM as a real decode step does. Bandwidth is
@@ -163,6 +164,28 @@ def bench_train(steps=10, warmup=3):
           f"ours fp / nanoGPT step time {r['dense'] / r['nanogpt']:.3f}")
 
 
+def bench_profile():
+    """Where the CPU step time goes: torch.profiler over 2 forward+backward passes, ours fp vs nanoGPT."""
+    import train
+    from model import GPT
+    from torch.profiler import ProfilerActivity, profile
+    cfg = train.build_config({"device": "cpu", "stage": 1})
+    B, T = cfg.batch_size, cfg.block_size
+    x, y = torch.randint(0, 257, (B, T)), torch.randint(0, 257, (B, T))
+    for name, model in (("ours fp", GPT(train.model_config(cfg, 257, 256))),
+                        ("nanoGPT", NanoGPT(257, T, cfg.n_layer, cfg.n_head, cfg.n_embd))):
+        for _ in range(2):
+            model(x, y)[1].backward()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(2):
+                model(x, y)[1].backward()
+        events = prof.key_averages(group_by_input_shape=True)
+        total = sum(e.self_cpu_time_total for e in events)
+        print(f"{name}: {total / 1e3:.0f} ms of CPU time for 2 forward+backward passes; top ops:")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]:
+            print(f"  {e.key:45s} x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.0f} ms  {e.input_shapes}")
+
+
 def bench_kernels():
     if not torch.cuda.is_available():
         print("bench.py: no CUDA device here; the kernel benchmark needs a GPU (the kernels are tested on CPU "
@@ -225,8 +248,10 @@ if __name__ == "__main__":
         bench_muon()
     elif args == ["--train"]:
         bench_train()
+    elif args == ["--profile"]:
+        bench_profile()
     elif not args:
         bench_kernels()
     else:
-        print(f"bench.py: unknown arguments {args}; use no argument, --data, --muon or --train", file=sys.stderr)
+        print(f"bench.py: unknown arguments {args}; use no argument, --data, --muon, --train or --profile", file=sys.stderr)
         sys.exit(2)

@@ -8,16 +8,21 @@ Schedules (REFERENCE section 7): warmup-cosine (nanoGPT) or WSD, warmup-stable-d
 linear warmup, constant, then a linear decay to min_lr over the last decay_frac of the steps; lambda-warmup
 (REFERENCE section 1) lambda = min(step / lambda_warmup_steps, 1).
 
+Also: where the data comes from (resolve_data) and the model shape (model_config).
 Used by train.py; test: python -m pytest tests/test_train.py
 """
 
 import dataclasses
+import json
 import math
 import os
 import sys
 from dataclasses import dataclass
 
 import torch
+
+import data
+from model import GPTConfig
 
 
 @dataclass
@@ -194,3 +199,33 @@ def lambda_at(step, cfg):
     if cfg.stage >= 3 or cfg.lambda_warmup_steps <= 0:
         return 1.0
     return min(step / cfg.lambda_warmup_steps, 1.0)
+
+
+def resolve_data(cfg):
+    """The shard directories and mixing weights; prepares the shipped corpus the first time."""
+    if not cfg.data:
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"shakespeare_{cfg.tokenizer}")
+        if not os.path.exists(os.path.join(root, "meta.json")):
+            print(f"no shards in {root}; tokenising the shipped corpus (once)")
+            data.prepare(tokenizer=cfg.tokenizer, out_dir=root)
+        return {root: 1.0}
+    sources = {}
+    for item in cfg.data.split(","):
+        path, _, w = item.partition(":")
+        sources[path] = float(w) if w else 1.0
+    for path in sources:
+        meta_path = os.path.join(path, "meta.json")
+        if not os.path.exists(meta_path):
+            die(f"{path}: no meta.json; make shards with: python data.py --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
+        meta = json.load(open(meta_path))
+        if meta["tokenizer"] != cfg.tokenizer:
+            die(f"{path} was tokenised with {meta['tokenizer']}, but --tokenizer={cfg.tokenizer}; "
+                f"pass --tokenizer={meta['tokenizer']} or re-run data.py")
+    return sources
+
+
+def model_config(cfg, vocab_size, eot):
+    if cfg.pad_vocab:
+        vocab_size = 64 * math.ceil(vocab_size / 64)
+    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask, eot=eot)

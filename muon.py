@@ -47,7 +47,7 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
     exactly 1: the result is U S' Vᵀ with S' roughly in [0.5, 1.5], which trains as well as U Vᵀ.
     G may be a batch of matrices (..., rows, cols); each matrix is processed independently.
     Returns a bf16 tensor of G's shape; callers cast or let `p.add_` promote it.
-    dtype: bf16 as in the paper (fast on GPU tensor cores); float32 is ~25x faster on CPUs without bf16
+    dtype: bf16 as in the paper (fast on GPU tensor cores); float32 is ~18x faster on CPUs without bf16
     matrix units (`python bench.py --muon`), and at least as accurate.
     """
     if G.ndim < 2:

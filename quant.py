@@ -23,6 +23,18 @@ Packed storage (REFERENCE section 8): code = W_q + 1 in {0, 1, 2} (0b00 = -1, 0b
 codes per uint8 along K, element k % 4 == j in bits 2j..2j+1, K padded to a multiple of 4 with 0b01.
 That is 2 bits per weight: 1/8 of the bytes of bf16.
 
+Where the quantisation cost goes, and how it is kept small:
+  - Activation quantisation is a row reduction (absmax) plus elementwise work on every BitLinear input.
+    In our model each BitLinear reads a norm's output (pre-norms feed q/k/v and gate/up, SubLN feeds o_proj and
+    down_proj), so QuantRMSNorm quantises once for all its readers (1 pass instead of 3 for q/k/v), and under
+    torch.compile the norm, absmax and rounding become one fused kernel. BitLinear(quantize_input=False) then
+    skips its own quantiser.
+  - Weight quantisation is a whole-matrix reduction (absmean) and a rounding pass per matrix. It depends only
+    on the weights, which change once per optimizer step, so with gradient accumulation cache_weight_quant
+    computes stopgrad(Q(w) - w) once per step and every micro-batch reuses it (same values, same gradients);
+    clear_weight_quant drops the cache before the weights change.
+  - lambda is a tensor, never a Python float: no recompilation as it warms up, and no host sync to read it.
+
 Run the demo:  python quant.py          Test:  python -m pytest tests/test_quant.py
 """
 

@@ -49,7 +49,7 @@ from zclip import ZClip
 
 
 from config import (DEVICE_PRESETS, STAGE_PRESETS, TrainConfig, build_config, die, lambda_at, lr_mult,  # noqa: F401
-                    nan_steps, parse_args)
+                    model_config, nan_steps, parse_args, resolve_data)
 
 
 def configure_optimizer(model, cfg, device_type, process_group=None):
@@ -57,7 +57,7 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
     adamw: AdamW for all, weight decay on matrices only. Every group records its initial lr and wd.
     process_group (DDP): the ranks that share out Muon's Newton-Schulz work (FSDP2 params bring their own)."""
     fused = device_type == "cuda" and not cfg.fsdp  # fused AdamW over DTensor shards: not tried, so not used
-    if cfg.optimizer == "muon":  # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 matmuls are ~25x slower
+    if cfg.optimizer == "muon":  # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower (bench.py --muon)
         opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr, muon_weight_decay=cfg.weight_decay,
                              adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
                              adamw_betas=(cfg.beta1, cfg.beta2), fused=fused, process_group=process_group,
@@ -96,36 +96,6 @@ def optimizer_step(optimizer, device_type, timed):
     muon_ms = 1000 * (time.perf_counter() - t)
     optimizer.adamw.step()
     return muon_ms
-
-
-def resolve_data(cfg):
-    """The shard directories and mixing weights; prepares the shipped corpus the first time."""
-    if not cfg.data:
-        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"shakespeare_{cfg.tokenizer}")
-        if not os.path.exists(os.path.join(root, "meta.json")):
-            print(f"no shards in {root}; tokenising the shipped corpus (once)")
-            data.prepare(tokenizer=cfg.tokenizer, out_dir=root)
-        return {root: 1.0}
-    sources = {}
-    for item in cfg.data.split(","):
-        path, _, w = item.partition(":")
-        sources[path] = float(w) if w else 1.0
-    for path in sources:
-        meta_path = os.path.join(path, "meta.json")
-        if not os.path.exists(meta_path):
-            die(f"{path}: no meta.json; make shards with: python data.py --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
-        meta = json.load(open(meta_path))
-        if meta["tokenizer"] != cfg.tokenizer:
-            die(f"{path} was tokenised with {meta['tokenizer']}, but --tokenizer={cfg.tokenizer}; "
-                f"pass --tokenizer={meta['tokenizer']} or re-run data.py")
-    return sources
-
-
-def model_config(cfg, vocab_size, eot):
-    if cfg.pad_vocab:
-        vocab_size = 64 * math.ceil(vocab_size / 64)
-    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask, eot=eot)
 
 
 def load_checkpoint(path, required=("model", "model_args")):
