@@ -117,7 +117,7 @@ def bench_train(steps=10, warmup=3):
         clipper = None if nanogpt else ZClip()
         step_model = torch.compile(model) if compile_ else model
         c = ctx if autocast is None else autocast
-        muon_ms, t_total = [], 0.0
+        muon_ms, t_total, t_first = [], 0.0, 0.0
         for i in range(warmup + steps):
             sync()
             t0 = time.perf_counter()
@@ -139,6 +139,8 @@ def bench_train(steps=10, warmup=3):
                 opt.step()
             opt.zero_grad(set_to_none=True)
             sync()
+            if i == 0:
+                t_first = time.perf_counter() - t0  # includes compilation for compiled runs
             if i >= warmup:
                 t_total += time.perf_counter() - t0
         ms = 1000 * t_total / steps
@@ -149,10 +151,11 @@ def bench_train(steps=10, warmup=3):
             if cuda and key in name:
                 mfu = f"{100 * flops * B * T / (ms / 1000) / peak:5.1f}%"
         muon = f"{100 * sum(muon_ms[warmup:]) / steps / ms:5.1f}%" if muon_ms else "    -"
-        print(f"{label:34s} {n_params / 1e6:7.2f}M {ms:9.1f} {B * T / ms * 1000:10.0f} {muon:>7s} {mfu:>6s}")
+        print(f"{label:34s} {n_params / 1e6:7.2f}M {ms:9.1f} {B * T / ms * 1000:10.0f} {muon:>7s} {mfu:>6s} "
+              f"{t_first:8.1f}")
         return ms
 
-    print(f"{'run':34s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} {'MFU':>6s}")
+    print(f"{'run':34s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} {'MFU':>6s} {'1st s':>8s}")
     r = {"nanogpt": run("nanoGPT baseline (fp, AdamW)", False, nanogpt=True),
          "dense": run("ours fp (stage 1)", False),
          "qat": run("ours ternary QAT (stage 2)", True)}
@@ -202,7 +205,6 @@ def bench_kernels():
     copy_s = do_bench(lambda: out.copy_(buf)) / 1e3
     copy_bw = 2 * buf.numel() / copy_s
     print(f"measured device-to-device copy: {copy_bw / 1e9:.0f} GB/s")
-    del buf, out
 
     def rotated(make, nbytes):
         n = max(2, math.ceil(256 * 2**20 / nbytes))  # > 256 MiB in all: never resident in L2
@@ -232,7 +234,6 @@ def bench_kernels():
         gbs = moved / (t_tern / 1e3) / 1e9
         print(f"{M:5d} {N:6d} {K:6d} | {t_bf16 * 1e3:9.1f} {t_tern * 1e3:10.1f} {t_bf16 / t_tern:7.2f} | "
               f"{gbs:12.0f} {100 * gbs * 1e9 / copy_bw:6.1f}")
-        del ws, wp
     for M, K in ((1, 4096), (16, 4096), (2048, 4096), (2048, 11008)):
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         t = do_bench(lambda: quantize_activations(x))

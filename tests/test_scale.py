@@ -34,7 +34,7 @@ def run(out, *args, nproc=1):
     launch = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     # A multi-process launch gets one retry from a clean out_dir: on a loaded CI machine the rendezvous or a
-    # gloo connection can fail transiently (seen once in ~10 full-suite runs); a real bug fails both tries.
+    # gloo connection can fail transiently (seen once, in one of four clean-clone CI runs); a real bug fails both tries.
     for attempt in range(2 if nproc > 1 else 1):
         p = subprocess.run([*launch, os.path.join(ROOT, "train.py"), f"--out_dir={out}", *args],
                            capture_output=True, text=True, cwd=ROOT, env=ENV, timeout=300)
