@@ -22,10 +22,10 @@ import torch
 
 
 def bench_data():
-    import data
+    import prepare
     for name in ("byte", "gpt2"):
-        data.tokenize_throughput(name)  # warm-up: builds the encoder, reads the corpus
-        rates = sorted(data.tokenize_throughput(name) for _ in range(3))
+        prepare.tokenize_throughput(name)  # warm-up: builds the encoder, reads the corpus
+        rates = sorted(prepare.tokenize_throughput(name) for _ in range(3))
         print(f"{name:5s} tokeniser: {rates[1] / 1e6:7.2f} M tokens/s (median of 3, encode_batch on the "
               f"shipped corpus, {torch.get_num_threads()} threads)")
 

@@ -37,7 +37,6 @@ import random
 import re
 import shutil
 import signal
-import time
 import zipfile
 
 import numpy as np
@@ -147,23 +146,6 @@ def check_writable(d):
     os.remove(probe)
 
 
-class _SlowWriter:
-    """Test hook (tests/test_fault.py): flushes and sleeps after every write, so a test can kill a process
-    in the middle of writing a checkpoint. Never used unless write_delay > 0."""
-
-    def __init__(self, f, delay):
-        self.f, self.delay = f, delay
-
-    def write(self, b):
-        n = self.f.write(b)
-        self.f.flush()
-        time.sleep(self.delay)
-        return n
-
-    def flush(self):
-        self.f.flush()
-
-
 def _fsync_dir(d):
     fd = os.open(d, os.O_RDONLY)
     try:
@@ -172,11 +154,11 @@ def _fsync_dir(d):
         os.close(fd)
 
 
-def atomic_save(obj, path, write_delay=0.0):
+def atomic_save(obj, path):
     """torch.save to path.tmp, flush, fsync, rename over path, fsync the directory."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        torch.save(obj, _SlowWriter(f, write_delay) if write_delay > 0 else f)
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -205,14 +187,14 @@ def numbered(d):
     return [os.path.join(d, n) for n in sorted(names, key=lambda n: int(NUMBERED.fullmatch(n).group(1)))]
 
 
-def save(obj, d, keep_last=1, write_delay=0.0):
+def save(obj, d, keep_last=1):
     """Write obj as d/ckpt_<step>.pt, point d/ckpt.pt at it, then delete all but the newest keep_last numbered
-    checkpoints. Returns d/ckpt.pt. write_delay > 0 is a test hook (see _SlowWriter)."""
+    checkpoints. Returns d/ckpt.pt."""
     for n in os.listdir(d):  # leftovers of a process killed while writing
         if n.endswith(".tmp") and (n == LATEST + ".tmp" or NUMBERED.fullmatch(n[:-4])):
             os.remove(os.path.join(d, n))
     path = os.path.join(d, f"ckpt_{obj['step']:06d}.pt")
-    atomic_save(obj, path, write_delay)
+    atomic_save(obj, path)
     latest = os.path.join(d, LATEST)
     _atomic_link(path, latest)
     for old in numbered(d)[:-keep_last]:

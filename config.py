@@ -4,9 +4,10 @@ overrides, a --key=value parser checked against the field types, and the LR and 
 
   defaults (TrainConfig) -> device preset (cpu | cuda) -> stage preset (1 | 2 | 3) -> command line
 
-Schedules (REFERENCE section 7): warmup-cosine (nanoGPT) or WSD, warmup-stable-decay (MiniCPM, arXiv 2404.06395),
-linear warmup, constant, then a linear decay to min_lr over the last decay_frac of the steps; lambda-warmup
-(REFERENCE section 1) lambda = min(step / lambda_warmup_steps, 1).
+Schedules: warmup-cosine (nanoGPT) or WSD, warmup-stable-decay (MiniCPM, arXiv 2404.06395, section 4):
+linear warmup, constant, then a linear decay to min_lr over the last decay_frac of the steps. Lambda-warmup
+(HF blog "Fine-tuning LLMs to 1.58bit", 2024): lambda = min(step / lambda_warmup_steps, 1), blending the
+full-precision forward (0) into the ternary one (1).
 
 Also: where the data comes from (resolve_data) and the model shape (model_config).
 Used by train.py; test: python -m pytest tests/test_train.py
@@ -16,13 +17,12 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 
-import data
 from model import GPTConfig
+from runtime import die
 
 
 @dataclass
@@ -44,7 +44,7 @@ class TrainConfig:
     n_embd: int = 128
     block_size: int = 256
     subln: bool = True
-    doc_mask: bool = False       # attend within documents only (REFERENCE section 6)
+    doc_mask: bool = False       # attend within documents only (model.document_mask)
     pad_vocab: bool = False      # round the vocabulary up to a multiple of 64 (faster matmuls on GPU)
     # batch and length
     batch_size: int = 16         # sequences per micro-batch
@@ -65,7 +65,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
-    zclip: bool = True           # ZClip adaptive clipping (REFERENCE section 4); False = clip_grad_norm_ at grad_clip
+    zclip: bool = True           # ZClip adaptive clipping (zclip.py); False = clip_grad_norm_ at grad_clip
     zclip_z_thresh: float = 2.5
     grad_clip: float = 1.0       # fixed max grad norm when zclip=False; 0 = no clipping at all
     two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight decay -> 0
@@ -88,10 +88,6 @@ class TrainConfig:
     checkpoint_interval: int = 0  # also checkpoint every N steps; 0 = at evals and at the end only
     keep_last: int = 1           # numbered checkpoints ckpt_<step>.pt kept; ckpt.pt always names the newest
     max_bad_steps: int = 10      # this many non-finite steps in a row: save and stop
-    # fault-injection hooks for tests/test_fault.py; never saved in a checkpoint, so a resume does not inherit them
-    fault_nan_steps: str = ""    # e.g. "3,5": multiply the loss of these steps (numbered as logged, from 1) by NaN
-    fault_hang_at: int = -1      # after writing the checkpoint of this step, sleep until killed
-    fault_slow_write: float = 0.0  # sleep this many seconds after each write() of a checkpoint file
 
 
 # Presets are plain overrides, applied in this order: defaults, device preset, stage preset, command line.
@@ -106,12 +102,6 @@ STAGE_PRESETS = {
     2: dict(schedule="wsd"),
     3: dict(schedule="cosine"),
 }
-
-
-def die(msg, code=1):
-    rank = int(os.environ.get("RANK", 0))  # under torchrun every rank may fail; say which one this is
-    print(f"error: {msg}" if rank == 0 else f"error: [rank {rank}] {msg}", file=sys.stderr)
-    sys.exit(code)
 
 
 def parse_args(argv):
@@ -138,7 +128,7 @@ def parse_args(argv):
 def build_config(overrides, base=None):
     """Defaults + device preset + stage preset + overrides; or, on resume, the saved config + overrides."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = {k: v for k, v in (base or {}).items() if k in known and not k.startswith("fault_")}
+    cfg = {k: v for k, v in (base or {}).items() if k in known}
     if not base:
         device = overrides.get("device", "auto")
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -162,15 +152,7 @@ def build_config(overrides, base=None):
                      ("checkpoint_interval", 0), ("eval_interval", 1), ("eval_iters", 1), ("log_interval", 1)):
         if getattr(cfg, key) < low:
             die(f"--{key}={getattr(cfg, key)}: expected an integer >= {low}", 2)
-    nan_steps(cfg)  # refuses a malformed list now, not at step 1
     return cfg
-
-
-def nan_steps(cfg):
-    try:
-        return {int(s) for s in cfg.fault_nan_steps.split(",") if s.strip()}
-    except ValueError:
-        die(f"--fault_nan_steps={cfg.fault_nan_steps}: expected comma-separated step numbers, e.g. 3,5", 2)
 
 
 def lr_mult(step, cfg):
@@ -194,7 +176,7 @@ def _schedule(step, cfg):
 
 
 def lambda_at(step, cfg):
-    """REFERENCE section 1: lambda = min(step / warmup_steps, 1); 0 = full precision, 1 = ternary.
+    """lambda = min(step / lambda_warmup_steps, 1); 0 = full precision, 1 = ternary.
     Stage 3 starts from an already ternary student, so lambda is 1 throughout."""
     if cfg.stage >= 3 or cfg.lambda_warmup_steps <= 0:
         return 1.0
@@ -206,8 +188,9 @@ def resolve_data(cfg):
     if not cfg.data:
         root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"shakespeare_{cfg.tokenizer}")
         if not os.path.exists(os.path.join(root, "meta.json")):
+            import prepare  # ingestion: only the first run needs it
             print(f"no shards in {root}; tokenising the shipped corpus (once)")
-            data.prepare(tokenizer=cfg.tokenizer, out_dir=root)
+            prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root)
         return {root: 1.0}
     sources = {}
     for item in cfg.data.split(","):
@@ -216,11 +199,11 @@ def resolve_data(cfg):
     for path in sources:
         meta_path = os.path.join(path, "meta.json")
         if not os.path.exists(meta_path):
-            die(f"{path}: no meta.json; make shards with: python data.py --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
+            die(f"{path}: no meta.json; make shards with: python prepare.py --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
         meta = json.load(open(meta_path))
         if meta["tokenizer"] != cfg.tokenizer:
             die(f"{path} was tokenised with {meta['tokenizer']}, but --tokenizer={cfg.tokenizer}; "
-                f"pass --tokenizer={meta['tokenizer']} or re-run data.py")
+                f"pass --tokenizer={meta['tokenizer']} or re-run prepare.py")
     return sources
 
 

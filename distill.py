@@ -4,16 +4,19 @@ BitDistill stage 3: distil a full-precision teacher into the ternary student.
 The Stage-1 fp model (with SubLN) is the frozen teacher; the Stage-2 ternary model is the student. Besides
 the usual next-token cross-entropy, the student matches the teacher's softened output distribution
 (logits KD) and, on one late layer, the teacher's Q-Q, K-K and V-V self-relations (MiniLM-v2 style), which
-works even when teacher and student have different head counts.
+works even when teacher and student have different head counts. Optionally (delta_hidden > 0, off by default,
+not part of BitDistill) the student's hidden states after matched blocks are also pulled toward the teacher's.
 Sources: BitDistill, arXiv 2510.13998 (Eqs. for L_LD, L_AD and the total) and its authors' trainer;
-MiniLM-v2, arXiv 2012.15828 (multi-head self-attention relations).
+MiniLM-v2, arXiv 2012.15828 (multi-head self-attention relations); hidden-state (intermediate-layer)
+distillation as in TinyBERT, arXiv 1909.10351 (section 3.1), which compares the raw states through a learned
+projection; here the widths must match and both states are L2-normalised, so only their directions count.
 
     L        = L_CE + lambda_ld * L_LD + gamma_ad * L_AD + delta_hidden * L_hidden   (delta_hidden = 0: off)
     L_LD     = tau^2 * mean_{valid tokens} sum_v p_t(v) (log p_t(v) - log p_s(v)),  p = softmax(z / tau), tau = 5
     L_AD     = (1/A_r) * sum_{X in Q,K,V} mean_{b, a, i} KL(R_t[b,a,i,:] || R_s[b,a,i,:])
                R = softmax(X_hat X_hat^T / t) over keys, t = 1, where X (B, H, T, d) is concatenated to
                (B, T, H*d), re-split into A_r relation heads of d_r = H*d / A_r and L2-normalised (X_hat)
-    L_hidden = sum_l w_l * MSE(normalize(h_s^l), normalize(h_t^l)),  sum_l w_l = 1  (WrinkleFree "stage 1.9")
+    L_hidden = sum_l w_l * MSE(normalize(h_s^l), normalize(h_t^l)),  w_l = l / (1 + ... + n), l = 1..n
 
 Presets (paper): classification lambda_ld=10, gamma_ad=1e5; summarization lambda_ld=1, gamma_ad=1e3.
 The teacher is never differentiated: every teacher tensor is detached here.

@@ -8,7 +8,8 @@ embedding, the LM head and the norms stay full precision. SubLN adds one more RM
 o_proj and right before down_proj, which keeps the inputs of those two quantised matrices well scaled.
 
 Sources: BitNet b1.58 2B4T (HF modeling_bitnet) for the layout, BitDistill (arXiv 2510.13998, Stage 1)
-for SubLN; RoPE (arXiv 2104.09864); REFERENCE section 2, and section 6 for the document mask.
+for SubLN; RoPE (arXiv 2104.09864); the document mask packs documents as in "Efficient Sequence Packing
+without Cross-contamination" (arXiv 2107.02027, section 3).
 
     h   = x + o_proj(SubLN(Attn(RMSNorm(x))))          Attn: causal SDPA with RoPE on q and k
     out = h + down_proj(SubLN(silu(gate(RMSNorm(h))) * up(RMSNorm(h))))     (SwiGLU; we pick SiLU)
@@ -60,6 +61,18 @@ def apply_rope(x, cos, sin):
     """x: (B, nh, T, hd); cos, sin: (T, hd/2) or (B, 1, T, hd/2). Rotates the two halves of hd."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+def document_mask(idx, eot):
+    """Packed rows of documents that each start with eot: a token attends only to earlier tokens of its own
+    document, and positions restart at 0 in each document. Returns (pos (B, T), mask (B, 1, T, T) bool)."""
+    T = idx.size(1)
+    t = torch.arange(T, device=idx.device)
+    starts = idx == eot                                              # (B, T)
+    doc = starts.cumsum(dim=1)                                       # document id of every token
+    pos = t - torch.where(starts, t, 0).cummax(dim=1).values         # position within its document
+    mask = (doc.unsqueeze(2) == doc.unsqueeze(1)) & (t.unsqueeze(1) >= t.unsqueeze(0))  # same doc, causal
+    return pos, mask.unsqueeze(1)
 
 
 def make_linear(config, fan_in, fan_out, input_quantized):
@@ -155,43 +168,39 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None, qkv_layer=None, return_hiddens=False):
-        """idx, targets: (B, T) int64. Returns (logits, loss), or (logits, loss, states) when the caller asks
-        for the q/k/v of one layer (`qkv_layer`, may be negative) or every block's output (`return_hiddens`).
-        Without targets only the last position's logits are computed, as in nanoGPT."""
+    def forward(self, idx, targets=None):
+        """idx, targets: (B, T) int64. Returns (logits, loss); loss is None without targets, and then only the
+        last position's logits are computed, as in nanoGPT."""
+        logits, loss, _ = self.forward_with_states(idx, targets)
+        return logits, loss
+
+    def forward_with_states(self, idx, targets=None, qkv_layer=None, hiddens=False):
+        """forward, plus the states distillation reads: returns (logits, loss, states) with states["qkv"] the
+        (q, k, v) of block `qkv_layer` (may be negative; q, k after RoPE, each (B, nh, T, hd)) or None, and
+        states["hiddens"] every block's output (B, T, C) if `hiddens`, else []."""
         B, T = idx.size()
         assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
-        mask = None
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd/2)
+        cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None  # (T, hd/2); mask None = plain causal
         if self.config.doc_mask:
-            t = torch.arange(T, device=idx.device)
-            starts = idx == self.config.eot                                       # (B, T)
-            doc = starts.cumsum(dim=1)
-            seg_start = torch.where(starts, t, 0).cummax(dim=1).values
-            pos = t - seg_start                                                   # restarts at each doc
+            pos, mask = document_mask(idx, self.config.eot)
             cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)  # (B, 1, T, hd/2)
-            mask = (doc.unsqueeze(2) == doc.unsqueeze(1)) & (t.unsqueeze(1) >= t.unsqueeze(0))
-            mask = mask.unsqueeze(1)                                              # (B, 1, T, T)
         want_layer = None if qkv_layer is None else qkv_layer % self.config.n_layer
         x = self.wte(idx)  # (B, T, C)
-        qkv, hiddens = None, []
+        states = {"qkv": None, "hiddens": []}
         for i, block in enumerate(self.h):
-            x, layer_qkv = block(x, cos, sin, mask, want_qkv=(i == want_layer))
+            x, qkv = block(x, cos, sin, mask, want_qkv=(i == want_layer))
             if i == want_layer:
-                qkv = layer_qkv
-            if return_hiddens:
-                hiddens.append(x)
+                states["qkv"] = qkv
+            if hiddens:
+                states["hiddens"].append(x)
         x = self.norm_f(x)
-        if targets is not None or want_layer is not None or return_hiddens:
-            logits = self.lm_head(x)  # (B, T, V)
-            loss = None
-            if targets is not None:
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        else:
-            logits, loss = self.lm_head(x[:, [-1], :]), None  # (B, 1, V)
-        if want_layer is None and not return_hiddens:
-            return logits, loss
-        return logits, loss, {"qkv": qkv, "hiddens": hiddens}
+        if targets is None and want_layer is None and not hiddens:
+            return self.lm_head(x[:, [-1], :]), None, states  # (B, 1, V): generation needs the last one only
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss, states
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -1,35 +1,34 @@
 """
-Muon: MomentUm Orthogonalized by Newton-Schulz, for the 2-D hidden weight matrices of a network.
+Muon: MomentUm Orthogonalized by Newton-Schulz, an optimizer for the 2-D hidden weight matrices of a network.
 
-Muon keeps an SGD-momentum buffer per weight matrix and, instead of stepping along it, steps along its
-nearest semi-orthogonal matrix U Vᵀ (where U S Vᵀ is its SVD), approximated cheaply in bf16 by five
-Newton-Schulz iterations. Every direction of the update then moves by about the same amount, whatever the
-gradient's spectrum. Embeddings, the LM head, norm gains and biases are not hidden matrices and go to AdamW.
+Muon keeps SGD momentum per weight matrix but steps along the momentum's nearest semi-orthogonal matrix U Vᵀ
+(U S Vᵀ being its SVD), approximated in bf16 by five Newton-Schulz iterations (NS5). Every direction of the update
+then moves by about the same amount, whatever the gradient's spectrum. Embeddings, the LM head, norm gains and
+biases are not hidden matrices and go to AdamW.
 
-Sources: KellerJordan/Muon (muon.py, https://kellerjordan.github.io/posts/muon/); torch.optim.Muon
-(torch >= 2.9, whose single-tensor step this file reproduces bit for bit); Moonlight, "Muon is Scalable
-for LLM Training" (arXiv 2502.16982) for the "match_rms_adamw" learning-rate scaling.
+Sources:
+    Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (blog post, 2024),
+        https://kellerjordan.github.io/posts/muon/ and github.com/KellerJordan/Muon (NS5, the "original" lr scale)
+    torch.optim.Muon (torch >= 2.9): the single-process step below equals its step bit for bit
+    Moonlight, "Muon is Scalable for LLM Training" (arXiv 2502.16982): §2.1 eq. 1-2 (momentum, NS5); §2.2 eq. 3
+        (decoupled weight decay), Lemma 1 (update RMS = sqrt(1/max(A, B))) and eq. 4 (0.2·sqrt(max(A, B))):
+        "match_rms_adamw"
 
-Formulas (momentum β = 0.95, (a, b, c) = (3.4445, -4.7750, 2.0315), all NS5 arithmetic in bf16):
-    NS5(G):  X = G (transposed if rows > cols);  X = X / (||X||_F + eps)
-             repeat 5 times:  A = X Xᵀ;  B = b·A + c·A²;  X = a·X + B·X
-    buf    = β·buf + (1 - β)·g                      (an EMA, i.e. buf.lerp_(g, 1 - β))
-    update = (1 - β)·g + β·buf  if nesterov else buf
-    p      = p·(1 - lr·wd)                          (decoupled weight decay with the unscaled lr)
-    p      = p - lr_adj·NS5(update)
-    lr_adj = lr·sqrt(max(1, rows/cols))             "original" (Keller Jordan, the default)
-    lr_adj = lr·0.2·sqrt(max(rows, cols))           "match_rms_adamw" (Moonlight: reuse AdamW's lr and wd)
+Formulas (β = 0.95, (a, b, c) = (3.4445, -4.7750, 2.0315), NS5 arithmetic in bf16):
+    muon_update:  buf = β·buf + (1 - β)·g                 (an EMA: buf.lerp_(g, 1 - β))
+                  u   = (1 - β)·g + β·buf  if nesterov else buf
+    NS5(u):       X = u / (||u||_F + eps)                 (transposed if rows > cols)
+                  5 times:  A = X Xᵀ;  B = b·A + c·A²;  X = a·X + B·X
+    step:         p = p·(1 - lr·wd) - lr_adj·NS5(u)       (decoupled weight decay, with the unscaled lr)
+    adjusted_lr:  lr_adj = lr·sqrt(max(1, rows/cols))     "original" (Keller Jordan, the default)
+                  lr_adj = lr·0.2·sqrt(max(rows, cols))   "match_rms_adamw" (Moonlight: AdamW's lr and wd carry over)
+Moonlight writes the momentum as a sum, M = β·M + g. The EMA is (1 - β) times that sum, and so is u; NS5 divides
+the scale away.
 
-Distributed (process_group=, or FSDP2 DTensor parameters): NS5 is the expensive part, so each of the W ranks
-orthogonalises every W-th matrix (round-robin: matrix i belongs to rank i % W) and broadcasts the result to the
-others. Momentum, cheap and elementwise, runs on every rank for every matrix, so each rank's optimizer state is
-complete (DDP: replicated; FSDP2: each rank's shard) and the update equals the single-process one bit for bit.
-With FSDP2 the matrices are sharded by rows, and NS5 needs whole matrices: every rank all-gathers each momentum
-update (DTensor.full_tensor), the owner orthogonalises it, broadcasts it, and each rank applies its own rows.
-This moves 2x the bytes of an ideal gather-to-owner / scatter-back, and is the simplest correct form.
-
-Test:  python -m pytest tests/test_muon.py tests/test_scale.py        Demo:  python muon.py
-This file imports only torch and the standard library, so it can be copied into another project.
+Run:   python muon.py                       (NS5 against the SVD, Muon on least squares, parity with torch.optim.Muon)
+Test:  python -m pytest tests/test_muon.py  (distributed: python -m pytest tests/test_scale.py -k muon)
+DDP and FSDP2 (NS5 shared out over the ranks) are in the section at the bottom of this file. The file imports only
+torch and the standard library, so it can be copied into another project.
 """
 import math
 
@@ -42,72 +41,64 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: maximal 
 
 def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
     """
-    Approximate the orthogonal factor U Vᵀ of G = U S Vᵀ with a quintic Newton-Schulz iteration.
-    The coefficients push the slope at zero as high as possible, so the iteration does not converge to
-    exactly 1: the result is U S' Vᵀ with S' roughly in [0.5, 1.5], which trains as well as U Vᵀ.
-    G may be a batch of matrices (..., rows, cols); each matrix is processed independently.
-    Returns a bf16 tensor of G's shape; callers cast or let `p.add_` promote it.
-    dtype: bf16 as in the paper (fast on GPU tensor cores); float32 is ~18x faster on CPUs without bf16
-    matrix units (`python bench.py --muon`), and at least as accurate.
+    Approximate U Vᵀ, the orthogonal factor of G = U S Vᵀ, for G of shape (rows, cols) or (..., rows, cols).
+    The coefficients maximise the slope at zero, so the result is U S' Vᵀ with S' roughly in [0.5, 1.5], which
+    trains as well as U Vᵀ. dtype: bf16 as in the paper (GPU tensor cores); float32 is ~18x faster on CPUs
+    without bf16 matrix units (`python bench.py --muon`), and at least as accurate. Returns G's shape in dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"zeropower_via_newtonschulz5 expects (..., rows, cols), got shape {tuple(G.shape)}")
     a, b, c = NS_COEFFICIENTS
-    X = G.to(dtype)
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:  # X Xᵀ is then the smaller Gram matrix, so each step costs less
+    X = G.to(dtype).flatten(0, -3) if G.ndim > 3 else G.to(dtype)  # (rows, cols) or (batch, rows, cols)
+    tall = G.size(-2) > G.size(-1)
+    if tall:  # X Xᵀ is then the smaller Gram matrix
         X = X.mT
-    # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1].
-    # (torch.optim.Muon divides by norm.clamp(min=eps); in bf16 both give the same bits unless ||X|| < ~1e-5.)
+    # ||X||_2 <= ||X||_F, so singular values start in [0, 1]. "+ eps" as Keller Jordan; torch.optim.Muon clamps
+    # the norm at eps instead, which gives the same bf16 bits unless ||X||_F < ~5e-5.
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
-    batch_shape = X.shape[:-2]
-    if X.ndim > 3:
-        X = X.reshape(-1, *X.shape[-2:])
-    # addmm computes beta*input + alpha*(m1 @ m2) with one bf16 rounding, exactly as torch.optim.Muon does;
-    # KellerJordan's `b*A + c*A@A` rounds three times and differs in the last bits.
-    mm = torch.addmm if X.ndim == 2 else torch.baddbmm
+    # addmm(M, M1, M2, beta, alpha) = beta·M + alpha·M1@M2 rounded once, as torch.optim.Muon does, so the bits
+    # match; written out, b*A + c*A@A rounds three times. baddbmm does the same for each matrix of a batch.
+    addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
     for _ in range(steps):
-        A = X @ X.mT
-        B = mm(A, A, A, beta=b, alpha=c)  # b·A + c·A²
-        X = mm(X, B, X, beta=a)  # a·X + B·X
-    X = X.reshape(*batch_shape, *X.shape[-2:])
-    if transposed:
+        A = X @ X.mT                         # A = X Xᵀ
+        B = addmm(A, A, A, beta=b, alpha=c)  # B = b·A + c·A²
+        X = addmm(X, B, X, beta=a)           # X = a·X + B·X
+    if tall:
         X = X.mT
-    return X
+    return X.reshape(G.shape)
+
+
+def muon_update(grad, momentum, beta=0.95, nesterov=True):
+    """Update `momentum` (the buffer) in place; return the matrix to orthogonalise, u. grad is left unchanged."""
+    momentum.lerp_(grad, 1 - beta)  # buf = β·buf + (1 - β)·g
+    return grad.lerp(momentum, beta) if nesterov else momentum  # u = (1 - β)·g + β·buf
 
 
 def adjusted_lr(lr, shape, adjust_lr_fn=None):
-    """The lr actually applied to NS5(update) for a matrix of `shape` = (rows, cols)."""
+    """The lr actually applied to NS5(u) for a matrix of `shape` = (rows, cols)."""
     rows, cols = shape[:2]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
-        # NS5 output has RMS ~ 1/sqrt(max(rows, cols)); this keeps tall matrices' per-entry step comparable.
+        # Keller Jordan: a tall matrix's NS5 output has smaller entries; this keeps its per-entry step comparable.
         ratio = math.sqrt(max(1, rows / cols))
     elif adjust_lr_fn == "match_rms_adamw":
-        # Moonlight: an update RMS of ~0.2 matches AdamW's, so AdamW's lr and weight decay carry over.
+        # Moonlight Lemma 1: NS5 output has RMS ~ sqrt(1/max(rows, cols)); this sets it to 0.2, about AdamW's.
         ratio = 0.2 * math.sqrt(max(rows, cols))
     else:
         raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
-    return lr * ratio  # same association as torch.optim.Muon, so the float is identical
+    return lr * ratio  # lr times the ratio, as torch.optim.Muon associates it, so the float is identical
 
 
 class Muon(torch.optim.Optimizer):
     """
-    Muon for 2-D weight matrices. Defaults follow KellerJordan/Muon (lr 0.02, no weight decay); note that
-    torch.optim.Muon defaults to lr 1e-3 and weight_decay 0.1. Any parameter that is not 2-D is refused.
-    The momentum buffer is state[p]["momentum_buffer"], so state_dict() round-trips like any optimizer.
-    process_group: None = one process; a group (e.g. torch.distributed.group.WORLD) = the parameters are
-    replicated with identical gradients on its ranks (DDP), which share out NS5. DTensor (FSDP2) parameters
-    always use their mesh's group.
+    Muon for 2-D weight matrices (others are refused). Defaults follow KellerJordan/Muon: lr 0.02, no weight decay
+    (torch.optim.Muon: 1e-3 and 0.1). State: state[p]["momentum_buffer"], so state_dict() round-trips as usual.
+    process_group: None = one process; a group (e.g. dist.group.WORLD) = DDP, replicated parameters whose ranks
+    share out NS5. FSDP2 (DTensor) parameters always use their mesh's group.
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  adjust_lr_fn=None, ns_dtype=torch.bfloat16, process_group=None):
-        if lr < 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        _check_hyperparameters(lr, momentum, weight_decay)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         self.ns_dtype = ns_dtype  # bf16 (paper); float32 on CPUs, where bf16 matmuls are slow
@@ -115,54 +106,13 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        # Validate before registering, so a refused group leaves the optimizer unchanged.
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for p in params:
-            if p.ndim != 2:
-                raise ValueError(
-                    f"Muon only takes 2-D weight matrices, got a parameter of shape {tuple(p.shape)}; "
-                    "biases, norm gains and other non-2-D parameters belong to AdamW "
-                    "(split_muon_params does this split for you)")
-        adjusted_lr(1.0, (1, 1), param_group.get("adjust_lr_fn", self.defaults["adjust_lr_fn"]))  # raises if unknown
-        super().add_param_group({**param_group, "params": params})
+        super().add_param_group(_checked_param_group(param_group, self.defaults["adjust_lr_fn"]))
 
-    def _orthogonalized_update(self, p, group):
-        """Momentum then NS5 for one parameter: the unit of work of Muon."""
-        return zeropower_via_newtonschulz5(self._momentum_update(p, group), steps=group["ns_steps"],
-                                           dtype=self.ns_dtype)
-
-    def _momentum_update(self, p, group):
-        g = p.grad
+    def _momentum_buffer(self, p):
         state = self.state[p]
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-        buf = state["momentum_buffer"]
-        buf.lerp_(g, 1 - group["momentum"])  # buf = β·buf + (1-β)·g
-        return g.lerp(buf, group["momentum"]) if group["nesterov"] else buf  # (1-β)·g + β·buf
-
-    def _distributed_step(self, params, group, pg):
-        """Round-robin NS5 over the ranks of pg, see the module docstring. Every rank must call it."""
-        rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-        outs, works = [], []
-        for i, p in enumerate(params):
-            update = self._momentum_update(p, group)
-            if hasattr(update, "full_tensor"):  # an FSDP2 shard: all-gather the whole matrix
-                update = update.full_tensor()
-            if i % world == rank:
-                # contiguous: a tall matrix comes back as a transposed view, and broadcast sends raw storage
-                o = zeropower_via_newtonschulz5(update, steps=group["ns_steps"], dtype=self.ns_dtype).contiguous()
-            else:
-                o = torch.empty(update.shape, dtype=self.ns_dtype, device=update.device)
-            works.append(dist.broadcast(o, src=dist.get_global_rank(pg, i % world), group=pg, async_op=True))
-            outs.append(o)
-        for p, o, work in zip(params, outs, works):
-            work.wait()
-            if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no communication)
-                from torch.distributed.tensor import distribute_tensor
-                o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -171,17 +121,16 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr = group["lr"]
             params = [p for p in group["params"] if p.grad is not None]
-            meshes = [p.device_mesh for p in params if hasattr(p, "device_mesh")]
-            pg = meshes[0].get_group() if meshes else self.process_group
-            if pg is not None and dist.get_world_size(pg) > 1:
-                self._distributed_step(params, group, pg)
+            pg = _distributed_group(params, self.process_group)  # None in a single process
+            if pg is not None:  # DDP or FSDP2: the same update, NS5 shared out over the ranks (bottom of file)
+                _distributed_step(self, params, group, pg)
                 continue
             for p in params:
-                update = self._orthogonalized_update(p, group)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-adjusted_lr(lr, p.shape, group["adjust_lr_fn"]))
+                u = muon_update(p.grad, self._momentum_buffer(p), group["momentum"], group["nesterov"])
+                o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=self.ns_dtype)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
         return loss
 
 
@@ -265,6 +214,75 @@ def configure_muon(model, head_names=("lm_head",), **kwargs):
     """split_muon_params(model, head_names), then MuonWithAdamW(muon_params, adamw_params, **kwargs)."""
     muon_params, adamw_params = split_muon_params(model, head_names)
     return MuonWithAdamW(muon_params, adamw_params, **kwargs)
+
+
+# ----------------------------------------------------------------------------- argument checks
+# Kept out of Muon so that the class reads as the algorithm; they refuse bad input before anything is registered.
+
+
+def _check_hyperparameters(lr, momentum, weight_decay):
+    if lr < 0.0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+    if weight_decay < 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def _checked_param_group(param_group, default_adjust_lr_fn):
+    """param_group with its params as a list, or ValueError (a non-2-D parameter, an unknown adjust_lr_fn)."""
+    params = param_group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    for p in params:
+        if p.ndim != 2:
+            raise ValueError(
+                f"Muon only takes 2-D weight matrices, got a parameter of shape {tuple(p.shape)}; "
+                "biases, norm gains and other non-2-D parameters belong to AdamW "
+                "(split_muon_params does this split for you)")
+    adjusted_lr(1.0, (1, 1), param_group.get("adjust_lr_fn", default_adjust_lr_fn))  # raises if unknown
+    return {**param_group, "params": params}
+
+
+# ----------------------------------------------------------------------------- distributed Muon (DDP, FSDP2)
+# Kept apart because it changes only where the work above runs, not what it computes. NS5 is the expensive part,
+# so each of the W ranks orthogonalises every W-th matrix (round-robin: matrix i belongs to rank i % W) and
+# broadcasts the result to the others. Momentum, cheap and elementwise, runs on every rank for every matrix, so
+# each rank's optimizer state is complete (DDP: replicated; FSDP2: each rank's shard) and the step equals the
+# single-process one bit for bit (tests/test_scale.py). FSDP2 shards matrices by rows, and NS5 needs whole ones:
+# every rank all-gathers each momentum update (DTensor.full_tensor), the owner orthogonalises and broadcasts it,
+# and each rank applies its own rows. That moves 2x the bytes of an ideal gather-to-owner / scatter-back, and is
+# the simplest correct form.
+
+
+def _distributed_group(params, process_group):
+    """The group whose ranks share out NS5 for these params, or None for the single-process step."""
+    meshes = [p.device_mesh for p in params if hasattr(p, "device_mesh")]
+    pg = meshes[0].get_group() if meshes else process_group  # FSDP2 parameters bring their mesh's group
+    return pg if pg is not None and dist.get_world_size(pg) > 1 else None
+
+
+def _distributed_step(opt, params, group, pg):
+    """Muon.step for one param group, NS5 round-robin over the ranks of pg. Every rank must call it."""
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    outs, works = [], []
+    for i, p in enumerate(params):
+        u = muon_update(p.grad, opt._momentum_buffer(p), group["momentum"], group["nesterov"])
+        if hasattr(u, "full_tensor"):  # an FSDP2 shard: all-gather the whole matrix
+            u = u.full_tensor()
+        if i % world == rank:
+            # contiguous: a tall matrix comes back as a transposed view, and broadcast sends raw storage
+            o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=opt.ns_dtype).contiguous()
+        else:
+            o = torch.empty(u.shape, dtype=opt.ns_dtype, device=u.device)
+        works.append(dist.broadcast(o, src=dist.get_global_rank(pg, i % world), group=pg, async_op=True))
+        outs.append(o)
+    for p, o, work in zip(params, outs, works):
+        work.wait()
+        if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no communication)
+            from torch.distributed.tensor import distribute_tensor
+            o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ HF transformers integrations/bitnet.py; lambda-warmup from the HF blog "Fine-tun
 torch.round rounds half to even (0.5 -> 0, 1.5 -> 2 -> clamped to 1), computed in fp32.
 lambda lives in a 0-d tensor buffer, so moving it from 0 to 1 never recompiles a torch.compile'd model.
 
-Packed storage (REFERENCE section 8): code = W_q + 1 in {0, 1, 2} (0b00 = -1, 0b01 = 0, 0b10 = +1), four
-codes per uint8 along K, element k % 4 == j in bits 2j..2j+1, K padded to a multiple of 4 with 0b01.
-That is 2 bits per weight: 1/8 of the bytes of bf16.
+Packed storage, four ternary weights per byte as in BitNet b1.58 2B4T (arXiv 2504.12285); the bit layout is
+ours, specified with a worked byte in docs/packed-format.md: code = W_q + 1 in {0, 1, 2} (0b00 = -1,
+0b01 = 0, 0b10 = +1), four codes per uint8 along K, element k % 4 == j in bits 2j..2j+1, K padded to a
+multiple of 4 with 0b01. That is 2 bits per weight: 1/8 of the bytes of bf16.
 
 Where the quantisation cost goes, and how it is kept small:
   - Activation quantisation is a row reduction (absmax) plus elementwise work on every BitLinear input.

@@ -15,16 +15,15 @@ One node, 8 GPUs (DDP; NCCL on CUDA, gloo on CPU); add --fsdp=True to shard para
 Two nodes of 8 GPUs: the same command on each, with --node_rank=0 / 1 and the address of node 0:
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py --stage=2
 
-Batch: batch_size is the sequences of one micro-batch on one rank; grad_accum counts the micro-batches of one
-step over ALL ranks (each does grad_accum / world_size; it must divide), so the global batch, batch_size *
-grad_accum sequences, and the loss curve do not depend on the world size. Each rank reads its own rows of every
-global batch (data.DataLoader(rank=, world_size=)); only rank 0 prints and writes files.
+The file reads top to bottom: train_step (one optimizer step of ternary QAT: the lesson), starting_weights (the
+three-stage recipe: where each run starts), main (set-up, then the training loop between banners), and below a
+fence the plumbing (optimizer groups, clipping, evaluation, DDP/FSDP2 wrapping, checkpoints, logging).
 
-Fault tolerance (checkpoint.py): checkpoints are atomic, whole (they load at any world size) and hold every state
-the next step reads, so --resume=True continues exactly. SIGTERM/SIGINT: finish the step, save, exit 0. A step
-with a non-finite loss or gradient norm is skipped (no update) and logged; max_bad_steps in a row save and stop.
-Deciding that costs one host read per step (loss, norm and stop flag together, after one all-reduce).
-Metrics go to out/stage<N>/metrics.jsonl; the first run tokenises the shipped corpus (see data.py).
+Batch: batch_size is the sequences of one micro-batch on one rank; grad_accum counts the micro-batches of one
+step over ALL ranks, so the global batch (batch_size * grad_accum sequences) does not depend on the world size.
+Fault tolerance (checkpoint.py): atomic whole checkpoints, exact resume, SIGTERM/SIGINT save and exit 0, and a
+step with a non-finite loss or gradient norm is skipped; all decided by one host read per step.
+Metrics go to out/stage<N>/metrics.jsonl; the first run tokenises the shipped corpus (prepare.py).
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
@@ -35,21 +34,243 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import checkpoint
 import data
+from config import (TrainConfig, build_config, lambda_at, lr_mult, model_config, parse_args,  # noqa: F401
+                    resolve_data)
 from distill import BitDistillLoss
 from model import GPT, GPTConfig, precompute_rope
 from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
+from runtime import Runtime, die
 from zclip import ZClip
 
+# -----------------------------------------------------------------------------
+# one training step of ternary QAT
 
-from config import (DEVICE_PRESETS, STAGE_PRESETS, TrainConfig, build_config, die, lambda_at, lr_mult,  # noqa: F401
-                    model_config, nan_steps, parse_args, resolve_data)
+
+def train_step(run, step, stop_requested, timed=False):
+    """Optimizer step `step` (counting from 0): set lambda, lr and weight decay for it; quantise the weights
+    once; forward/backward the micro-batches; clip; then the one host read decides whether to step (a
+    non-finite loss or gradient skips the update). Returns that read as a dict of floats."""
+    model, opt, cfg = run.model, run.optimizer, run.cfg
+    lam = set_step_lambda(run, step)  # 0 = full precision ... 1 = ternary, written into buffers
+    mult = lr_mult(step, cfg)
+    for g in opt.param_groups:
+        g["lr"] = g["initial_lr"] * mult
+        g["weight_decay"] = 0.0 if cfg.two_phase and step >= cfg.max_iters // 2 else g["initial_wd"]
+    if model.config.quant and run.accum > 1 and not cfg.fsdp:  # FSDP2: whole weights exist only in forward
+        cache_weight_quant(model)  # W_q * gamma once per step, reused by every micro-batch
+    loss_sum = torch.zeros((), device=run.rt.device)
+    for micro in range(run.accum):
+        x, y = (t.to(run.rt.device, non_blocking=True) for t in run.train_loader.next_batch())  # (B, T) each
+        with grad_sync(run, last=micro == run.accum - 1), run.autocast:
+            loss, parts = run.loss_fn(x, y)  # plain CE, or the distillation loss in stage 3
+            (loss / run.accum).backward()
+        loss_sum += loss.detach().float()
+    clear_weight_quant(model)  # the weights are about to change
+    stats = clip_gradients([p for p in model.parameters() if p.grad is not None], run.clipper, cfg)
+    out = read_step(run, loss_sum / run.accum, stats, stop_requested, parts)  # the one host read of the step
+    out["ok"] = math.isfinite(out["loss"]) and math.isfinite(out["grad_norm_raw"])
+    out["muon_ms"] = optimizer_step(opt, run.rt, timed) if out["ok"] else None
+    opt.zero_grad(set_to_none=True)
+    out.update(lam=lam, lr=cfg.lr * mult)
+    return out
+
+def set_step_lambda(run, step):
+    """lambda for this step into every BitLinear's and QuantRMSNorm's buffer: no recompile, no host sync."""
+    lam = lambda_at(step, run.cfg) if run.model.config.quant else 0.0
+    set_lambda(run.model, lam)
+    return lam
+
+# -----------------------------------------------------------------------------
+# where each run starts
+
+
+@dataclass
+class Start:
+    step: int = 0              # > 0 when resuming
+    ckpt: dict = None          # the checkpoint whose weights the model loads (None: from scratch)
+    path: str = ""             # where that checkpoint is
+    insert_subln: bool = False  # load fp weights without SubLN; the SubLN gains keep their unit init
+    note: str = ""             # what the run says about it
+
+
+def starting_weights(cfg, conf, resume_ckpt, resume_path):
+    """The three-stage recipe decides where a run starts (BitDistill, arXiv 2510.13998, section 3):
+      stage 1  the full-precision model with SubLN, from scratch; or --init_from=<an fp checkpoint>: its weights,
+               and if it has no SubLN, the SubLN norms are inserted with unit gain (the paper's refinement step)
+      stage 2  the stage-1 weights (out/stage1/ckpt.pt) with every hidden matrix now ternary (lambda warms up from
+               0, so step 0 computes exactly what stage 1 ended with); from scratch if there is no stage-1 run
+      stage 3  the stage-2 student; the frozen stage-1 teacher is loaded by make_loss_fn
+      --resume=True, any stage: its own latest checkpoint, continued exactly (weights, optimizer, loader, RNG)
+    Every checkpoint is checked against this run's shape before anything is loaded."""
+    if resume_ckpt is not None:
+        check_fits(resume_ckpt["model_args"], conf, resume_path)
+        return Start(resume_ckpt["step"], resume_ckpt, resume_path,
+                     note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
+    if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
+        return Start(note=f"stage {cfg.stage}: training from scratch")
+    path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
+    if not os.path.exists(path):
+        if cfg.init_from == "auto" and cfg.stage == 2:
+            return Start(note=f"stage 2: no stage-1 checkpoint at {path}; training the ternary model from scratch")
+        die(f"no checkpoint at {path} to start stage {cfg.stage} from; make it with: "
+            f"python train.py --stage={max(cfg.stage - 1, 1)}")
+    ckpt = load_checkpoint(path)
+    check_fits(ckpt["model_args"], conf, path)
+    insert = cfg.stage == 1 and not ckpt["model_args"].get("subln", True) and conf.subln
+    src = f"stage-{cfg.stage - 1} weights" if cfg.init_from == "auto" else "weights"
+    return Start(0, ckpt, path, insert, f"stage {cfg.stage}: starting from the {src} in {path}" +
+                 (" (SubLN inserted with unit gain)" if insert else ""))
+
+
+def make_loss_fn(run, teacher_path):
+    """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher, or
+    plain CE when every distillation weight is 0 (the control run). Picked once; returns loss_fn(x, y)."""
+    if run.cfg.stage < 3:
+        return lambda x, y: (run.train_model(x, y)[1], None)
+    teacher, crit = make_teacher(run.cfg, teacher_path, run.model.config, run.rt.device)
+    if teacher is None:
+        run.rt.log("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
+        return lambda x, y: (run.train_model(x, y)[1], None)
+    run.rt.log(f"stage 3: teacher {teacher_path}, {crit}")
+    kw = dict(qkv_layer=crit.distill_layer if crit.gamma_ad != 0 else None, hiddens=crit.delta_hidden != 0)
+
+    def distill_loss(x, y):
+        s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (see WithStates)
+        with torch.no_grad():
+            t_logits, _, t = teacher.forward_with_states(x, y, **kw)
+        parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t["hiddens"] or None)
+        return parts["loss"], parts
+    return distill_loss
+
+# -----------------------------------------------------------------------------
+# set-up and the training loop
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, built once by setup()."""
+    cfg: TrainConfig
+    rt: Runtime
+    out_dir: str
+    model: GPT = None            # the model itself: its weights are what checkpoints hold
+    train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
+    optimizer: object = None
+    clipper: ZClip = None
+    loss_fn: object = None
+    train_loader: data.DataLoader = None
+    val_loader: data.DataLoader = None
+    autocast: object = None
+    accum: int = 1               # micro-batches per step on this rank
+    start: Start = None
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.out_dir, checkpoint.LATEST)
+
+
+def setup(argv):
+    """Config, runtime, starting weights, data, model, optimizer, ZClip and loss: everything main() needs.
+    Every input is checked before anything is written, so a bad flag or file costs nothing already saved."""
+    overrides = parse_args(argv)
+    cfg = build_config(overrides)
+    run = Run(cfg, Runtime.from_env(cfg.device), os.path.join(cfg.out_dir, cfg.run_name or f"stage{cfg.stage}"))
+    resume = None
+    if cfg.resume:
+        if not os.path.exists(run.ckpt_path):
+            die(f"--resume=True but there is no checkpoint at {run.ckpt_path}; start without --resume")
+        resume = load_checkpoint(run.ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
+        run.cfg = cfg = build_config(overrides, base=resume["config"])  # the saved run, flags given now on top
+    teacher_path = cfg.teacher or os.path.join(cfg.out_dir, "stage1", "ckpt.pt")
+    check_run(cfg, run, teacher_path)
+    tok = data.get_tokenizer(cfg.tokenizer)
+    conf = model_config(cfg, tok.vocab_size, tok.eot)
+    run.start = starting_weights(cfg, conf, resume, run.ckpt_path)
+
+    rt = run.rt
+    rt.start()
+    checkpoint.seed_all(cfg.seed)  # the same on every rank: identical initial weights
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = rt.device_type == "cuda"
+    dtype = ("bfloat16" if rt.device_type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype
+    run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+    run.train_loader, run.val_loader = make_loaders(cfg, rt, resume)
+
+    run.model = GPT(conf)
+    if run.start.ckpt is not None:
+        load_weights(run.model, run.start.ckpt["model"], run.start.path, run.start.insert_subln)
+    rt.log(run.start.note)
+    run.model.to(rt.device)
+    run.train_model = parallelize(run.model, cfg, rt)
+    run.loss_fn = make_loss_fn(run, teacher_path)
+    run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, process_group(cfg, rt))
+    run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
+    try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
+        if resume is not None:
+            checkpoint.restore(resume, run.optimizer, run.clipper)
+    except checkpoint.CheckpointError as e:
+        die(f"{run.ckpt_path}: {e}; resume with the --optimizer of the run that wrote it")
+    run.accum = cfg.grad_accum // rt.world  # global batch = batch_size * grad_accum sequences at any world size
+    rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, quant={conf.quant}, subln={conf.subln}, "
+           f"vocab={conf.vocab_size}, device={rt.device}, dtype={dtype}, world={rt.world} "
+           f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'}), "
+           f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences")
+    return run
+
+
+def main(argv):
+    run = setup(argv)
+    cfg, rt = run.cfg, run.rt
+    step = start = run.start.step
+    val_loss, n_bad, bad_run = None, 0, 0
+    timer = StepTimer()
+    with checkpoint.StopSignal() as stop:
+        # ---------------------------------------------------------------- TRAINING SECTION BEGIN
+        while True:
+            lam = set_step_lambda(run, step)  # evaluation and checkpoint see the model that step `step` trains
+            last = step >= cfg.max_iters
+            if step > start or last:
+                evaluate = last or step % cfg.eval_interval == 0
+                if evaluate:
+                    val_loss = estimate_val_loss(run)
+                    rt.log(f"step {step}: val loss {val_loss:.4f}")
+                    log_json(run, {"step": step, "val_loss": val_loss, "lambda": lam})
+                if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+                    save(run, step)
+                    timer.reset()  # evaluation and checkpoint time are not step time
+            if last:
+                break
+            log_now = (step + 1) % cfg.log_interval == 0
+            out = train_step(run, step, stop.requested is not None, timed=log_now)
+            step += 1
+            timer.tick()
+            n_bad, bad_run = (n_bad, 0) if out["ok"] else (n_bad + 1, bad_run + 1)
+            if not out["ok"] or log_now:
+                log_step(run, step, out, n_bad, bad_run, timer)
+            if bad_run >= cfg.max_bad_steps:
+                save(run, step)
+                die(f"{bad_run} steps in a row with a non-finite loss or gradient, the last at step {step}; "
+                    f"saved {run.ckpt_path} (weights as after step {step - bad_run}); lower --lr or check the "
+                    f"data, then continue with --resume=True")
+            if out["stop"]:
+                save(run, step)
+                rt.log(f"{stop.requested or 'stop signal on another rank'}: finished step {step}, saved "
+                       f"{run.ckpt_path}; continue with --resume=True")
+                break
+        # ---------------------------------------------------------------- TRAINING SECTION END
+    if val_loss is not None and step >= cfg.max_iters:
+        rt.log(f"final val loss {val_loss:.4f} (stage {cfg.stage}, {step} steps); checkpoint {run.ckpt_path}")
+    rt.close()
+    return val_loss
+
+# -----------------------------------------------------------------------------
+# plumbing: optimizer groups, clipping, the host read, evaluation, wrapping, checkpoints, logging
 
 
 def configure_optimizer(model, cfg, device_type, process_group=None):
@@ -72,6 +293,11 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
     return opt
 
 
+def process_group(cfg, rt):
+    """DDP: Muon shares its Newton-Schulz work over all ranks; FSDP2 parameters bring their own mesh."""
+    return dist.group.WORLD if rt.world > 1 and not cfg.fsdp else None
+
+
 def clip_gradients(params, clipper, cfg):
     """ZClip, or a fixed clip_grad_norm_; both return the same 0-d tensor stats (read once per step)."""
     if clipper is not None:
@@ -83,12 +309,31 @@ def clip_gradients(params, clipper, cfg):
             "was_clipped": clipped.float(), "z_score": torch.zeros((), device=raw.device)}
 
 
-def optimizer_step(optimizer, device_type, timed):
+STAT_KEYS = ("grad_norm_raw", "grad_norm", "clipped", "z")  # as logged, from ZClip's raw_norm, clipped_norm, ...
+
+
+def read_step(run, loss, stats, stop_requested, parts):
+    """The one host read per step: the loss averaged over ranks, whether any rank got a stop signal, the
+    clipping statistics and (stage 3) the loss terms, all in one tensor. Every rank gets the same numbers,
+    so all take the same branch afterwards."""
+    reduced = run.rt.all_reduce_(torch.stack([loss, torch.tensor(float(stop_requested), device=loss.device)]))
+    extra = [] if parts is None else [parts[k].detach().float().reshape(1) for k in ("ce", "ld", "ad", "hidden")]
+    values = torch.cat([reduced / torch.tensor([run.rt.world, 1.0], device=loss.device)] +
+                       [stats[k].reshape(1).float() for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")]
+                       + extra).tolist()
+    out = dict(zip(("loss", "stop", *STAT_KEYS), values))
+    out["stop"] = bool(out["stop"])
+    if parts is not None:
+        out["parts"] = dict(zip(("ce", "ld", "ad", "hidden"), values[6:]))
+    return out
+
+
+def optimizer_step(optimizer, rt, timed):
     """Step; with timed=True also return the milliseconds of Muon's part (synchronising on CUDA)."""
     if not timed or not hasattr(optimizer, "muon"):
         optimizer.step()
         return None
-    sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if rt.device_type == "cuda" else (lambda: None)
     sync()
     t = time.perf_counter()
     optimizer.muon.step()
@@ -96,6 +341,102 @@ def optimizer_step(optimizer, device_type, timed):
     muon_ms = 1000 * (time.perf_counter() - t)
     optimizer.adamw.step()
     return muon_ms
+
+
+@torch.no_grad()
+def estimate_val_loss(run):
+    """Mean loss over the first eval_iters * batch_size val rows. Each of W ranks reads its own rows of
+    eval_iters / W global batches (rounded up), so when W divides eval_iters every world size reads the same rows."""
+    model, loader = run.model, run.val_loader
+    model.eval()
+    loader.reset()
+    iters = -(-run.cfg.eval_iters // loader.world_size)
+    losses = torch.zeros(iters, device=run.rt.device)
+    for k in range(iters):
+        x, y = loader.next_batch()
+        with run.autocast:
+            losses[k] = run.train_model(x.to(run.rt.device), y.to(run.rt.device))[1].float()
+    model.train()
+    return (run.rt.all_reduce_(losses.mean()) / run.rt.world).item()
+
+
+class WithStates(torch.nn.Module):
+    """Wraps the student so that its forward is GPT.forward_with_states: DDP and torch.compile only see a
+    module's forward, so stage 3 wraps this instead of the model (FSDP2 registers the method itself)."""
+
+    def __init__(self, model, **kw):
+        super().__init__()
+        self.model, self.kw = model, kw
+
+    def forward(self, x, y, **kw):
+        return self.model.forward_with_states(x, y, **kw) if kw else self.model(x, y)
+
+
+def parallelize(model, cfg, rt):
+    """One process: the model (compiled on CUDA). DDP: replicas whose gradients are all-reduced. FSDP2:
+    fully_shard each block, then the root (embedding, tied head, final norm). Returns the module to call:
+    train_model(x, y) -> (logits, loss), and train_model(x, y, qkv_layer=, hiddens=) -> (logits, loss, states)."""
+    if cfg.fsdp and rt.world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        mesh = init_device_mesh(rt.device_type, (rt.world,))
+        for block in model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        register_fsdp_forward_method(model, "forward_with_states")
+    elif cfg.fsdp:
+        rt.log("--fsdp=True in one process: nothing to shard, training unsharded")
+    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
+    train_model = WithStates(model)
+    train_model = torch.compile(train_model) if use_compile else train_model
+    if rt.world > 1 and not cfg.fsdp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        # lambda buffers are set identically on every rank, so they need no broadcast each forward
+        train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None,
+                          broadcast_buffers=False)
+    return train_model
+
+
+def grad_sync(run, last):
+    """Reduce gradients on the last micro-batch of a step only: DDP's no_sync(), FSDP2's switch."""
+    if hasattr(run.train_model, "no_sync"):
+        return contextlib.nullcontext() if last else run.train_model.no_sync()
+    if hasattr(run.model, "set_requires_gradient_sync"):
+        run.model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def make_loaders(cfg, rt, resume):
+    """Train and val loaders over the shards; local rank 0 of each node prepares the shipped corpus first."""
+    try:
+        if rt.local_rank == 0:
+            sources = resolve_data(cfg)
+        rt.barrier()
+        if rt.local_rank != 0:
+            sources = resolve_data(cfg)
+        train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
+        val_loader = data.DataLoader(sources, "val", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
+        if resume is not None:
+            train_loader.load_state_dict(resume["loader"])
+    except ValueError as e:
+        die(str(e))
+    return train_loader, val_loader
+
+
+def check_run(cfg, run, teacher_path):
+    """Refuse, before anything is loaded or written, a batch split that does not divide, a stage 3 without its
+    teacher, or an out_dir that cannot be written."""
+    world = run.rt.world
+    if cfg.grad_accum % world:
+        die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
+            f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
+    if cfg.stage == 3 and not os.path.exists(teacher_path):
+        die(f"stage 3 needs the full-precision teacher at {teacher_path}; make it with: python train.py --stage=1")
+    try:
+        if run.rt.master:
+            checkpoint.check_writable(run.out_dir)
+    except OSError as e:
+        die(f"cannot write to {run.out_dir}: {e.strerror}; pass a writable --out_dir")
 
 
 def load_checkpoint(path, required=("model", "model_args")):
@@ -117,7 +458,7 @@ def check_fits(saved, conf, path):
 
 def load_weights(model, state, path, insert_subln=False):
     """Load a state dict; lambda_ buffers may be missing (an fp checkpoint into a ternary model), and with
-    insert_subln the SubLN gains too: they keep their unit init (BitDistill Stage 1, REFERENCE section 2)."""
+    insert_subln the SubLN gains too: they keep their unit init (BitDistill, arXiv 2510.13998, Stage 1)."""
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a shape mismatch that check_fits did not catch
@@ -158,290 +499,63 @@ def make_teacher(cfg, path, student_conf, device):
     return teacher, crit
 
 
-def distill_losses(student, teacher, crit, x, y):
-    """Student and frozen teacher on the same batch; returns the dict of loss terms (total in "loss")."""
-    kw = dict(qkv_layer=crit.distill_layer if crit.gamma_ad != 0 else None, return_hiddens=crit.delta_hidden != 0)
-    s_out = student(x, y, **kw)
-    with torch.no_grad():
-        t_out = teacher(x, y, **kw)
-    s_st, t_st = (s_out[2], t_out[2]) if len(s_out) == 3 else ({}, {})
-    return crit(s_out[0], t_out[0], y, s_st.get("qkv"), t_st.get("qkv"), s_st.get("hiddens") or None,
-                t_st.get("hiddens") or None)
-
-
-@torch.no_grad()
-def estimate_val_loss(model, loader, cfg, ctx, device):
-    """Mean loss over the first eval_iters * batch_size val rows. Each of W ranks reads its own rows of
-    eval_iters / W global batches (rounded up), so when W divides eval_iters every world size reads the same rows."""
-    model.eval()
-    loader.reset()
-    iters = -(-cfg.eval_iters // loader.world_size)
-    losses = torch.zeros(iters, device=device)
-    for k in range(iters):
-        x, y = loader.next_batch()
-        with ctx:
-            losses[k] = model(x.to(device), y.to(device))[1].float()
-    model.train()
-    loss = losses.mean()
-    if dist.is_initialized():
-        dist.all_reduce(loss)
-        loss /= dist.get_world_size()
-    return loss.item()
-
-
-def parallelize(model, cfg, world, device_type, local_rank):
-    """One process: the model (compiled on CUDA). DDP: replicas whose gradients are all-reduced. FSDP2:
-    fully_shard each block, then the root (embedding, tied head, final norm). Returns the module to call."""
-    if cfg.fsdp and world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device_type, (world,))
-        for block in model.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and device_type == "cuda")
-    train_model = torch.compile(model) if use_compile else model
-    if world > 1 and not cfg.fsdp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        # lambda buffers are set identically on every rank, so they need no broadcast each forward
-        train_model = DDP(train_model, device_ids=[local_rank] if device_type == "cuda" else None,
-                          broadcast_buffers=False)
-    return train_model
-
-
-def grad_sync(train_model, model, sync):
-    """Reduce gradients on the last micro-batch of a step only: DDP's no_sync(), FSDP2's switch."""
-    if hasattr(train_model, "no_sync"):
-        return contextlib.nullcontext() if sync else train_model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
-    return contextlib.nullcontext()
-
-
-def main(argv):
-    overrides = parse_args(argv)
-    cfg = build_config(overrides)
-    # torchrun sets these; one process is rank 0 of 1
-    rank, local_rank, world = (int(os.environ.get(k, 1 if k == "WORLD_SIZE" else 0))
-                               for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    master = rank == 0
-    log = print if master else (lambda *a, **k: None)
-    out_dir = os.path.join(cfg.out_dir, cfg.run_name or f"stage{cfg.stage}")
-    ckpt_path = os.path.join(out_dir, checkpoint.LATEST)
-    ckpt = None
-    if cfg.resume:
-        if not os.path.exists(ckpt_path):
-            die(f"--resume=True but there is no checkpoint at {ckpt_path}; start without --resume")
-        ckpt = load_checkpoint(ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
-        cfg = build_config(overrides, base=ckpt["config"])  # the saved run, with command-line overrides on top
-    if cfg.grad_accum % world:
-        die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
-            f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
-    local_accum = cfg.grad_accum // world  # global batch = batch_size * grad_accum sequences at any world size
-    teacher_path = cfg.teacher or os.path.join(cfg.out_dir, "stage1", "ckpt.pt")
-    if cfg.stage == 3 and not os.path.exists(teacher_path):
-        die(f"stage 3 needs the full-precision teacher at {teacher_path}; make it with: python train.py --stage=1")
+def save(run, step):
+    """Every rank calls it (FSDP2 gathers shards); rank 0 writes. A failed write keeps the previous checkpoint."""
+    state = checkpoint.training_state(step, dataclasses.asdict(run.cfg), dataclasses.asdict(run.model.config),
+                                      run.model, run.optimizer, run.clipper, run.train_loader)
     try:
-        if master:
-            checkpoint.check_writable(out_dir)
-    except OSError as e:
-        die(f"cannot write to {out_dir}: {e.strerror}; pass a writable --out_dir")
+        if run.rt.master:
+            checkpoint.save(state, run.out_dir, run.cfg.keep_last)
+    except OSError as e:  # e.g. a full disk: the atomic write left the previous checkpoint as it was
+        die(f"cannot write a checkpoint to {run.out_dir}: {e.strerror}; the previous one is kept, free space "
+            f"and continue with --resume=True")
+    run.rt.barrier()
 
-    tok = data.get_tokenizer(cfg.tokenizer)
-    gptconf = model_config(cfg, tok.vocab_size, tok.eot)
-    init, init_path = None, None  # the weights a new run starts from, checked before any data is touched
-    if ckpt is not None:
-        check_fits(ckpt["model_args"], gptconf, ckpt_path)
-    elif cfg.init_from != "scratch" and (cfg.stage > 1 or cfg.init_from != "auto"):
-        prev = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt")
-        init_path = prev if cfg.init_from == "auto" else cfg.init_from
-        if os.path.exists(init_path):
-            init = load_checkpoint(init_path)
-            check_fits(init["model_args"], gptconf, init_path)
-        elif not (cfg.init_from == "auto" and cfg.stage == 2):
-            die(f"no checkpoint at {init_path} to start stage {cfg.stage} from; make it with: "
-                f"python train.py --stage={max(cfg.stage - 1, 1)}")
 
-    device_type = "cuda" if cfg.device.startswith("cuda") else "cpu"
-    device = f"cuda:{local_rank}" if device_type == "cuda" and world > 1 else cfg.device
-    if world > 1:
-        if device_type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    if cfg.fsdp and world == 1:
-        log("--fsdp=True in one process: nothing to shard, training unsharded")
-    checkpoint.seed_all(cfg.seed)  # the same on every rank: identical initial weights
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = device_type == "cuda"
-    dtype = ("bfloat16" if device_type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype
-    ctx = torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+class StepTimer:
+    """Wall time per step, averaged over the steps since the last log (or since an eval or checkpoint)."""
 
-    try:
-        if local_rank == 0:  # first: it prepares the shipped corpus on its node if needed
-            sources = resolve_data(cfg)
-        if world > 1:
-            dist.barrier()
-        if local_rank != 0:
-            sources = resolve_data(cfg)
-        train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rank, world, cfg.seed)
-        val_loader = data.DataLoader(sources, "val", cfg.batch_size, cfg.block_size, rank, world, cfg.seed)
-        if ckpt is not None:
-            train_loader.load_state_dict(ckpt["loader"])
-    except ValueError as e:
-        die(str(e))
+    def __init__(self):
+        self.reset()
 
-    model = GPT(gptconf)
-    step = 0
-    if ckpt is not None:
-        load_weights(model, ckpt["model"], ckpt_path)
-        step = ckpt["step"]
-        log(f"resuming stage {cfg.stage} from {ckpt_path} at step {step}")
-    elif init is not None:
-        insert = cfg.stage == 1 and not init["model_args"].get("subln", True) and gptconf.subln
-        load_weights(model, init["model"], init_path, insert_subln=insert)
-        src = f"stage-{cfg.stage - 1} weights" if cfg.init_from == "auto" else "weights"
-        log(f"stage {cfg.stage}: starting from the {src} in {init_path}" +
-            (" (SubLN inserted with unit gain)" if insert else ""))
-    elif init_path is not None:
-        log(f"stage 2: no stage-1 checkpoint at {init_path}; training the ternary model from scratch")
-    else:
-        log(f"stage {cfg.stage}: training from scratch")
-    teacher, crit = None, None
-    if cfg.stage == 3:
-        teacher, crit = make_teacher(cfg, teacher_path, gptconf, device)
-        log(f"stage 3: teacher {teacher_path}, {crit}" if teacher is not None else
-            "stage 3: all distillation weights are 0, so this is plain CE (the control run)")
-    model.to(device)
-    train_model = parallelize(model, cfg, world, device_type, local_rank)
-    optimizer = configure_optimizer(model, cfg, device_type, dist.group.WORLD if world > 1 and not cfg.fsdp else None)
-    clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
-    try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
-        if ckpt is not None:
-            checkpoint.restore(ckpt, optimizer, clipper)
-    except checkpoint.CheckpointError as e:
-        die(f"{ckpt_path}: {e}; resume with the --optimizer of the run that wrote it")
-    log(f"{model.get_num_params() / 1e6:.2f}M non-embedding params, quant={gptconf.quant}, subln={gptconf.subln}, "
-        f"vocab={gptconf.vocab_size}, device={device}, dtype={dtype}, world={world} "
-        f"({'FSDP2' if cfg.fsdp and world > 1 else 'DDP' if world > 1 else 'one process'}), "
-        f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences")
-    saved_cfg = {k: v for k, v in dataclasses.asdict(cfg).items() if not k.startswith("fault_")}
+    def reset(self):
+        self.t0, self.steps = time.time(), 0
 
-    def save():  # every rank calls it (FSDP2 gathers shards); rank 0 writes
-        state = checkpoint.training_state(step, saved_cfg, dataclasses.asdict(gptconf), model, optimizer,
-                                          clipper, train_loader)
-        try:
-            if master:
-                checkpoint.save(state, out_dir, cfg.keep_last, cfg.fault_slow_write)
-        except OSError as e:  # e.g. a full disk: the atomic write left the previous checkpoint as it was
-            die(f"cannot write a checkpoint to {out_dir}: {e.strerror}; the previous one is kept, free space "
-                f"and continue with --resume=True")
-        if world > 1:
-            dist.barrier()
-        if step == cfg.fault_hang_at:
-            log(f"fault_hang_at={step}: checkpoint written; hanging until killed", flush=True)
-            while not stop.requested:
-                time.sleep(0.05)
+    def tick(self):
+        self.steps += 1
 
-    def log_json(rec):
-        if master:
-            with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
+    def lap(self):
+        """Seconds per step since the last lap or reset, then start a new lap."""
+        dt = (time.time() - self.t0) / max(self.steps, 1)
+        self.reset()
+        return dt
 
-    tokens_per_step = cfg.batch_size * cfg.block_size * cfg.grad_accum
-    poisoned = nan_steps(cfg)
-    val_loss, start, n_bad, bad_run = None, step, 0, 0
-    t0 = time.time()
-    with checkpoint.StopSignal() as stop:
-        while True:
-            lam = lambda_at(step, cfg) if gptconf.quant else 0.0
-            if gptconf.quant:
-                set_lambda(model, lam)
-            last = step >= cfg.max_iters
-            if step > start or last:
-                evaluate = last or step % cfg.eval_interval == 0
-                if evaluate:
-                    val_loss = estimate_val_loss(train_model, val_loader, cfg, ctx, device)
-                    log(f"step {step}: val loss {val_loss:.4f}")
-                    log_json({"step": step, "val_loss": val_loss, "lambda": lam})
-                if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
-                    save()
-                t0 = time.time()  # do not count eval or checkpoint time in the next step's timing
-            if last:
-                break
-            mult = lr_mult(step, cfg)
-            phase2 = cfg.two_phase and step >= cfg.max_iters // 2
-            for g in optimizer.param_groups:
-                g["lr"] = g["initial_lr"] * mult
-                g["weight_decay"] = 0.0 if phase2 else g["initial_wd"]
-            if gptconf.quant and local_accum > 1 and not cfg.fsdp:  # FSDP2: whole weights exist only in forward
-                cache_weight_quant(model)  # quantise each weight once per step, not once per micro-batch
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(local_accum):
-                x, y = train_loader.next_batch()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                with grad_sync(train_model, model, micro == local_accum - 1):
-                    with ctx:
-                        if teacher is None:
-                            _, loss = train_model(x, y)
-                        else:
-                            parts = distill_losses(train_model, teacher, crit, x, y)
-                            loss = parts["loss"]
-                    if step + 1 in poisoned:
-                        loss = loss * float("nan")  # fault-injection hook, see TrainConfig
-                    (loss / local_accum).backward()
-                loss_sum += loss.detach().float()
-            clear_weight_quant(model)  # the optimizer step below changes the weights
-            stats = clip_gradients([p for p in model.parameters() if p.grad is not None], clipper, cfg)
-            stop_flag = torch.tensor(float(stop.requested is not None), device=device)
-            reduced = torch.stack([loss_sum / local_accum, stop_flag])
-            if world > 1:
-                dist.all_reduce(reduced)  # mean loss over the global batch; did any rank get a stop signal?
-            # the one host read per step: every rank gets the same numbers, so all take the same branch
-            loss_f, stopping, raw, clipped_norm, was_clipped, z = torch.cat(
-                [reduced / torch.tensor([world, 1.0], device=device)] +
-                [stats[k].reshape(1).float() for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")]).tolist()
-            bad = not (math.isfinite(loss_f) and math.isfinite(raw))
-            log_now = (step + 1) % cfg.log_interval == 0
-            muon_ms = None
-            if bad:
-                n_bad, bad_run = n_bad + 1, bad_run + 1
-            else:
-                bad_run = 0
-                muon_ms = optimizer_step(optimizer, device_type, timed=log_now)
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            if bad:
-                log(f"step {step} | skipped: loss {loss_f} grad norm {raw} not finite, no update "
-                    f"({bad_run} in a row, {n_bad} in all; max_bad_steps={cfg.max_bad_steps})")
-                log_json({"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": n_bad})
-            elif log_now:
-                dt = (time.time() - t0) / cfg.log_interval
-                rec = {"step": step, "loss": loss_f, "lr": cfg.lr * mult, "lambda": lam, "grad_norm_raw": raw,
-                       "grad_norm": clipped_norm, "clipped": int(was_clipped), "z": z, "ms": 1000 * dt,
-                       "tok_per_s": tokens_per_step / dt, "muon_ms": muon_ms, "bad_steps": n_bad}
-                if teacher is not None:
-                    rec.update({k: float(parts[k]) for k in ("ce", "ld", "ad", "hidden")})
-                log(f"step {step} | loss {loss_f:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | "
-                    f"grad norm {raw:.3f} -> {clipped_norm:.3f} (clipped {rec['clipped']}, z {z:.2f}) | "
-                    f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
-                    (f" | ce {rec['ce']:.4f} ld {rec['ld']:.4f} ad {rec['ad']:.5f} hidden {rec['hidden']:.4f}"
-                     if teacher is not None else ""))
-                log_json(rec)
-                t0 = time.time()
-            if bad_run >= cfg.max_bad_steps:
-                save()
-                die(f"{bad_run} steps in a row with a non-finite loss or gradient, the last at step {step}; "
-                    f"saved {ckpt_path} (weights as after step {step - bad_run}); lower --lr or check the data, "
-                    f"then continue with --resume=True")
-            if stopping:
-                save()
-                log(f"{stop.requested or 'stop signal on another rank'}: finished step {step}, saved {ckpt_path}; "
-                    f"continue with --resume=True")
-                break
-    if val_loss is not None and step >= cfg.max_iters:
-        log(f"final val loss {val_loss:.4f} (stage {cfg.stage}, {step} steps); checkpoint {ckpt_path}")
-    if world > 1:
-        dist.destroy_process_group()
-    return val_loss
+
+def log_json(run, rec):
+    if run.rt.master:
+        with open(os.path.join(run.out_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def log_step(run, step, out, n_bad, bad_run, timer):
+    lam = out["lam"]
+    if not out["ok"]:
+        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['grad_norm_raw']} not finite, no "
+                   f"update ({bad_run} in a row, {n_bad} in all; max_bad_steps={run.cfg.max_bad_steps})")
+        log_json(run, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": n_bad})
+        return
+    dt = timer.lap()
+    tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
+    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam,
+           **{k: out[k] for k in STAT_KEYS}, "ms": 1000 * dt, "tok_per_s": tokens / dt,
+           "muon_ms": out["muon_ms"], "bad_steps": n_bad, **out.get("parts", {})}
+    rec["clipped"] = int(rec["clipped"])
+    parts = out.get("parts")
+    run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | grad norm "
+               f"{rec['grad_norm_raw']:.3f} -> {rec['grad_norm']:.3f} (clipped {rec['clipped']}, z {rec['z']:.2f}) | "
+               f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
+               (" | " + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) if parts else ""))
+    log_json(run, rec)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ moving average (EMA) of the global gradient norm and of its variance; a step who
 (z-score above a threshold) is a spike, and its gradients are scaled down to a threshold derived from
 those running statistics. Ordinary steps pass through untouched.
 
-Source: "ZClip: Adaptive Spike Mitigation for LLM Pre-Training", arXiv 2504.02507; reference
-implementation github.com/bluorion-com/ZClip (zclip/zclip.py). Formulas as pinned in REFERENCE.md §4:
+Source: Kumar et al., "ZClip: Adaptive Spike Mitigation for LLM Pre-Training", arXiv 2504.02507, and its
+reference implementation github.com/bluorion-com/ZClip (zclip/zclip.py), whose steps map to the functions
+below: _compute_grad_norm -> total_norm, _compute_positive_zscore -> z_score, _compute_clip_val ->
+clip_threshold, _update_ema -> update_ema, _apply_clipping -> the factor and scale_ in ZClip.clip.
 
     g = || all gradients ||_2                        global L2 norm, fp32
     warmup: the first N = warmup_steps norms are only collected (no z-clipping). At call N:
@@ -26,24 +28,30 @@ implementation github.com/bluorion-com/ZClip (zclip/zclip.py). Formulas as pinne
     worked example: mu = 1, var = 0.25, z_thresh = 2, g = 3 gives z = 2 / 0.500001 ~ 3.999992,
         T = 1 + 4 * 0.5 / z ~ 1.500001, gradients rescaled to norm ~ 1.5; then mu = 1.015, var ~ 0.2495568.
 
+Departures from the reference code: max_grad_norm defaults to None (pure ZClip; the reference defaults to 1.0);
+spike_update="skip" is its skip_update_on_spike=True; the handling of non-finite norms below is ours.
 Non-finite g (NaN/inf): gradients are left untouched and mu/var are not updated; the training loop is
 expected to skip that optimizer step. A non-finite norm collected during warmup is left out of the
 initial mean/variance.
 
-Distributed: under DDP every rank holds the whole all-reduced gradients, so the local norm is the global one.
-Under FSDP2 the gradients are DTensors sharded by rows: clip() works on the local shards, and g is
-sqrt(all_reduce_sum(||local shards||^2)) over the mesh's process group, the same g on every rank.
+dtypes: gradients may be fp32, bf16 (or fp16) or fp64, mixed too. Each tensor's norm is accumulated in the
+wider of fp32 and its own dtype, g and the statistics are fp32 whatever the gradients, and the factor is
+handed to each gradient's in-place multiply in that same wider dtype (fp32 for bf16, fp64 for fp64).
 
 No host synchronisation: mu and var are 0-d fp32 tensors on the gradients' device, every decision is a
-torch.where, and the gradients are always multiplied by one 0-d factor in a single _foreach_mul_. When
-nothing is clipped the factor is exactly 1.0, and x * 1.0 == x bitwise in IEEE arithmetic, so the
-no-clip path needs no branch. The only Python state that changes is the warmup count, which depends on
-the number of calls alone and stops changing after warmup (a compiled clip() does not recompile).
-clip() returns a dict of 0-d tensors; reading them when logging (float(stats["raw_norm"])) is the one
-host read per step.
+torch.where, and the gradients are always multiplied by one 0-d factor with _foreach_mul_ (one call per
+dtype group). When nothing is clipped the factor is exactly 1.0, and x * 1.0 == x bitwise in IEEE
+arithmetic, so the no-clip path needs no branch. The only Python state that changes is the warmup count,
+which depends on the number of calls alone and stops changing after warmup (a compiled clip() does not
+recompile). clip() returns a dict of 0-d tensors; reading them when logging (float(stats["raw_norm"])) is
+the one host read per step.
+
+Distributed: under DDP every rank holds the whole all-reduced gradients, so the local norm is the global one.
+Under FSDP2 the gradients are DTensors sharded by rows; the section at the bottom of the file turns them into
+local shards and g into sqrt(all_reduce_sum(||local shards||^2)), the same g on every rank.
 
 Usage:
-    zclip = ZClip()                     # or ZClip(**SEED_VARIANT), or ZClip(max_grad_norm=1.0)
+    zclip = ZClip()                     # or ZClip(**PERCENTILE_RAW_EMA), or ZClip(max_grad_norm=1.0)
     loss.backward()
     stats = zclip.clip(model)           # between backward() and optimizer.step()
     optimizer.step()
@@ -53,14 +61,78 @@ Test: python -m pytest tests/test_zclip.py        Demo: python zclip.py
 """
 import torch
 
+# -----------------------------------------------------------------------------
+# the algorithm, one step per function: g, z, (spike, T), the EMA update, the in-place scaling
+
+
+def total_norm(grads):
+    """g = || all gradients ||_2 as a 0-d fp32 tensor; one fused _foreach_norm per accumulation dtype."""
+    norms = [n.float() for dtype, group in _by_compute_dtype(grads).items()
+             for n in torch._foreach_norm(group, 2.0, dtype=dtype)]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def z_score(g, mean, var, eps):
+    """z = (g - mu) / (sigma + eps): how many standard deviations g lies above the running mean."""
+    return (g - mean) / (var.sqrt() + eps)
+
+
+def clip_threshold(g, z, mean, var, z_thresh, mode="zscore", clip_option="adaptive_scaling", clip_factor=1.0):
+    """(spike, T): whether g is a spike (0-d bool), and the norm T a spike is scaled down to."""
+    std = var.sqrt()
+    if mode == "percentile":  # a fixed number of standard deviations above the mean
+        T = mean + z_thresh * std
+        return g > T, T
+    spike = z > z_thresh
+    if clip_option == "mean":
+        return spike, mean
+    z = torch.where(spike, z, torch.ones_like(z))  # T is used only on a spike; elsewhere z may be 0
+    # the further out the spike, the closer T gets to mu (the reference's mu + z_thresh * sigma / (z / z_thresh))
+    return spike, clip_factor * (mean + z_thresh ** 2 * std / z)
+
+
+def update_ema(mean, var, x, alpha):
+    """One EMA step of the norm's mean and variance toward x (T on a spike, else g)."""
+    mean = alpha * mean + (1 - alpha) * x
+    var = alpha * var + (1 - alpha) * (x - mean) ** 2  # with the updated mean, as the reference does
+    return mean, var
+
+
+def warmup_stats(norms):
+    """(mu, var): mean and population variance of the finite warmup norms (a NaN/inf one would poison both)."""
+    ok = torch.isfinite(norms)
+    n = ok.sum().clamp(min=1)
+    x = torch.where(ok, norms, torch.zeros_like(norms))
+    mean = x.sum() / n
+    return mean, torch.where(ok, (x - mean) ** 2, torch.zeros_like(x)).sum() / n
+
+
+def scale_(grads, factor):
+    """grads *= factor in place, the 0-d fp32 factor cast to each group's compute dtype (exactly, fp32 -> fp64)."""
+    for dtype, group in _by_compute_dtype(grads).items():
+        torch._foreach_mul_(group, factor.to(dtype))
+
+
+def _by_compute_dtype(tensors):
+    """{dtype: tensors}: grouped by the dtype their arithmetic runs in, the wider of fp32 and their own
+    (bf16, fp16, fp32 -> fp32; fp64 -> fp64). torch refuses to accumulate an fp64 norm in fp32."""
+    groups = {}
+    for t in tensors:
+        groups.setdefault(torch.promote_types(t.dtype, torch.float32), []).append(t)
+    return groups
+
+
+# -----------------------------------------------------------------------------
+# ZClip: the statistics between calls, warmup, and the options
+
 MODES = ("zscore", "percentile")
 CLIP_OPTIONS = ("adaptive_scaling", "mean")
-# what the EMA sees on a spike: "threshold" = T (paper, reference default), "raw" = g (the seed's
-# variant), "skip" = no update (the reference's skip_update_on_spike=True)
+# what the EMA sees on a spike: "threshold" = T (paper, reference default), "raw" = g (as in
+# PERCENTILE_RAW_EMA), "skip" = no update (the reference's skip_update_on_spike=True)
 SPIKE_UPDATES = ("threshold", "raw", "skip")
-# The seed's variant (REFERENCE §4): EMA decay 0.99, clip to mu + 3 sigma, EMA fed with the raw norm.
-# It had no warmup; warmup_steps=1 (mu = first norm, var = 0) is the closest form.
-SEED_VARIANT = dict(alpha=0.99, z_thresh=3.0, warmup_steps=1, mode="percentile", spike_update="raw")
+# Not the paper's default: the variant an earlier codebase used (EMA decay 0.99, clip to mu + 3 sigma, EMA fed
+# with the raw norm, no warmup; warmup_steps=1, i.e. mu = first norm and var = 0, is the closest form).
+PERCENTILE_RAW_EMA = dict(alpha=0.99, z_thresh=3.0, warmup_steps=1, mode="percentile", spike_update="raw")
 CONFIG_KEYS = ("alpha", "z_thresh", "warmup_steps", "eps", "mode", "clip_option", "clip_factor",
                "max_grad_norm", "spike_update")
 
@@ -84,111 +156,57 @@ class ZClip:
         self.var = torch.zeros(())          # sigma^2, 0-d fp32
         self.warmup_norms = torch.zeros(warmup_steps)
 
-    def _check_config(self):
-        for name, value, valid in (("mode", self.mode, MODES), ("clip_option", self.clip_option, CLIP_OPTIONS),
-                                   ("spike_update", self.spike_update, SPIKE_UPDATES)):
-            if value not in valid:
-                raise ValueError(f"ZClip: {name}={value!r} is not valid; expected one of {valid}")
-        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 1):
-            raise ValueError(f"ZClip: warmup_steps={self.warmup_steps!r}; expected an int >= 1")
-        if not 0.0 <= self.alpha < 1.0:
-            raise ValueError(f"ZClip: alpha={self.alpha!r}; expected 0 <= alpha < 1")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"ZClip: max_grad_norm={self.max_grad_norm!r}; expected None or a positive float")
-
     @property
     def initialized(self):
         return self.n_seen >= self.warmup_steps
-
-    def to(self, device):
-        self.mean, self.var, self.warmup_norms = (t.to(device=device, dtype=torch.float32)
-                                                  for t in (self.mean, self.var, self.warmup_norms))
-        return self
-
-    def _total_norm(self, grads, group=None):
-        # Assumes all grads share one device (the state lives there). group: the process group over which
-        # the grads are sharded (FSDP2); the global norm is then the root of the summed squared shard norms.
-        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)  # one fused kernel, fp32 accumulation
-        total = torch.linalg.vector_norm(torch.stack(norms))
-        if group is None:
-            return total
-        sq = total.square()
-        torch.distributed.all_reduce(sq, group=group)
-        return sq.sqrt()
-
-    @staticmethod
-    def _local_shards(grads):
-        """(tensors to clip in place, process group or None): FSDP2 DTensor grads -> their local shards."""
-        sharded = [g for g in grads if hasattr(g, "to_local")]
-        if not sharded:
-            return grads, None
-        mesh = sharded[0].device_mesh
-        if len(sharded) != len(grads) or mesh.ndim != 1 or not all(
-                pl.is_shard() for g in sharded for pl in g.placements) or any(g.device_mesh != mesh for g in sharded):
-            raise ValueError("ZClip: expected all gradients sharded (Shard placements) on one 1-D device mesh, "
-                             "as FSDP2's fully_shard makes them")
-        return [g.to_local() for g in grads], mesh.get_group()
-
-    def _init_stats(self):
-        x = self.warmup_norms
-        ok = torch.isfinite(x)  # a NaN/inf warmup norm must not poison mu/var
-        n = ok.sum().clamp(min=1)
-        x = torch.where(ok, x, torch.zeros_like(x))
-        self.mean = x.sum() / n
-        self.var = torch.where(ok, (x - self.mean) ** 2, torch.zeros_like(x)).sum() / n
 
     @torch.no_grad()
     def clip(self, params):
         """Clip the gradients of `params` (an nn.Module or an iterable of tensors) in place.
         Returns 0-d tensors: raw_norm, clipped_norm, was_clipped (0./1.), z_score, and ema_mean, ema_var
         after this call's update."""
-        if isinstance(params, torch.nn.Module):
-            params = params.parameters()
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in (params.parameters() if isinstance(params, torch.nn.Module) else params)
+                 if p.grad is not None]
         if not grads:
             raise ValueError("ZClip.clip: no parameter has a .grad; call it after loss.backward()")
-        grads, group = self._local_shards(grads)  # in-place ops on a shard change the DTensor gradient
-        if self.mean.device != grads[0].device:
-            self.to(grads[0].device)  # e.g. after load_state_dict of a CPU checkpoint
-        g = self._total_norm(grads, group)  # ()
+        grads, group = _local_shards(grads)  # FSDP2 only: see the section at the bottom of the file
+        g = _norm_over_ranks(total_norm(grads), group)  # ()
+        if self.mean.device != g.device:
+            self.to(g.device)  # e.g. after load_state_dict of a CPU checkpoint
         finite = torch.isfinite(g)
         decide = self.initialized  # depends on the call count only, never on data
-        if not decide:
-            self.warmup_norms[self.n_seen] = g
-            self.n_seen += 1
-            if self.initialized:
-                self._init_stats()
-            z = torch.zeros_like(g)
-            target = g  # no z-clipping during warmup; max_grad_norm still applies below
-        else:
-            mu, var = self.mean, self.var
-            std = var.sqrt()
-            z = (g - mu) / (std + self.eps)
-            if self.mode == "zscore":
-                spike = z > self.z_thresh
-                if self.clip_option == "adaptive_scaling":
-                    z_safe = torch.where(spike, z, torch.ones_like(z))  # the unused branch must not divide by 0
-                    T = self.clip_factor * (mu + self.z_thresh ** 2 * std / z_safe)
-                else:
-                    T = mu
-            else:
-                T = mu + self.z_thresh * std
-                spike = g > T
+        if decide:
+            z = z_score(g, self.mean, self.var, self.eps)
+            spike, T = clip_threshold(g, z, self.mean, self.var, self.z_thresh, self.mode, self.clip_option,
+                                      self.clip_factor)
             spike = spike & finite
             target = torch.where(spike, T, g)
+        else:
+            z, target = self._collect_warmup(g)
         effective = target if self.max_grad_norm is None else torch.clamp(target, max=self.max_grad_norm)
         clipped = finite & (g > effective)
         factor = torch.where(clipped, effective / (g + 1e-6), torch.ones_like(g))
-        torch._foreach_mul_(grads, factor)  # factor == 1.0 exactly when not clipped: grads bitwise unchanged
+        scale_(grads, factor)  # factor == 1.0 exactly when not clipped: grads bitwise unchanged
         if decide:
             x = target if self.spike_update == "threshold" else g  # x = T on a spike, else g
-            new_mean = self.alpha * mu + (1 - self.alpha) * x
-            new_var = self.alpha * var + (1 - self.alpha) * (x - new_mean) ** 2  # uses the updated mean
+            mean, var = update_ema(self.mean, self.var, x, self.alpha)
             keep = ~finite | spike if self.spike_update == "skip" else ~finite
-            self.mean = torch.where(keep, mu, new_mean)
-            self.var = torch.where(keep, var, new_var)
+            self.mean, self.var = torch.where(keep, self.mean, mean), torch.where(keep, self.var, var)
         return dict(raw_norm=g, clipped_norm=g * factor, was_clipped=clipped.float(), z_score=z,
                     ema_mean=self.mean, ema_var=self.var)
+
+    def _collect_warmup(self, g):
+        """Store g; at the last warmup call set mu, var. Returns (z, target) = (0, g): no z-clipping yet."""
+        self.warmup_norms[self.n_seen] = g
+        self.n_seen += 1
+        if self.initialized:
+            self.mean, self.var = warmup_stats(self.warmup_norms)
+        return torch.zeros_like(g), g
+
+    def to(self, device):
+        self.mean, self.var, self.warmup_norms = (t.to(device=device, dtype=torch.float32)
+                                                  for t in (self.mean, self.var, self.warmup_norms))
+        return self
 
     def state_dict(self):
         sd = {k: getattr(self, k) for k in CONFIG_KEYS}
@@ -208,6 +226,47 @@ class ZClip:
         self.n_seen = int(sd["n_seen"])
         self.mean, self.var = sd["mean"].float().clone(), sd["var"].float().clone()
         self.warmup_norms = sd["warmup_norms"].float().clone()
+
+    def _check_config(self):
+        for name, value, valid in (("mode", self.mode, MODES), ("clip_option", self.clip_option, CLIP_OPTIONS),
+                                   ("spike_update", self.spike_update, SPIKE_UPDATES)):
+            if value not in valid:
+                raise ValueError(f"ZClip: {name}={value!r} is not valid; expected one of {valid}")
+        if not (isinstance(self.warmup_steps, int) and self.warmup_steps >= 1):
+            raise ValueError(f"ZClip: warmup_steps={self.warmup_steps!r}; expected an int >= 1")
+        if not 0.0 <= self.alpha < 1.0:
+            raise ValueError(f"ZClip: alpha={self.alpha!r}; expected 0 <= alpha < 1")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"ZClip: max_grad_norm={self.max_grad_norm!r}; expected None or a positive float")
+
+
+# -----------------------------------------------------------------------------
+# FSDP2 plumbing, kept apart so the algorithm above reads as on one device: under FSDP2 each rank holds a
+# row-shard of every gradient (a DTensor), so g needs the other ranks' shards and the scaling acts on our own.
+
+
+def _local_shards(grads):
+    """(tensors to scale in place, process group or None): FSDP2 DTensor grads -> their local shards (scaling
+    a local shard in place scales the DTensor gradient); any other grads -> themselves and None."""
+    sharded = [g for g in grads if hasattr(g, "to_local")]
+    if not sharded:
+        return grads, None
+    mesh = sharded[0].device_mesh
+    if len(sharded) != len(grads) or mesh.ndim != 1 or not all(
+            pl.is_shard() for g in sharded for pl in g.placements) or any(g.device_mesh != mesh for g in sharded):
+        raise ValueError("ZClip: expected all gradients sharded (Shard placements) on one 1-D device mesh, "
+                         "as FSDP2's fully_shard makes them")
+    return [g.to_local() for g in grads], mesh.get_group()
+
+
+def _norm_over_ranks(norm, group):
+    """sqrt(sum over the ranks of norm^2), the norm of the whole gradient from each rank's local-shard norm;
+    `norm` itself when group is None (every rank holds the whole gradient)."""
+    if group is None:
+        return norm
+    sq = norm.square()
+    torch.distributed.all_reduce(sq, group=group)
+    return sq.sqrt()
 
 
 if __name__ == "__main__":

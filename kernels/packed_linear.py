@@ -18,7 +18,8 @@ whole model those ulps can flip an activation that sits on a rounding tie to the
 so frozen logits agree with the unfrozen model's closely, not to the last bit.
 
 freeze_ternary(model) swaps every BitLinear for a PackedBitLinear in place; weight_bytes(model) measures
-the hidden matrices and the rest. Source: BitNet b1.58 (arXiv 2402.17764, section 2); REFERENCE.md 1, 8.
+the hidden matrices and the rest. Sources: BitNet b1.58 (arXiv 2402.17764, section 2) for the quantisers and
+BitNet b1.58 2B4T (arXiv 2504.12285) for inference from packed weights; the byte layout is docs/packed-format.md.
 
 Demo:  python -m kernels.packed_linear          Test:  python -m pytest tests/test_packed.py
 """

@@ -3,8 +3,9 @@ Ternary x int8 matmul in Triton: y = (x_q @ W_q^T) * x_scale * gamma, with 2-bit
 
 BitNet b1.58 inference needs only integer arithmetic between the scales: W_q in {-1, 0, +1} and
 x_q in [-128, 127], so the product x_q @ W_q^T is a sum of small integers that an int32 accumulator
-holds exactly (|acc| <= 128 * K < 2**31 for K < 2**24). The scales are applied once, at the end. Source: BitNet b1.58
-(arXiv 2402.17764, section 2); layout and contract: REFERENCE.md sections 1 and 8.
+holds exactly (|acc| <= 128 * K < 2**31 for K < 2**24). The scales are applied once, at the end. Sources: the
+quantisers of BitNet b1.58 (arXiv 2402.17764, section 2); W1.58A8 inference from 2-bit packed weights, BitNet
+b1.58 2B4T (arXiv 2504.12285). Byte layout, export file and this contract: docs/packed-format.md.
 
 Packed weight layout (same as quant.pack_ternary):
     code = W_q + 1 in {0, 1, 2}: 0b00 = -1, 0b01 = 0, 0b10 = +1        (0b11 is never written)

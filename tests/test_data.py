@@ -1,4 +1,4 @@
-"""Tests for data.py: tokenisers, the shard format, prepare() and the DataLoader.
+"""Tests for data.py: the shard format, the DataLoader and the tokenisers (prepare.py: tests/test_prepare.py).
 Run: python -m pytest tests/test_data.py"""
 
 import base64
@@ -9,88 +9,17 @@ import json
 import os
 import re
 import struct
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
+import data
+from conftest import ENV, ROOT
 
-# -----------------------------------------------------------------------------
-# shipped assets and tokenisers
-
-
-def test_shipped_assets_are_the_documented_files_inside_the_repo():
-    repo_data = os.path.join(os.path.dirname(os.path.abspath(data.__file__)), "data")
-    expected = {"gpt2.tiktoken": "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
-                "shakespeare.jsonl.gz": "9341b58f5b2795fe9e17259d9cba5c0fe5d7f9d8eab2e2db796c81d586903aeb"}
-    for name, sha in expected.items():
-        path = os.path.join(repo_data, name)
-        assert path in (data.GPT2_RANKS, data.SHAKESPEARE)
-        with open(path, "rb") as f:
-            assert hashlib.sha256(f.read()).hexdigest() == sha, name
-
-
-def test_gpt2_known_token_ids():
-    tok = data.get_tokenizer("gpt2")
-    assert (tok.name, tok.eot, tok.vocab_size) == ("gpt2", 50256, 50257)
-    assert tok.encode("Hello world") == [15496, 995]
-    assert tok.encode("hello world") == [31373, 995]  # tiktoken's documented example
-    assert tok.encode(" the") == [262]
-    # the special token's text is ordinary text for encode: tiktoken documents these ids for it
-    assert tok.encode("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
-    assert tok.decode([50256]) == "<|endoftext|>"
-
-
-def _pure_python_gpt2(text, ranks):
-    """GPT-2 BPE written out independently of tiktoken: split with GPT-2's pattern (ASCII classes, valid for
-    ASCII text), then merge the adjacent pair of lowest rank until no pair is in the vocabulary."""
-    ids = []
-    for piece in re.findall(r"'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^ \t\n\r\f\vA-Za-z0-9]+"
-                            r"|[ \t\n\r\f\v]+(?![^ \t\n\r\f\v])|[ \t\n\r\f\v]+", text):
-        parts = [bytes([b]) for b in piece.encode()]
-        while len(parts) > 1:
-            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], 1 << 30))
-            if parts[best] + parts[best + 1] not in ranks:
-                break
-            parts[best:best + 2] = [parts[best] + parts[best + 1]]
-        ids += [ranks[p] for p in parts]
-    return ids
-
-
-def test_gpt2_matches_pure_python_bpe_on_shakespeare():
-    with open(data.GPT2_RANKS, "rb") as f:
-        ranks = {base64.b64decode(tok): int(r) for tok, r in (line.split() for line in f if line.strip())}
-    assert len(ranks) == 50256
-    with gzip.open(data.SHAKESPEARE, "rt", encoding="utf-8") as f:
-        text = json.loads(f.readline())["text"][:4000]
-    assert text.isascii()
-    assert data.get_tokenizer("gpt2").encode(text) == _pure_python_gpt2(text, ranks)
-
-
-def test_gpt2_round_trips_unicode_and_batches_like_single_calls():
-    tok = data.get_tokenizer("gpt2")
-    texts = ["naïve café — Tōkyō 東京 🙂\n\ttabs  and   spaces ", "Hello world", ""]
-    assert [tok.decode(tok.encode(s)) for s in texts] == texts
-    assert tok.encode_batch(texts) == [tok.encode(s) for s in texts]
-
-
-def test_byte_tokenizer_round_trip_eot_and_vocab():
-    tok = data.get_tokenizer("byte")
-    assert (tok.name, tok.eot, tok.vocab_size) == ("byte", 256, 257)
-    s = "naïve 東京 🙂\n"
-    assert tok.encode(s) == list(s.encode("utf-8"))
-    assert tok.encode("é") == [0xC3, 0xA9]
-    assert tok.encode_batch([s, "", "ab"]) == [tok.encode(s), [], [97, 98]]
-    assert tok.decode([256] + tok.encode(s) + [256]) == s  # eot decodes to nothing
-    assert tok.decode([0xC3]) == "\ufffd"  # a cut multi-byte character is replaced, not an exception
-
-
-def test_get_tokenizer_rejects_unknown_name_and_lists_valid_ones():
-    with pytest.raises(ValueError, match="byte, gpt2"):
-        data.get_tokenizer("sentencepiece")
+SHIPPED_CORPUS = os.path.join(ROOT, "data", "shakespeare.jsonl.gz")
 
 # -----------------------------------------------------------------------------
 # shards
@@ -134,159 +63,32 @@ def _corrupt(path, how):
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("how, phrase", [("magic", "bad magic 0 (expected 20240520)"),
-                                         ("version", "unsupported version 7"),
-                                         ("truncated", "truncated"),
-                                         ("short", "shorter than the 1024-byte header")])
-def test_read_shard_refuses_corrupt_files_naming_the_file(tmp_path, how, phrase):
+# key facts: what was found and what was expected (a shard of 500 uint16 tokens is 1024 + 1000 bytes)
+@pytest.mark.parametrize("how, facts", [("magic", ["magic 0", "20240520"]),
+                                        ("version", ["version 7"]),
+                                        ("truncated", ["2021 bytes", "500 tokens", "2024 bytes"]),
+                                        ("short", ["100 bytes", "1024-byte header"])])
+def test_read_shard_refuses_corrupt_files_naming_the_file_and_the_fix(tmp_path, how, facts):
     path = tmp_path / "val_003.bin"
     data.write_shard(str(path), np.arange(500))
     _corrupt(path, how)
     with pytest.raises(ValueError) as e:
         data.read_shard(str(path))
     msg = str(e.value)
-    assert str(path) in msg and phrase in msg and "\n" not in msg
-    assert "data.py" in msg  # says what to run
+    assert str(path) in msg and all(f in msg for f in facts) and "\n" not in msg, msg
+    assert "python prepare.py" in msg  # no meta.json beside it: points to prepare.py's --help
 
 
-def test_read_shard_error_says_how_to_remake_a_prepared_dataset(tmp_path):
-    corpus = str(_write_corpus(tmp_path) / "*")
-    out = data.prepare([corpus], tokenizer="byte", out_dir=str(tmp_path / "ds"), val_every=3)
-    shard = tmp_path / "ds" / "train_000.bin"
-    _corrupt(shard, "magic")
-    with pytest.raises(ValueError, match=re.escape(f"re-run: python data.py --tokenizer=byte --out_dir={out}")):
-        data.read_shard(str(shard))
-
-# -----------------------------------------------------------------------------
-# prepare
-
-
-DOCS_TXT = "First document.\nIt has two lines.\n"
-DOCS_JSONL = ["Second: jsonl line one.", "Third \u2014 with a dash.", "", "Fourth."]  # "" is skipped
-DOCS_GZ = ["Fifth, from gzip.", "Sixth: caf\u00e9.", "Seventh and last."]
-DOCS = [DOCS_TXT] + [d for d in DOCS_JSONL if d] + DOCS_GZ  # 7 documents in source order
-
-
-def _write_corpus(tmp_path):
-    """Writes a.txt, b.jsonl, c.jsonl.gz; returns the directory."""
-    d = tmp_path / "corpus"
-    d.mkdir(exist_ok=True)
-    (d / "a.txt").write_text(DOCS_TXT, encoding="utf-8")
-    lines = [json.dumps({"text": t, "title": "x"}) for t in DOCS_JSONL]
-    (d / "b.jsonl").write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n", encoding="utf-8")  # a blank line too
-    with gzip.open(d / "c.jsonl.gz", "wt", encoding="utf-8") as f:
-        f.write("\n".join(json.dumps({"text": t}) for t in DOCS_GZ))
-    return d
-
-
-def _read_split(out_dir, split):
-    names = sorted(n for n in os.listdir(out_dir) if re.fullmatch(rf"{split}_\d+\.bin", n))
-    return [data.read_shard(os.path.join(out_dir, n)) for n in names]
-
-
-@pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
-def test_prepare_splits_by_document_with_eot_prepended(tmp_path, tokenizer):
-    d = _write_corpus(tmp_path)
-    tok = data.get_tokenizer(tokenizer)
-    sources = [str(d / "a.txt"), str(d / "b.jsonl"), str(d / "c.*")]  # a glob too
-    out = data.prepare(sources, tokenizer=tokenizer, out_dir=str(tmp_path / "out"), val_every=3, shard_tokens=16)
-    val_idx = [2, 5]  # i % 3 == 2
-    expect = {"train": [], "val": []}
-    for i, doc in enumerate(DOCS):
-        expect["val" if i in val_idx else "train"] += [tok.eot] + tok.encode(doc)
-    for split in ("train", "val"):
-        shards = _read_split(out, split)
-        assert all(len(s) == 16 for s in shards[:-1]) and 0 < len(shards[-1]) <= 16
-        assert all(s.dtype == np.uint16 for s in shards)
-        np.testing.assert_array_equal(np.concatenate(shards), expect[split])
-    with open(os.path.join(out, "meta.json")) as f:
-        meta = json.load(f)
-    assert meta == dict(meta, tokenizer=tokenizer, vocab_size=tok.vocab_size, eot=tok.eot, dtype="uint16",
-                        n_docs_train=5, n_docs_val=2, train_tokens=len(expect["train"]),
-                        val_tokens=len(expect["val"]), sources=[str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz")])
-    train = np.concatenate(_read_split(out, "train"))
-    assert train[0] == tok.eot and (train == tok.eot).sum() == 5  # one eot per document, at its start
-
-
-def test_prepare_is_deterministic_and_expands_globs_in_sorted_order(tmp_path):
-    d = tmp_path / "g"
+def test_read_shard_error_gives_the_command_from_meta_json(tmp_path):
+    d = tmp_path / "ds"
     d.mkdir()
-    for name in ["doc2.txt", "doc10.txt", "doc1.txt"]:
-        (d / name).write_text(name)
-    outs = [data.prepare([str(d / "doc*.txt")], out_dir=str(tmp_path / f"o{k}"), val_every=2) for k in range(2)]
-    train, val = (bytes(np.concatenate(_read_split(outs[0], s))) for s in ("train", "val"))
-    assert data.get_tokenizer("byte").decode(np.frombuffer(val, np.uint16).tolist()) == "doc10.txt"
-    assert data.get_tokenizer("byte").decode(np.frombuffer(train, np.uint16).tolist()) == "doc1.txtdoc2.txt"
-    for name in os.listdir(outs[0]):
-        if name.endswith(".bin"):
-            assert (tmp_path / "o0" / name).read_bytes() == (tmp_path / "o1" / name).read_bytes()
-
-
-def test_prepare_puts_last_document_in_val_when_val_every_exceeds_the_corpus(tmp_path):
-    d = _write_corpus(tmp_path)
-    out = data.prepare([str(d / "b.jsonl")], out_dir=str(tmp_path / "o"), val_every=20)
-    tok = data.get_tokenizer("byte")
-    np.testing.assert_array_equal(np.concatenate(_read_split(out, "val")), [256] + tok.encode("Fourth."))
-    assert (np.concatenate(_read_split(out, "train")) == 256).sum() == 2
-
-
-def test_prepare_replaces_stale_shards_of_an_earlier_run(tmp_path):
-    d = _write_corpus(tmp_path)
-    out = str(tmp_path / "o")
-    data.prepare([str(d / "*")], out_dir=out, val_every=3, shard_tokens=10)
-    assert len(_read_split(out, "train")) > 5
-    data.prepare([str(d / "*")], out_dir=out, val_every=3)
-    assert sorted(os.listdir(out)) == ["meta.json", "train_000.bin", "val_000.bin"]
-
-
-@pytest.mark.parametrize("contents, phrase", [(["", '{"text": ""}\n'], "empty corpus"),
-                                              (["only one", "\n"], "only one document")])
-def test_prepare_refuses_corpus_without_two_documents_and_writes_nothing(tmp_path, contents, phrase):
-    (tmp_path / "a.txt").write_text(contents[0])
-    (tmp_path / "b.jsonl").write_text(contents[1])
-    with pytest.raises(ValueError, match=phrase):
-        data.prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], out_dir=str(tmp_path / "o"))
-    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.jsonl"]
-
-
-def test_prepare_names_file_and_byte_offset_of_invalid_utf8(tmp_path):
-    (tmp_path / "bad.txt").write_bytes(b"hello \xff world")
-    with pytest.raises(ValueError, match=r"bad\.txt: not UTF-8: byte 0xff at byte offset 6"):
-        data.prepare([str(tmp_path / "bad.txt")], out_dir=str(tmp_path / "o"))
-    line1 = b'{"text": "fine"}\n'
-    (tmp_path / "bad.jsonl").write_bytes(line1 + b'{"text": "caf\xe9"}\n')  # latin-1 e-acute
-    with pytest.raises(ValueError, match=rf"bad\.jsonl: not UTF-8: byte 0xe9 at byte offset {len(line1) + 13}"):
-        data.prepare([str(tmp_path / "bad.jsonl")], out_dir=str(tmp_path / "o"))
-
-
-def test_prepare_names_missing_sources_and_bad_lines(tmp_path):
-    with pytest.raises(ValueError, match="nope.txt: no such file"):
-        data.prepare([str(tmp_path / "nope.txt")], out_dir=str(tmp_path / "o"))
-    with pytest.raises(ValueError, match="is a directory"):
-        data.prepare([str(tmp_path)], out_dir=str(tmp_path / "o"))
-    with pytest.raises(ValueError, match=r"nothing\*.txt: the pattern matches no file"):
-        data.prepare([str(tmp_path / "nothing*.txt")], out_dir=str(tmp_path / "o"))
-    (tmp_path / "x.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
-    with pytest.raises(ValueError, match=r"x\.jsonl:2: expected a JSON object"):
-        data.prepare([str(tmp_path / "x.jsonl")], out_dir=str(tmp_path / "o"))
-
-
-def test_cli_bad_flag_exits_2_with_one_line(capsys):
-    assert data.main(["--bogus=1"]) == 2
-    assert data.main(["--tokenizer=sentencepiece"]) == 2
-    assert data.main(["--val_every=x"]) == 2
-    err = capsys.readouterr().err.strip().split("\n")
-    assert len(err) == 3 and "--bogus=1" in err[0] and "byte, gpt2" in err[1]
-
-
-def test_cli_prepares_a_corpus_and_reports_errors_in_one_line(tmp_path, capsys):
-    d = _write_corpus(tmp_path)
-    assert data.main([f"--out_dir={tmp_path / 'o'}", "--val_every=2", str(d / "*")]) == 0
-    out = capsys.readouterr().out
-    assert "train: 4 docs" in out and "decoded: 'First document." in out
-    assert os.path.exists(tmp_path / "o" / "val_000.bin")
-    assert data.main([str(tmp_path / "missing.txt")]) == 1
-    assert capsys.readouterr().err.count("\n") == 1
+    data.write_shard(str(d / "train_000.bin"), np.arange(500))
+    with open(d / "meta.json", "w") as f:  # as prepare.py writes it: the shipped corpus is its default source
+        json.dump({"tokenizer": "gpt2", "sources": [SHIPPED_CORPUS, "/corpus/a.txt"]}, f)
+    _corrupt(d / "train_000.bin", "magic")
+    with pytest.raises(ValueError) as e:
+        data.read_shard(str(d / "train_000.bin"))
+    assert str(e.value).endswith(f"python prepare.py --tokenizer=gpt2 --out_dir={d} /corpus/a.txt"), str(e.value)
 
 # -----------------------------------------------------------------------------
 # loader
@@ -364,21 +166,25 @@ def test_loader_mixing_proportions_match_weights(tmp_path):
 
 def test_loader_refuses_block_size_larger_than_a_shard(tmp_path):
     d = _shards(tmp_path / "a", np.arange(100), np.arange(10))
-    with pytest.raises(ValueError, match=r"train_001\.bin: block_size 10 is too large.*lower --block_size"):
+    with pytest.raises(ValueError) as e:
         data.DataLoader(d, "train", B=1, T=10)
-    data.DataLoader(d, "train", B=1, T=9)  # T+1 = 10 tokens fit exactly
+    msg = str(e.value)
+    assert "train_001.bin" in msg and "block_size 10" in msg and "10 tokens" in msg and "--block_size" in msg, msg
+    assert data.DataLoader(d, "train", B=1, T=9).next_batch()[0].shape == (1, 9)  # T+1 = 10 tokens fit exactly
 
 
 def test_loader_refuses_missing_shards_and_mixed_tokenizers(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"empty: no val_\*\.bin shards.*python data.py"):
+    with pytest.raises(ValueError) as e:
         data.DataLoader(str(tmp_path / "empty"), "val", B=1, T=4)
+    assert "val_*.bin" in str(e.value) and f"python prepare.py --out_dir={tmp_path / 'empty'}" in str(e.value)
     sources = _two_sources(tmp_path)
     for d, name in zip(sources, ["byte", "gpt2"]):
         with open(os.path.join(d, "meta.json"), "w") as f:
             json.dump({"tokenizer": name}, f)
-    with pytest.raises(ValueError, match="different tokenizers"):
+    with pytest.raises(ValueError, match="tokenizer") as e:
         data.DataLoader(sources, "train", B=1, T=4)
+    assert "byte" in str(e.value) and "gpt2" in str(e.value)
 
 
 def test_loader_reads_shards_in_numeric_order(tmp_path):
@@ -388,3 +194,102 @@ def test_loader_reads_shards_in_numeric_order(tmp_path):
         data.write_shard(str(d / f"train_{k}.bin"), np.full(9, k))
     loader = data.DataLoader(str(d), "train", B=1, T=8)
     assert [loader.next_batch()[0][0, 0].item() for _ in range(2)] == [999, 1000]
+
+# -----------------------------------------------------------------------------
+# tokenisers and the shipped assets
+
+
+def test_shipped_assets_are_the_documented_files_inside_the_repo():
+    # data/README.md lists these sums; prepare.SHAKESPEARE is checked in tests/test_prepare.py
+    expected = {"gpt2.tiktoken": "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
+                "shakespeare.jsonl.gz": "9341b58f5b2795fe9e17259d9cba5c0fe5d7f9d8eab2e2db796c81d586903aeb"}
+    assert data.GPT2_RANKS == os.path.join(ROOT, "data", "gpt2.tiktoken")
+    for name, sha in expected.items():
+        with open(os.path.join(ROOT, "data", name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == sha, name
+
+
+def test_gpt2_known_token_ids():
+    tok = data.get_tokenizer("gpt2")
+    assert (tok.name, tok.eot, tok.vocab_size) == ("gpt2", 50256, 50257)
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.encode("hello world") == [31373, 995]  # tiktoken's documented example
+    assert tok.encode(" the") == [262]
+    # the special token's text is ordinary text for encode: tiktoken documents these ids for it
+    assert tok.encode("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+    assert tok.decode([50256]) == "<|endoftext|>"
+
+
+def _pure_python_gpt2(text, ranks):
+    """GPT-2 BPE written out independently of tiktoken: split with GPT-2's pattern (ASCII classes, valid for
+    ASCII text), then merge the adjacent pair of lowest rank until no pair is in the vocabulary."""
+    ids = []
+    for piece in re.findall(r"'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^ \t\n\r\f\vA-Za-z0-9]+"
+                            r"|[ \t\n\r\f\v]+(?![^ \t\n\r\f\v])|[ \t\n\r\f\v]+", text):
+        parts = [bytes([b]) for b in piece.encode()]
+        while len(parts) > 1:
+            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], 1 << 30))
+            if parts[best] + parts[best + 1] not in ranks:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        ids += [ranks[p] for p in parts]
+    return ids
+
+
+def test_gpt2_matches_pure_python_bpe_on_shakespeare():
+    with open(data.GPT2_RANKS, "rb") as f:
+        ranks = {base64.b64decode(tok): int(r) for tok, r in (line.split() for line in f if line.strip())}
+    assert len(ranks) == 50256
+    with gzip.open(SHIPPED_CORPUS, "rt", encoding="utf-8") as f:
+        text = json.loads(f.readline())["text"][:4000]
+    assert text.isascii()
+    assert data.get_tokenizer("gpt2").encode(text) == _pure_python_gpt2(text, ranks)
+
+
+def test_gpt2_round_trips_unicode_and_batches_like_single_calls():
+    tok = data.get_tokenizer("gpt2")
+    texts = ["naïve café — Tōkyō 東京 🙂\n\ttabs  and   spaces ", "Hello world", ""]
+    assert [tok.decode(tok.encode(s)) for s in texts] == texts
+    assert tok.encode_batch(texts) == [tok.encode(s) for s in texts]
+
+
+def test_byte_tokenizer_round_trip_eot_and_vocab():
+    tok = data.get_tokenizer("byte")
+    assert (tok.name, tok.eot, tok.vocab_size) == ("byte", 256, 257)
+    s = "naïve 東京 🙂\n"
+    assert tok.encode(s) == list(s.encode("utf-8"))
+    assert tok.encode("é") == [0xC3, 0xA9]
+    assert tok.encode_batch([s, "", "ab"]) == [tok.encode(s), [], [97, 98]]
+    assert tok.decode([256] + tok.encode(s) + [256]) == s  # eot decodes to nothing
+    assert tok.decode([0xC3]) == "\ufffd"  # a cut multi-byte character is replaced, not an exception
+
+
+def test_get_tokenizer_rejects_unknown_name_and_lists_valid_ones():
+    with pytest.raises(ValueError, match="byte, gpt2"):
+        data.get_tokenizer("sentencepiece")
+
+# -----------------------------------------------------------------------------
+# the module as a file to copy
+
+
+def _python(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=120)
+
+
+def test_data_py_works_without_tiktoken_until_gpt2_is_asked_for(tmp_path):
+    p = _python("-c", f"""import sys; sys.modules["tiktoken"] = None  # import tiktoken now fails
+import data
+data.write_shard({str(tmp_path / "train_000.bin")!r}, [256] + data.get_tokenizer("byte").encode("hello"))
+x, y = data.DataLoader({str(tmp_path)!r}, "train", B=1, T=5).next_batch()
+print(data.get_tokenizer("byte").decode(x[0].tolist() + y[0, -1:].tolist()))
+try:
+    data.get_tokenizer("gpt2")
+except ImportError:
+    print("gpt2 needs tiktoken")""")
+    assert p.returncode == 0 and p.stdout.split("\n")[:2] == ["hello", "gpt2 needs tiktoken"], p.stdout + p.stderr
+
+
+def test_data_py_with_the_old_tokenising_flags_points_to_prepare_py():
+    p = _python("data.py", "--tokenizer=byte")
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and "python prepare.py --tokenizer=byte" in err[0], p.stderr

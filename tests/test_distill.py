@@ -1,14 +1,11 @@
 """Tests for distill.py: closed forms, independent loop implementations, masking, gradients.
 Run: python -m pytest tests/test_distill.py -q"""
 import math
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from distill import (PRESETS, BitDistillLoss, attention_relation_loss, hidden_state_loss, late_layer_weights,
                      logits_kd_loss)
 
@@ -77,7 +74,6 @@ def test_logits_kd_v2_tau2_hand_value():
     expected = 4 * (s * math.log(2 * s) + (1 - s) * math.log(2 * (1 - s)))
     got = logits_kd_loss(torch.zeros(1, 2), torch.tensor([[2.0, 0.0]]), temperature=2.0).item()
     assert got == pytest.approx(expected, rel=1e-6)
-    assert expected == pytest.approx(0.4437763, rel=1e-6)
 
 
 def test_logits_kd_mask_excludes_padding_and_averages_over_valid_only():
@@ -170,8 +166,10 @@ def test_relation_loss_teacher_with_different_head_count():
 
 def test_relation_loss_non_divisible_raises_with_sizes_and_suggestion():
     s, t = _qkv(1, 3, 4, 4, 13), _qkv(1, 4, 4, 8, 14)  # student H*d = 12, teacher 32
-    with pytest.raises(ValueError, match=r"n_relation_heads=8.*H\*d=12.*Try n_relation_heads=4"):
+    with pytest.raises(ValueError) as e:
         attention_relation_loss(s, t, 8)
+    msg = str(e.value)  # the argument and its bad value, the size it must divide, and a value that works
+    assert "n_relation_heads=8" in msg and "12" in msg and "n_relation_heads=4" in msg, msg
 
 
 # ----------------------------------------------------------------------------- hidden states
@@ -195,8 +193,9 @@ def test_hidden_state_loss_matches_manual_and_weights():
 
 
 def test_hidden_state_loss_rejects_mismatched_width():
-    with pytest.raises(ValueError, match="hidden shapes differ"):
+    with pytest.raises(ValueError) as e:
         hidden_state_loss([torch.randn(1, 2, 4)], [torch.randn(1, 2, 8)])
+    assert "(1, 2, 4)" in str(e.value) and "(1, 2, 8)" in str(e.value), e.value  # both shapes named
 
 
 # ----------------------------------------------------------------------------- BitDistillLoss
@@ -210,8 +209,9 @@ def test_presets_and_overrides():
     assert (d.lambda_ld, d.gamma_ad, d.delta_hidden, d.n_relation_heads, d.distill_layer) == (1.0, 1e3, 0.0, 32, -1)
     o = BitDistillLoss("classification", lambda_ld=2.0, gamma_ad=0.0)
     assert (o.lambda_ld, o.gamma_ad) == (2.0, 0.0)
-    with pytest.raises(ValueError, match="classification.*summarization"):
+    with pytest.raises(ValueError) as e:
         BitDistillLoss("translation")
+    assert all(w in str(e.value) for w in ("translation", "classification", "summarization")), e.value
 
 
 def test_layer_index_resolution():
@@ -219,8 +219,10 @@ def test_layer_index_resolution():
     assert BitDistillLoss(distill_layer=-3).layer_index(12) == 9
     assert BitDistillLoss(distill_layer=3).layer_index(12) == 3
     for bad in (12, -13):
-        with pytest.raises(ValueError, match="out of range"):
+        with pytest.raises(ValueError) as e:
             BitDistillLoss(distill_layer=bad).layer_index(12)
+        msg = str(e.value)  # the argument, its bad value and the valid range for 12 layers
+        assert f"distill_layer={bad}" in msg and "-12" in msg and "11" in msg, msg
 
 
 def _batch(requires_grad=False):
@@ -257,8 +259,10 @@ def test_gamma_zero_allows_missing_qkv_and_hidden_off_by_default():
     out = BitDistillLoss(gamma_ad=0.0)(zs, zt, targets, None, None)
     assert out["ad"].item() == 0.0 and out["hidden"].item() == 0.0
     assert out["loss"].item() == pytest.approx((out["ce"] + out["ld"]).item(), rel=1e-6)
-    with pytest.raises(ValueError, match="needs student_qkv"):
+    with pytest.raises(ValueError) as e:
         BitDistillLoss()(zs, zt, targets, None, None)
+    msg = str(e.value)  # what is missing, and the fix: pass it or switch the loss off
+    assert "student_qkv" in msg and "gamma_ad=0" in msg, msg
 
 
 def test_gradients_reach_student_only():

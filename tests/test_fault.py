@@ -2,10 +2,10 @@
 atomic checkpoints (a kill in the middle of a write), non-finite steps, and one clear error line for each kind
 of bad input, with nothing already saved lost.
 
-Fault-injection hooks used here (TrainConfig, documented there): --fault_hang_at, --fault_slow_write,
---fault_nan_steps. Bad-input cases that tests/test_train.py or tests/test_data.py already cover are not
-repeated: unknown flag, wrong type, bad --stage, --resume without a checkpoint, stage 3 without its teacher.
-Processes run with OMP_NUM_THREADS=1: on 2 shared cores, 2 threads make these tiny steps ~100x slower.
+Faults are injected from outside by tests/faults.py (a wrapper around train.main; see conftest.start(faults=)):
+hang after a checkpoint, slow checkpoint writes, NaN losses. Bad-input cases that tests/test_train.py or
+tests/test_data.py already cover are not repeated: unknown flag, wrong type, bad --stage, --resume without a
+checkpoint, stage 3 without its teacher.
 """
 
 import hashlib
@@ -13,36 +13,16 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import checkpoint  # noqa: E402
-import data  # noqa: E402
-import train  # noqa: E402
-
-TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2",
-        "--warmup_iters=2", "--lambda_warmup_steps=4", "--device=cpu"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
-
-
-def start(out, *args, log=None):
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), f"--out_dir={out}", *args], cwd=ROOT,
-                            env=ENV, text=True, stdout=open(log, "w") if log else subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-
-
-def run(out, *args, rc=0):
-    p = start(out, *args)
-    stdout, stderr = p.communicate(timeout=300)
-    assert p.returncode == rc, stdout[-2000:] + stderr[-2000:]
-    return stdout, stderr
+import checkpoint
+import data
+import train
+from conftest import TINY, fails, records, run, start
 
 
 def wait_for(cond, what, timeout=120):
@@ -50,10 +30,6 @@ def wait_for(cond, what, timeout=120):
     while not cond():
         assert time.time() - t < timeout, f"timed out waiting for {what}"
         time.sleep(0.02)
-
-
-def records(out, stage=2):
-    return [json.loads(line) for line in open(os.path.join(out, f"stage{stage}", "metrics.jsonl"))]
 
 
 def step_losses(out):
@@ -86,14 +62,14 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     depend on the step, so both runs use the same max_iters."""
     args = ["--stage=2", *TINY, "--grad_accum=2", "--max_iters=32", "--eval_interval=32", "--checkpoint_interval=16"]
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
-    run(straight, *args)
+    run(f"--out_dir={straight}", *args)
     log = str(tmp_path / "killed.log")
-    p = start(killed, *args, "--fault_hang_at=16", log=log)
+    p = start(f"--out_dir={killed}", *args, log=log, faults="hang_at=16")
     wait_for(lambda: "hanging until killed" in open(log).read() or p.poll() is not None, "the step-16 checkpoint")
     p.send_signal(signal.SIGKILL)
     assert p.wait(timeout=60) == -signal.SIGKILL
     assert torch.load(os.path.join(killed, "stage2", "ckpt.pt"), weights_only=True)["step"] == 16
-    stdout, _ = run(killed, "--stage=2", "--resume=True")  # the saved config: same flags, no hook
+    stdout = run(f"--out_dir={killed}", "--stage=2", "--resume=True").stdout  # the saved config, no fault
     assert "at step 16" in stdout
     a, b = step_losses(straight), step_losses(killed)
     assert sorted(a) == sorted(b) == list(range(1, 33))
@@ -112,7 +88,7 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_preemption_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
     out = str(tmp_path)
-    p = start(out, "--stage=1", *TINY, "--max_iters=100000", "--eval_interval=100000")
+    p = start(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=100000", "--eval_interval=100000")
     metrics = os.path.join(out, "stage1", "metrics.jsonl")
     wait_for(lambda: os.path.exists(metrics) and len(open(metrics).readlines()) >= 3, "3 logged steps")
     p.send_signal(sig)
@@ -127,9 +103,9 @@ def test_preemption_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
 
 def test_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path):
     out, d = str(tmp_path), tmp_path / "stage1"
-    run(out, "--stage=1", *TINY, "--max_iters=2", "--eval_interval=2")
+    run(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=2", "--eval_interval=2")
     before = digest(d / "ckpt.pt")
-    p = start(out, "--stage=1", "--resume=True", "--max_iters=4", "--fault_slow_write=0.3")
+    p = start(f"--out_dir={out}", "--stage=1", "--resume=True", "--max_iters=4", faults="slow_write=0.3")
     tmp = d / "ckpt_000004.pt.tmp"
     wait_for(lambda: (tmp.exists() and tmp.stat().st_size > 0) or p.poll() is not None, "a half-written checkpoint")
     p.send_signal(signal.SIGKILL)
@@ -138,18 +114,18 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path)
         checkpoint.load(str(tmp))  # the kill did land in the middle of the write
     assert digest(d / "ckpt.pt") == before and checkpoint.load(str(d / "ckpt.pt"))["step"] == 2
     assert not (d / "ckpt_000004.pt").exists()
-    stdout, _ = run(out, "--stage=1", "--resume=True", "--max_iters=4")
+    stdout = run(f"--out_dir={out}", "--stage=1", "--resume=True", "--max_iters=4").stdout
     assert "at step 2" in stdout and checkpoint.load(str(d / "ckpt.pt"))["step"] == 4
     assert not tmp.exists()  # the next save removed the leftover
 
 
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run_after_max_bad_steps(tmp_path):
     out, d = str(tmp_path), tmp_path / "stage2"
-    _, stderr = run(out, "--stage=2", *TINY, "--optimizer=adamw", "--max_iters=8", "--checkpoint_interval=2",
-                    "--keep_last=3", "--fault_nan_steps=3,5,6", "--max_bad_steps=2", rc=1)
+    stderr = run(f"--out_dir={out}", "--stage=2", *TINY, "--optimizer=adamw", "--max_iters=8",
+                 "--checkpoint_interval=2", "--keep_last=3", "--max_bad_steps=2", rc=1, faults="nan_steps=3,5,6").stderr
     err = stderr.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: 2 steps in a row with a non-finite loss"), stderr
-    assert "at step 6" in err[0] and "--resume=True" in err[0]
+    assert len(err) == 1 and err[0].startswith("error: ") and "non-finite" in err[0], stderr
+    assert "step 6" in err[0] and "--resume=True" in err[0]  # where it stopped, and how to go on
     recs = {r["step"]: r for r in records(out) if "loss" in r}
     assert sorted(recs) == [1, 2, 3, 4, 5, 6]
     assert [s for s, r in recs.items() if r.get("skipped")] == [3, 5, 6]
@@ -201,16 +177,8 @@ def test_stop_signal_sets_a_flag_and_restores_the_previous_handler():
 def saved(tmp_path_factory):
     """A 1-step stage-1 checkpoint of the tiny model (byte tokenizer)."""
     out = str(tmp_path_factory.mktemp("saved"))
-    run(out, "--stage=1", *TINY, "--max_iters=1", "--eval_interval=1")
+    run(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=1", "--eval_interval=1")
     return os.path.join(out, "stage1", "ckpt.pt")
-
-
-def fails(capsys, *argv, code=1):
-    with pytest.raises(SystemExit) as e:
-        train.main(list(argv))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == code and len(err) == 1 and err[0].startswith("error: "), (e.value.code, err)
-    return err[0]
 
 
 def copy_run(saved, tmp_path):
@@ -220,23 +188,23 @@ def copy_run(saved, tmp_path):
     return str(tmp_path), str(tmp_path / "stage1" / "ckpt.pt")
 
 
-@pytest.mark.parametrize("flag,phrase", [("--n_embd=64", "n_embd=32 but this run builds n_embd=64"),
-                                         ("--tokenizer=gpt2", "vocab_size=257 but this run builds vocab_size=50257")])
-def test_resume_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path, capsys, flag, phrase):
+@pytest.mark.parametrize("flag,facts", [("--n_embd=64", ("n_embd=32", "n_embd=64")),
+                                        ("--tokenizer=gpt2", ("vocab_size=257", "vocab_size=50257"))])
+def test_resume_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path, capsys, flag, facts):
     out, ck = copy_run(saved, tmp_path)
     before = digest(ck)
     msg = fails(capsys, "--stage=1", "--resume=True", f"--out_dir={out}", flag)
-    assert phrase in msg and "--tokenizer" in msg
+    assert ck in msg and all(f in msg for f in facts) and "--tokenizer" in msg  # the file, saved vs asked, the fix
     assert digest(ck) == before and os.listdir(os.path.dirname(ck)) == ["ckpt.pt"]
 
 
-@pytest.mark.parametrize("flag,phrase", [("--n_layer=2", "n_layer=1 but this run builds n_layer=2"),
-                                         ("--tokenizer=gpt2", "vocab_size=257 but this run builds vocab_size=50257")])
-def test_init_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path, capsys, flag, phrase):
+@pytest.mark.parametrize("flag,facts", [("--n_layer=2", ("n_layer=1", "n_layer=2")),
+                                        ("--tokenizer=gpt2", ("vocab_size=257", "vocab_size=50257"))])
+def test_init_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path, capsys, flag, facts):
     before = digest(saved)
     args = [a for a in TINY if not a.startswith(flag.split("=")[0] + "=")]
     msg = fails(capsys, "--stage=2", f"--init_from={saved}", f"--out_dir={tmp_path}", *args, flag)
-    assert msg.startswith(f"error: {saved}: checkpoint has") and phrase in msg
+    assert saved in msg and all(f in msg for f in facts)
     assert digest(saved) == before and not os.path.exists(tmp_path / "stage2" / "ckpt.pt")
 
 
@@ -249,7 +217,7 @@ def test_corrupt_checkpoint_is_refused_and_left_as_it_was(saved, tmp_path, capsy
     before = digest(ck)
     args = ["--stage=1", "--resume=True"] if use == "resume" else ["--stage=2", f"--init_from={ck}", *TINY]
     msg = fails(capsys, *args, f"--out_dir={out}")
-    assert msg.startswith(f"error: {ck}: cannot load checkpoint, the file is corrupt or truncated")
+    assert ck in msg and "corrupt or truncated" in msg
     assert digest(ck) == before
 
 
@@ -270,14 +238,14 @@ def test_training_on_a_small_valid_shard_directory_works(tmp_path):
     assert os.path.exists(tmp_path / "o" / "stage1" / "ckpt.pt")
 
 
-@pytest.mark.parametrize("case,phrase", [
-    ("bad_magic", "train_000.bin: bad magic 0 (expected 20240520)"),
-    ("truncated", "train_000.bin: 2024 bytes, but its header says 2000 tokens"),
-    ("empty_dir", "no meta.json; make shards with: python data.py"),
-    ("other_tokenizer", "was tokenised with gpt2, but --tokenizer=byte"),
-    ("block_size_over_a_shard", "block_size 4000 is too large for this shard of 2000 tokens"),
+@pytest.mark.parametrize("case,facts", [  # the file, what is wrong with it, the fix
+    ("bad_magic", ("train_000.bin", "magic 0", "20240520", "prepare.py")),
+    ("truncated", ("train_000.bin", "2024 bytes", "2000 tokens", "prepare.py")),
+    ("empty_dir", ("meta.json", "python prepare.py")),
+    ("other_tokenizer", ("gpt2", "--tokenizer=byte")),
+    ("block_size_over_a_shard", ("train_000.bin", "block_size 4000", "2000 tokens", "--block_size")),
 ])
-def test_bad_data_directory_is_refused_with_one_line(tmp_path, capsys, case, phrase):
+def test_bad_data_directory_is_refused_with_one_line(tmp_path, capsys, case, facts):
     d = str(tmp_path / "shards")
     if case == "empty_dir":
         os.makedirs(d)
@@ -293,42 +261,23 @@ def test_bad_data_directory_is_refused_with_one_line(tmp_path, capsys, case, phr
         open(train_shard, "wb").write(raw[:-3000])
     block = ["--block_size=4000"] if case == "block_size_over_a_shard" else []
     msg = fails(capsys, "--stage=1", *TINY, *block, f"--data={d}", f"--out_dir={tmp_path / 'o'}")
-    assert phrase in msg, msg
-    if case == "block_size_over_a_shard":
-        assert "lower --block_size or prepare more data" in msg
+    assert all(f in msg for f in facts), msg
 
 
 def test_block_size_larger_than_the_val_split_names_the_val_shard(tmp_path, capsys):
     # the shipped val split is 218,305 tokens (2 plays); the train split is 4.8M
     msg = fails(capsys, "--stage=1", *TINY, "--block_size=300000", f"--out_dir={tmp_path}")
-    assert "val_000.bin: block_size 300000 is too large for this shard of 218305 tokens" in msg
-    assert "lower --block_size" in msg
+    assert all(f in msg for f in ("val_000.bin", "block_size 300000", "218305 tokens", "--block_size")), msg
 
 
 def test_out_dir_that_cannot_be_created_is_refused(tmp_path, capsys):
     (tmp_path / "afile").write_text("a regular file, not a directory")  # even root cannot mkdir under it
     msg = fails(capsys, "--stage=1", *TINY, f"--out_dir={tmp_path / 'afile' / 'sub'}")
-    assert msg == (f"error: cannot write to {tmp_path / 'afile' / 'sub' / 'stage1'}: Not a directory; "
-                   f"pass a writable --out_dir")
+    assert str(tmp_path / "afile" / "sub" / "stage1") in msg and "Not a directory" in msg and "--out_dir" in msg
     assert (tmp_path / "afile").read_text() == "a regular file, not a directory"
 
 
-@pytest.mark.parametrize("flag,phrase", [("--keep_last=0", "--keep_last=0: expected an integer >= 1"),
-                                         ("--max_bad_steps=0", "--max_bad_steps=0: expected an integer >= 1"),
-                                         ("--fault_nan_steps=3,x", "expected comma-separated step numbers")])
-def test_invalid_fault_tolerance_settings_are_refused(tmp_path, capsys, flag, phrase):
-    assert phrase in fails(capsys, flag, f"--out_dir={tmp_path}", "--device=cpu", code=2)
-
-
-@pytest.mark.parametrize("content,phrase", [
-    (b"fine text\nthen \xff\xfe latin-1", "not UTF-8: byte 0xff at byte offset 15"),
-    (b"", "empty corpus: no non-empty document"),
-])
-def test_data_py_refuses_non_utf8_and_empty_corpora_in_one_line(tmp_path, content, phrase):
-    src = tmp_path / "corpus.txt"
-    src.write_bytes(content)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), f"--out_dir={tmp_path / 'o'}", str(src)],
-                       capture_output=True, text=True, env=ENV, timeout=120)
-    err = p.stderr.strip().splitlines()
-    assert p.returncode == 1 and len(err) == 1 and phrase in err[0] and str(src) in err[0], p.stderr
-    assert not os.path.exists(tmp_path / "o" / "train_000.bin")
+@pytest.mark.parametrize("flag", ["--keep_last=0", "--max_bad_steps=0"])
+def test_invalid_fault_tolerance_settings_are_refused(tmp_path, capsys, flag):
+    msg = fails(capsys, flag, f"--out_dir={tmp_path}", "--device=cpu", code=2)
+    assert flag in msg and ">= 1" in msg

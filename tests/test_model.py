@@ -1,16 +1,14 @@
-"""Tests for model.py: layout (REFERENCE section 2), causality, the document mask (section 6), states."""
+"""Tests for model.py: the BitNet layout (separate BitLinear projections, SubLN), causality, the document mask,
+the states read by distillation, and torch.compile."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model import GPT, GPTConfig, apply_rope, precompute_rope
+from model import GPT, GPTConfig, apply_rope, document_mask, precompute_rope
 from quant import BitLinear, set_lambda
 
 SMALL = dict(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=32, eot=60)
@@ -123,7 +121,7 @@ def test_states_are_the_ones_the_forward_uses():
     model = make(quant=True)
     idx, tgt = torch.randint(0, 60, (2, 16)), torch.randint(0, 60, (2, 16))
     logits, loss = model(idx, tgt)
-    logits2, loss2, states = model(idx, tgt, qkv_layer=-1, return_hiddens=True)
+    logits2, loss2, states = model.forward_with_states(idx, tgt, qkv_layer=-1, hiddens=True)
     assert torch.equal(logits, logits2) and torch.equal(loss, loss2)
     hiddens, (q, k, v) = states["hiddens"], states["qkv"]
     assert len(hiddens) == SMALL["n_layer"]
@@ -136,7 +134,30 @@ def test_states_are_the_ones_the_forward_uses():
     q_ref = apply_rope(blk.attn.q_proj(x).view(B, T, 2, C // 2).transpose(1, 2), cos, sin)
     v_ref = blk.attn.v_proj(x).view(B, T, 2, C // 2).transpose(1, 2)
     assert torch.allclose(q, q_ref, atol=1e-6) and torch.allclose(v, v_ref, atol=1e-6) and k.shape == q.shape
-    assert len(model(idx, tgt)) == 2  # nothing extra unless asked
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(doc_mask=True), dict(quant=False), dict(subln=False)])
+def test_forward_returns_logits_and_loss_in_every_mode(kw):
+    model = make(**kw)
+    idx = torch.randint(0, 61, (2, 16))
+    with_targets, without = model(idx, idx), model(idx)
+    assert len(with_targets) == 2 and len(without) == 2
+    assert with_targets[0].shape == (2, 16, 61) and with_targets[1].dim() == 0
+    assert without[0].shape == (2, 1, 61) and without[1] is None  # generation: last position only
+    assert torch.allclose(without[0][:, 0], with_targets[0][:, -1], atol=1e-5)
+
+
+def test_document_mask_positions_restart_and_attention_stays_in_the_document():
+    eot = 9
+    idx = torch.tensor([[eot, 1, 2, eot, 3, eot, 4, 5]])
+    pos, mask = document_mask(idx, eot)
+    assert pos.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    doc = [0, 0, 0, 1, 1, 2, 2, 2]
+    expected = [[doc[i] == doc[j] and j <= i for j in range(8)] for i in range(8)]
+    assert mask.shape == (1, 1, 8, 8) and mask[0, 0].tolist() == expected
+    # a row that starts inside a document (no eot first) is its own document 0 until the first eot
+    pos, mask = document_mask(torch.tensor([[1, 2, eot, 3]]), eot)
+    assert pos.tolist() == [[0, 1, 0, 1]] and not mask[0, 0, 2, 1] and mask[0, 0, 1, 0]
 
 
 def test_generate_greedy_matches_argmax_loop():

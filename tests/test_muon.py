@@ -1,18 +1,16 @@
-"""Tests for muon.py: NS5 against an independent fp32 loop and the SVD, bitwise parity with torch.optim.Muon,
-the lr formulas by hand, parameter routing, exact resume, and that Muon+AdamW actually lowers a loss."""
+"""Tests for muon.py: NS5 against an independent fp32 loop and the SVD, the momentum update against its closed
+form, bitwise parity with torch.optim.Muon, the lr formulas by hand, parameter routing, exact resume, and that
+Muon+AdamW actually lowers a loss. Distributed Muon (DDP, FSDP2) is tested in tests/test_scale.py."""
 import copy
 import io
 import math
-import os
 import re
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from muon import (Muon, MuonWithAdamW, adjusted_lr, configure_muon, split_muon_params,  # noqa: E402
+from muon import (Muon, adjusted_lr, configure_muon, muon_update, split_muon_params,
                   zeropower_via_newtonschulz5)
 
 RECT_SHAPES = [(64, 32), (32, 64), (7, 129), (129, 7)]
@@ -20,7 +18,8 @@ PARITY_SHAPES = [(64, 32), (32, 64), (48, 48), (7, 129)]
 
 
 def newtonschulz5_fp32(G, steps=5, eps=1e-7):
-    """Independent, straightforward NS5: the formulas of REFERENCE §3 in fp32, one 2-D matrix."""
+    """Independent, straightforward NS5 in fp32 for one 2-D matrix, as written in Keller Jordan's Muon post
+    (kellerjordan.github.io/posts/muon) and Moonlight (arXiv 2502.16982) §2.1 eq. 2."""
     a, b, c = 3.4445, -4.7750, 2.0315
     tall = G.shape[0] > G.shape[1]
     X = (G.T if tall else G).float()
@@ -81,6 +80,38 @@ def test_ns5_batch_equals_separate_calls_exactly(shape):
 def test_ns5_refuses_1d_input():
     with pytest.raises(ValueError, match=r"\(5,\)"):
         zeropower_via_newtonschulz5(torch.randn(5))
+
+
+# ----------------------------------------------------------------------------- momentum (muon_update)
+
+
+def test_muon_update_matches_hand_computed_ema_and_nesterov():
+    # β = 0.9, buf starts at 0, g1 = (1, 2), g2 = (3, -1):
+    #   buf1 = 0.1·g1 = (0.1, 0.2)                 u1 = 0.1·g1 + 0.9·buf1 = (0.19, 0.38)
+    #   buf2 = 0.9·buf1 + 0.1·g2 = (0.39, 0.08)    u2 = 0.1·g2 + 0.9·buf2 = (0.651, -0.028)
+    f64 = dict(dtype=torch.float64)
+    buf = torch.zeros(1, 2, **f64)
+    u1 = muon_update(torch.tensor([[1.0, 2.0]], **f64), buf, beta=0.9, nesterov=True)
+    torch.testing.assert_close(buf, torch.tensor([[0.1, 0.2]], **f64))
+    torch.testing.assert_close(u1, torch.tensor([[0.19, 0.38]], **f64))
+    u2 = muon_update(torch.tensor([[3.0, -1.0]], **f64), buf, beta=0.9, nesterov=True)
+    torch.testing.assert_close(buf, torch.tensor([[0.39, 0.08]], **f64))
+    torch.testing.assert_close(u2, torch.tensor([[0.651, -0.028]], **f64))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_update_equals_unrolled_ema_over_5_steps(nesterov):
+    # The EMA unrolled: buf_t = (1-β)·Σ_{k<=t} β^(t-k)·g_k; u_t = (1-β)·g_t + β·buf_t (Nesterov), else buf_t.
+    beta = 0.8
+    gs = torch.randn(5, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    buf = torch.zeros(3, 4, dtype=torch.float64)
+    for t in range(5):
+        g = gs[t].clone()
+        u = muon_update(g, buf, beta, nesterov)
+        expected_buf = (1 - beta) * sum(beta ** (t - k) * gs[k] for k in range(t + 1))
+        torch.testing.assert_close(buf, expected_buf)  # updated in place
+        torch.testing.assert_close(u, (1 - beta) * gs[t] + beta * expected_buf if nesterov else expected_buf)
+        assert torch.equal(g, gs[t])  # the gradient is left unchanged
 
 
 # ----------------------------------------------------------------------------- Muon optimizer
@@ -306,7 +337,7 @@ def test_ns5_float32_option_matches_independent_fp32_loop(shape):
 
 def test_muon_ns_dtype_float32_is_used_and_close_to_bf16_step():
     torch.manual_seed(2)
-    p32, p16 = nn.Parameter(torch.randn(48, 32)), None
+    p32 = nn.Parameter(torch.randn(48, 32))
     p16 = nn.Parameter(p32.detach().clone())
     o32, o16 = Muon([p32], lr=0.02, ns_dtype=torch.float32), Muon([p16], lr=0.02)
     g = torch.randn(48, 32)

@@ -12,6 +12,7 @@ models, the export round trip, and sample.py end to end on a checkpoint made by 
 import copy
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # scripts run as subprocesses from here
 
 ON_GPU = torch.cuda.is_available()
 if not ON_GPU:
@@ -83,10 +83,13 @@ def test_packed_bitlinear_matches_fake_quant_bitlinear_within_fp32_dot_bound(K, 
 
 
 def test_packed_bitlinear_rejects_wrong_buffers():
-    with pytest.raises(ValueError, match=r"w_packed: expected uint8 \(3, 2\)"):
+    # the argument, the expected and the found dtype/shape
+    with pytest.raises(ValueError) as e:
         PackedBitLinear(5, 3, torch.zeros(3, 1, dtype=torch.uint8), torch.tensor(1.0))
-    with pytest.raises(ValueError, match="w_scale"):
+    assert all(f in str(e.value) for f in ("w_packed", "uint8", "(3, 2)", "(3, 1)")), e.value
+    with pytest.raises(ValueError) as e:
         PackedBitLinear(5, 3, torch.zeros(3, 2, dtype=torch.uint8), torch.tensor(1.0, dtype=torch.float64))
+    assert all(f in str(e.value) for f in ("w_scale", "float32", "float64")), e.value
 
 
 # -----------------------------------------------------------------------------
@@ -154,14 +157,19 @@ def test_freeze_ternary_model_logits_and_greedy_generation_match_unfrozen():
 def test_freeze_ternary_refuses_unfinished_lambda_warmup_and_fp_models():
     model = _tiny_model()
     quant.set_lambda(model, 0.5)
-    with pytest.raises(ValueError, match=r"h\.0\.\S+: lambda_ = 0\.5, not 1"):
+    # named: the layer, lambda_ and its value, and the fix (train on until lambda is 1)
+    with pytest.raises(ValueError) as e:
         freeze_ternary(model)
+    assert re.match(r"h\.0\.\S+:", str(e.value)), e.value
+    assert all(f in str(e.value) for f in ("lambda_", "0.5", "train")), e.value
     assert sum(isinstance(m, quant.BitLinear) for m in model.modules()) == 7 * TINY.n_layer  # left unchanged
-    with pytest.raises(ValueError, match="lambda_ = 0.5"):
+    with pytest.raises(ValueError) as e:
         PackedBitLinear.from_bitlinear(model.h[0].attn.q_proj)
+    assert all(f in str(e.value) for f in ("lambda_", "0.5", "train")), e.value
     fp_model = GPT(GPTConfig(**{**vars(TINY), "quant": False}))
-    with pytest.raises(ValueError, match="no BitLinear layers.*quant=False"):
+    with pytest.raises(ValueError) as e:
         freeze_ternary(fp_model)
+    assert "BitLinear" in str(e.value) and "quant=False" in str(e.value), e.value
 
 
 def test_weight_bytes_measures_latent_and_packed_hidden_matrices():
@@ -200,8 +208,9 @@ def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
     idx = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(model(idx, idx)[0], frozen(idx, idx)[0])
-    with pytest.raises(ValueError, match="not a packed export"):
+    with pytest.raises(ValueError) as e:  # the file, the format it should have, and how to make one
         export.model_from_packed({"model": {}}, "some.pt")
+    assert all(f in str(e.value) for f in ("some.pt", "nanobitnet-packed-v1", "python export.py")), e.value
 
 
 # -----------------------------------------------------------------------------
@@ -252,11 +261,13 @@ def test_sample_packed_on_fp_checkpoint_and_export_errors(trained, capsys, tmp_p
     assert e.value.code == 1 and "quant=False" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         export.main([f"--ckpt={tmp_path / 'missing.pt'}"])
-    assert e.value.code == 1 and "no checkpoint at" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and str(tmp_path / "missing.pt") in err and "train.py" in err, err
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(SystemExit) as e:
         export.main([f"--ckpt={tmp_path / 'corrupt.pt'}"])
-    assert e.value.code == 1 and "cannot load checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and str(tmp_path / "corrupt.pt") in err, err
 
 
 def test_export_cli_then_sample_reads_the_export(trained, capsys, tmp_path):

@@ -1,13 +1,10 @@
-"""Tests for quant.py against hand-computed BitNet b1.58 values (REFERENCE sections 1 and 8)."""
-
-import os
-import sys
+"""Tests for quant.py against hand-computed values: the BitNet b1.58 quantisers (arXiv 2402.17764, section 2)
+and the 2-bit packed layout of docs/packed-format.md. Run: python -m pytest tests/test_quant.py"""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from quant import (BitLinear, QuantRMSNorm, activation_fake_quant, activation_quant, cache_weight_quant,
                    clear_weight_quant, pack_ternary, set_lambda, ste, unpack_ternary, weight_fake_quant, weight_quant)
 

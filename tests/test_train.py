@@ -1,57 +1,40 @@
 """End-to-end tests of train.py on the shipped corpus (tiny models, CPU) and of its schedules and CLI."""
 
-import json
 import math
 import os
-import subprocess
-import sys
+import statistics
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import train  # noqa: E402
+import train
+from conftest import TINY, fails, records, run
 
-TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=8", "--eval_iters=4",
-        "--warmup_iters=5", "--lambda_warmup_steps=10", "--device=cpu"]
-
-
-def run(*args, check=True):
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args], capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)
-    if check:
-        assert p.returncode == 0, p.stderr[-2000:]
-    return p
-
-
-def records(path):
-    return [json.loads(line) for line in open(path)]
+BIGGER = [*TINY, "--batch_size=8", "--eval_iters=4"]  # enough tokens per step to see stage 1 learn in 60 steps
 
 
 def test_unknown_cli_key_fails_with_the_list_of_valid_keys():
-    p = run("--stage=2", "--learning_rate=1e-3", check=False)
-    assert p.returncode == 2
-    line = p.stderr.strip().splitlines()[-1]
-    assert "--learning_rate=1e-3" in line and "lr" in line and "max_iters" in line and "Traceback" not in p.stderr
+    p = run("--stage=2", "--learning_rate=1e-3", rc=2)  # as a user runs it: one line, no traceback
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and "--learning_rate=1e-3" in err[0] and "lr" in err[0] and "max_iters" in err[0]
 
 
-def test_wrong_type_and_bad_stage_fail_clearly():
-    p = run("--max_iters=ten", check=False)
-    assert p.returncode == 2 and "expected int" in p.stderr and "Traceback" not in p.stderr
-    p = run("--stage=7", check=False)
-    assert p.returncode == 2 and "stage" in p.stderr and "Traceback" not in p.stderr
+@pytest.mark.parametrize("flag,facts", [("--max_iters=ten", ("--max_iters=ten", "int")),
+                                        ("--stage=7", ("--stage=7", "[1, 2, 3]"))])
+def test_wrong_type_and_bad_stage_fail_clearly(capsys, flag, facts):
+    msg = fails(capsys, flag, code=2)
+    assert all(f in msg for f in facts), msg
 
 
-def test_resume_without_checkpoint_fails_clearly(tmp_path):
-    p = run("--stage=1", "--resume=True", f"--out_dir={tmp_path}", *TINY, check=False)
-    assert p.returncode == 1 and "no checkpoint" in p.stderr and "Traceback" not in p.stderr
+def test_resume_without_checkpoint_fails_clearly(tmp_path, capsys):
+    msg = fails(capsys, "--stage=1", "--resume=True", f"--out_dir={tmp_path}", *TINY)
+    assert str(tmp_path / "stage1" / "ckpt.pt") in msg and "--resume" in msg
 
 
 def test_stage1_lowers_val_loss_then_stage2_starts_from_it(tmp_path):
     out = str(tmp_path)
-    run("--stage=1", "--max_iters=60", "--eval_interval=30", "--lr=1e-2", f"--out_dir={out}", *TINY)
-    recs = records(os.path.join(out, "stage1", "metrics.jsonl"))
+    run("--stage=1", "--max_iters=60", "--eval_interval=30", "--lr=1e-2", f"--out_dir={out}", *BIGGER)
+    recs = records(out, stage=1)
     first_loss = recs[0]["loss"]  # the untrained model on its first batch, about ln(257) = 5.55
     vals = [r["val_loss"] for r in recs if "val_loss" in r]
     assert abs(first_loss - math.log(257)) < 0.5
@@ -63,30 +46,32 @@ def test_stage1_lowers_val_loss_then_stage2_starts_from_it(tmp_path):
     assert ckpt["step"] == 60 and not any(k.startswith("_orig_mod.") for k in ckpt["model"])
     assert set(ckpt) >= {"model", "optimizer", "step", "config", "loader"}
 
-    p = run("--stage=2", "--max_iters=20", "--eval_interval=20", f"--out_dir={out}", *TINY)
+    p = run("--stage=2", "--max_iters=20", "--eval_interval=20", f"--out_dir={out}", *BIGGER)
     assert "starting from the stage-1 weights" in p.stdout
-    recs2 = records(os.path.join(out, "stage2", "metrics.jsonl"))
+    recs2 = records(out, stage=2)
     # lambda = 0 at step 0: the ternary model is exactly the stage-1 model, far below a fresh model's loss
     assert recs2[0]["lambda"] == 0.0 and recs2[0]["loss"] < first_loss - 1.0
     assert recs2[-1]["lambda"] == 1.0
 
     # stage 3: the stage-2 student distilled from the frozen stage-1 teacher; every term is logged
-    p = run("--stage=3", "--max_iters=6", "--eval_interval=6", "--distill_relation_heads=2", f"--out_dir={out}", *TINY)
+    p = run("--stage=3", "--max_iters=6", "--eval_interval=6", "--distill_relation_heads=2", f"--out_dir={out}",
+            *BIGGER)
     assert "starting from the stage-2 weights" in p.stdout
-    recs3 = [r for r in records(os.path.join(out, "stage3", "metrics.jsonl")) if "loss" in r]
+    recs3 = [r for r in records(out, stage=3) if "loss" in r]
     assert len(recs3) == 6 and all(r["lambda"] == 1.0 for r in recs3)
     for r in recs3:  # summarization preset: lambda 1, gamma 1e3
         assert r["ld"] > 0 and r["ad"] > 0 and r["hidden"] == 0
         assert r["loss"] == pytest.approx(r["ce"] + 1.0 * r["ld"] + 1e3 * r["ad"], rel=1e-5)
     # the control: same stage-3 run with every distillation weight 0 is plain CE
     p = run("--stage=3", "--max_iters=2", "--eval_interval=2", "--distill_lambda=0", "--distill_gamma=0",
-            "--run_name=control", f"--out_dir={out}", *TINY)
+            "--run_name=control", f"--out_dir={out}", *BIGGER)
     assert "plain CE" in p.stdout and os.path.exists(os.path.join(out, "control", "ckpt.pt"))
 
 
-def test_stage3_without_teacher_names_it_and_the_command(tmp_path):
-    p = run("--stage=3", f"--out_dir={tmp_path}", *TINY, check=False)
-    assert p.returncode == 1 and "stage1/ckpt.pt" in p.stderr and "python train.py --stage=1" in p.stderr
+def test_stage3_without_teacher_names_it_and_the_command(tmp_path, capsys):
+    msg = fails(capsys, "--stage=3", f"--out_dir={tmp_path}", *TINY)
+    assert "stage1/ckpt.pt" in msg and "python train.py --stage=1" in msg
+    assert not os.path.exists(tmp_path / "stage3")  # refused before anything was written
 
 
 def test_stage1_inserts_subln_into_a_checkpoint_without_it(tmp_path):
@@ -107,7 +92,7 @@ def test_resume_continues_from_the_saved_step(tmp_path):
     run("--stage=1", "--max_iters=10", "--eval_interval=10", f"--out_dir={out}", *TINY)
     p = run("--stage=1", "--resume=True", "--max_iters=14", f"--out_dir={out}")
     assert "at step 10" in p.stdout
-    recs = [r for r in records(os.path.join(out, "stage1", "metrics.jsonl")) if "loss" in r]
+    recs = [r for r in records(out, stage=1) if "loss" in r]
     assert [r["step"] for r in recs] == list(range(1, 15))
     assert torch.load(os.path.join(out, "stage1", "ckpt.pt"), weights_only=True)["step"] == 14
 
@@ -127,6 +112,20 @@ def test_lr_schedule_shapes(schedule):
 def test_lambda_warmup_is_linear_then_one():
     cfg = train.TrainConfig(stage=2, lambda_warmup_steps=200)
     assert [train.lambda_at(s, cfg) for s in (0, 50, 200, 999)] == [0.0, 0.25, 1.0, 1.0]
+
+
+def test_logged_ms_per_step_does_not_depend_on_log_interval(tmp_path):
+    """ms and tok/s are per step, averaged over the steps since the last log: --log_interval=10 must report the
+    same step time as --log_interval=1 (it once divided one step's time by 10)."""
+    ms = {}
+    for every in (1, 10):
+        out = str(tmp_path / f"every{every}")
+        run("--stage=2", "--max_iters=40", "--eval_interval=1000", f"--log_interval={every}", f"--out_dir={out}", *TINY)
+        recs = [r for r in records(out) if "ms" in r][1:]  # the first includes one-off start-up work
+        assert [r["step"] for r in recs][-1] == 40 and len(recs) == (39 if every == 1 else 3)
+        assert all(r["tok_per_s"] == pytest.approx(4 * 32 / (r["ms"] / 1000)) for r in recs)
+        ms[every] = statistics.median(r["ms"] for r in recs)
+    assert 0.5 < ms[10] / ms[1] < 2.0, ms  # the same within the noise of a shared machine
 
 
 def _spiked_run(clip, spike_step, steps=50):

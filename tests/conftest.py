@@ -1,0 +1,54 @@
+"""Shared test helpers: the repository root is importable (pytest.ini: pythonpath = .), one tiny model shape,
+and ways to run train.py as a user would (a subprocess) or in this process (to catch its error line).
+
+Subprocesses run with OMP_NUM_THREADS=1: on 2 shared cores, 2 OpenMP threads per process make these tiny
+steps ~100x slower.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A model of 1 block, 32 wide, 32 tokens of context: a step takes milliseconds on one CPU core.
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2",
+        "--warmup_iters=2", "--lambda_warmup_steps=4", "--device=cpu"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+FAULTS = os.path.join(ROOT, "tests", "faults.py")  # train.py with fault injection, see that file
+
+
+def start(*args, log=None, faults=None, launch=None):
+    """Popen of train.py (or, with faults="hang_at=16" etc., of tests/faults.py, which wraps it)."""
+    script = FAULTS if faults else os.path.join(ROOT, "train.py")
+    env = dict(ENV, NANOBITNET_FAULTS=faults, PYTHONPATH=ROOT) if faults else ENV
+    return subprocess.Popen([*(launch or [sys.executable]), script, *args], cwd=ROOT, env=env, text=True,
+                            stdout=open(log, "w") if log else subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def run(*args, rc=0, faults=None, launch=None, timeout=300):
+    """Run train.py to the end; assert its exit code; return the CompletedProcess-like (stdout, stderr, rc)."""
+    p = start(*args, faults=faults, launch=launch)
+    stdout, stderr = p.communicate(timeout=timeout)
+    if rc is not None:
+        assert p.returncode == rc, stdout[-2000:] + stderr[-3000:]
+    return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def records(out, stage=2, run_name=None):
+    """The JSON records of <out>/<run_name or stage<N>>/metrics.jsonl."""
+    with open(os.path.join(out, run_name or f"stage{stage}", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def fails(capsys, *argv, code=1):
+    """Run train.main(argv) in this process; assert it exits with `code` after exactly one line 'error: ...'
+    on stderr (an uncaught exception, a traceback in a real run, fails the test); return that line."""
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.main(list(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == code and len(err) == 1 and err[0].startswith("error: "), (e.value.code, err)
+    return err[0]

@@ -1,0 +1,97 @@
+"""
+train.py with faults injected from outside, for tests/test_fault.py. train.py, config.py and checkpoint.py carry
+no test hooks: this script patches the functions they call, then runs train.main.
+
+    NANOBITNET_FAULTS="hang_at=16" python tests/faults.py --stage=2 ...      (any train.py flags)
+
+Faults (separate several with ";"):
+    nan_steps=3,5   the loss of these steps (numbered as logged, from 1) is multiplied by NaN
+    hang_at=16      after the checkpoint of step 16 is written, print "hanging until killed" and sleep
+    slow_write=0.3  every write() into a checkpoint's .tmp file flushes, then sleeps this many seconds
+"""
+
+import builtins
+import os
+import sys
+import time
+
+import checkpoint  # the repository root is on PYTHONPATH (tests/conftest.py sets it)
+import train
+
+
+def parse(spec):
+    faults = {}
+    for item in filter(None, (s.strip() for s in spec.split(";"))):
+        key, _, value = item.partition("=")
+        if key not in ("nan_steps", "hang_at", "slow_write"):
+            sys.exit(f"tests/faults.py: unknown fault {key!r} in NANOBITNET_FAULTS={spec!r}")
+        faults[key] = value
+    return faults
+
+
+def inject_nan(steps):
+    real_step = train.train_step
+
+    def train_step(run, step, *args, **kwargs):
+        if step + 1 not in steps:
+            return real_step(run, step, *args, **kwargs)
+        loss_fn = run.loss_fn
+        run.loss_fn = lambda x, y: (lambda loss, parts: (loss * float("nan"), parts))(*loss_fn(x, y))
+        try:
+            return real_step(run, step, *args, **kwargs)
+        finally:
+            run.loss_fn = loss_fn
+    train.train_step = train_step
+
+
+def inject_hang(at):
+    real_save = checkpoint.save
+
+    def save(obj, *args, **kwargs):
+        path = real_save(obj, *args, **kwargs)
+        if obj["step"] == at:
+            print(f"hang_at={at}: checkpoint written; hanging until killed", flush=True)
+            while True:
+                time.sleep(0.05)
+        return path
+    checkpoint.save = save
+
+
+class SlowFile:
+    """A file whose every write is flushed and followed by a pause, so a test can kill the process mid-write."""
+
+    def __init__(self, f, delay):
+        self.f, self.delay = f, delay
+
+    def write(self, b):
+        n = self.f.write(b)
+        self.f.flush()
+        time.sleep(self.delay)
+        return n
+
+    def __getattr__(self, name):  # flush, fileno, close, ...
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+
+def inject_slow_write(delay):
+    def slow_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return SlowFile(f, delay) if "w" in mode and str(path).endswith(".tmp") else f
+    checkpoint.open = slow_open  # found before the builtin by checkpoint.atomic_save's `open`
+
+
+if __name__ == "__main__":
+    faults = parse(os.environ.get("NANOBITNET_FAULTS", ""))
+    if "nan_steps" in faults:
+        inject_nan({int(s) for s in faults["nan_steps"].split(",")})
+    if "hang_at" in faults:
+        inject_hang(int(faults["hang_at"]))
+    if "slow_write" in faults:
+        inject_slow_write(float(faults["slow_write"]))
+    train.main(sys.argv[1:])

@@ -1,0 +1,191 @@
+"""Tests for prepare.py: reading a corpus, the train/val split by document, shards on disk, the command line.
+Run: python -m pytest tests/test_prepare.py"""
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data
+import prepare
+from conftest import ENV, ROOT
+
+DOCS_TXT = "First document.\nIt has two lines.\n"
+DOCS_JSONL = ["Second: jsonl line one.", "Third \u2014 with a dash.", "", "Fourth."]  # "" is skipped
+DOCS_GZ = ["Fifth, from gzip.", "Sixth: caf\u00e9.", "Seventh and last."]
+DOCS = [DOCS_TXT] + [d for d in DOCS_JSONL if d] + DOCS_GZ  # 7 documents in source order
+
+
+def _write_corpus(tmp_path):
+    """Writes a.txt, b.jsonl, c.jsonl.gz; returns the directory."""
+    d = tmp_path / "corpus"
+    d.mkdir(exist_ok=True)
+    (d / "a.txt").write_text(DOCS_TXT, encoding="utf-8")
+    lines = [json.dumps({"text": t, "title": "x"}) for t in DOCS_JSONL]
+    (d / "b.jsonl").write_text(lines[0] + "\n\n" + "\n".join(lines[1:]) + "\n", encoding="utf-8")  # a blank line too
+    with gzip.open(d / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(json.dumps({"text": t}) for t in DOCS_GZ))
+    return d
+
+
+def _read_split(out_dir, split):
+    names = sorted(n for n in os.listdir(out_dir) if re.fullmatch(rf"{split}_\d+\.bin", n))
+    return [data.read_shard(os.path.join(out_dir, n)) for n in names]
+
+
+def test_the_shipped_corpus_gives_the_same_byte_shards_as_before(tmp_path):
+    # the repo's measured numbers were trained on these exact shards: tokenisation and the format must not drift
+    out = prepare.prepare(tokenizer="byte", out_dir=str(tmp_path / "o"))
+    expected = {"train_000.bin": "cb7d1685caca298793faef2b98deb30129de0af34d39a0f9de68cd9d3f217f98",
+                "val_000.bin": "75172c9d93f250b5d3cd2d5f4ee899bd12d2d3e0fff1dc6ff0585803f2cfd69a"}
+    for name, sha in expected.items():
+        with open(os.path.join(out, name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == sha, name
+    with open(os.path.join(out, "meta.json")) as f:
+        meta = json.load(f)
+    assert prepare.SHAKESPEARE == os.path.join(ROOT, "data", "shakespeare.jsonl.gz") and meta["sources"] == [
+        prepare.SHAKESPEARE]
+    assert (meta["n_docs_train"], meta["n_docs_val"], meta["train_tokens"], meta["val_tokens"]) == (
+        40, 2, 4_838_935, 218_305)
+
+
+def test_iter_documents_yields_every_non_empty_document_in_source_order(tmp_path):
+    d = _write_corpus(tmp_path)
+    paths = [str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz")]
+    assert list(prepare.iter_documents(paths)) == DOCS
+
+
+def test_read_shard_error_says_how_to_remake_a_prepared_dataset(tmp_path):
+    d = _write_corpus(tmp_path)
+    out = prepare.prepare([str(d / "*")], tokenizer="byte", out_dir=str(tmp_path / "ds"), val_every=3)
+    shard = tmp_path / "ds" / "train_000.bin"
+    with open(shard, "r+b") as f:
+        f.write(bytes(4))  # magic 0
+    with pytest.raises(ValueError) as e:
+        data.read_shard(str(shard))
+    srcs = " ".join(str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz"))
+    assert str(shard) in str(e.value) and f"python prepare.py --tokenizer=byte --out_dir={out} {srcs}" in str(e.value)
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
+def test_prepare_splits_by_document_with_eot_prepended(tmp_path, tokenizer):
+    d = _write_corpus(tmp_path)
+    tok = data.get_tokenizer(tokenizer)
+    sources = [str(d / "a.txt"), str(d / "b.jsonl"), str(d / "c.*")]  # a glob too
+    out = prepare.prepare(sources, tokenizer=tokenizer, out_dir=str(tmp_path / "out"), val_every=3, shard_tokens=16)
+    val_idx = [2, 5]  # i % 3 == 2
+    expect = {"train": [], "val": []}
+    for i, doc in enumerate(DOCS):
+        expect["val" if i in val_idx else "train"] += [tok.eot] + tok.encode(doc)
+    for split in ("train", "val"):
+        shards = _read_split(out, split)
+        assert all(len(s) == 16 for s in shards[:-1]) and 0 < len(shards[-1]) <= 16
+        assert all(s.dtype == np.uint16 for s in shards)
+        np.testing.assert_array_equal(np.concatenate(shards), expect[split])
+    with open(os.path.join(out, "meta.json")) as f:
+        meta = json.load(f)
+    assert meta == dict(meta, tokenizer=tokenizer, vocab_size=tok.vocab_size, eot=tok.eot, dtype="uint16",
+                        n_docs_train=5, n_docs_val=2, train_tokens=len(expect["train"]),
+                        val_tokens=len(expect["val"]), sources=[str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz")])
+    train = np.concatenate(_read_split(out, "train"))
+    assert train[0] == tok.eot and (train == tok.eot).sum() == 5  # one eot per document, at its start
+
+
+def test_prepare_is_deterministic_and_expands_globs_in_sorted_order(tmp_path):
+    d = tmp_path / "g"
+    d.mkdir()
+    for name in ["doc2.txt", "doc10.txt", "doc1.txt"]:
+        (d / name).write_text(name)
+    outs = [prepare.prepare([str(d / "doc*.txt")], out_dir=str(tmp_path / f"o{k}"), val_every=2) for k in range(2)]
+    train, val = (bytes(np.concatenate(_read_split(outs[0], s))) for s in ("train", "val"))
+    assert data.get_tokenizer("byte").decode(np.frombuffer(val, np.uint16).tolist()) == "doc10.txt"
+    assert data.get_tokenizer("byte").decode(np.frombuffer(train, np.uint16).tolist()) == "doc1.txtdoc2.txt"
+    for name in os.listdir(outs[0]):
+        if name.endswith(".bin"):
+            assert (tmp_path / "o0" / name).read_bytes() == (tmp_path / "o1" / name).read_bytes()
+
+
+def test_prepare_puts_last_document_in_val_when_val_every_exceeds_the_corpus(tmp_path):
+    d = _write_corpus(tmp_path)
+    out = prepare.prepare([str(d / "b.jsonl")], out_dir=str(tmp_path / "o"), val_every=20)
+    tok = data.get_tokenizer("byte")
+    np.testing.assert_array_equal(np.concatenate(_read_split(out, "val")), [256] + tok.encode("Fourth."))
+    assert (np.concatenate(_read_split(out, "train")) == 256).sum() == 2
+
+
+def test_prepare_replaces_stale_shards_of_an_earlier_run(tmp_path):
+    d = _write_corpus(tmp_path)
+    out = str(tmp_path / "o")
+    prepare.prepare([str(d / "*")], out_dir=out, val_every=3, shard_tokens=10)
+    assert len(_read_split(out, "train")) > 5
+    prepare.prepare([str(d / "*")], out_dir=out, val_every=3)
+    assert sorted(os.listdir(out)) == ["meta.json", "train_000.bin", "val_000.bin"]
+
+
+@pytest.mark.parametrize("contents, phrase", [(["", '{"text": ""}\n'], "empty corpus"),
+                                              (["only one", "\n"], "only one document")])
+def test_prepare_refuses_corpus_without_two_documents_and_writes_nothing(tmp_path, contents, phrase):
+    (tmp_path / "a.txt").write_text(contents[0])
+    (tmp_path / "b.jsonl").write_text(contents[1])
+    with pytest.raises(ValueError, match=phrase):
+        prepare.prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], out_dir=str(tmp_path / "o"))
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.jsonl"]
+
+
+def test_prepare_names_file_and_byte_offset_of_invalid_utf8(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"hello \xff world")
+    line1 = b'{"text": "fine"}\n'
+    (tmp_path / "bad.jsonl").write_bytes(line1 + b'{"text": "caf\xe9"}\n')  # latin-1 e-acute
+    for name, byte, offset in [("bad.txt", "0xff", 6), ("bad.jsonl", "0xe9", len(line1) + 13)]:
+        with pytest.raises(ValueError, match="UTF-8") as e:
+            prepare.prepare([str(tmp_path / name)], out_dir=str(tmp_path / "o"))
+        msg = str(e.value)
+        assert str(tmp_path / name) in msg and byte in msg and f"offset {offset}" in msg and "iconv" in msg, msg
+
+
+def test_prepare_names_missing_sources_and_bad_lines(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    cases = [(tmp_path / "nope.txt", ["nope.txt", "no such file"]),
+             (tmp_path, [str(tmp_path), "directory", str(tmp_path / "*.txt")]),  # the fix: pass its files
+             (tmp_path / "nothing*.txt", ["nothing*.txt", "no file"]),
+             (tmp_path / "x.jsonl", ["x.jsonl:2", '"text"'])]  # file and line
+    for source, facts in cases:
+        with pytest.raises(ValueError) as e:
+            prepare.prepare([str(source)], out_dir=str(tmp_path / "o"))
+        assert all(f in str(e.value) for f in facts), str(e.value)
+
+
+def test_cli_bad_flag_exits_2_with_one_line(capsys):
+    assert prepare.main(["--bogus=1"]) == 2
+    assert prepare.main(["--tokenizer=sentencepiece"]) == 2
+    assert prepare.main(["--val_every=x"]) == 2
+    err = capsys.readouterr().err.strip().split("\n")
+    assert len(err) == 3 and "--bogus=1" in err[0] and "byte, gpt2" in err[1]
+
+
+def test_cli_prepares_a_corpus_and_reports_errors_in_one_line(tmp_path, capsys):
+    d = _write_corpus(tmp_path)
+    assert prepare.main([f"--out_dir={tmp_path / 'o'}", "--val_every=2", str(d / "*")]) == 0
+    out = capsys.readouterr().out
+    assert "train: 4 docs" in out and "decoded: 'First document." in out
+    assert os.path.exists(tmp_path / "o" / "val_000.bin")
+    assert prepare.main([str(tmp_path / "missing.txt")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("content, facts", [(b"fine text\nthen \xff\xfe latin-1", ["UTF-8", "0xff", "offset 15"]),
+                                           (b"", ["empty corpus"])])
+def test_prepare_py_refuses_non_utf8_and_empty_corpora_in_one_line(tmp_path, content, facts):
+    src = tmp_path / "corpus.txt"
+    src.write_bytes(content)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), f"--out_dir={tmp_path / 'o'}", str(src)],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1 and str(src) in err[0] and all(f in err[0] for f in facts), p.stderr
+    assert not os.path.exists(tmp_path / "o" / "train_000.bin")
