@@ -220,6 +220,31 @@ def load(path, required=("model", "model_args")):
         raise CheckpointError(f"{path}: not a training checkpoint (missing {', '.join(missing)})")
     return ckpt
 
+def check_fits(saved_args, conf, path):
+    """Refuse, before loading anything, a checkpoint whose weights have other shapes or another vocabulary
+    than the model conf (a GPTConfig) builds."""
+    keys = ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_hidden", "tie_embeddings")
+    diff = [k for k in keys if saved_args.get(k) != getattr(conf, k)]
+    if diff:
+        raise CheckpointError(
+            f"{path}: checkpoint has {', '.join(f'{k}={saved_args.get(k)}' for k in diff)} but this run builds "
+            f"{', '.join(f'{k}={getattr(conf, k)}' for k in diff)}; use the --n_layer/--n_head/--n_embd/--tokenizer/"
+            f"--pad_vocab of the run that wrote it (the vocabulary comes from --tokenizer)")
+
+
+def load_weights(model, state, path, insert_subln=False):
+    """Load a state dict; lambda_ buffers may be missing (an fp checkpoint into a ternary model), and with
+    insert_subln the SubLN gains too: they keep their unit init (BitDistill, arXiv 2510.13998, Stage 1)."""
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a shape mismatch that check_fits did not catch
+        raise CheckpointError(f"{path}: checkpoint does not fit this model "
+                              f"({str(e).splitlines()[-1].strip()[:200]})") from None
+    missing = [k for k in missing if not k.endswith("lambda_") and not (insert_subln and ".subln." in k)]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}); check n_layer/n_embd/n_head/subln/tokenizer")
+
 # -----------------------------------------------------------------------------
 # preemption
 

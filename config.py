@@ -9,7 +9,7 @@ linear warmup, constant, then a linear decay to min_lr over the last decay_frac 
 (HF blog "Fine-tuning LLMs to 1.58bit", 2024): lambda = min(step / lambda_warmup_steps, 1), blending the
 full-precision forward (0) into the ternary one (1).
 
-Also: where the data comes from (resolve_data) and the model shape (model_config).
+Also: where the data comes from (resolve_data, make_loaders) and the model shape (model_config).
 Used by train.py; test: python -m pytest tests/test_train.py
 """
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+import data
 from model import GPTConfig
 from runtime import die
 
@@ -205,6 +206,24 @@ def resolve_data(cfg):
             die(f"{path} was tokenised with {meta['tokenizer']}, but --tokenizer={cfg.tokenizer}; "
                 f"pass --tokenizer={meta['tokenizer']} or re-run prepare.py")
     return sources
+
+
+def make_loaders(cfg, rt, resume):
+    """Train and val loaders over the shards (rt: runtime.Runtime); local rank 0 of each node prepares the
+    shipped corpus first. resume: a checkpoint whose loader position the train loader continues from."""
+    try:
+        if rt.local_rank == 0:
+            sources = resolve_data(cfg)
+        rt.barrier()
+        if rt.local_rank != 0:
+            sources = resolve_data(cfg)
+        train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
+        val_loader = data.DataLoader(sources, "val", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
+        if resume is not None:
+            train_loader.load_state_dict(resume["loader"])
+    except ValueError as e:
+        die(str(e))
+    return train_loader, val_loader
 
 
 def model_config(cfg, vocab_size, eot):

@@ -15,19 +15,14 @@ One node, 8 GPUs (DDP; NCCL on CUDA, gloo on CPU); add --fsdp=True to shard para
 Two nodes of 8 GPUs: the same command on each, with --node_rank=0 / 1 and the address of node 0:
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py --stage=2
 
-The file reads top to bottom: train_step (one optimizer step of ternary QAT: the lesson), starting_weights (the
-three-stage recipe: where each run starts), main (set-up, then the training loop between banners), and below a
-fence the plumbing (optimizer groups, clipping, evaluation, DDP/FSDP2 wrapping, checkpoints, logging).
-
-Batch: batch_size is the sequences of one micro-batch on one rank; grad_accum counts the micro-batches of one
-step over ALL ranks, so the global batch (batch_size * grad_accum sequences) does not depend on the world size.
-Fault tolerance (checkpoint.py): atomic whole checkpoints, exact resume, SIGTERM/SIGINT save and exit 0, and a
-step with a non-finite loss or gradient norm is skipped; all decided by one host read per step.
-Metrics go to out/stage<N>/metrics.jsonl; the first run tokenises the shipped corpus (prepare.py).
+Read top to bottom: train_step (one step of ternary QAT), starting_weights (the three-stage recipe), main (the
+loop between banners), then below a fence the plumbing (optimizer groups, clipping, evaluation, checkpoints, logs).
+batch_size is one micro-batch on one rank; grad_accum counts the micro-batches of a step over ALL ranks, so the
+global batch does not depend on the world size. Checkpoints resume exactly (checkpoint.py); a non-finite step is
+skipped. Metrics go to out/stage<N>/metrics.jsonl; the first run tokenises the shipped corpus (prepare.py).
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -37,12 +32,11 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 import checkpoint
 import data
-from config import (TrainConfig, build_config, lambda_at, lr_mult, model_config, parse_args,  # noqa: F401
-                    resolve_data)
+from config import (TrainConfig, build_config, lambda_at, lr_mult, make_loaders, model_config,  # noqa: F401
+                    parse_args, resolve_data)
 from distill import BitDistillLoss
 from model import GPT, GPTConfig, precompute_rope
 from muon import configure_muon
@@ -69,7 +63,7 @@ def train_step(run, step, stop_requested, timed=False):
     loss_sum = torch.zeros((), device=run.rt.device)
     for micro in range(run.accum):
         x, y = (t.to(run.rt.device, non_blocking=True) for t in run.train_loader.next_batch())  # (B, T) each
-        with grad_sync(run, last=micro == run.accum - 1), run.autocast:
+        with run.rt.grad_sync(run.train_model, model, last=micro == run.accum - 1), run.autocast:
             loss, parts = run.loss_fn(x, y)  # plain CE, or the distillation loss in stage 3
             (loss / run.accum).backward()
         loss_sum += loss.detach().float()
@@ -81,6 +75,7 @@ def train_step(run, step, stop_requested, timed=False):
     opt.zero_grad(set_to_none=True)
     out.update(lam=lam, lr=cfg.lr * mult)
     return out
+
 
 def set_step_lambda(run, step):
     """lambda for this step into every BitLinear's and QuantRMSNorm's buffer: no recompile, no host sync."""
@@ -102,7 +97,8 @@ class Start:
 
 
 def starting_weights(cfg, conf, resume_ckpt, resume_path):
-    """The three-stage recipe decides where a run starts (BitDistill, arXiv 2510.13998, section 3):
+    """The three-stage recipe (after BitDistill, arXiv 2510.13998: SubLN refinement, continued pre-training,
+    distillation) decides where a run starts:
       stage 1  the full-precision model with SubLN, from scratch; or --init_from=<an fp checkpoint>: its weights,
                and if it has no SubLN, the SubLN norms are inserted with unit gain (the paper's refinement step)
       stage 2  the stage-1 weights (out/stage1/ckpt.pt) with every hidden matrix now ternary (lambda warms up from
@@ -111,7 +107,7 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
       --resume=True, any stage: its own latest checkpoint, continued exactly (weights, optimizer, loader, RNG)
     Every checkpoint is checked against this run's shape before anything is loaded."""
     if resume_ckpt is not None:
-        check_fits(resume_ckpt["model_args"], conf, resume_path)
+        checkpoint.check_fits(resume_ckpt["model_args"], conf, resume_path)
         return Start(resume_ckpt["step"], resume_ckpt, resume_path,
                      note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
@@ -122,8 +118,8 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
             return Start(note=f"stage 2: no stage-1 checkpoint at {path}; training the ternary model from scratch")
         die(f"no checkpoint at {path} to start stage {cfg.stage} from; make it with: "
             f"python train.py --stage={max(cfg.stage - 1, 1)}")
-    ckpt = load_checkpoint(path)
-    check_fits(ckpt["model_args"], conf, path)
+    ckpt = checkpoint.load(path)
+    checkpoint.check_fits(ckpt["model_args"], conf, path)
     insert = cfg.stage == 1 and not ckpt["model_args"].get("subln", True) and conf.subln
     src = f"stage-{cfg.stage - 1} weights" if cfg.init_from == "auto" else "weights"
     return Start(0, ckpt, path, insert, f"stage {cfg.stage}: starting from the {src} in {path}" +
@@ -143,7 +139,7 @@ def make_loss_fn(run, teacher_path):
     kw = dict(qkv_layer=crit.distill_layer if crit.gamma_ad != 0 else None, hiddens=crit.delta_hidden != 0)
 
     def distill_loss(x, y):
-        s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (see WithStates)
+        s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (runtime.WithStates)
         with torch.no_grad():
             t_logits, _, t = teacher.forward_with_states(x, y, **kw)
         parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t["hiddens"] or None)
@@ -186,7 +182,7 @@ def setup(argv):
     if cfg.resume:
         if not os.path.exists(run.ckpt_path):
             die(f"--resume=True but there is no checkpoint at {run.ckpt_path}; start without --resume")
-        resume = load_checkpoint(run.ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
+        resume = checkpoint.load(run.ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
         run.cfg = cfg = build_config(overrides, base=resume["config"])  # the saved run, flags given now on top
     teacher_path = cfg.teacher or os.path.join(cfg.out_dir, "stage1", "ckpt.pt")
     check_run(cfg, run, teacher_path)
@@ -204,12 +200,13 @@ def setup(argv):
 
     run.model = GPT(conf)
     if run.start.ckpt is not None:
-        load_weights(run.model, run.start.ckpt["model"], run.start.path, run.start.insert_subln)
+        checkpoint.load_weights(run.model, run.start.ckpt["model"], run.start.path, run.start.insert_subln)
     rt.log(run.start.note)
     run.model.to(rt.device)
-    run.train_model = parallelize(run.model, cfg, rt)
+    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
+    run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile)  # compiled, in DDP or FSDP2 as asked
     run.loss_fn = make_loss_fn(run, teacher_path)
-    run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, process_group(cfg, rt))
+    run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
     try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
         if resume is not None:
@@ -225,7 +222,10 @@ def setup(argv):
 
 
 def main(argv):
-    run = setup(argv)
+    try:
+        run = setup(argv)
+    except checkpoint.CheckpointError as e:  # missing, corrupt, or not fitting this model: one line, no traceback
+        die(str(e))
     cfg, rt = run.cfg, run.rt
     step = start = run.start.step
     val_loss, n_bad, bad_run = None, 0, 0
@@ -249,7 +249,7 @@ def main(argv):
             log_now = (step + 1) % cfg.log_interval == 0
             out = train_step(run, step, stop.requested is not None, timed=log_now)
             step += 1
-            timer.tick()
+            timer.steps += 1
             n_bad, bad_run = (n_bad, 0) if out["ok"] else (n_bad + 1, bad_run + 1)
             if not out["ok"] or log_now:
                 log_step(run, step, out, n_bad, bad_run, timer)
@@ -293,11 +293,6 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
     return opt
 
 
-def process_group(cfg, rt):
-    """DDP: Muon shares its Newton-Schulz work over all ranks; FSDP2 parameters bring their own mesh."""
-    return dist.group.WORLD if rt.world > 1 and not cfg.fsdp else None
-
-
 def clip_gradients(params, clipper, cfg):
     """ZClip, or a fixed clip_grad_norm_; both return the same 0-d tensor stats (read once per step)."""
     if clipper is not None:
@@ -331,8 +326,7 @@ def read_step(run, loss, stats, stop_requested, parts):
 def optimizer_step(optimizer, rt, timed):
     """Step; with timed=True also return the milliseconds of Muon's part (synchronising on CUDA)."""
     if not timed or not hasattr(optimizer, "muon"):
-        optimizer.step()
-        return None
+        return optimizer.step()  # None
     sync = torch.cuda.synchronize if rt.device_type == "cuda" else (lambda: None)
     sync()
     t = time.perf_counter()
@@ -360,69 +354,6 @@ def estimate_val_loss(run):
     return (run.rt.all_reduce_(losses.mean()) / run.rt.world).item()
 
 
-class WithStates(torch.nn.Module):
-    """Wraps the student so that its forward is GPT.forward_with_states: DDP and torch.compile only see a
-    module's forward, so stage 3 wraps this instead of the model (FSDP2 registers the method itself)."""
-
-    def __init__(self, model, **kw):
-        super().__init__()
-        self.model, self.kw = model, kw
-
-    def forward(self, x, y, **kw):
-        return self.model.forward_with_states(x, y, **kw) if kw else self.model(x, y)
-
-
-def parallelize(model, cfg, rt):
-    """One process: the model (compiled on CUDA). DDP: replicas whose gradients are all-reduced. FSDP2:
-    fully_shard each block, then the root (embedding, tied head, final norm). Returns the module to call:
-    train_model(x, y) -> (logits, loss), and train_model(x, y, qkv_layer=, hiddens=) -> (logits, loss, states)."""
-    if cfg.fsdp and rt.world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-        mesh = init_device_mesh(rt.device_type, (rt.world,))
-        for block in model.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        register_fsdp_forward_method(model, "forward_with_states")
-    elif cfg.fsdp:
-        rt.log("--fsdp=True in one process: nothing to shard, training unsharded")
-    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
-    train_model = WithStates(model)
-    train_model = torch.compile(train_model) if use_compile else train_model
-    if rt.world > 1 and not cfg.fsdp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        # lambda buffers are set identically on every rank, so they need no broadcast each forward
-        train_model = DDP(train_model, device_ids=[rt.local_rank] if rt.device_type == "cuda" else None,
-                          broadcast_buffers=False)
-    return train_model
-
-
-def grad_sync(run, last):
-    """Reduce gradients on the last micro-batch of a step only: DDP's no_sync(), FSDP2's switch."""
-    if hasattr(run.train_model, "no_sync"):
-        return contextlib.nullcontext() if last else run.train_model.no_sync()
-    if hasattr(run.model, "set_requires_gradient_sync"):
-        run.model.set_requires_gradient_sync(last)
-    return contextlib.nullcontext()
-
-
-def make_loaders(cfg, rt, resume):
-    """Train and val loaders over the shards; local rank 0 of each node prepares the shipped corpus first."""
-    try:
-        if rt.local_rank == 0:
-            sources = resolve_data(cfg)
-        rt.barrier()
-        if rt.local_rank != 0:
-            sources = resolve_data(cfg)
-        train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
-        val_loader = data.DataLoader(sources, "val", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
-        if resume is not None:
-            train_loader.load_state_dict(resume["loader"])
-    except ValueError as e:
-        die(str(e))
-    return train_loader, val_loader
-
-
 def check_run(cfg, run, teacher_path):
     """Refuse, before anything is loaded or written, a batch split that does not divide, a stage 3 without its
     teacher, or an out_dir that cannot be written."""
@@ -439,36 +370,6 @@ def check_run(cfg, run, teacher_path):
         die(f"cannot write to {run.out_dir}: {e.strerror}; pass a writable --out_dir")
 
 
-def load_checkpoint(path, required=("model", "model_args")):
-    try:
-        return checkpoint.load(path, required)
-    except checkpoint.CheckpointError as e:
-        die(str(e))
-
-
-def check_fits(saved, conf, path):
-    """Refuse, before loading anything, a checkpoint whose weights have other shapes or another vocabulary."""
-    keys = ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_hidden", "tie_embeddings")
-    diff = [k for k in keys if saved.get(k) != getattr(conf, k)]
-    if diff:
-        die(f"{path}: checkpoint has {', '.join(f'{k}={saved.get(k)}' for k in diff)} but this run builds "
-            f"{', '.join(f'{k}={getattr(conf, k)}' for k in diff)}; use the --n_layer/--n_head/--n_embd/--tokenizer/"
-            f"--pad_vocab of the run that wrote it (the vocabulary comes from --tokenizer)")
-
-
-def load_weights(model, state, path, insert_subln=False):
-    """Load a state dict; lambda_ buffers may be missing (an fp checkpoint into a ternary model), and with
-    insert_subln the SubLN gains too: they keep their unit init (BitDistill, arXiv 2510.13998, Stage 1)."""
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a shape mismatch that check_fits did not catch
-        die(f"{path}: checkpoint does not fit this model ({str(e).splitlines()[-1].strip()[:200]})")
-    missing = [k for k in missing if not k.endswith("lambda_") and not (insert_subln and ".subln." in k)]
-    if missing or unexpected:
-        die(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, unexpected {unexpected[:3]}); "
-            f"check n_layer/n_embd/n_head/subln/tokenizer")
-
-
 def make_teacher(cfg, path, student_conf, device):
     """Stage 3: the frozen full-precision teacher (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
     With every distillation weight 0 there is no teacher: plain CE, the control run."""
@@ -481,7 +382,7 @@ def make_teacher(cfg, path, student_conf, device):
         die(str(e), 2)
     if crit.lambda_ld == crit.gamma_ad == crit.delta_hidden == 0:
         return None, crit
-    ckpt = load_checkpoint(path)
+    ckpt = checkpoint.load(path)
     tconf = GPTConfig(**ckpt["model_args"])
     if tconf.vocab_size != student_conf.vocab_size:
         die(f"{path}: teacher vocabulary {tconf.vocab_size} != student {student_conf.vocab_size}; same tokenizer needed")
@@ -490,7 +391,7 @@ def make_teacher(cfg, path, student_conf, device):
     except ValueError as e:
         die(str(e), 2)
     teacher = GPT(tconf)
-    load_weights(teacher, ckpt["model"], path)
+    checkpoint.load_weights(teacher, ckpt["model"], path)
     teacher.requires_grad_(False).eval().to(device)
     if device.startswith("cuda"):
         teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
@@ -513,19 +414,14 @@ def save(run, step):
 
 
 class StepTimer:
-    """Wall time per step, averaged over the steps since the last log (or since an eval or checkpoint)."""
-
+    """Wall time per step, averaged over the steps since the last lap (a log) or reset (an eval or checkpoint)."""
     def __init__(self):
         self.reset()
 
     def reset(self):
         self.t0, self.steps = time.time(), 0
 
-    def tick(self):
-        self.steps += 1
-
     def lap(self):
-        """Seconds per step since the last lap or reset, then start a new lap."""
         dt = (time.time() - self.t0) / max(self.steps, 1)
         self.reset()
         return dt
