@@ -9,7 +9,7 @@ GPUs, gloo between CPU processes. Only rank 0 prints and writes files; every ran
 
     rt = Runtime.from_env("cuda")   # reads RANK / LOCAL_RANK / WORLD_SIZE, picks cuda:<LOCAL_RANK>
     rt.start()                      # joins the process group (nothing to do for one process)
-    rt.log("only rank 0 prints")
+    rt.log("only rank 0 prints")    # and rt.log_json(out_dir, record) appends to out_dir/metrics.jsonl
     rt.barrier()                    # wait for every rank
     train_model = rt.wrap(model, fsdp=False, compile=False)   # what the training step calls
     rt.close()
@@ -24,8 +24,10 @@ Used by train.py; tested by tests/test_scale.py (2 gloo processes on CPU).
 """
 
 import contextlib
+import json
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +72,12 @@ class Runtime:
     def log(self, *args, **kwargs):
         if self.master:
             print(*args, **kwargs)
+
+    def log_json(self, out_dir, rec):
+        """Append rec as one JSON line to out_dir/metrics.jsonl (rank 0 only)."""
+        if self.master:
+            with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
 
     def barrier(self):
         if self.world > 1:
@@ -119,6 +127,22 @@ class Runtime:
         """DDP's process group (Muon shares out its Newton-Schulz work over it); None for one process or FSDP2,
         whose parameters bring their own mesh."""
         return dist.group.WORLD if self.world > 1 and not fsdp else None
+
+
+class StepTimer:
+    """Wall time per step, averaged over the steps since the last lap (a log line) or reset (after an eval or a
+    checkpoint, whose time is not step time). The loop counts steps with timer.steps += 1."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.t0, self.steps = time.time(), 0
+
+    def lap(self):
+        dt = (time.time() - self.t0) / max(self.steps, 1)
+        self.reset()
+        return dt
 
 
 class WithStates(torch.nn.Module):

@@ -24,7 +24,6 @@ Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.
 """
 
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -41,7 +40,7 @@ from distill import BitDistillLoss
 from model import GPT, GPTConfig, precompute_rope
 from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
-from runtime import Runtime, die
+from runtime import Runtime, StepTimer, die
 from zclip import ZClip
 
 # -----------------------------------------------------------------------------
@@ -229,7 +228,7 @@ def main(argv):
     cfg, rt = run.cfg, run.rt
     step = start = run.start.step
     val_loss, n_bad, bad_run = None, 0, 0
-    timer = StepTimer()
+    timer = StepTimer()  # ms per step, averaged between log lines
     with checkpoint.StopSignal() as stop:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         while True:
@@ -240,7 +239,7 @@ def main(argv):
                 if evaluate:
                     val_loss = estimate_val_loss(run)
                     rt.log(f"step {step}: val loss {val_loss:.4f}")
-                    log_json(run, {"step": step, "val_loss": val_loss, "lambda": lam})
+                    rt.log_json(run.out_dir, {"step": step, "val_loss": val_loss, "lambda": lam})
                 if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
                     save(run, step)
                     timer.reset()  # evaluation and checkpoint time are not step time
@@ -413,32 +412,12 @@ def save(run, step):
     run.rt.barrier()
 
 
-class StepTimer:
-    """Wall time per step, averaged over the steps since the last lap (a log) or reset (an eval or checkpoint)."""
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.t0, self.steps = time.time(), 0
-
-    def lap(self):
-        dt = (time.time() - self.t0) / max(self.steps, 1)
-        self.reset()
-        return dt
-
-
-def log_json(run, rec):
-    if run.rt.master:
-        with open(os.path.join(run.out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-
 def log_step(run, step, out, n_bad, bad_run, timer):
     lam = out["lam"]
     if not out["ok"]:
         run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['grad_norm_raw']} not finite, no "
                    f"update ({bad_run} in a row, {n_bad} in all; max_bad_steps={run.cfg.max_bad_steps})")
-        log_json(run, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": n_bad})
+        run.rt.log_json(run.out_dir, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": n_bad})
         return
     dt = timer.lap()
     tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
@@ -451,7 +430,7 @@ def log_step(run, step, out, n_bad, bad_run, timer):
                f"{rec['grad_norm_raw']:.3f} -> {rec['grad_norm']:.3f} (clipped {rec['clipped']}, z {rec['z']:.2f}) | "
                f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
                (" | " + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) if parts else ""))
-    log_json(run, rec)
+    run.rt.log_json(run.out_dir, rec)
 
 
 if __name__ == "__main__":
