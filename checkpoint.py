@@ -32,6 +32,7 @@ Test:  python -m pytest tests/test_fault.py tests/test_scale.py
 This file imports only torch, numpy and the standard library.
 """
 
+import errno
 import os
 import random
 import re
@@ -155,13 +156,22 @@ def _fsync_dir(d):
 
 
 def atomic_save(obj, path):
-    """torch.save to path.tmp, flush, fsync, rename over path, fsync the directory."""
+    """torch.save to path.tmp, flush, fsync, rename over path, fsync the directory. A failed write (a full
+    disk: torch.save raises RuntimeError, a plain write OSError) removes the .tmp and raises OSError."""
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise OSError(errno.ENOSPC if "space" in why.lower() else errno.EIO, why) from e
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -181,6 +191,51 @@ def _atomic_link(src, dst):
     _fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
 
+def existing_run(d):
+    """The files of an earlier run in d (checkpoints, metrics), which a fresh run must not mix with its own."""
+    names = os.listdir(d) if os.path.isdir(d) else []
+    return sorted(n for n in names if n in (LATEST, "metrics.jsonl") or NUMBERED.fullmatch(n))
+
+
+def remove_run(d):
+    """Delete an earlier run's files from d (asked for with --overwrite=True)."""
+    for n in existing_run(d):
+        os.remove(os.path.join(d, n))
+
+
+def lock(d):
+    """Claim d for this process: d/.lock holds our pid. Another live process's lock raises CheckpointError;
+    a dead one's (a killed run) is taken over. Returns a function that releases the lock."""
+    path = os.path.join(d, ".lock")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(open(path).read().strip() or 0)
+                os.kill(pid, 0)  # raises if no such process
+            except (ValueError, ProcessLookupError, FileNotFoundError):  # stale: its run is gone
+                if os.path.exists(path):
+                    os.remove(path)
+                continue
+            except PermissionError:  # the pid lives, under another user
+                pass
+            raise CheckpointError(f"{d}: another run (pid {pid}) is writing here; wait for it, stop it, or pass "
+                                  f"another --out_dir or --run_name") from None
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return lambda: os.path.exists(path) and os.remove(path)
+    raise CheckpointError(f"{d}: cannot take the lock file {path}; remove it if no run is using {d}")
+
+
+def all_finite(model):
+    """True when every parameter of model is finite: one fused reduction and one host read (at save time)."""
+    params = [p for p in model.parameters()]
+    norms = torch._foreach_norm([p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                                 for p in params], 2.0)
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+
 def numbered(d):
     """The ckpt_<step>.pt files in d, oldest first."""
     names = [n for n in (os.listdir(d) if os.path.isdir(d) else []) if NUMBERED.fullmatch(n)]
@@ -197,9 +252,14 @@ def save(obj, d, keep_last=1):
     atomic_save(obj, path)
     latest = os.path.join(d, LATEST)
     _atomic_link(path, latest)
-    for old in numbered(d)[:-keep_last]:
+    older = [p for p in numbered(d) if _step_of(p) < obj["step"]]  # never a later step: not this run's past
+    for old in older[:max(len(older) - (keep_last - 1), 0)]:
         os.remove(old)
     return latest
+
+
+def _step_of(path):
+    return int(NUMBERED.fullmatch(os.path.basename(path)).group(1))
 
 
 def load(path, required=("model", "model_args")):
@@ -252,10 +312,12 @@ def load_weights(model, state, path, insert_subln=False):
 class StopSignal:
     """with StopSignal() as stop: ... `stop.requested` is the name of the first SIGTERM/SIGINT received, else
     None. The loop checks it once per step. A second signal of the same kind exits at once with code 1
-    (torchrun follows a Ctrl-C with SIGTERM to its workers: that second, different signal is not an abort)."""
+    (torchrun follows a Ctrl-C with SIGTERM to its workers: that second, different signal is not an abort).
+    StopSignal(at_once="why"): the first signal already exits, with code 1 and the line "error: SIGTERM: why"
+    (before training starts there is no step to finish)."""
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
-        self.signals, self.requested, self.old = signals, None, {}
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), at_once=None):
+        self.signals, self.requested, self.old, self.at_once = signals, None, {}, at_once
 
     def __enter__(self):
         self.old = {s: signal.signal(s, self._handle) for s in self.signals}
@@ -267,6 +329,8 @@ class StopSignal:
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
+        if self.at_once:
+            raise SystemExit(f"error: {name}: {self.at_once}")
         if self.requested == name:
             raise SystemExit(f"error: second {name}: stopping now, without a checkpoint; the last one is kept")
         self.requested = self.requested or name

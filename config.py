@@ -32,6 +32,7 @@ class TrainConfig:
     device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset below
     out_dir: str = "out"         # checkpoints and metrics go to <out_dir>/stage<N>/
     resume: bool = False         # continue from <out_dir>/stage<N>/ckpt.pt
+    overwrite: bool = False      # start afresh in an out_dir that holds another run, deleting its checkpoints
     run_name: str = ""           # output subdirectory of out_dir; "" = stage<N>
     init_from: str = "auto"      # auto: stage 2 <- stage-1 ckpt if present, else scratch; stage 3 <- stage-2 ckpt;
                                  # or a path (stage 1: an fp checkpoint, SubLN is inserted if it has none); or "scratch"
@@ -82,8 +83,8 @@ class TrainConfig:
     distill_relation_heads: int = 4  # A_r; the paper's 32 needs H*d >= 32*d_r, too many for a 128-wide model
     distill_hidden: float = 0.0  # delta: weight of hidden-state distillation (0 = off)
     # system
-    compile: str = "auto"        # auto = on for cuda only
-    dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu
+    compile: str = "auto"        # auto = on for cuda only; true / false (also 1/0, yes/no, on/off)
+    dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32, bfloat16, float16
     # scale-out and fault tolerance
     fsdp: bool = False           # under torchrun: FSDP2 shards params, grads and optimizer state (else DDP)
     checkpoint_interval: int = 0  # also checkpoint every N steps; 0 = at evals and at the end only
@@ -105,8 +106,12 @@ STAGE_PRESETS = {
 }
 
 
+BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+
+
 def parse_args(argv):
-    """--key=value pairs, each checked against TrainConfig's field types."""
+    """--key=value pairs, each checked against TrainConfig's field types. Booleans, and the tri-state
+    --compile, take true/false, 1/0, yes/no, on/off in any case."""
     fields = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     out = {}
     for arg in argv:
@@ -115,14 +120,16 @@ def parse_args(argv):
             die(f"unknown or malformed argument {arg!r}; use --key=value with key one of: {', '.join(fields)}", 2)
         typ = fields[key]
         try:
-            if typ is bool:
-                if val.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                out[key] = val.lower() in ("true", "1")
+            if typ is bool or key == "compile":
+                if key == "compile" and val.lower() == "auto":
+                    out[key] = "auto"
+                    continue
+                out[key] = BOOLEANS[val.lower()] if typ is bool else str(BOOLEANS[val.lower()]).lower()
             else:
                 out[key] = typ(val)
-        except ValueError:
-            die(f"--{key}={val}: expected {typ.__name__}; valid keys: {', '.join(fields)}", 2)
+        except (ValueError, KeyError):
+            what = "true or false" if typ is bool else "auto, true or false" if key == "compile" else typ.__name__
+            die(f"--{key}={val}: expected {what}; valid keys: {', '.join(fields)}", 2)
     return out
 
 
@@ -141,20 +148,70 @@ def build_config(overrides, base=None):
         cfg["device"] = device
     cfg.update(overrides)
     cfg = TrainConfig(**cfg)
-    if cfg.schedule not in ("cosine", "wsd"):
-        die(f"--schedule={cfg.schedule}: expected cosine or wsd", 2)
-    if cfg.optimizer not in ("muon", "adamw"):
-        die(f"--optimizer={cfg.optimizer}: expected muon or adamw", 2)
-    if cfg.muon_adjust_lr not in ("original", "match_rms_adamw"):
-        die(f"--muon_adjust_lr={cfg.muon_adjust_lr}: expected original or match_rms_adamw", 2)
-    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
-        die(f"n_embd={cfg.n_embd} must split into n_head={cfg.n_head} heads of even size", 2)
-    for key, low in (("batch_size", 1), ("grad_accum", 1), ("keep_last", 1), ("max_bad_steps", 1),
-                     ("checkpoint_interval", 0), ("eval_interval", 1), ("eval_iters", 1), ("log_interval", 1)):
-        if getattr(cfg, key) < low:
-            die(f"--{key}={getattr(cfg, key)}: expected an integer >= {low}", 2)
+    check_config(cfg)
     return cfg
 
+
+def check_config(cfg):
+    """Every field's range in one place, checked before any data is tokenised or any model built: a value
+    that would train nonsense (a negative lr, no layers, a NaN) stops here with one line naming the flag."""
+    choices = dict(stage=(1, 2, 3), tokenizer=("byte", "gpt2"), schedule=("cosine", "wsd"), optimizer=("muon", "adamw"),
+                   muon_adjust_lr=("original", "match_rms_adamw"), distill_preset=("summarization", "classification"),
+                   dtype=("auto", "float32", "bfloat16", "float16"), compile=("auto", "true", "false"))
+    for key, valid in choices.items():
+        if getattr(cfg, key) not in valid:
+            die(f"--{key}={getattr(cfg, key)}: expected one of {', '.join(map(str, valid))}", 2)
+    at_least = dict(n_layer=1, n_head=1, n_embd=1, block_size=1, batch_size=1, grad_accum=1, max_iters=0,
+                    eval_interval=1, eval_iters=1, log_interval=1, warmup_iters=0, lambda_warmup_steps=0,
+                    checkpoint_interval=0, keep_last=1, max_bad_steps=1, seed=0, distill_relation_heads=1)
+    for key, low in at_least.items():
+        if getattr(cfg, key) < low:
+            die(f"--{key}={getattr(cfg, key)}: expected an integer >= {low}", 2)
+    if cfg.seed >= 2**32:
+        die(f"--seed={cfg.seed}: expected an integer below 2**32 (numpy's limit)", 2)
+    ranges = dict(lr=("> 0", lambda v: v > 0), muon_lr=("> 0", lambda v: v > 0),
+                  min_lr_frac=("in [0, 1]", lambda v: 0 <= v <= 1), decay_frac=("in [0, 1]", lambda v: 0 <= v <= 1),
+                  weight_decay=(">= 0", lambda v: v >= 0), beta1=("in [0, 1)", lambda v: 0 <= v < 1),
+                  beta2=("in [0, 1)", lambda v: 0 <= v < 1), zclip_z_thresh=("> 0", lambda v: v > 0),
+                  grad_clip=(">= 0", lambda v: v >= 0), two_phase_lr_drop=("in (0, 1]", lambda v: 0 < v <= 1),
+                  distill_lambda=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
+                  distill_gamma=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
+                  distill_tau=("> 0", lambda v: v > 0), distill_hidden=(">= 0", lambda v: v >= 0))
+    for key, (what, ok) in ranges.items():
+        v = getattr(cfg, key)
+        if not (math.isfinite(v) and ok(v)):
+            die(f"--{key}={v}: expected a finite number {what}", 2)
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into --n_head={cfg.n_head} heads of even size (RoPE rotates pairs)", 2)
+    dev = cfg.device.split(":")
+    if dev[0] not in ("cpu", "cuda") or len(dev) > 2 or (len(dev) == 2 and not dev[1].isdigit()):
+        die(f"--device={cfg.device}: expected auto, cpu, cuda or cuda:<index>", 2)
+    if dev[0] == "cuda" and not torch.cuda.is_available():
+        die(f"--device={cfg.device}: no CUDA device here; use --device=cpu", 2)
+    if len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
+        die(f"--device={cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+    parse_data(cfg.data)
+
+
+def parse_data(spec):
+    """--data: "" (the shipped corpus), a shard directory, or "dirA:0.7,dirB:0.3" to mix by weight.
+    Returns {directory: weight}; every source has a finite weight > 0, or none has one (equal weights)."""
+    if not spec:
+        return {}
+    items = [item.rpartition(":") if ":" in item else ("", "", item) for item in spec.split(",")]
+    if any(not sep for _, sep, _ in items) and any(sep for _, sep, _ in items):
+        die(f"--data={spec}: give every source a weight (dirA:0.7,dirB:0.3) or none (equal weights)", 2)
+    sources = {}
+    for path, sep, w in items:
+        path, w = (path, w) if sep else (w, "1")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = float("nan")
+        if not path or not (math.isfinite(weight) and weight > 0):
+            die(f"--data={spec}: {path or '(empty)'}:{w} needs a directory and a finite weight > 0", 2)
+        sources[path] = weight
+    return sources
 
 def lr_mult(step, cfg):
     """Multiplier on every group's peak lr: warmup-cosine (nanoGPT) or warmup-stable-decay (MiniCPM),
@@ -193,10 +250,7 @@ def resolve_data(cfg):
             print(f"no shards in {root}; tokenising the shipped corpus (once)")
             prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root)
         return {root: 1.0}
-    sources = {}
-    for item in cfg.data.split(","):
-        path, _, w = item.partition(":")
-        sources[path] = float(w) if w else 1.0
+    sources = parse_data(cfg.data)
     for path in sources:
         meta_path = os.path.join(path, "meta.json")
         if not os.path.exists(meta_path):

@@ -165,6 +165,7 @@ class Run:
     autocast: object = None
     accum: int = 1               # micro-batches per step on this rank
     start: Start = None
+    unlock: object = None        # releases out_dir's lock (rank 0)
 
     @property
     def ckpt_path(self):
@@ -172,7 +173,7 @@ class Run:
 
 
 def setup(argv):
-    """Config, runtime, starting weights, data, model, optimizer, ZClip and loss: everything main() needs.
+    """Config, runtime, starting weights, data, model, optimizer, ZClip and loss: everything the loop needs.
     Every input is checked before anything is written, so a bad flag or file costs nothing already saved."""
     overrides = parse_args(argv)
     cfg = build_config(overrides)
@@ -185,11 +186,27 @@ def setup(argv):
         run.cfg = cfg = build_config(overrides, base=resume["config"])  # the saved run, flags given now on top
     teacher_path = cfg.teacher or os.path.join(cfg.out_dir, "stage1", "ckpt.pt")
     check_run(cfg, run, teacher_path)
+    if run.rt.master:
+        run.unlock = checkpoint.lock(run.out_dir)  # a second run into the same out_dir stops here
+    try:
+        build(run, resume, teacher_path)
+    except BaseException:  # an error line, a signal: the lock goes with it
+        if run.unlock:
+            run.unlock()
+        raise
+    return run
+
+
+def build(run, resume, teacher_path):
+    cfg, rt = run.cfg, run.rt
+    earlier = checkpoint.existing_run(run.out_dir) if rt.master and not cfg.resume else []
+    if earlier and not cfg.overwrite:
+        die(f"{run.out_dir} already holds a run ({', '.join(earlier[:3])}); continue it with --resume=True, "
+            f"replace it with --overwrite=True, or keep it and pass another --run_name")
     tok = data.get_tokenizer(cfg.tokenizer)
     conf = model_config(cfg, tok.vocab_size, tok.eot)
     run.start = starting_weights(cfg, conf, resume, run.ckpt_path)
 
-    rt = run.rt
     rt.start()
     checkpoint.seed_all(cfg.seed)  # the same on every rank: identical initial weights
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = rt.device_type == "cuda"
@@ -213,18 +230,30 @@ def setup(argv):
     except checkpoint.CheckpointError as e:
         die(f"{run.ckpt_path}: {e}; resume with the --optimizer of the run that wrote it")
     run.accum = cfg.grad_accum // rt.world  # global batch = batch_size * grad_accum sequences at any world size
+    if earlier:
+        checkpoint.remove_run(run.out_dir)  # --overwrite=True, and only now that everything else has loaded
+        rt.log(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {run.out_dir}")
     rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, quant={conf.quant}, subln={conf.subln}, "
            f"vocab={conf.vocab_size}, device={rt.device}, dtype={dtype}, world={rt.world} "
            f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'}), "
-           f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences")
-    return run
+           f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences, compile {'on' if use_compile else 'off'}")
 
 
 def main(argv):
     try:
-        run = setup(argv)
-    except checkpoint.CheckpointError as e:  # missing, corrupt, or not fitting this model: one line, no traceback
+        with checkpoint.StopSignal(at_once="stopped before training began; no checkpoint was written"):
+            run = setup(argv)
+    except checkpoint.CheckpointError as e:  # missing, corrupt, not fitting this model, locked: one line
         die(str(e))
+    try:
+        return training_loop(run)
+    finally:
+        if run.unlock:
+            run.unlock()
+
+
+def training_loop(run):
+    """The steps from run.start.step to max_iters, with evaluation, checkpoints, logs and the stop rules."""
     cfg, rt = run.cfg, run.rt
     step = start = run.start.step
     val_loss, n_bad, bad_run = None, 0, 0
@@ -252,6 +281,10 @@ def main(argv):
             n_bad, bad_run = (n_bad, 0) if out["ok"] else (n_bad + 1, bad_run + 1)
             if not out["ok"] or log_now:
                 log_step(run, step, out, n_bad, bad_run, timer)
+            if not out["ok"] and not checkpoint.all_finite(run.model):  # skipping cannot mend broken weights
+                die(f"step {step}: the weights are no longer finite (the update of an earlier step overflowed: is "
+                    f"--lr or --muon_lr too high?); nothing was saved over {run.ckpt_path}; lower the lr and "
+                    f"continue from it with --resume=True")
             if bad_run >= cfg.max_bad_steps:
                 save(run, step)
                 die(f"{bad_run} steps in a row with a non-finite loss or gradient, the last at step {step}; "
@@ -263,8 +296,12 @@ def main(argv):
                        f"{run.ckpt_path}; continue with --resume=True")
                 break
         # ---------------------------------------------------------------- TRAINING SECTION END
+    if step > start and n_bad == step - start:
+        die(f"all {n_bad} steps of this run were skipped as non-finite, so nothing was learned; see the log "
+            f"above, lower --lr or check the data")
     if val_loss is not None and step >= cfg.max_iters:
-        rt.log(f"final val loss {val_loss:.4f} (stage {cfg.stage}, {step} steps); checkpoint {run.ckpt_path}")
+        skipped = f", {n_bad} of them skipped as non-finite" if n_bad else ""
+        rt.log(f"final val loss {val_loss:.4f} (stage {cfg.stage}, {step} steps{skipped}); checkpoint {run.ckpt_path}")
     rt.close()
     return val_loss
 
@@ -389,6 +426,7 @@ def make_teacher(cfg, path, student_conf, device):
         crit.layer_index(student_conf.n_layer), crit.layer_index(tconf.n_layer)
     except ValueError as e:
         die(str(e), 2)
+    check_teacher(cfg, crit, student_conf, tconf, path)
     teacher = GPT(tconf)
     checkpoint.load_weights(teacher, ckpt["model"], path)
     teacher.requires_grad_(False).eval().to(device)
@@ -399,8 +437,28 @@ def make_teacher(cfg, path, student_conf, device):
     return teacher, crit
 
 
+def check_teacher(cfg, crit, s, t, path):
+    """Stage 3 settings that only fail at the first step, refused before training: relation heads that do not
+    divide both widths, hidden-state distillation across shapes, a context longer than the teacher's."""
+    heads = crit.n_relation_heads
+    if crit.gamma_ad and (s.n_embd % heads or t.n_embd % heads):
+        fits = max(a for a in range(1, heads + 1) if s.n_embd % a == 0 and t.n_embd % a == 0)
+        die(f"--distill_relation_heads={heads} must divide the width of the student ({s.n_embd}) and of the "
+            f"teacher ({t.n_embd}); try --distill_relation_heads={fits}", 2)
+    if crit.delta_hidden and (s.n_layer, s.n_embd) != (t.n_layer, t.n_embd):
+        die(f"--distill_hidden={crit.delta_hidden} matches hidden states layer by layer, but the teacher {path} has "
+            f"{t.n_layer} layers of {t.n_embd} and the student {s.n_layer} of {s.n_embd}; pass --distill_hidden=0", 2)
+    if cfg.block_size > t.block_size:
+        die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
+            f"--block_size={t.block_size} or less", 2)
+
+
 def save(run, step):
-    """Every rank calls it (FSDP2 gathers shards); rank 0 writes. A failed write keeps the previous checkpoint."""
+    """Every rank calls it (FSDP2 gathers shards); rank 0 writes. A failed write keeps the previous checkpoint,
+    and so do non-finite weights: they never replace a finite checkpoint."""
+    if not checkpoint.all_finite(run.model):
+        die(f"step {step}: the weights are not finite, so they were not saved; {run.ckpt_path} is kept; lower "
+            f"--lr or --muon_lr and continue from it with --resume=True")
     state = checkpoint.training_state(step, dataclasses.asdict(run.cfg), dataclasses.asdict(run.model.config),
                                       run.model, run.optimizer, run.clipper, run.train_loader)
     try:
