@@ -9,7 +9,8 @@ linear warmup, constant, then a linear decay to min_lr over the last decay_frac 
 (HF blog "Fine-tuning LLMs to 1.58bit", 2024): lambda = min(step / lambda_warmup_steps, 1), blending the
 full-precision forward (0) into the ternary one (1).
 
-Also: where the data comes from (resolve_data, make_loaders) and the model shape (model_config).
+Also: where the data comes from (resolve_data, make_loaders), the model shape (model_config), and the checks
+that need more than the config (check_run: world size, out_dir, teacher; check_teacher: stage-3 shapes).
 Used by train.py; test: python -m pytest tests/test_train.py
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+import checkpoint
 import data
 from model import GPTConfig
 from runtime import die
@@ -285,3 +287,35 @@ def model_config(cfg, vocab_size, eot):
         vocab_size = 64 * math.ceil(vocab_size / 64)
     return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
                      n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask, eot=eot)
+
+
+def check_run(cfg, rt, out_dir, teacher_path):
+    """Refuse, before anything is loaded or written, a batch split that does not divide, a stage 3 without its
+    teacher, or an out_dir that cannot be written."""
+    world = rt.world
+    if cfg.grad_accum % world:
+        die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
+            f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
+    if cfg.stage == 3 and not os.path.exists(teacher_path):
+        die(f"stage 3 needs the full-precision teacher at {teacher_path}; make it with: python train.py --stage=1")
+    try:
+        if rt.master:
+            checkpoint.check_writable(out_dir)
+    except OSError as e:
+        die(f"cannot write to {out_dir}: {e.strerror}; pass a writable --out_dir")
+
+
+def check_teacher(cfg, crit, s, t, path):
+    """Stage 3 settings that only fail at the first step, refused before training: relation heads that do not
+    divide both widths, hidden-state distillation across shapes, a context longer than the teacher's."""
+    heads = crit.n_relation_heads
+    if crit.gamma_ad and (s.n_embd % heads or t.n_embd % heads):
+        fits = max(a for a in range(1, heads + 1) if s.n_embd % a == 0 and t.n_embd % a == 0)
+        die(f"--distill_relation_heads={heads} must divide the width of the student ({s.n_embd}) and of the "
+            f"teacher ({t.n_embd}); try --distill_relation_heads={fits}", 2)
+    if crit.delta_hidden and (s.n_layer, s.n_embd) != (t.n_layer, t.n_embd):
+        die(f"--distill_hidden={crit.delta_hidden} matches hidden states layer by layer, but the teacher {path} has "
+            f"{t.n_layer} layers of {t.n_embd} and the student {s.n_layer} of {s.n_embd}; pass --distill_hidden=0", 2)
+    if cfg.block_size > t.block_size:
+        die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
+            f"--block_size={t.block_size} or less", 2)

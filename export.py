@@ -18,12 +18,14 @@ Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 b
 GGUF export is not implemented. Test: python -m pytest tests/test_packed.py
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
 
 import torch
 
+import checkpoint
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
 from model import GPT, GPTConfig
 
@@ -73,22 +75,31 @@ def load_packed(path):
 
 def export(ckpt_path, out_path):
     """Load a training checkpoint, freeze it to packed weights, write the export; returns it."""
-    if not os.path.exists(ckpt_path):
-        die(f"no checkpoint at {ckpt_path}; train one first: python train.py --stage=2")
     try:
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        ckpt = checkpoint.load(ckpt_path, required=())
+    except checkpoint.CheckpointError as e:  # truncated, corrupt or foreign: one line naming the file
+        die(str(e))
+    if isinstance(ckpt, dict) and ckpt.get("format") == FORMAT:
+        die(f"{ckpt_path} is already a packed export ({FORMAT}), not a training checkpoint; sample it as it is: "
+            f"python sample.py --ckpt={ckpt_path}")
+    try:
         model_args, tokenizer = ckpt["model_args"], ckpt["config"]["tokenizer"]
         model = GPT(GPTConfig(**model_args))
         model.load_state_dict(ckpt["model"])
-    except Exception as e:  # truncated, foreign or mismatched file: name it, no traceback
+    except Exception as e:  # a foreign or mismatched file: name it, no traceback
         die(f"{ckpt_path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     try:
         obj = packed_state(freeze_ternary(model.eval()), tokenizer)
     except ValueError as e:
         die(f"{ckpt_path}: {e}")
-    tmp = out_path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, out_path)  # never leave a half-written export under the final name
+    try:
+        checkpoint.atomic_save(obj, out_path)  # never leave a half-written export under the final name
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save's zip writer raises RuntimeError, not OSError
+        with contextlib.suppress(OSError):
+            os.remove(out_path + ".tmp")
+        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
+        die(f"--out={out_path}: cannot write the export ({why}); the file there, if any, is unchanged; "
+            "free disk space or pass another --out")
     return obj
 
 
@@ -100,6 +111,7 @@ def main(argv):
             die(f"unknown or malformed argument {arg!r}; use --key=value with key one of: {', '.join(args)}", 2)
         args[key] = val
     out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt")
+    _check_paths(args["ckpt"], out_path)
     obj = export(args["ckpt"], out_path)
     packed = sum(p["w_packed"].numel() for p in obj["packed"].values())  # uint8: one byte each
     bf16 = sum(2 * p["in_features"] * p["out_features"] for p in obj["packed"].values())
@@ -107,6 +119,27 @@ def main(argv):
     print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB on disk): {len(obj['packed'])} packed matrices, "
           f"hidden-matrix bytes {packed:,} vs {bf16:,} in bf16 (1/{bf16 / packed:.3g}), plus {4 * len(obj['packed'])} "
           f"bytes of fp32 gammas; other weights (embedding, head, norms) {other:,} bytes")
+
+
+# -----------------------------------------------------------------------------
+# checks of --ckpt and --out, before anything is read: an export must never land on the checkpoint it is
+# made from (ckpt.pt is a hard link to ckpt_<step>.pt, so compare files, not names), nor leave a .tmp behind
+
+
+def _check_paths(ckpt, out):
+    if os.path.isdir(ckpt):
+        die(f"--ckpt={ckpt} is a directory; pass the checkpoint file in it, e.g. "
+            f"--ckpt={os.path.join(ckpt, checkpoint.LATEST)}", 2)
+    if not os.path.exists(ckpt):
+        die(f"no checkpoint at {ckpt}; train one first: python train.py --stage=2")
+    if os.path.isdir(out):
+        die(f"--out={out} is a directory; pass a file name, e.g. --out={os.path.join(out, 'packed.pt')}", 2)
+    d = os.path.dirname(out) or "."
+    if not os.path.isdir(d):
+        die(f"--out={out}: directory {d} does not exist; create it (mkdir -p {d}) or pass another --out")
+    if os.path.exists(out) and os.path.samefile(out, ckpt):
+        die(f"--out={out} is the same file as --ckpt={ckpt}: the export would overwrite the checkpoint it is made "
+            "from; pass another --out (the default is packed.pt beside --ckpt)", 2)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,17 @@ Formulas (β = 0.95, (a, b, c) = (3.4445, -4.7750, 2.0315), NS5 arithmetic in bf
 Moonlight writes the momentum as a sum, M = β·M + g. The EMA is (1 - β) times that sum, and so is u; NS5 divides
 the scale away.
 
-Run:   python muon.py                       (NS5 against the SVD, Muon on least squares, parity with torch.optim.Muon)
+Learning-rate schedules: Muon's lr (0.02) and AdamW's (3e-4) differ, so every param group of MuonWithAdamW keeps
+its own "initial_lr", and a schedule scales that by the schedule's multiplier lr_mult(it) (warmup, cosine, ...):
+    for g in opt.param_groups:
+        g["lr"] = g["initial_lr"] * lr_mult(it)
+A loop that sets one lr for every group (nanoGPT's `param_group['lr'] = lr`) gives Muon AdamW's lr, with no error.
+torch.optim.lr_scheduler (LambdaLR(opt, lr_mult), CosineAnnealingLR, SequentialLR, ...) scales initial_lr too.
+With adjust_lr_fn="match_rms_adamw" Muon's update has AdamW's RMS, so Muon can take AdamW's lr and weight decay
+(Moonlight §2.2): set muon_lr = adamw_lr, and one lr for every group is then right.
+
+Run:   python muon.py                       (NS5 against the SVD, Muon on least squares, parity with torch.optim.Muon,
+                                             a warmup schedule for Muon + AdamW)
 Test:  python -m pytest tests/test_muon.py  (distributed: python -m pytest tests/test_scale.py -k muon)
 DDP and FSDP2 (NS5 shared out over the ranks) are in the section at the bottom of this file. The file imports only
 torch and the standard library, so it can be copied into another project.
@@ -108,6 +118,9 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(_checked_param_group(param_group, self.defaults["adjust_lr_fn"]))
 
+    def __getstate__(self):  # copy.deepcopy and pickle: Optimizer's own keeps only defaults, state, param_groups
+        return {**super().__getstate__(), "ns_dtype": self.ns_dtype, "process_group": self.process_group}
+
     def _momentum_buffer(self, p):
         state = self.state[p]
         if "momentum_buffer" not in state:
@@ -156,13 +169,22 @@ def split_muon_params(model, head_names=("lm_head",)):
     return muon_params, adamw_params
 
 
-class MuonWithAdamW:
+class MuonWithAdamW(torch.optim.Optimizer):
     """
-    One optimizer object for the usual split: Muon for hidden matrices, AdamW for the rest. 2-D AdamW
-    parameters (embeddings, head) get adamw_weight_decay; 1-D ones (norm gains, biases) get none.
-    `param_groups` lists Muon's groups then AdamW's (the same dicts), each with an "initial_lr", so a
-    schedule can do `for g in opt.param_groups: g["lr"] = g["initial_lr"] * mult`.
-    `.muon` and `.adamw` are the two underlying optimizers.
+    One optimizer for the usual split: Muon for hidden matrices, AdamW for the rest. 2-D AdamW parameters
+    (embeddings, head) get adamw_weight_decay; 1-D ones (norm gains, biases) get none. `.muon` and `.adamw` are
+    the two optimizers that do the work (each can be stepped alone); this object hands every call to both.
+
+    Schedules: `param_groups` lists Muon's groups then AdamW's (the same dicts), each with its own "initial_lr"
+    (muon_lr or adamw_lr: 0.02 and 3e-4 by default), so a schedule scales each group's own initial lr:
+
+        for g in opt.param_groups:
+            g["lr"] = g["initial_lr"] * lr_mult(it)      # not g["lr"] = lr, which gives Muon AdamW's lr
+
+    torch.optim.lr_scheduler does the same (LambdaLR(opt, lr_mult), CosineAnnealingLR, SequentialLR, ...).
+    With adjust_lr_fn="match_rms_adamw" and muon_lr = adamw_lr, one lr serves both (Moonlight §2.2), and a loop
+    that sets one lr for every group is then right.
+    state_dict() is {"muon": ..., "adamw": ...}, the two optimizers' own; load_state_dict takes the same.
     """
 
     def __init__(self, muon_params, adamw_params, muon_lr=0.02, adamw_lr=3e-4, muon_weight_decay=0.0,
@@ -179,10 +201,11 @@ class MuonWithAdamW:
             lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, fused=fused)
         for group in self.param_groups:
             group.setdefault("initial_lr", group["lr"])
+        _init_optimizer_hooks(self)  # what LR schedulers and step hooks need from torch.optim.Optimizer
 
     @property
     def param_groups(self):
-        return self.muon.param_groups + self.adamw.param_groups
+        return self.muon.param_groups + self.adamw.param_groups  # read afresh: load_state_dict replaces them
 
     @property
     def state(self):
@@ -208,6 +231,13 @@ class MuonWithAdamW:
     def load_state_dict(self, state_dict):
         self.muon.load_state_dict(state_dict["muon"])
         self.adamw.load_state_dict(state_dict["adamw"])
+
+    def add_param_group(self, param_group):
+        raise ValueError("MuonWithAdamW cannot tell which optimizer a new group belongs to; call "
+                         "opt.muon.add_param_group (2-D hidden matrices) or opt.adamw.add_param_group (the rest)")
+
+    def __getstate__(self):  # copy.deepcopy and pickle: Optimizer's own keeps only defaults, state, param_groups
+        return {"defaults": self.defaults, "muon": self.muon, "adamw": self.adamw}
 
 
 def configure_muon(model, head_names=("lm_head",), **kwargs):
@@ -241,6 +271,19 @@ def _checked_param_group(param_group, default_adjust_lr_fn):
                 "(split_muon_params does this split for you)")
     adjusted_lr(1.0, (1, 1), param_group.get("adjust_lr_fn", default_adjust_lr_fn))  # raises if unknown
     return {**param_group, "params": params}
+
+
+# ----------------------------------------------------------------------------- MuonWithAdamW as a torch.optim.Optimizer
+# torch.optim.lr_scheduler accepts only Optimizer instances, and wraps optimizer.step to check the call order.
+# MuonWithAdamW subclasses Optimizer for that, but does not call Optimizer.__init__, which would build param
+# groups of its own: param_groups and state are read from .muon and .adamw instead.
+
+
+def _init_optimizer_hooks(opt):
+    """Give opt what Optimizer.__init__ sets up besides the groups: defaults, the step and state-dict hook
+    tables, and the step wrapper that runs the hooks. Optimizer.__setstate__ (used when torch unpickles an
+    optimizer) does exactly that."""
+    torch.optim.Optimizer.__setstate__(opt, {"defaults": {}})
 
 
 # ----------------------------------------------------------------------------- distributed Muon (DDP, FSDP2)
@@ -320,3 +363,18 @@ if __name__ == "__main__":
             ours.step()
             ref.step()
         print(f"max |ours - torch.optim.Muon| after 3 steps: {(p1 - p2).abs().max().item()} (0.0 = bitwise equal)")
+
+    # A schedule for Muon + AdamW: each group scales its own initial lr (here a 4-step linear warmup).
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))  # weights -> Muon, biases -> AdamW
+    opt = MuonWithAdamW(*split_muon_params(model), muon_lr=0.02, adamw_lr=3e-4)
+    lr_mult = lambda it: min(1.0, (it + 1) / 4)  # noqa: E731
+    for it in range(5):
+        for g in opt.param_groups:
+            g["lr"] = g["initial_lr"] * lr_mult(it)
+        print(f"step {it}: lr per group (Muon, AdamW 2-D, AdamW 1-D) = {[g['lr'] for g in opt.param_groups]}")
+    opt = MuonWithAdamW(*split_muon_params(model), muon_lr=0.02, adamw_lr=3e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_mult)  # the same schedule
+    for _ in range(4):
+        opt.step()  # (no gradients here: nothing moves)
+        sched.step()
+    print(f"LambdaLR after 4 steps: {sched.get_last_lr()} (expect the step 4 line above)")

@@ -92,6 +92,16 @@ class BitLinear(nn.Linear):
     The latent weight stays full precision (the optimizer's master copy). Set the blend with
     `set_lambda(model, lam)` or `m.lambda_.fill_(lam)`; 0 is exactly F.linear, 1 is BitNet b1.58.
     quantize_input=False when the op before it already quantised x (QuantRMSNorm below).
+
+    Swapping it for an nn.Linear in another project, three differences to know:
+      - bias defaults to False (BitNet b1.58 has no biases; PackedBitLinear refuses them), where nn.Linear's
+        defaults to True: a bare nn.Linear(a, b) -> BitLinear(a, b) drops the bias. Pass bias= explicitly;
+        BitLinear(a, b, bias=True) has exactly nn.Linear(a, b)'s parameters.
+      - lambda_ starts at 1: ternary from the first step. For lambda-warmup, set_lambda(model, 0.0) after
+        building the model and raise it during training.
+      - the state dict has one key more, "lambda_" (saved, so a resumed run keeps its lambda). An nn.Linear
+        checkpoint loads with load_state_dict(sd, strict=False), whose missing_keys are then only the lambda_
+        keys; code that counts keys (nanoGPT's from_pretrained asserts equal counts) must leave them out.
     """
 
     def __init__(self, in_features, out_features, bias=False, quantize_input=True, device=None, dtype=None):

@@ -9,13 +9,18 @@ Sample text from a trained checkpoint.
 The tokenizer and model shape come from the checkpoint, so any stage's ckpt.pt works. With --packed=True
 every BitLinear is frozen to 2-bit codes plus gamma (kernels/packed_linear.py) before sampling: the fp
 latent weights are dropped and the integer inference path runs (Triton on CUDA, torch on CPU).
+Greedy decoding is --top_k=1; --temperature must be a finite number > 0 (0 is refused, not read as greedy).
+
+Test: python -m pytest tests/test_sample.py tests/test_packed.py
 """
 
+import math
 import os
 import sys
 
 import torch
 
+import checkpoint
 import data
 from export import FORMAT, model_from_packed
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
@@ -50,18 +55,23 @@ def parse(argv):
 
 
 def load_model(path, device, packed=False):
-    """(model, tokenizer name) from a training checkpoint or a packed export; packed=True freezes the former."""
+    """(model, tokenizer) from a training checkpoint or a packed export; packed=True freezes the former."""
     if not os.path.exists(path):
         die(f"no checkpoint at {path}; train one first: python train.py --stage=2")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(ckpt, dict) and ckpt.get("format") == FORMAT:
-            model, tokenizer = model_from_packed(ckpt, path), ckpt["tokenizer"]
+        ckpt = checkpoint.load(path, required=())
+    except checkpoint.CheckpointError as e:  # truncated, corrupt or foreign: one line naming the file
+        die(str(e))
+    try:
+        is_export = isinstance(ckpt, dict) and ckpt.get("format") == FORMAT
+        tok = _check_tokenizer(path, ckpt["tokenizer"] if is_export else ckpt["config"]["tokenizer"],
+                               ckpt["model_args"]["vocab_size"])
+        if is_export:
+            model = model_from_packed(ckpt, path)
             print(bytes_line(weight_bytes(model)) + " (packed export)")
-            return model.to(device).eval(), tokenizer
+            return model.to(device).eval(), tok
         model = GPT(GPTConfig(**ckpt["model_args"]))
         model.load_state_dict(ckpt["model"])
-        tokenizer = ckpt["config"]["tokenizer"]
     except Exception as e:
         die(f"{path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     if packed:
@@ -71,21 +81,65 @@ def load_model(path, device, packed=False):
         except ValueError as e:
             die(f"{path}: --packed=True: {e}")
         print(bytes_line(weight_bytes(model), latent))
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), tok
 
 
 def main(argv):
     args = parse(argv)
+    _check_args(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args["device"] == "auto" else args["device"]
     torch.manual_seed(args["seed"])
-    model, tokenizer = load_model(args["ckpt"], device, args["packed"])
-    tok = data.get_tokenizer(tokenizer)
+    model, tok = load_model(args["ckpt"], device, args["packed"])
     ids = [tok.eot] + tok.encode(args["start"])  # documents start with end-of-text in the shards
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, ...]
     for _ in range(args["num_samples"]):
         y = model.generate(x, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"])
         print(tok.decode(y[0, 1:].tolist()))
         print("---------------")
+
+
+# -----------------------------------------------------------------------------
+# checks: every flag before any checkpoint is read (a value that would sample nothing or nonsense, or crash
+# mid-generation, stops here), and the checkpoint's tokenizer against its vocabulary before a model is built
+
+
+def _check_args(args):
+    for key in ("num_samples", "max_new_tokens", "top_k"):
+        if args[key] < 1:
+            greedy = " (--top_k=1 is greedy decoding)" if key == "top_k" else ""
+            die(f"--{key}={args[key]}: expected an integer >= 1{greedy}", 2)
+    t = args["temperature"]
+    if not (math.isfinite(t) and t > 0):  # generate() would turn 0 or less into greedy decoding without a word
+        die(f"--temperature={t:g}: expected a finite number > 0; for greedy decoding use --top_k=1", 2)
+    if not 0 <= args["seed"] < 2**64:
+        die(f"--seed={args['seed']}: expected an integer >= 0 and below 2**64", 2)
+    try:
+        args["start"].encode("utf-8")
+    except UnicodeEncodeError:  # an undecodable byte on the command line arrives as a lone surrogate
+        die("--start: not valid UTF-8 text; pass the prompt in UTF-8", 2)
+    device, dev = args["device"], args["device"].split(":")  # the same rules as train.py (config.check_config)
+    if device != "auto" and (dev[0] not in ("cpu", "cuda") or len(dev) > 2 or (len(dev) == 2 and not dev[1].isdigit())):
+        die(f"--device={device}: expected auto, cpu, cuda or cuda:<index>", 2)
+    if dev[0] == "cuda" and not torch.cuda.is_available():
+        die(f"--device={device}: no CUDA device here; use --device=cpu", 2)
+    if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
+        die(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+    if os.path.isdir(args["ckpt"]):
+        die(f"--ckpt={args['ckpt']} is a directory; pass the checkpoint file in it, e.g. "
+            f"--ckpt={os.path.join(args['ckpt'], checkpoint.LATEST)}", 2)
+
+
+def _check_tokenizer(path, name, vocab_size):
+    """The tokenizer a file names, if the model's vocabulary is its vocabulary (or that padded up to a multiple
+    of 64, --pad_vocab); otherwise sampled ids would decode to wrong text, or the prompt index past the embedding."""
+    try:
+        tok = data.get_tokenizer(name)
+    except ValueError as e:
+        die(f"{path}: {e}; the file was not written by train.py or export.py")
+    if not tok.vocab_size <= vocab_size <= 64 * math.ceil(tok.vocab_size / 64):
+        die(f"{path}: tokenizer {name!r} has {tok.vocab_size} tokens but the model's vocabulary is {vocab_size}; "
+            "the file mixes two runs: re-export it from its training checkpoint: python export.py --ckpt=<ckpt.pt>")
+    return tok
 
 
 if __name__ == "__main__":

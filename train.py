@@ -34,8 +34,8 @@ import torch
 
 import checkpoint
 import data
-from config import (TrainConfig, build_config, lambda_at, lr_mult, make_loaders, model_config,  # noqa: F401
-                    parse_args, resolve_data)
+from config import (TrainConfig, build_config, check_run, check_teacher, lambda_at, lr_mult,  # noqa: F401
+                    make_loaders, model_config, parse_args, resolve_data)
 from distill import BitDistillLoss
 from model import GPT, GPTConfig, precompute_rope
 from muon import configure_muon
@@ -185,7 +185,7 @@ def setup(argv):
         resume = checkpoint.load(run.ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
         run.cfg = cfg = build_config(overrides, base=resume["config"])  # the saved run, flags given now on top
     teacher_path = cfg.teacher or os.path.join(cfg.out_dir, "stage1", "ckpt.pt")
-    check_run(cfg, run, teacher_path)
+    check_run(cfg, run.rt, run.out_dir, teacher_path)
     if run.rt.master:
         run.unlock = checkpoint.lock(run.out_dir)  # a second run into the same out_dir stops here
     try:
@@ -390,21 +390,6 @@ def estimate_val_loss(run):
     return (run.rt.all_reduce_(losses.mean()) / run.rt.world).item()
 
 
-def check_run(cfg, run, teacher_path):
-    """Refuse, before anything is loaded or written, a batch split that does not divide, a stage 3 without its
-    teacher, or an out_dir that cannot be written."""
-    world = run.rt.world
-    if cfg.grad_accum % world:
-        die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
-            f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
-    if cfg.stage == 3 and not os.path.exists(teacher_path):
-        die(f"stage 3 needs the full-precision teacher at {teacher_path}; make it with: python train.py --stage=1")
-    try:
-        if run.rt.master:
-            checkpoint.check_writable(run.out_dir)
-    except OSError as e:
-        die(f"cannot write to {run.out_dir}: {e.strerror}; pass a writable --out_dir")
-
 
 def make_teacher(cfg, path, student_conf, device):
     """Stage 3: the frozen full-precision teacher (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
@@ -436,21 +421,6 @@ def make_teacher(cfg, path, student_conf, device):
         teacher.rope_cos, teacher.rope_sin = cos.to(device), sin.to(device)
     return teacher, crit
 
-
-def check_teacher(cfg, crit, s, t, path):
-    """Stage 3 settings that only fail at the first step, refused before training: relation heads that do not
-    divide both widths, hidden-state distillation across shapes, a context longer than the teacher's."""
-    heads = crit.n_relation_heads
-    if crit.gamma_ad and (s.n_embd % heads or t.n_embd % heads):
-        fits = max(a for a in range(1, heads + 1) if s.n_embd % a == 0 and t.n_embd % a == 0)
-        die(f"--distill_relation_heads={heads} must divide the width of the student ({s.n_embd}) and of the "
-            f"teacher ({t.n_embd}); try --distill_relation_heads={fits}", 2)
-    if crit.delta_hidden and (s.n_layer, s.n_embd) != (t.n_layer, t.n_embd):
-        die(f"--distill_hidden={crit.delta_hidden} matches hidden states layer by layer, but the teacher {path} has "
-            f"{t.n_layer} layers of {t.n_embd} and the student {s.n_layer} of {s.n_embd}; pass --distill_hidden=0", 2)
-    if cfg.block_size > t.block_size:
-        die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
-            f"--block_size={t.block_size} or less", 2)
 
 
 def save(run, step):

@@ -52,10 +52,14 @@ local shards and g into sqrt(all_reduce_sum(||local shards||^2)), the same g on 
 
 Usage:
     zclip = ZClip()                     # or ZClip(**PERCENTILE_RAW_EMA), or ZClip(max_grad_norm=1.0)
-    loss.backward()
+    loss.backward()                     # with a torch.amp.GradScaler, scaler.unscale_(optimizer) next
     stats = zclip.clip(model)           # between backward() and optimizer.step()
     optimizer.step()
-    ckpt["zclip"] = zclip.state_dict()  # resume: zclip.load_state_dict(ckpt["zclip"])
+
+Checkpoints: ZClip is not an optimizer, so torch.save(optimizer.state_dict()) does not include it. Save its
+state next to the optimizer's, or a resumed run starts a new warmup and z-clips no spike for warmup_steps steps:
+    ckpt["zclip"] = zclip.state_dict()      # when saving
+    zclip.load_state_dict(ckpt["zclip"])    # when resuming
 
 Test: python -m pytest tests/test_zclip.py        Demo: python zclip.py
 """
@@ -289,3 +293,11 @@ if __name__ == "__main__":
             print(f"  check: T = mu + z_thresh^2 * sigma / z = {mu:.4f} + 6.25 * {sigma:.4f} / {z:.2f} "
                   f"= {mu + 6.25 * sigma / z:.4f}")
     print("expected: only step 30 (raw norm 10) is clipped, to the T printed under it; warmup ends at step 24")
+
+    # Resume: the statistics live in ZClip, not in the optimizer. Rebuilt without them, it is back in warmup.
+    restored, forgotten = ZClip(), ZClip()
+    restored.load_state_dict(zclip.state_dict())
+    for name, z in (("restored with load_state_dict", restored), ("rebuilt without its state", forgotten)):
+        p.grad = grad * (10.0 / grad.norm())
+        print(f"after a resume, a norm-10 spike, ZClip {name}: norm {float(z.clip([p])['clipped_norm']):.4f} "
+              "after clip()")

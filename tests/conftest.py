@@ -43,12 +43,15 @@ def records(out, stage=2, run_name=None):
         return [json.loads(line) for line in f]
 
 
-def fails(capsys, *argv, code=1):
-    """Run train.main(argv) in this process; assert it exits with `code` after exactly one line 'error: ...'
-    on stderr (an uncaught exception, a traceback in a real run, fails the test); return that line."""
-    import train
+def fails(capsys, *argv, code=1, main=None):
+    """Run main(argv) (default train.main; also sample.main, export.main) in this process; assert it exits with
+    `code` after exactly one line 'error: ...' on stderr (an uncaught exception, a traceback in a real run, fails
+    the test); return that line."""
+    if main is None:
+        import train
+        main = train.main
     with pytest.raises(SystemExit) as e:
-        train.main(list(argv))
+        main(list(argv))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == code and len(err) == 1 and err[0].startswith("error: "), (e.value.code, err)
     return err[0]

@@ -5,15 +5,19 @@ no test hooks: this script patches the functions they call, then runs train.main
     NANOBITNET_FAULTS="hang_at=16" python tests/faults.py --stage=2 ...      (any train.py flags)
 
 Faults (separate several with ";"):
-    nan_steps=3,5   the loss of these steps (numbered as logged, from 1) is multiplied by NaN
-    hang_at=16      after the checkpoint of step 16 is written, print "hanging until killed" and sleep
-    slow_write=0.3  every write() into a checkpoint's .tmp file flushes, then sleeps this many seconds
+    nan_steps=3,5       the loss of these steps (numbered as logged, from 1) is multiplied by NaN
+    nan_weights_after=2 after the update of step 2, one weight becomes NaN (as an overflowing update would)
+    hang_at=16          after the checkpoint of step 16 is written, print "hanging until killed" and sleep
+    hang_in_setup=1     before the data loaders are built, print "setting up" and sleep (a signal test)
+    slow_write=0.3      every write() into a checkpoint's .tmp file flushes, then sleeps this many seconds
 """
 
 import builtins
 import os
 import sys
 import time
+
+import torch
 
 import checkpoint  # the repository root is on PYTHONPATH (tests/conftest.py sets it)
 import train
@@ -23,7 +27,7 @@ def parse(spec):
     faults = {}
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         key, _, value = item.partition("=")
-        if key not in ("nan_steps", "hang_at", "slow_write"):
+        if key not in ("nan_steps", "nan_weights_after", "hang_at", "hang_in_setup", "slow_write"):
             sys.exit(f"tests/faults.py: unknown fault {key!r} in NANOBITNET_FAULTS={spec!r}")
         faults[key] = value
     return faults
@@ -42,6 +46,26 @@ def inject_nan(steps):
         finally:
             run.loss_fn = loss_fn
     train.train_step = train_step
+
+
+def inject_nan_weights(after):
+    real_step = train.train_step
+
+    def train_step(run, step, *args, **kwargs):
+        out = real_step(run, step, *args, **kwargs)
+        if step + 1 == after:
+            with torch.no_grad():
+                next(run.model.parameters()).view(-1)[0] = float("nan")
+        return out
+    train.train_step = train_step
+
+
+def inject_hang_in_setup():
+    def make_loaders(*args, **kwargs):
+        print("setting up", flush=True)
+        while True:
+            time.sleep(0.05)
+    train.make_loaders = make_loaders
 
 
 def inject_hang(at):
@@ -90,6 +114,10 @@ if __name__ == "__main__":
     faults = parse(os.environ.get("NANOBITNET_FAULTS", ""))
     if "nan_steps" in faults:
         inject_nan({int(s) for s in faults["nan_steps"].split(",")})
+    if "nan_weights_after" in faults:
+        inject_nan_weights(int(faults["nan_weights_after"]))
+    if "hang_in_setup" in faults:
+        inject_hang_in_setup()
     if "hang_at" in faults:
         inject_hang(int(faults["hang_at"]))
     if "slow_write" in faults:

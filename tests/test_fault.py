@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -281,3 +282,100 @@ def test_out_dir_that_cannot_be_created_is_refused(tmp_path, capsys):
 def test_invalid_fault_tolerance_settings_are_refused(tmp_path, capsys, flag):
     msg = fails(capsys, flag, f"--out_dir={tmp_path}", "--device=cpu", code=2)
     assert flag in msg and ">= 1" in msg
+
+# -----------------------------------------------------------------------------
+# round 2: runs that must not lose or hide anything
+
+
+def test_a_fresh_run_refuses_an_out_dir_holding_another_run_unless_told(tmp_path, capsys):
+    out, d = str(tmp_path), tmp_path / "stage1"
+    run(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=4", "--eval_interval=4")
+    before = digest(d / "ckpt.pt")
+    msg = fails(capsys, f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=0")  # once replaced ckpt.pt silently
+    assert str(d) in msg and "--resume=True" in msg and "--overwrite=True" in msg and "--run_name" in msg
+    assert digest(d / "ckpt.pt") == before and not (d / ".lock").exists()
+    train.main([f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=2", "--eval_interval=2", "--overwrite=True"])
+    assert sorted(os.listdir(d)) == ["ckpt.pt", "ckpt_000002.pt", "metrics.jsonl"]  # the old run's files are gone
+    assert [r["step"] for r in records(out, stage=1) if "loss" in r] == [1, 2]  # one run's metrics, not two
+
+
+def test_rotation_never_deletes_a_later_step(tmp_path):
+    checkpoint.save({"step": 20, "model": {}, "model_args": {}}, str(tmp_path), keep_last=1)
+    for step in (3, 4, 5):
+        checkpoint.save({"step": step, "model": {}, "model_args": {}}, str(tmp_path), keep_last=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "ckpt_000004.pt", "ckpt_000005.pt", "ckpt_000020.pt"]
+    assert checkpoint.load(str(tmp_path / "ckpt.pt"))["step"] == 5
+
+
+def test_a_second_run_into_the_same_out_dir_is_refused_while_the_first_lives(tmp_path, capsys):
+    d = tmp_path / "stage1"
+    d.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        (d / ".lock").write_text(str(other.pid))
+        msg = fails(capsys, f"--out_dir={tmp_path}", "--stage=1", *TINY, "--max_iters=1")
+        assert str(d) in msg and f"pid {other.pid}" in msg and "--out_dir" in msg
+        assert (d / ".lock").read_text() == str(other.pid)  # the live run's lock is left alone
+    finally:
+        other.kill()
+        other.wait()
+    # the same lock file of a run that is gone (killed) is taken over
+    train.main([f"--out_dir={tmp_path}", "--stage=1", *TINY, "--max_iters=1"])
+    assert (d / "ckpt.pt").exists() and not (d / ".lock").exists()
+
+
+def test_weights_that_became_non_finite_stop_the_run_and_are_never_saved(tmp_path):
+    out, d = str(tmp_path), tmp_path / "stage2"
+    stderr = run(f"--out_dir={out}", "--stage=2", *TINY, "--max_iters=8", "--checkpoint_interval=1",
+                 "--keep_last=3", rc=1, faults="nan_weights_after=3").stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and "not finite" in err[0] and "--lr" in err[0] and "--resume=True" in err[0], stderr
+    assert checkpoint.load(str(d / "ckpt.pt"))["step"] == 2  # step 3's weights were refused, step 2's kept
+    assert not (d / "ckpt_000003.pt").exists()
+    assert all(torch.isfinite(v).all() for v in checkpoint.load(str(d / "ckpt.pt"))["model"].values())
+
+
+def test_non_finite_weights_are_caught_at_the_next_step_without_a_checkpoint_in_between(tmp_path):
+    out, d = str(tmp_path), tmp_path / "stage2"
+    stderr = run(f"--out_dir={out}", "--stage=2", *TINY, "--max_iters=8", "--checkpoint_interval=2",
+                 rc=1, faults="nan_weights_after=3").stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and "step 4" in err[0] and "no longer finite" in err[0], stderr  # not after max_bad_steps
+    assert checkpoint.load(str(d / "ckpt.pt"))["step"] == 2
+
+
+def test_a_run_whose_every_step_was_skipped_fails_and_a_partly_skipped_one_says_so(tmp_path):
+    out = str(tmp_path / "a")
+    stderr = run(f"--out_dir={out}", "--stage=2", *TINY, "--max_iters=4", "--eval_interval=4", rc=1,
+                 faults="nan_steps=1,2,3,4").stderr
+    err = stderr.strip().splitlines()
+    assert len(err) == 1 and "all 4 steps" in err[0] and "skipped" in err[0], stderr
+    stdout = run(f"--out_dir={tmp_path / 'b'}", "--stage=2", *TINY, "--max_iters=4", "--eval_interval=4",
+                 faults="nan_steps=2").stdout
+    assert "final val loss" in stdout and "1 of them skipped" in stdout
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_leaves_no_tmp(tmp_path, capsys,
+                                                                                      monkeypatch):
+    out, d = str(tmp_path), tmp_path / "stage1"
+    run(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=2", "--eval_interval=2")
+    before = digest(d / "ckpt.pt")
+
+    def full_disk(obj, f):  # what torch.save raises when the disk fills: a RuntimeError, not an OSError
+        f.write(b"x" * 1000)
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 1000 vs 768")
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    msg = fails(capsys, f"--out_dir={out}", "--stage=1", "--resume=True", "--max_iters=4")
+    assert str(d) in msg and "checkpoint" in msg and "--resume=True" in msg
+    assert digest(d / "ckpt.pt") == before and not [n for n in os.listdir(d) if n.endswith(".tmp")]
+
+
+def test_a_signal_before_training_starts_ends_with_one_line_and_no_lock(tmp_path):
+    log = str(tmp_path / "log")
+    p = start(f"--out_dir={tmp_path}", "--stage=1", *TINY, log=log, faults="hang_in_setup=1")
+    wait_for(lambda: "setting up" in open(log).read() or p.poll() is not None, "the set-up")
+    p.send_signal(signal.SIGTERM)
+    _, stderr = p.communicate(timeout=60)
+    err = stderr.strip().splitlines()
+    assert p.returncode == 1 and len(err) == 1 and "SIGTERM" in err[0] and "before training" in err[0], stderr
+    assert not os.path.exists(tmp_path / "stage1" / ".lock")

@@ -1,10 +1,11 @@
 """Tests for muon.py: NS5 against an independent fp32 loop and the SVD, the momentum update against its closed
-form, bitwise parity with torch.optim.Muon, the lr formulas by hand, parameter routing, exact resume, and that
-Muon+AdamW actually lowers a loss. Distributed Muon (DDP, FSDP2) is tested in tests/test_scale.py."""
+form, bitwise parity with torch.optim.Muon, the lr formulas by hand, parameter routing, exact resume, standard
+torch.optim.lr_scheduler schedules on MuonWithAdamW, and that Muon+AdamW actually lowers a loss. Distributed Muon (DDP, FSDP2) is tested in tests/test_scale.py."""
 import copy
 import io
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -292,6 +293,125 @@ def test_state_dict_round_trip_resumes_bitwise():
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert not torch.equal(model.q.weight, init["q.weight"])
+
+
+
+# ----------------------------------------------------------------------------- torch.optim.lr_scheduler
+
+
+def _grads_for(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(p.shape, generator=g) for p in model.parameters()]
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
+def test_lambda_lr_sets_every_group_and_the_next_step_uses_it_bitwise():
+    # LambdaLR on MuonWithAdamW against torch.optim.Muon and torch.optim.AdamW, the lr of each set by hand to
+    # initial_lr * mult: the same lrs, and parameters equal bit for bit after every step.
+    mults = [0.1, 0.55, 1.0, 0.4]  # warmup then decay
+    torch.manual_seed(9)
+    model = TinyLM(tied=False)
+    ref_model = copy.deepcopy(model)
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn=None)
+    opt = configure_muon(model, muon_lr=0.02, adamw_lr=1e-3, muon_weight_decay=0.1, adamw_weight_decay=0.1)
+    ref_muon_params, ref_adamw_params = split_muon_params(ref_model)
+    ref_muon = torch.optim.Muon(ref_muon_params, **kw)
+    ref_adamw = torch.optim.AdamW([{"params": [p for p in ref_adamw_params if p.ndim == 2], "weight_decay": 0.1},
+                                   {"params": [p for p in ref_adamw_params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    ref_groups = ref_muon.param_groups + ref_adamw.param_groups
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "optimizer.step() has been overridden": the scheduler lost track
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda it: mults[it])
+        for it, mult in enumerate(mults):
+            expected = [0.02 * mult, 1e-3 * mult, 1e-3 * mult]
+            assert [g["lr"] for g in opt.param_groups] == pytest.approx(expected, rel=1e-12)
+            assert opt.muon.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+            for g, ref_g in zip(opt.param_groups, ref_groups):
+                ref_g["lr"] = g["lr"]
+            for m, grads in ((model, _grads_for(model, it)), (ref_model, _grads_for(ref_model, it))):
+                for p, grad in zip(m.parameters(), grads):
+                    p.grad = grad
+            opt.step()
+            ref_muon.step()
+            ref_adamw.step()
+            for (name, a), b in zip(model.named_parameters(), ref_model.parameters()):
+                assert torch.equal(a, b), f"{name} after step {it}"
+            if it + 1 < len(mults):
+                sched.step()
+
+
+def test_sequential_warmup_then_cosine_gives_each_group_what_it_gives_sgd():
+    # The same schedule on torch.optim.SGD with the same initial lrs is the independent reference.
+    def schedule(o):
+        warmup = torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5, eta_min=0.0)
+        return torch.optim.lr_scheduler.SequentialLR(o, [warmup, cosine], milestones=[3])
+
+    model = TinyLM(tied=False)
+    opt = configure_muon(model, muon_lr=0.02, adamw_lr=3e-4)
+    sgd = torch.optim.SGD([{"params": [torch.zeros(1, requires_grad=True)], "lr": lr} for lr in (0.02, 3e-4, 3e-4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched, ref = schedule(opt), schedule(sgd)
+        for _ in range(8):
+            assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in sgd.param_groups]
+            model(torch.randint(0, 32, (2, 5))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sgd.step()
+            sched.step()
+            ref.step()
+    assert opt.param_groups[0]["lr"] < 0.02 * 0.5 and sched.get_last_lr() == ref.get_last_lr()
+
+
+def test_muon_with_adamw_is_a_torch_optimizer_over_the_inner_groups():
+    model = TinyLM(tied=False)
+    opt = configure_muon(model)
+    assert isinstance(opt, torch.optim.Optimizer)
+    groups = opt.param_groups
+    assert len(groups) == 3 and all(a is b for a, b in zip(groups, opt.muon.param_groups + opt.adamw.param_groups))
+    model(torch.randint(0, 32, (2, 5))).sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    assert set(sd) == {"muon", "adamw"} and set(sd["muon"]) == {"state", "param_groups"}
+    assert opt.state[model.q.weight] is opt.muon.state[model.q.weight]
+    assert opt.state[model.wte.weight] is opt.adamw.state[model.wte.weight]
+    opt.load_state_dict(sd)  # torch's load_state_dict gives the inner optimizers new group dicts
+    assert all(a is b for a, b in zip(opt.param_groups, opt.muon.param_groups + opt.adamw.param_groups))
+    with pytest.raises(ValueError, match="opt.muon.add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))]})
+
+
+def test_stepping_muon_then_adamw_separately_equals_step():
+    # train.py times Muon's part by calling opt.muon.step() and opt.adamw.step() itself.
+    torch.manual_seed(10)
+    a = TinyLM(tied=False)
+    b = copy.deepcopy(a)
+    opt_a, opt_b = configure_muon(a, muon_weight_decay=0.1), configure_muon(b, muon_weight_decay=0.1)
+    for it in range(2):
+        for m in (a, b):
+            for p, grad in zip(m.parameters(), _grads_for(m, it)):
+                p.grad = grad
+        opt_a.step()
+        opt_b.muon.step()
+        opt_b.adamw.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_deepcopy_of_muon_with_adamw_steps_like_the_original():
+    torch.manual_seed(11)
+    model = TinyLM(tied=False)
+    opt = configure_muon(model)
+    model(torch.randint(0, 32, (2, 5))).sum().backward()
+    opt.step()
+    model2, opt2 = copy.deepcopy((model, opt))
+    assert opt2.muon.param_groups[0]["params"][0] is model2.q.weight
+    for m, o in ((model, opt), (model2, opt2)):
+        for p, grad in zip(m.parameters(), _grads_for(m, 0)):
+            p.grad = grad
+        o.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
 
 
 def test_muon_lowers_least_squares_loss_50x_in_100_steps():

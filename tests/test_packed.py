@@ -9,10 +9,13 @@ models, the export round trip, and sample.py end to end on a checkpoint made by 
     python -m pytest tests/test_packed.py
 """
 
+import contextlib
 import copy
+import errno
 import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +38,7 @@ if not ON_GPU and not tm.INTERPRETED:
 
 import export  # noqa: E402
 import quant  # noqa: E402
+from conftest import fails  # noqa: E402
 from kernels.packed_linear import PackedBitLinear, freeze_ternary, weight_bytes  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -289,3 +293,72 @@ def test_export_cli_then_sample_reads_the_export(trained, capsys, tmp_path):
     sample.main([f"--ckpt={out}", "--max_new_tokens=5", "--num_samples=1", "--device=cpu"])
     printed = capsys.readouterr().out
     assert "(1/8 of bf16)" in printed and "packed export" in printed
+
+
+# -----------------------------------------------------------------------------
+# export.py refusals: one "error: ..." line naming the flag or file and the fix, flags checked before
+# anything is read, and nothing already on disk lost
+
+
+@pytest.fixture
+def run_dir(trained, tmp_path):
+    """A copy of the stage-2 run: ckpt_<step>.pt and ckpt.pt, a hard link to it (as checkpoint.save leaves them),
+    and a packed export."""
+    numbered = next((trained / "stage2").glob("ckpt_*.pt"))
+    shutil.copy(numbered, tmp_path / numbered.name)
+    os.link(tmp_path / numbered.name, tmp_path / "ckpt.pt")
+    torch.save(export.packed_state(freeze_ternary(_tiny_model()), "byte"), tmp_path / "packed.pt")
+    return tmp_path
+
+
+def _snapshot(d):
+    return {p.name: p.read_bytes() for p in d.iterdir()}
+
+
+EXPORT_REFUSALS = {  # {d}: the run directory of run_dir; (argv, exit code, facts in the error line)
+    "out-in-missing-directory": (["--ckpt={d}/ckpt.pt", "--out={d}/no/such/packed.pt"], 1,
+                                 ["--out={d}/no/such/packed.pt", "does not exist", "mkdir -p {d}/no/such"]),
+    "out-is-a-directory": (["--ckpt={d}/ckpt.pt", "--out={d}"], 2, ["--out={d}", "directory", "{d}/packed.pt"]),
+    "out-is-ckpt": (["--ckpt={d}/ckpt.pt", "--out={d}/ckpt.pt"], 2,
+                    ["--out={d}/ckpt.pt", "same file", "another --out"]),
+    "out-is-a-hard-link-of-ckpt": (["--ckpt={d}/ckpt.pt", "--out={d}/{n}"], 2,  # {n}: ckpt_<step>.pt
+                                   ["--out={d}/{n}", "same file", "another --out"]),
+    "default-out-is-ckpt": (["--ckpt={d}/packed.pt"], 2,  # --out defaults to packed.pt beside --ckpt
+                            ["--out={d}/packed.pt", "same file", "another --out"]),
+    "ckpt-is-a-packed-export": (["--ckpt={d}/packed.pt", "--out={d}/packed2.pt"], 1,
+                                ["{d}/packed.pt", "already a packed export", "sample.py --ckpt={d}/packed.pt"]),
+    "ckpt-is-a-directory": (["--ckpt={d}"], 2, ["--ckpt={d}", "directory", "--ckpt={d}/ckpt.pt"]),
+    "unknown-flag": (["--bogus=1"], 2, ["'--bogus=1'", "ckpt, out"]),
+    "no-value": (["--ckpt"], 2, ["'--ckpt'", "--key=value"]),
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_REFUSALS)
+def test_export_refuses_bad_paths_in_one_line_and_leaves_the_run_intact(case, run_dir, capsys):
+    argv, code, facts = EXPORT_REFUSALS[case]
+    numbered = next(run_dir.glob("ckpt_*.pt")).name
+    fill = lambda s: s.format(d=run_dir, n=numbered)  # noqa: E731
+    before = _snapshot(run_dir)
+    err = fails(capsys, *map(fill, argv), code=code, main=export.main)
+    assert all(fill(f) in err for f in facts), err
+    assert _snapshot(run_dir) == before  # no file written, replaced or left behind (.tmp)
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+                                   RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0")],
+                         ids=["OSError-ENOSPC", "RuntimeError-from-torch.save"])
+def test_export_on_a_full_disk_keeps_the_previous_export_and_leaves_no_tmp(error, run_dir, capsys, monkeypatch):
+    """torch.save reports a full disk as OSError or, from its zip writer, as RuntimeError."""
+    out = run_dir / "out.pt"
+    out.write_bytes(b"the previous export")
+
+    def full_disk(obj, f, *args, **kwargs):
+        with open(f, "ab") if isinstance(f, (str, os.PathLike)) else contextlib.nullcontext(f) as fh:
+            fh.write(b"half an export")
+        raise error
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    before = _snapshot(run_dir)
+    err = fails(capsys, f"--ckpt={run_dir / 'ckpt.pt'}", f"--out={out}", code=1, main=export.main)
+    assert all(f in err for f in (f"--out={out}", "unchanged", "free disk space")), err
+    assert _snapshot(run_dir) == before  # the previous export as it was, no out.pt.tmp

@@ -103,6 +103,21 @@ def test_bitlinear_lambda_blends_and_gradients_flow_straight_through():
     assert torch.allclose(lin.weight.grad, g.T @ xb, rtol=1e-6, atol=1e-6)  # d/dW through STE = x_blend
 
 
+
+def test_bitlinear_swapped_for_nn_linear_differs_only_as_documented():
+    # quant.BitLinear's docstring: the bias default, lambda_ = 1 from the start, one more state-dict key.
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4)
+    assert lin.bias is not None and BitLinear(6, 4).bias is None  # bias=False by default: pass bias= explicitly
+    bit = BitLinear(6, 4, bias=True)
+    assert [(n, p.shape) for n, p in bit.named_parameters()] == [(n, p.shape) for n, p in lin.named_parameters()]
+    assert set(bit.state_dict()) - set(lin.state_dict()) == {"lambda_"} and bit.lambda_.item() == 1.0
+    result = bit.load_state_dict(lin.state_dict(), strict=False)
+    assert result.missing_keys == ["lambda_"] and result.unexpected_keys == []
+    set_lambda(bit, 0.0)
+    x = torch.randn(3, 6)
+    assert torch.equal(bit(x), lin(x))  # at lambda 0 the loaded BitLinear is that nn.Linear
+
 def test_set_lambda_writes_every_buffer_and_it_is_saved():
     model = torch.nn.Sequential(BitLinear(4, 4), torch.nn.ReLU(), BitLinear(4, 4))
     set_lambda(model, 0.3)

@@ -25,6 +25,37 @@ def test_wrong_type_and_bad_stage_fail_clearly(capsys, flag, facts):
     assert all(f in msg for f in facts), msg
 
 
+@pytest.mark.parametrize("flag,facts", [
+    ("--n_head=0", (">= 1",)), ("--n_head=-2", (">= 1",)), ("--n_embd=0", (">= 1",)), ("--n_layer=0", (">= 1",)),
+    ("--block_size=-8", (">= 1",)), ("--block_size=0", (">= 1",)), ("--max_iters=-5", (">= 0",)),
+    ("--lr=nan", ("> 0",)), ("--lr=-1", ("> 0",)), ("--lr=inf", ("finite",)), ("--muon_lr=-1", ("> 0",)),
+    ("--muon_lr=nan", ("> 0",)), ("--beta1=1.5", ("[0, 1)",)), ("--weight_decay=-0.1", (">= 0",)),
+    ("--min_lr_frac=-3", ("[0, 1]",)), ("--decay_frac=2", ("[0, 1]",)), ("--warmup_iters=-1", (">= 0",)),
+    ("--two_phase_lr_drop=-5", ("(0, 1]",)), ("--zclip_z_thresh=-1", ("> 0",)), ("--seed=-1", (">= 0",)),
+    ("--distill_tau=0", ("> 0",)), ("--distill_relation_heads=0", (">= 1",)),
+    ("--tokenizer=foo", ("byte", "gpt2")), ("--dtype=float17", ("bfloat16",)), ("--compile=maybe", ("auto",)),
+    ("--device=cuda:99", ("cuda",)), ("--device=tpu", ("cpu",)),
+    ("--data=a:inf", ("a:inf", "weight")), ("--data=a:abc", ("a:abc", "weight")),
+    ("--data=a:0.5,b", ("every source a weight",)),
+])
+def test_nonsense_values_stop_with_one_line_before_any_data_or_model(tmp_path, capsys, monkeypatch, flag, facts):
+    def too_late(*args, **kwargs):
+        raise AssertionError("the flag was checked only after data or a model was set up")
+    monkeypatch.setattr(train, "make_loaders", too_late)
+    monkeypatch.setattr(train, "GPT", too_late)
+    msg = fails(capsys, flag, f"--out_dir={tmp_path}", code=2)
+    assert flag.split(",")[0] in msg and all(f in msg for f in facts), msg  # the flag, what it must be
+    assert not os.listdir(tmp_path)  # nothing written
+
+
+@pytest.mark.parametrize("value,expected", [("True", "true"), ("yes", "true"), ("1", "true"), ("ON", "true"),
+                                            ("False", "false"), ("no", "false"), ("auto", "auto")])
+def test_compile_parses_like_every_boolean_flag(value, expected):
+    assert train.parse_args([f"--compile={value}"]) == {"compile": expected}
+    if expected != "auto":
+        assert train.parse_args([f"--zclip={value}"]) == {"zclip": expected == "true"}
+
+
 def test_resume_without_checkpoint_fails_clearly(tmp_path, capsys):
     msg = fails(capsys, "--stage=1", "--resume=True", f"--out_dir={tmp_path}", *TINY)
     assert str(tmp_path / "stage1" / "ckpt.pt") in msg and "--resume" in msg
@@ -46,7 +77,7 @@ def test_stage1_lowers_val_loss_then_stage2_starts_from_it(tmp_path):
     assert set(ckpt) >= {"model", "optimizer", "step", "config", "loader"}
 
     p = run("--stage=2", "--max_iters=20", "--eval_interval=20", f"--out_dir={out}", *BIGGER)
-    assert "starting from the stage-1 weights" in p.stdout
+    assert "starting from the stage-1 weights" in p.stdout and "compile off" in p.stdout
     recs2 = records(out, stage=2)
     # lambda = 0 at step 0: the ternary model is exactly the stage-1 model, far below a fresh model's loss
     assert recs2[0]["lambda"] == 0.0 and recs2[0]["loss"] < first_loss - 1.0

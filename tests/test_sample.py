@@ -1,0 +1,112 @@
+"""
+Tests for sample.py's refusals: a bad flag or a bad file gives one "error: ..." line on stderr naming the
+flag or file and the fix, and a non-zero exit (2 for a flag value, 1 for a file), never a traceback. Flags
+are checked before any checkpoint is read: the flag cases point --ckpt at a file that does not exist.
+Sampling itself (a training checkpoint, --packed=True, an export) is tested end to end in tests/test_packed.py.
+
+    python -m pytest tests/test_sample.py
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import export
+import sample
+from conftest import fails
+from kernels.packed_linear import freeze_ternary
+from model import GPT, GPTConfig
+
+TINY = GPTConfig(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_embd=32)  # the byte tokenizer's vocabulary
+MISSING = "/nonexistent/ckpt.pt"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A training checkpoint as train.py writes it (the keys sample.py reads) and a packed export, both of TINY."""
+    d = tmp_path_factory.mktemp("sample")
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    torch.save({"step": 0, "model_args": dataclasses.asdict(TINY), "model": model.state_dict(),
+                "config": {"tokenizer": "byte"}}, d / "ckpt.pt")
+    torch.save(export.packed_state(freeze_ternary(model.eval()), "byte"), d / "packed.pt")
+    return d
+
+
+FLAG_REFUSALS = {  # argv (--ckpt is MISSING), facts in the error line; all exit 2
+    "top_k-0": (["--top_k=0"], ["--top_k=0", ">= 1"]),
+    "top_k-negative": (["--top_k=-1"], ["--top_k=-1", ">= 1"]),
+    "temperature-nan": (["--temperature=nan"], ["--temperature=nan", "finite", "> 0", "--top_k=1"]),
+    "temperature-inf": (["--temperature=inf"], ["--temperature=inf", "finite", "> 0"]),
+    "temperature-negative": (["--temperature=-5"], ["--temperature=-5", "> 0", "--top_k=1"]),
+    "temperature-0": (["--temperature=0"], ["--temperature=0", "> 0", "greedy", "--top_k=1"]),
+    "max_new_tokens-negative": (["--max_new_tokens=-5"], ["--max_new_tokens=-5", ">= 1"]),
+    "num_samples-0": (["--num_samples=0"], ["--num_samples=0", ">= 1"]),
+    "seed-negative": (["--seed=-1"], ["--seed=-1", ">= 0"]),
+    "device-unknown": (["--device=tpu"], ["--device=tpu", "auto, cpu, cuda"]),
+    "start-not-utf8": (["--start=\udcff"], ["--start", "UTF-8"]),  # an undecodable byte in argv
+    "top_k-not-an-int": (["--top_k=many"], ["--top_k=many", "int"]),
+    "packed-not-a-bool": (["--packed=yes"], ["--packed=yes", "bool"]),
+    "unknown-flag": (["--bogus=1"], ["'--bogus=1'", "ckpt, start"]),
+    "no-value": (["--top_k"], ["'--top_k'", "--key=value"]),
+}
+
+
+@pytest.mark.parametrize("case", FLAG_REFUSALS)
+def test_bad_flag_is_one_line_exit_2_before_any_checkpoint_is_read(case, capsys):
+    argv, facts = FLAG_REFUSALS[case]
+    err = fails(capsys, f"--ckpt={MISSING}", *argv, code=2, main=sample.main)
+    assert all(f in err for f in facts), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line(capsys):
+    err = fails(capsys, f"--ckpt={MISSING}", "--device=cuda", code=2, main=sample.main)
+    assert all(f in err for f in ("--device=cuda", "no CUDA device", "--device=cpu")), err
+
+
+def test_sample_runs_on_the_test_files(files, capsys):
+    """The files below are sound: what the refusals break is only what each case changes."""
+    for name in ("ckpt.pt", "packed.pt"):
+        sample.main([f"--ckpt={files / name}", "--max_new_tokens=3", "--num_samples=1", "--device=cpu"])
+        assert capsys.readouterr().out.count("---------------") == 1
+
+
+def _truncated(d, files):
+    data = (files / "ckpt.pt").read_bytes()
+    (d / "ckpt.pt").write_bytes(data[: len(data) // 2])
+
+
+def _mismatched_export(d, files):  # a gpt2-sized vocabulary under the byte tokenizer
+    obj = torch.load(files / "packed.pt", weights_only=True)
+    obj["model_args"]["vocab_size"] = 50257
+    torch.save(obj, d / "ckpt.pt")
+
+
+def _unknown_tokenizer(d, files):
+    obj = torch.load(files / "ckpt.pt", weights_only=True)
+    obj["config"]["tokenizer"] = "sentencepiece"
+    torch.save(obj, d / "ckpt.pt")
+
+
+def _directory(d, files):
+    (d / "ckpt.pt").mkdir()
+
+
+FILE_REFUSALS = {  # how to spoil {d}/ckpt.pt, exit code, facts in the error line
+    "truncated-checkpoint": (_truncated, 1, ["{d}/ckpt.pt", "cannot load checkpoint", "corrupt or truncated"]),
+    "export-tokenizer-does-not-fit-vocabulary": (_mismatched_export, 1, ["{d}/ckpt.pt", "'byte'", "257", "50257",
+                                                                         "python export.py"]),
+    "unknown-tokenizer": (_unknown_tokenizer, 1, ["{d}/ckpt.pt", "'sentencepiece'", "byte, gpt2"]),
+    "ckpt-is-a-directory": (_directory, 2, ["--ckpt={d}/ckpt.pt", "directory", "{d}/ckpt.pt/ckpt.pt"]),
+}
+
+
+@pytest.mark.parametrize("case", FILE_REFUSALS)
+def test_bad_checkpoint_file_is_one_line_naming_the_file(case, files, tmp_path, capsys):
+    spoil, code, facts = FILE_REFUSALS[case]
+    spoil(tmp_path, files)
+    err = fails(capsys, f"--ckpt={tmp_path / 'ckpt.pt'}", "--device=cpu", "--max_new_tokens=3", code=code,
+                main=sample.main)
+    assert all(f.format(d=tmp_path) in err for f in facts), err
