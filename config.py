@@ -15,7 +15,6 @@ Used by train.py; test: python -m pytest tests/test_train.py
 """
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -254,10 +253,12 @@ def resolve_data(cfg):
         return {root: 1.0}
     sources = parse_data(cfg.data)
     for path in sources:
-        meta_path = os.path.join(path, "meta.json")
-        if not os.path.exists(meta_path):
+        if not os.path.exists(os.path.join(path, "meta.json")):
             die(f"{path}: no meta.json; make shards with: python prepare.py --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
-        meta = json.load(open(meta_path))
+        try:
+            meta = data.read_meta(path)  # an empty or broken meta.json: one line naming it
+        except ValueError as e:
+            die(str(e))
         if meta["tokenizer"] != cfg.tokenizer:
             die(f"{path} was tokenised with {meta['tokenizer']}, but --tokenizer={cfg.tokenizer}; "
                 f"pass --tokenizer={meta['tokenizer']} or re-run prepare.py")

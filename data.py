@@ -54,12 +54,20 @@ def write_shard(path, tokens, dtype=None):
             os.remove(tmp)
 
 
-def read_shard(path):
-    """Check a shard's header and size against each other; return its tokens as a read-only np.memmap."""
-    version, ntok = _check_header(path)
-    if ntok == 0:
-        return np.zeros(0, dtype=VERSION_DTYPE[version])  # mmap cannot map zero bytes
-    return np.memmap(path, dtype=VERSION_DTYPE[version], mode="r", offset=HEADER_BYTES, shape=(ntok,))
+def read_shard(path, identity=None):
+    """Check a shard's header and size against each other; return its tokens as a read-only np.memmap.
+    identity: shard_identity(path) as seen earlier; if the file is another one now, raise DataChanged."""
+    with _open_shard(path, identity) as f:  # one open file: the header checked is the one of the file mapped
+        version, ntok = _check_header(path, f)
+        if ntok == 0:
+            return np.zeros(0, dtype=VERSION_DTYPE[version])  # mmap cannot map zero bytes
+        return np.memmap(f, dtype=VERSION_DTYPE[version], mode="r", offset=HEADER_BYTES, shape=(ntok,))
+
+
+def read_meta(d):
+    """meta.json of shard directory d (what made the shards, see prepare.py) as a dict. A missing, empty or
+    damaged file, or one without "tokenizer", raises ValueError naming the file and the fix."""
+    return _check_meta_json(os.path.join(d, "meta.json"))
 
 # -----------------------------------------------------------------------------
 # loader
@@ -84,20 +92,23 @@ class DataLoader:
         self.weights = np.array([float(w) for w in sources.values()]) / sum(sources.values())
         self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
         self.shards = [_find_shards(d, split) for d in self.dirs]  # per source: its shard paths, in order
-        self.lengths = [[len(read_shard(p)) for p in paths] for paths in self.shards]  # validates every header
+        self.identities = [[shard_identity(p) for p in paths] for paths in self.shards]  # to notice a re-prepare
+        self.lengths = [[len(read_shard(p, i)) for p, i in zip(ps, ids)]  # validates every header
+                        for ps, ids in zip(self.shards, self.identities)]
+        _check_meta(self.dirs, split, self.lengths)
         _check_block_size(self.shards, self.lengths, T)
-        _check_one_tokenizer(self.dirs)
         self.reset()
 
     def reset(self):
-        """Back to the start of every source with a re-seeded RNG (used to evaluate on val)."""
+        """Back to the start of every source with a re-seeded RNG (used to evaluate on val). Shards are mapped
+        again, so shards that prepare.py replaced since raise DataChanged at the next batch."""
         self.pos = [[0, 0] for _ in self.dirs]  # per source: [shard index, offset]
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
         self._mapped = [(None, None)] * len(self.dirs)  # per source: (shard index, memmap)
 
     def _tokens(self, s, k):
-        if self._mapped[s][0] != k:  # map only the current shard of each source
-            self._mapped[s] = (k, read_shard(self.shards[s][k]))
+        if self._mapped[s][0] != k:  # map only the current shard of each source, and only the file first opened
+            self._mapped[s] = (k, read_shard(self.shards[s][k], self.identities[s][k]))
         return self._mapped[s][1]
 
     def next_batch(self):
@@ -211,12 +222,13 @@ def _check_tokens(path, tokens, dtype):
     return dtype
 
 
-def _check_header(path):
-    """(version, n_tokens) of the shard at path, after checking its magic, version and size."""
-    size = os.path.getsize(path)
+def _check_header(path, f):
+    """(version, n_tokens) of the shard at path, open as f, after checking its magic, version and size."""
+    size = os.fstat(f.fileno()).st_size
     if size < HEADER_BYTES:
         raise ValueError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; {_remake_hint(path)}")
-    magic, version, ntok = (int(v) for v in np.fromfile(path, dtype="<i4", count=3))
+    f.seek(0)
+    magic, version, ntok = (int(v) for v in np.frombuffer(f.read(12), dtype="<i4"))
     if magic != MAGIC:
         raise ValueError(f"{path}: bad magic {magic} (expected {MAGIC}); {_remake_hint(path)}")
     if version not in VERSION_DTYPE:
@@ -234,11 +246,24 @@ def _shard_index(name, split):
 
 
 def _find_shards(d, split):
-    """The {split}_NNN.bin paths of directory d in numeric order: train_1000.bin comes after train_999.bin."""
+    """The {split}_NNN.bin paths of directory d in numeric order: train_1000.bin comes after train_999.bin.
+    Refuses a set with a gap (000, 001, 003): a copy or a prepare.py run that did not finish."""
+    _check_not_mid_swap(d)
     names = [n for n in (os.listdir(d) if os.path.isdir(d) else []) if _shard_index(n, split) is not None]
     if not names:
         raise ValueError(f"{d}: no {split}_*.bin shards; create them: python prepare.py --out_dir={d} [sources]")
-    return [os.path.join(d, n) for n in sorted(names, key=lambda n: _shard_index(n, split))]
+    names.sort(key=lambda n: _shard_index(n, split))
+    idx = [_shard_index(n, split) for n in names]
+    for k in range(1, len(idx)):
+        if idx[k] == idx[k - 1]:
+            raise ValueError(f"{d}: {names[k - 1]} and {names[k]} are both {split} shard {idx[k]}; keep the one "
+                             f"that belongs (prepare.py names it {split}_{idx[k]:03d}.bin)")
+    missing = min(set(range(len(idx) + 1)) - set(idx))
+    if missing < len(idx):
+        path = os.path.join(d, f"{split}_{missing:03d}.bin")
+        raise ValueError(f"{path}: missing, but {d} has {split} shards numbered up to {idx[-1]} "
+                         f"(an incomplete dataset); {_remake_hint(path)}")
+    return [os.path.join(d, n) for n in names]
 
 
 def _check_sources(sources, rank, world_size):
@@ -257,14 +282,85 @@ def _check_block_size(shards, lengths, T):
                              f"reads block_size+1); lower --block_size or prepare more data")
 
 
-def _check_one_tokenizer(dirs):
+def _check_meta(dirs, split, lengths):
+    """Each meta.json (optional: a directory of shards alone is fine) against the shards found beside it, then
+    one tokenizer across sources. An older meta.json has no shard count: its token count is still checked."""
     tokenizers = {}
-    for d in dirs:
-        if os.path.exists(os.path.join(d, "meta.json")):
-            with open(os.path.join(d, "meta.json")) as f:
-                tokenizers[d] = json.load(f).get("tokenizer")
+    for d, ns in zip(dirs, lengths):
+        if not os.path.exists(os.path.join(d, "meta.json")):
+            continue
+        meta = read_meta(d)
+        tokenizers[d] = meta["tokenizer"]
+        want = (meta.get(f"{split}_tokens", sum(ns)), meta.get(f"{split}_shards", len(ns)))
+        if want != (sum(ns), len(ns)):
+            path = os.path.join(d, "meta.json")
+            raise ValueError(f"{path}: records {want[0]} {split} tokens in {want[1]} {split} shards, but {d} holds "
+                             f"{sum(ns)} tokens in {len(ns)} shards (a partial copy, or shards of another run); "
+                             f"{_remake_hint(path)}")
     if len(set(tokenizers.values())) > 1:
         raise ValueError(f"sources were made by different tokenizers {tokenizers}; mix only one tokenizer")
+
+
+def _check_meta_json(path):
+    d = os.path.dirname(path) or "."
+    fix = f"re-create it: python prepare.py --out_dir={d} <the sources it was made from>"
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file; make the shards: python prepare.py --out_dir={d} <files>") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror}); {fix}") from None
+    except ValueError as e:  # empty, cut short, not UTF-8
+        raise ValueError(f"{path}: not valid JSON ({e}); {fix}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), str):
+        raise ValueError(f"{path}: no \"tokenizer\" field (a JSON object written by prepare.py is expected); {fix}")
+    return meta
+
+
+class DataChanged(ValueError):
+    """The shards of a running DataLoader were replaced or removed (prepare.py re-ran into its directory).
+    Raised by next_batch() when it maps a shard, the first one after reset() included: every batch before it
+    came from the files the loader opened, never from a mix. The position of the loader that raised it is then
+    partway through that call, so a training loop stops without saving that loader's state_dict() (its last
+    checkpoint, or a state_dict() taken before the step, resumes exactly)."""
+
+
+def shard_identity(path):
+    """(device, inode, size, mtime_ns) of a file: any rewrite or replacement of it changes one of them."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _open_shard(path, identity):
+    """path opened for reading; with identity given, a file that is no longer that one raises DataChanged."""
+    d = os.path.dirname(path) or "."
+    changed = (f"{d}: the shards changed while this run was reading them ({os.path.basename(path)} %s; prepare.py "
+               f"re-ran?); restart the run, or --resume=True from its last checkpoint")
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        if identity is None:
+            raise
+        raise DataChanged(changed % "is gone") from None
+    st = os.fstat(f.fileno())
+    if identity is not None and (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != tuple(identity):
+        f.close()
+        raise DataChanged(changed % "is another file now")
+    return f
+
+
+def _check_not_mid_swap(d):
+    """prepare.py replaces a directory by two renames (d -> .<d>.old_*, new -> d); a kill between them leaves
+    no d. Say where the previous dataset is rather than that there are no shards."""
+    parent, name = os.path.split(os.path.abspath(d))
+    if os.path.exists(d) or not os.path.isdir(parent):
+        return
+    old = sorted(n for n in os.listdir(parent) if n.startswith(f".{name}.old_"))
+    if old:
+        old = os.path.join(parent, old[-1])
+        raise ValueError(f"{d}: missing, but {old} holds its previous dataset (a prepare.py was killed while "
+                         f"replacing it); restore it: mv {old} {d} (or re-run prepare.py, which restores it first)")
 
 
 def _check_state(loader, sd):

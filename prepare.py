@@ -3,8 +3,9 @@ Tokenise a corpus once into the binary shards that data.py's DataLoader streams 
 
 Document i (in source order, empty documents skipped) goes to val iff i % val_every == val_every - 1, so the split
 is by document and the same corpus always gives byte-identical shards. Each document is written as [eot] + tokens
-into {train,val}_000.bin, ... of exactly shard_tokens tokens (the last shorter), plus a meta.json. Shards are built
-in a temporary directory and moved into out_dir only on success, so a failed run leaves an older dataset intact.
+into {train,val}_000.bin, ... of exactly shard_tokens tokens (the last shorter), plus a meta.json. The dataset is
+built in a temporary directory beside out_dir, which then replaces out_dir whole (_swap), so a failed, stopped or
+killed run leaves an older dataset intact, and a loader never sees a mix of two runs.
 
 Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to data/shakespeare_<tokenizer>/):
     python prepare.py --tokenizer=byte
@@ -15,15 +16,21 @@ Test:
     python -m pytest tests/test_prepare.py
 """
 
+import contextlib
+import errno
 import glob
 import gzip
 import json
 import os
 import re
 import shutil
+import signal
+import socket
+import stat
 import sys
-import tempfile
+import threading
 import time
+import zlib
 
 import numpy as np
 
@@ -37,26 +44,27 @@ def iter_documents(paths):
     """Yield the text of every non-empty document, in order. A file that is not valid UTF-8 is refused with
     the byte offset of its first bad byte: the text is never silently altered."""
     for path in paths:
-        if path.endswith(".txt"):  # binary read: no newline translation, the same bytes on every platform
-            with open(path, "rb") as f:
-                text = _utf8(f.read(), path, 0)
-            if text:
-                yield text
-            continue
-        offset = 0
-        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                line, offset = _utf8(raw, path, offset), offset + len(raw)
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (ValueError, KeyError, TypeError):
-                    text = None
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a string \"text\" field")
+        with _reading(path):  # a damaged .gz or an unreadable file: one line naming it
+            if path.endswith(".txt"):  # binary read: no newline translation, the same bytes on every platform
+                with open(path, "rb") as f:
+                    text = _utf8(f.read(), path, 0)
                 if text:
                     yield text
+                continue
+            offset = 0
+            with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    line, offset = _utf8(raw, path, offset), offset + len(raw)
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)["text"]
+                    except (ValueError, KeyError, TypeError):
+                        text = None
+                    if not isinstance(text, str):
+                        raise ValueError(f"{path}:{lineno}: expected a JSON object with a string \"text\" field")
+                    if text:
+                        yield text
 
 
 def _chunks(docs, max_chars=1 << 22, max_docs=1024):
@@ -99,21 +107,22 @@ class _ShardWriter:
 def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_tokens=100_000_000):
     """Tokenise sources into out_dir/{train,val}_NNN.bin and meta.json; return out_dir.
     Document i (source order, empty documents skipped) goes to val iff i % val_every == val_every - 1; if that
-    picks none, the last document does. Shards are built in a temporary directory and moved into out_dir only
-    on success (replacing the shards and meta.json there), so a failed run leaves an older dataset intact."""
+    picks none, the last document does. The new dataset is built in a temporary directory beside out_dir and
+    then replaces out_dir whole, so a failed run leaves an older dataset intact. A ValueError says what went
+    wrong in one line (a bad source, a full disk); out_dir is then as it was."""
     t0 = time.time()
     tok = data.get_tokenizer(tokenizer)
     if val_every < 2 or shard_tokens < 1:
         raise ValueError(f"need val_every >= 2 (got {val_every}) and shard_tokens >= 1 (got {shard_tokens})")
     paths = [SHAKESPEARE] if sources is None else _expand_sources(sources)
-    stem = re.sub(r"\.(txt|jsonl|jsonl\.gz)$", "", os.path.basename(paths[0]))
-    dataset = "shakespeare" if sources is None else stem
-    out_dir = out_dir or os.path.join(DATA_DIR, f"{dataset}_{tok.name}")
+    out_dir = out_dir or default_out_dir(sources, paths, tok.name)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp_")
+    tmp_dir = None
     try:
+        real = _check_out_dir(out_dir)  # the directory that gets replaced (out_dir may be a symlink to it)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        _recover(real)  # what killed runs left beside it
+        tmp_dir = _make_tmp_dir(real)
         train, val = (_ShardWriter(tmp_dir, split, dtype, shard_tokens) for split in ("train", "val"))
         i, held = 0, None  # held: the latest train document, kept back in case it must be the only val one
         for chunk in _chunks(iter_documents(paths)):
@@ -135,21 +144,26 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
         n_train, n_val = train.close(), val.close()
         meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, dtype=np.dtype(dtype).name,
                     n_docs_train=train.ndocs, n_docs_val=val.ndocs, train_tokens=train.ntok, val_tokens=val.ntok,
-                    sources=paths, val_every=val_every)
+                    train_shards=n_train, val_shards=n_val, sources=paths, val_every=val_every)
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
-        os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(out_dir):  # the loader would also read stale shards of an earlier, larger run
-            if name == "meta.json" or re.fullmatch(r"(train|val)_\d+\.bin", name):
-                os.remove(os.path.join(out_dir, name))
-        for name in os.listdir(tmp_dir):
-            os.replace(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        _swap(tmp_dir, real)
+    except OSError as e:  # writing failed (a full disk, no permission): the sources were read without error
+        raise ValueError(f"{out_dir}: cannot write the new dataset ({e.strerror or e}); free disk space or pass "
+                         f"another --out_dir; nothing in {out_dir} was changed") from None
+    finally:  # also on KeyboardInterrupt or a signal turned into an exception: no half dataset stays behind
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     print(f"{tok.name} tokens of {len(paths)} file(s) -> {out_dir} in {time.time() - t0:.1f}s\n"
           f"  train: {train.ndocs:,} docs, {train.ntok:,} tokens, {n_train} shard(s)\n"
           f"  val:   {val.ndocs:,} docs, {val.ntok:,} tokens, {n_val} shard(s)")
     return out_dir
+
+
+def default_out_dir(sources, paths, tokenizer_name):
+    """data/shakespeare_<tokenizer> for the shipped corpus, else data/<first source's stem>_<tokenizer>."""
+    stem = re.sub(r"\.(txt|jsonl|jsonl\.gz)$", "", os.path.basename(paths[0]))
+    return os.path.join(DATA_DIR, f"{'shakespeare' if sources is None else stem}_{tokenizer_name}")
 
 
 def tokenize_throughput(tokenizer_name):
@@ -182,6 +196,21 @@ def _expand_sources(sources):
     return paths
 
 
+@contextlib.contextmanager
+def _reading(p):
+    """Reading source p: a damaged gzip stream or an unreadable file becomes one ValueError naming it."""
+    try:
+        yield
+    except gzip.BadGzipFile as e:
+        raise ValueError(f"{p}: not a gzip file ({e}); compress it with gzip, or if it is plain text, "
+                         f"rename it to {p[:-3]}") from None
+    except (EOFError, zlib.error) as e:
+        raise ValueError(f"{p}: the gzip stream ends early or is corrupt ({e}; a truncated download?); "
+                         f"get the file again, or check it with: gzip -t {p}") from None
+    except OSError as e:
+        raise ValueError(f"{p}: cannot be read ({e.strerror or e}); check the file and its permissions") from None
+
+
 def _utf8(raw, path, offset):
     try:
         return raw.decode("utf-8")
@@ -191,6 +220,125 @@ def _utf8(raw, path, offset):
                          f"convert the file to UTF-8 first (e.g. iconv -f latin1 -t utf-8)") from None
 
 # -----------------------------------------------------------------------------
+# replacing out_dir: one directory swap, and recovery from a run killed in the middle of it
+# The temporary directories are named .<name>.tmp_<host>_<pid>_<random> (the new dataset being built) and
+# .<name>.old_<host>_<pid>_<random> (the dataset being replaced), so that a later run can tell whether the
+# process that owns one is gone: only then (or after a day, for another machine's) is it removed.
+
+STALE_AFTER_S = 86400  # a temporary directory whose owner cannot be checked (another host) is stale after a day
+
+
+def _check_out_dir(out_dir):
+    """The real path of out_dir after refusing what the swap would destroy: a regular file, or a directory
+    holding files that prepare.py did not write (they would be deleted with the old dataset)."""
+    real = os.path.realpath(out_dir)
+    if os.path.exists(real) and not os.path.isdir(real):
+        raise ValueError(f"{out_dir}: exists and is not a directory; pass a new directory, or an earlier "
+                         f"prepare.py output, as --out_dir")
+    ours = re.compile(r"meta\.json|(train|val)_\d+\.bin")
+    other = sorted(n for n in (os.listdir(real) if os.path.isdir(real) else []) if not ours.fullmatch(n))
+    if other:
+        raise ValueError(f"{out_dir}: also holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which "
+                         f"re-preparing would delete (the whole directory is replaced); move them out, or pass "
+                         f"another --out_dir")
+    return real
+
+
+def _swap(new, out):
+    """Replace directory out by directory new (same parent) with two renames. A kill between the two leaves
+    out missing, the old dataset complete at .<name>.old_* and the new one at .<name>.tmp_*: the next run's
+    _recover renames the old one back; the loader meanwhile names it (data._check_not_mid_swap)."""
+    old = os.path.join(os.path.dirname(out), os.path.basename(new).replace(".tmp_", ".old_", 1))
+    for _ in range(10):  # retried only when another prepare.py swaps the same out (nodes sharing a disk)
+        try:
+            if not os.path.lexists(out):
+                os.rename(new, out)
+                return
+            os.rename(out, old)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST) and os.path.isdir(new):
+                continue
+            raise
+        try:
+            os.rename(new, out)
+        finally:
+            if os.path.lexists(out):  # swapped: the old dataset goes (a loader reading it keeps its open files)
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # the second rename failed or was interrupted: put the old dataset back
+                os.rename(old, out)
+        return
+    raise OSError(errno.EBUSY, f"{out} kept changing while prepare.py tried to replace it")
+
+
+def _make_tmp_dir(out):
+    """An empty .<name>.tmp_<host>_<pid>_<random> beside out, with out's permissions (or the umask's for a new
+    one; not mkdtemp's 0700, which would hide the dataset from other users once it is swapped in)."""
+    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp_{_owner()}_{os.urandom(4).hex()}")
+    os.mkdir(path)
+    if os.path.isdir(out):
+        os.chmod(path, stat.S_IMODE(os.stat(out).st_mode))
+    return path
+
+
+def _host():
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def _owner():
+    return f"{_host()}_{os.getpid()}"
+
+
+def _is_stale(parent, name, owner):
+    """Whether temporary directory parent/name, owner = the part of its name after .tmp_ or .old_, is left over
+    from a run that is gone."""
+    m = re.match(r"([A-Za-z0-9-]+)_(\d+)_", owner)
+    if m and m.group(1) == _host():
+        pid = int(m.group(2))
+        if os.name == "posix":
+            try:
+                os.kill(pid, 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # it exists, as another user's process
+                return False
+            return False
+    try:  # another host's, or an older prepare.py's .<out>.tmp_<random>: by age
+        return time.time() - os.stat(os.path.join(parent, name)).st_mtime > STALE_AFTER_S
+    except FileNotFoundError:
+        return False
+
+
+def _recover(out):
+    """Before a run: if a kill between _swap's renames left no out, rename the old dataset back; then remove
+    every temporary directory of out whose run is gone."""
+    parent, name = os.path.split(out)
+    prefixes = (f".{name}.tmp_", f".{name}.old_")  # the same length
+    stale = [n for n in os.listdir(parent) if n.startswith(prefixes) and _is_stale(parent, n, n[len(prefixes[0]):])]
+    old = sorted((n for n in stale if n.startswith(f".{name}.old_")),
+                 key=lambda n: os.stat(os.path.join(parent, n)).st_mtime)
+    if old and not os.path.lexists(out):
+        os.rename(os.path.join(parent, old[-1]), out)
+        print(f"restored {out} from {old[-1]}, left by a prepare.py killed while replacing it")
+        stale.remove(old[-1])
+    for n in stale:
+        shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+
+# -----------------------------------------------------------------------------
+
+
+class _Stopped(BaseException):
+    """SIGTERM, turned into an exception by main() so that prepare()'s clean-up runs (see _on_sigterm)."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Stopped
+
+
+def _default_for(sources, tokenizer):
+    try:
+        return default_out_dir(sources or None, _expand_sources(sources) if sources else [SHAKESPEARE], tokenizer)
+    except ValueError:
+        return "--out_dir"
 
 
 def main(argv):
@@ -210,11 +358,23 @@ def main(argv):
         print(f"prepare.py: unknown tokenizer {opts['tokenizer']!r}; valid: {', '.join(data.TOKENIZERS)}",
               file=sys.stderr)
         return 2
+    # only here, not in prepare(): train.py calls prepare() and has its own signal handling
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         out_dir = prepare(sources or None, **opts)
-    except ValueError as e:  # a bad corpus: one line that says what to fix, not a traceback
+    except ValueError as e:  # a bad corpus, a full disk: one line that says what to fix, not a traceback
         print(f"prepare.py: {e}", file=sys.stderr)
         return 1
+    except (_Stopped, KeyboardInterrupt) as e:
+        how, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, _Stopped) else ("Ctrl-C", 128 + signal.SIGINT)
+        where = opts["out_dir"] or _default_for(sources, opts["tokenizer"])
+        print(f"prepare.py: stopped by {how} before it finished; {where} keeps its previous dataset, if it had "
+              f"one; run the same command again to prepare it", file=sys.stderr)
+        return code
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     sample = data.read_shard(os.path.join(out_dir, "train_000.bin"))[:48].tolist()
     print(f"first train tokens: {sample}\ndecoded: {data.get_tokenizer(opts['tokenizer']).decode(sample)!r}")
     return 0

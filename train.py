@@ -247,6 +247,8 @@ def main(argv):
         die(str(e))
     try:
         return training_loop(run)
+    except data.DataChanged as e:  # prepare.py re-ran under us: stop; the last checkpoint resumes exactly
+        die(str(e))
     finally:
         if run.unlock:
             run.unlock()

@@ -190,10 +190,97 @@ def test_loader_refuses_missing_shards_and_mixed_tokenizers(tmp_path):
 def test_loader_reads_shards_in_numeric_order(tmp_path):
     d = tmp_path / "a"
     d.mkdir()
-    for k in (1000, 999):  # "train_1000.bin" sorts before "train_999.bin" as text
-        data.write_shard(str(d / f"train_{k}.bin"), np.full(9, k))
+    for k in range(1001):  # "train_1000.bin" sorts before "train_999.bin" as text
+        data.write_shard(str(d / f"train_{k:03d}.bin"), np.full(9, k))
     loader = data.DataLoader(str(d), "train", B=1, T=8)
-    assert [loader.next_batch()[0][0, 0].item() for _ in range(2)] == [999, 1000]
+    loader.load_state_dict(dict(loader.state_dict(), pos=[[999, 0]]))
+    assert [loader.next_batch()[0][0, 0].item() for _ in range(3)] == [999, 1000, 0]
+
+# -----------------------------------------------------------------------------
+# a damaged or changing dataset: refused in one line, never read silently
+
+
+def _meta(d, **fields):
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump(dict({"tokenizer": "byte"}, **fields), f)
+
+
+def test_loader_refuses_a_shard_set_with_a_gap_naming_the_missing_file(tmp_path):
+    d = _shards(tmp_path / "a", *[np.arange(100)] * 4)
+    os.remove(os.path.join(d, "train_002.bin"))
+    with pytest.raises(ValueError) as e:
+        data.DataLoader(d, "train", B=1, T=8)
+    msg = str(e.value)
+    assert os.path.join(d, "train_002.bin") in msg and "missing" in msg and "python prepare.py" in msg, msg
+
+
+@pytest.mark.parametrize("fields, facts", [
+    (dict(train_tokens=300), ["300 train tokens", "200 tokens"]),  # an old meta.json: token counts only
+    (dict(train_tokens=200, train_shards=3), ["3 train shards", "2 shards"])])
+def test_loader_refuses_shards_that_disagree_with_meta_json(tmp_path, fields, facts):
+    d = _shards(tmp_path / "a", np.arange(100), np.arange(100))
+    _meta(d, **fields)
+    with pytest.raises(ValueError) as e:
+        data.DataLoader(d, "train", B=1, T=8)
+    msg = str(e.value)
+    assert os.path.join(d, "meta.json") in msg and all(f in msg for f in facts) and "prepare.py" in msg, msg
+    _meta(d, train_tokens=200)  # agreeing counts, without the shard count of an old meta.json: fine
+    assert data.DataLoader(d, "train", B=1, T=8).next_batch()[0].shape == (1, 8)
+
+
+@pytest.mark.parametrize("content, fact", [(b"", "not valid JSON"), (b'{"tokenizer": "byte", ', "not valid JSON"),
+                                           (b"\xff\xfe", "not valid JSON"), (b'{"vocab_size": 257}', "tokenizer"),
+                                           (b'["byte"]', "tokenizer")])
+def test_read_meta_refuses_a_damaged_meta_json_naming_it_and_the_fix(tmp_path, content, fact):
+    d = _shards(tmp_path / "a", np.arange(100))
+    (tmp_path / "a" / "meta.json").write_bytes(content)
+    for call in (lambda: data.read_meta(d), lambda: data.DataLoader(d, "train", B=1, T=8)):
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        assert os.path.join(d, "meta.json") in msg and fact in msg and "python prepare.py" in msg, msg
+    _meta(d)
+    assert data.read_meta(d) == {"tokenizer": "byte"}
+    os.remove(os.path.join(d, "meta.json"))
+    with pytest.raises(ValueError, match="no such file.*python prepare.py"):
+        data.read_meta(d)
+
+
+def _replace_dataset(d, *arrays, split="train"):
+    """What prepare.py does to a directory a run is reading: new files (new inodes) under the same names."""
+    _shards(d, *arrays, split=split)
+    _meta(str(d))
+
+
+def test_loader_keeps_its_mapped_shard_then_stops_with_data_changed_when_shards_are_replaced(tmp_path):
+    d = tmp_path / "a"
+    _replace_dataset(d, np.arange(100), np.arange(100, 200))
+    loader = data.DataLoader(str(d), "train", B=1, T=8)
+    assert loader.next_batch()[0][0, 0].item() == 0
+    _replace_dataset(d, np.arange(1000, 1100), np.arange(1100, 1150))  # re-prepared: other data, shorter shard
+    # the shard it has mapped stays the old file, read consistently: windows 8, 16, ..., 88 of the old shard 0
+    assert [loader.next_batch()[0][0, 0].item() for _ in range(11)] == list(range(8, 96, 8))
+    with pytest.raises(data.DataChanged) as e:  # moving on to shard 1 finds another file there
+        loader.next_batch()
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError) and str(d) in msg and "changed" in msg and "--resume=True" in msg, msg
+
+
+def test_loader_reset_for_evaluation_stops_with_data_changed_after_a_re_prepare(tmp_path):
+    d = tmp_path / "a"
+    _replace_dataset(d, np.arange(500), split="val")
+    val = data.DataLoader(str(d), "val", B=2, T=16)
+    first = val.next_batch()[0]
+    val.reset()
+    assert torch.equal(val.next_batch()[0], first)
+    _replace_dataset(d, np.arange(20), split="val")  # a smaller val shard: rows of the old length would not fit
+    val.reset()
+    with pytest.raises(data.DataChanged, match="prepare.py"):
+        val.next_batch()
+    os.remove(d / "val_000.bin")  # a directory being swapped away: a missing shard is a change too
+    val.reset()
+    with pytest.raises(data.DataChanged, match="changed"):
+        val.next_batch()
 
 # -----------------------------------------------------------------------------
 # tokenisers and the shipped assets

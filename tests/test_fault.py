@@ -243,6 +243,8 @@ def test_training_on_a_small_valid_shard_directory_works(tmp_path):
     ("bad_magic", ("train_000.bin", "magic 0", "20240520", "prepare.py")),
     ("truncated", ("train_000.bin", "2024 bytes", "2000 tokens", "prepare.py")),
     ("empty_dir", ("meta.json", "python prepare.py")),
+    ("empty_meta", ("meta.json", "prepare.py")),
+    ("meta_without_tokenizer", ("meta.json", "tokenizer", "prepare.py")),
     ("other_tokenizer", ("gpt2", "--tokenizer=byte")),
     ("block_size_over_a_shard", ("train_000.bin", "block_size 4000", "2000 tokens", "--block_size")),
 ])
@@ -252,6 +254,8 @@ def test_bad_data_directory_is_refused_with_one_line(tmp_path, capsys, case, fac
         os.makedirs(d)
     else:
         make_shards(d, tokenizer="gpt2" if case == "other_tokenizer" else "byte")
+    if case in ("empty_meta", "meta_without_tokenizer"):
+        open(os.path.join(d, "meta.json"), "w").write("" if case == "empty_meta" else "{}")
     train_shard = os.path.join(d, "train_000.bin")
     if case == "bad_magic":
         raw = bytearray(open(train_shard, "rb").read())
@@ -379,3 +383,18 @@ def test_a_signal_before_training_starts_ends_with_one_line_and_no_lock(tmp_path
     err = stderr.strip().splitlines()
     assert p.returncode == 1 and len(err) == 1 and "SIGTERM" in err[0] and "before training" in err[0], stderr
     assert not os.path.exists(tmp_path / "stage1" / ".lock")
+
+
+def test_shards_replaced_under_a_running_loader_stop_the_run_with_one_line(tmp_path, capsys, monkeypatch):
+    d = make_shards(str(tmp_path / "shards"))
+    real_step = train.train_step
+
+    def step_then_re_prepare(run, step, *args, **kwargs):
+        out = real_step(run, step, *args, **kwargs)
+        if step + 1 == 2:  # as if prepare.py re-ran into the directory: a new val shard under the same name
+            data.write_shard(os.path.join(d, "val_000.bin"), np.arange(3000) % 256)
+        return out
+    monkeypatch.setattr(train, "train_step", step_then_re_prepare)
+    msg = fails(capsys, "--stage=1", *TINY, f"--data={d}", "--max_iters=6", "--eval_interval=3",
+                f"--out_dir={tmp_path / 'o'}")
+    assert d in msg and "changed" in msg and "--resume=True" in msg  # the evaluation at step 3 noticed

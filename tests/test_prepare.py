@@ -1,13 +1,18 @@
 """Tests for prepare.py: reading a corpus, the train/val split by document, shards on disk, the command line.
 Run: python -m pytest tests/test_prepare.py"""
 
+import errno
 import gzip
 import hashlib
 import json
 import os
 import re
+import shutil
+import signal
+import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -92,7 +97,8 @@ def test_prepare_splits_by_document_with_eot_prepended(tmp_path, tokenizer):
         meta = json.load(f)
     assert meta == dict(meta, tokenizer=tokenizer, vocab_size=tok.vocab_size, eot=tok.eot, dtype="uint16",
                         n_docs_train=5, n_docs_val=2, train_tokens=len(expect["train"]),
-                        val_tokens=len(expect["val"]), sources=[str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz")])
+                        val_tokens=len(expect["val"]), sources=[str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz")],
+                        train_shards=len(_read_split(out, "train")), val_shards=len(_read_split(out, "val")))
     train = np.concatenate(_read_split(out, "train"))
     assert train[0] == tok.eot and (train == tok.eot).sum() == 5  # one eot per document, at its start
 
@@ -189,3 +195,218 @@ def test_prepare_py_refuses_non_utf8_and_empty_corpora_in_one_line(tmp_path, con
     err = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(err) == 1 and str(src) in err[0] and all(f in err[0] for f in facts), p.stderr
     assert not os.path.exists(tmp_path / "o" / "train_000.bin")
+
+# -----------------------------------------------------------------------------
+# faults: a kill, a signal, a full disk or a bad file never costs the dataset already there
+
+
+def _files(d):
+    """{name: bytes} of every file in directory d (None if d does not exist)."""
+    return {n: (d / n).read_bytes() for n in os.listdir(d)} if os.path.isdir(d) else None
+
+
+def _hidden(parent):
+    return sorted(n for n in os.listdir(parent) if n.startswith("."))
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL at a chosen point of prepare(); the disk state at that point is copied first."""
+
+
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_prepare_killed_at_any_rename_leaves_the_old_dataset_or_the_new_one(tmp_path, monkeypatch):
+    # every rename of a re-prepare (each shard's, the swap's) is a point to stop at: in-process with an exception
+    # (clean-up runs: the old dataset must be back), and as a kill (the disk copied just before that rename)
+    d = _write_corpus(tmp_path)
+    (tmp_path / "empty.txt").write_text("")
+    owner = f"{prepare._host()}_{_dead_pid()}"  # the temporary directories look like a killed process's
+    monkeypatch.setattr(prepare, "_owner", lambda: owner)
+    parent = tmp_path / "ds"
+    out = parent / "o"
+    old_run = dict(sources=[str(d / "*")], out_dir=str(out), val_every=3, shard_tokens=10)
+    new_run = dict(sources=[str(d / "*")], out_dir=str(out), val_every=2, shard_tokens=7)  # other shards
+    prepare.prepare(**dict(new_run, out_dir=str(tmp_path / "new")))
+    new = _files(tmp_path / "new")
+    calls, kill_at = [0], [None]
+    real = {name: getattr(os, name) for name in ("rename", "replace")}
+
+    def faulty(name):
+        def f(*args, **kw):
+            calls[0] += 1
+            if calls[0] == kill_at[0]:  # what a kill just before this rename leaves on disk
+                shutil.copytree(parent, tmp_path / f"kill{calls[0]}", symlinks=True)
+                raise _Killed
+            return real[name](*args, **kw)
+        return f
+
+    for name in real:
+        monkeypatch.setattr(os, name, faulty(name))
+    prepare.prepare(**old_run)
+    old = _files(out)
+    calls[0] = 0
+    prepare.prepare(**new_run)  # counts the renames of one re-prepare
+    total = calls[0]
+    assert _files(out) == new and total > len(new)
+    for n in range(1, total + 1):
+        shutil.rmtree(parent)
+        prepare.prepare(**old_run)
+        calls[0], kill_at[0] = 0, n
+        with pytest.raises(_Killed):
+            prepare.prepare(**new_run)
+        kill_at[0] = None
+        assert _files(out) == old and _hidden(parent) == [], n  # an exception: cleaned up, old kept
+        snap = tmp_path / f"kill{n}"  # a kill: no clean-up ran
+        assert _files(snap / "o") in (old, new, None), n
+        if _files(snap / "o") is None:  # killed between the two renames of the swap: the loader says so
+            with pytest.raises(ValueError, match="mv .*old"):
+                data.DataLoader(str(snap / "o"), "train", B=1, T=4)
+        with pytest.raises(ValueError, match="empty corpus"):  # the next run, even a failing one, recovers
+            prepare.prepare([str(tmp_path / "empty.txt")], out_dir=str(snap / "o"))
+        assert _files(snap / "o") in (old, new) and _hidden(snap) == [], n
+        shutil.rmtree(snap)
+
+
+def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
+    d = _write_corpus(tmp_path)
+    parent = tmp_path / "ds"
+    parent.mkdir()
+    dead_pid, host = _dead_pid(), prepare._host()
+    day_old = time.time() - 2 * 86400
+    names = {f".o.tmp_{host}_{dead_pid}_abc123": "stale", f".o.old_{host}_{dead_pid}_abc123": "stale",
+             f".o.tmp_{host}_1_abc123": "live", f".o.tmp_{host}_{os.getpid()}_abc123": "live",  # running
+             ".o.tmp_k2j3h4g5": "live", ".o.tmp_q9w8e7r6": "stale",  # an older prepare.py's names: by age
+             f".o.tmp_otherhost_{dead_pid}_abc123": "live",  # another machine's pid cannot be checked here
+             ".other.tmp_x_1_y": "live"}  # not this out_dir's
+    for name in names:
+        (parent / name).mkdir()
+        (parent / name / "train_000.bin").write_bytes(b"x" * 100)
+    os.utime(parent / ".o.tmp_q9w8e7r6", (day_old, day_old))
+    prepare.prepare([str(d / "*")], out_dir=str(parent / "o"), val_every=3)
+    assert _hidden(parent) == sorted(n for n, state in names.items() if state == "live")
+
+
+def test_prepare_replaces_a_directory_that_another_prepare_created_meanwhile(tmp_path, monkeypatch):
+    # two nodes sharing a disk both prepare the shipped corpus on a first run: the later swap still succeeds
+    d = _write_corpus(tmp_path)
+    out, other = tmp_path / "o", tmp_path / "other"
+    prepare.prepare([str(d / "a.txt"), str(d / "b.jsonl")], out_dir=str(other))
+    prepare.prepare([str(d / "*")], out_dir=str(tmp_path / "new"), val_every=3)
+    rename, raced = os.rename, []
+
+    def racing(src, dst):
+        if dst == str(out) and not raced:  # the other run's swap lands just before this one's first rename
+            raced.append(shutil.copytree(other, out))
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", racing)
+    prepare.prepare([str(d / "*")], out_dir=str(out), val_every=3)
+    assert _files(out) == _files(tmp_path / "new") and _hidden(tmp_path) == []
+
+
+@pytest.mark.parametrize("damage, facts", [("not_gzip", ["not a gzip file", "gzip"]),
+                                           ("truncated", ["ends early", "truncated"])])
+def test_prepare_refuses_a_bad_gzip_source_in_one_line(tmp_path, capsys, damage, facts):
+    d = _write_corpus(tmp_path)
+    gz = d / "c.jsonl.gz"
+    raw = gz.read_bytes()
+    gz.write_bytes(b'{"text": "plain, not compressed"}\n' if damage == "not_gzip" else raw[:len(raw) - 12])
+    prepare.prepare([str(d / "a.txt"), str(d / "b.jsonl")], out_dir=str(tmp_path / "o"))
+    before = _files(tmp_path / "o")
+    assert prepare.main([f"--out_dir={tmp_path / 'o'}", str(d / "*")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"prepare.py: {gz}: ") and all(f in err[0] for f in facts), err
+    assert _files(tmp_path / "o") == before and _hidden(tmp_path) == []
+
+
+def test_prepare_gives_the_new_dataset_the_permissions_of_the_directory_it_replaces(tmp_path):
+    d = _write_corpus(tmp_path)
+    out = tmp_path / "o"
+    prepare.prepare([str(d / "*")], out_dir=str(out), val_every=3)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~umask  # as os.makedirs would make it
+    os.chmod(out, 0o750)
+    prepare.prepare([str(d / "*")], out_dir=str(out), val_every=2)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o750
+
+
+def test_prepare_refuses_an_out_dir_that_is_a_file_before_tokenising(tmp_path, capsys):
+    d = _write_corpus(tmp_path)
+    (tmp_path / "o").write_text("my notes")
+    assert prepare.main([f"--out_dir={tmp_path / 'o'}", str(d / "*")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path / "o") in err[0] and "not a directory" in err[0] and "--out_dir" in err[0]
+    assert (tmp_path / "o").read_text() == "my notes" and _hidden(tmp_path) == []
+
+
+def test_prepare_refuses_an_out_dir_holding_other_files(tmp_path):
+    d = _write_corpus(tmp_path)
+    out = tmp_path / "o"
+    prepare.prepare([str(d / "*")], out_dir=str(out), val_every=3)
+    (out / "notes.txt").write_text("mine")
+    before = _files(out)
+    with pytest.raises(ValueError) as e:  # replacing the directory would delete notes.txt
+        prepare.prepare([str(d / "*")], out_dir=str(out), val_every=2)
+    assert str(out) in str(e.value) and "notes.txt" in str(e.value) and "--out_dir" in str(e.value)
+    assert _files(out) == before
+
+
+def test_prepare_on_a_full_disk_says_so_in_one_line_and_keeps_the_old_dataset(tmp_path, capsys, monkeypatch):
+    d = _write_corpus(tmp_path)
+    out = tmp_path / "o"
+    prepare.prepare([str(d / "*")], out_dir=str(out), val_every=3, shard_tokens=10)
+    before = _files(out)
+    written = [0]
+    real_write_shard = data.write_shard
+
+    def write_shard(*args, **kw):
+        written[0] += 1
+        if written[0] > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write_shard(*args, **kw)
+
+    monkeypatch.setattr(data, "write_shard", write_shard)
+    assert prepare.main([f"--out_dir={out}", "--shard_tokens=10", str(d / "*")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(out) in err[0] and "No space left" in err[0] and "--out_dir" in err[0], err
+    assert _files(out) == before and _hidden(tmp_path) == []
+
+
+def test_loaders_reading_a_directory_that_prepare_replaces_stop_with_data_changed(tmp_path):
+    d = _write_corpus(tmp_path)
+    out = str(tmp_path / "o")
+    prepare.prepare([str(d / "*")], out_dir=out, val_every=2, shard_tokens=16)  # shards of 16: one row of T=8 each
+    train, val = data.DataLoader(out, "train", B=1, T=8), data.DataLoader(out, "val", B=1, T=8)
+    train.next_batch()
+    val.next_batch()
+    prepare.prepare([str(d / "a.txt"), str(d / "b.jsonl")], out_dir=out, val_every=3, shard_tokens=16)  # less val
+    val.reset()  # an evaluation starts again at val shard 0; the train loader moves on to its shard 1
+    for loader in (train, val):
+        with pytest.raises(data.DataChanged) as e:
+            loader.next_batch()
+        assert out in str(e.value) and "prepare.py" in str(e.value) and "--resume=True" in str(e.value)
+    assert data.DataLoader(out, "val", B=1, T=4).next_batch()[0].shape == (1, 4)  # a new run reads the new data
+
+
+def test_prepare_py_stopped_by_sigterm_says_so_and_keeps_the_old_dataset(tmp_path):
+    out = tmp_path / "o"
+    d = _write_corpus(tmp_path)
+    prepare.prepare([str(d / "*")], out_dir=str(out), val_every=3)
+    before = _files(out)
+    # the shipped corpus in shards of 2000 tokens: thousands of files, seconds of work to interrupt
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), f"--out_dir={out}", "--shard_tokens=2000"],
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not any(n.startswith(".o.tmp_") and os.listdir(tmp_path / n) for n in os.listdir(tmp_path)):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    _, stderr = p.communicate(timeout=60)
+    err = stderr.strip().splitlines()
+    assert p.returncode != 0 and len(err) == 1 and "SIGTERM" in err[0] and str(out) in err[0], stderr
+    assert _files(out) == before and _hidden(tmp_path) == []
