@@ -398,3 +398,15 @@ def test_shards_replaced_under_a_running_loader_stop_the_run_with_one_line(tmp_p
     msg = fails(capsys, "--stage=1", *TINY, f"--data={d}", "--max_iters=6", "--eval_interval=3",
                 f"--out_dir={tmp_path / 'o'}")
     assert d in msg and "changed" in msg and "--resume=True" in msg  # the evaluation at step 3 noticed
+
+
+@pytest.mark.parametrize("flags,facts", [
+    (["--distill_relation_heads=3"], ("--distill_relation_heads=3", "32", "--distill_relation_heads=2")),
+    (["--distill_hidden=1", "--n_layer=2"], ("--distill_hidden=1", "1 layers", "2 of 32", "--distill_hidden=0")),
+    (["--block_size=64"], ("--block_size=64", "32", "ckpt.pt")),
+])
+def test_stage3_settings_that_fail_only_at_step_1_are_refused_before_training(saved, tmp_path, capsys, flags, facts):
+    msg = fails(capsys, "--stage=3", f"--teacher={saved}", "--init_from=scratch", *TINY, *flags,
+                f"--out_dir={tmp_path}", code=2)
+    assert all(f in msg for f in facts), msg
+    assert not os.path.exists(tmp_path / "stage3" / "metrics.jsonl")  # no step was taken
