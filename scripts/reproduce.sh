@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/reproduce}
+TRAIN="python train.py --overwrite=True"  # a re-run replaces its own earlier runs instead of refusing them
 
 table() {  # table NAME=DIR ...: final val loss, median ms/step and Muon ms/step of each run
   python - "$@" <<'PY'
@@ -25,23 +26,23 @@ PY
 
 case "${1:-}" in
   optimizers)
-    python train.py --stage=2 --init_from=scratch --optimizer=adamw --out_dir="$OUT/adamw"
-    python train.py --stage=2 --init_from=scratch --optimizer=muon --out_dir="$OUT/muon"
+    $TRAIN --stage=2 --init_from=scratch --optimizer=adamw --out_dir="$OUT/adamw"
+    $TRAIN --stage=2 --init_from=scratch --optimizer=muon --out_dir="$OUT/muon"
     table "adamw=$OUT/adamw/stage2" "muon=$OUT/muon/stage2"
     ;;
   distill)
-    python train.py --stage=1 --out_dir="$OUT/distill"
-    python train.py --stage=2 --out_dir="$OUT/distill"
-    python train.py --stage=3 --out_dir="$OUT/distill"
-    python train.py --stage=3 --out_dir="$OUT/distill" --distill_lambda=0 --distill_gamma=0 --run_name=control
+    $TRAIN --stage=1 --out_dir="$OUT/distill"
+    $TRAIN --stage=2 --out_dir="$OUT/distill"
+    $TRAIN --stage=3 --out_dir="$OUT/distill"
+    $TRAIN --stage=3 --out_dir="$OUT/distill" --distill_lambda=0 --distill_gamma=0 --run_name=control
     table "stage1 fp=$OUT/distill/stage1" "stage2 ternary=$OUT/distill/stage2" \
           "stage3 distilled=$OUT/distill/stage3" "control (stage2 + CE)=$OUT/distill/control"
     ;;
   probes)
     P="--stage=3 --out_dir=$OUT/distill --max_iters=200 --eval_interval=200"
-    python train.py $P --distill_lambda=0 --distill_gamma=0 --run_name=p_control
-    python train.py $P --distill_gamma=0 --run_name=p_ld
-    python train.py --stage=3 --out_dir="$OUT/distill" --distill_gamma=0 --run_name=stage3_ld
+    $TRAIN $P --distill_lambda=0 --distill_gamma=0 --run_name=p_control
+    $TRAIN $P --distill_gamma=0 --run_name=p_ld
+    $TRAIN --stage=3 --out_dir="$OUT/distill" --distill_gamma=0 --run_name=stage3_ld
     table "200 steps, CE=$OUT/distill/p_control" "200 steps, logits KD=$OUT/distill/p_ld" \
           "600 steps, logits KD=$OUT/distill/stage3_ld"
     ;;
