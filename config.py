@@ -307,8 +307,15 @@ def check_run(cfg, rt, out_dir, teacher_path):
 
 
 def check_teacher(cfg, crit, s, t, path):
-    """Stage 3 settings that only fail at the first step, refused before training: relation heads that do not
-    divide both widths, hidden-state distillation across shapes, a context longer than the teacher's."""
+    """Stage 3 settings that only fail at the first step, refused before training: another vocabulary, a
+    --distill_layer outside either model, relation heads that do not divide both widths, hidden-state
+    distillation across shapes, a context longer than the teacher's."""
+    if t.vocab_size != s.vocab_size:
+        die(f"{path}: teacher vocabulary {t.vocab_size} != student {s.vocab_size}; the same --tokenizer is needed")
+    try:
+        crit.layer_index(s.n_layer), crit.layer_index(t.n_layer)
+    except ValueError as e:  # --distill_layer outside one of the models
+        die(str(e), 2)
     heads = crit.n_relation_heads
     if crit.gamma_ad and (s.n_embd % heads or t.n_embd % heads):
         fits = max(a for a in range(1, heads + 1) if s.n_embd % a == 0 and t.n_embd % a == 0)
