@@ -10,7 +10,8 @@ linear warmup, constant, then a linear decay to min_lr over the last decay_frac 
 full-precision forward (0) into the ternary one (1).
 
 Also: where the data comes from (resolve_data, make_loaders), the model shape (model_config), and the checks
-that need more than the config (check_run: world size, out_dir, teacher; check_teacher: stage-3 shapes).
+that need more than the config (check_run: world size, out_dir, teacher; check_teacher: stage-3 shapes),
+and stage 3's frozen teacher with its BitDistill loss (make_teacher).
 Used by train.py; test: python -m pytest tests/test_train.py
 """
 
@@ -23,7 +24,8 @@ import torch
 
 import checkpoint
 import data
-from model import GPTConfig
+from distill import BitDistillLoss
+from model import GPT, GPTConfig, precompute_rope
 from runtime import die
 
 
@@ -327,3 +329,28 @@ def check_teacher(cfg, crit, s, t, path):
     if cfg.block_size > t.block_size:
         die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
             f"--block_size={t.block_size} or less", 2)
+
+
+def make_teacher(cfg, path, student_conf, device):
+    """Stage 3: the frozen full-precision teacher (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
+    With every distillation weight 0 there is no teacher: plain CE, the control run."""
+    try:
+        crit = BitDistillLoss(cfg.distill_preset, lambda_ld=None if cfg.distill_lambda < 0 else cfg.distill_lambda,
+                              gamma_ad=None if cfg.distill_gamma < 0 else cfg.distill_gamma,
+                              delta_hidden=cfg.distill_hidden, temperature=cfg.distill_tau,
+                              n_relation_heads=cfg.distill_relation_heads, distill_layer=cfg.distill_layer)
+    except ValueError as e:
+        die(str(e), 2)
+    if crit.lambda_ld == crit.gamma_ad == crit.delta_hidden == 0:
+        return None, crit
+    ckpt = checkpoint.load(path)
+    tconf = GPTConfig(**ckpt["model_args"])
+    check_teacher(cfg, crit, student_conf, tconf, path)  # shapes that would only fail at the first step
+    teacher = GPT(tconf)
+    checkpoint.load_weights(teacher, ckpt["model"], path)
+    teacher.requires_grad_(False).eval().to(device)
+    if device.startswith("cuda"):
+        teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
+        cos, sin = precompute_rope(tconf.n_embd // tconf.n_head, tconf.block_size, tconf.rope_theta)
+        teacher.rope_cos, teacher.rope_sin = cos.to(device), sin.to(device)
+    return teacher, crit

@@ -34,10 +34,9 @@ import torch
 
 import checkpoint
 import data
-from config import (TrainConfig, build_config, check_run, check_teacher, lambda_at, lr_mult,  # noqa: F401
-                    make_loaders, model_config, parse_args, resolve_data)
-from distill import BitDistillLoss
-from model import GPT, GPTConfig, precompute_rope
+from config import (TrainConfig, build_config, check_run, lambda_at, lr_mult, make_loaders,  # noqa: F401
+                    make_teacher, model_config, parse_args, resolve_data)
+from model import GPT
 from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from runtime import Runtime, StepTimer, die
@@ -391,31 +390,6 @@ def estimate_val_loss(run):
     model.train()
     return (run.rt.all_reduce_(losses.mean()) / run.rt.world).item()
 
-
-
-def make_teacher(cfg, path, student_conf, device):
-    """Stage 3: the frozen full-precision teacher (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
-    With every distillation weight 0 there is no teacher: plain CE, the control run."""
-    try:
-        crit = BitDistillLoss(cfg.distill_preset, lambda_ld=None if cfg.distill_lambda < 0 else cfg.distill_lambda,
-                              gamma_ad=None if cfg.distill_gamma < 0 else cfg.distill_gamma,
-                              delta_hidden=cfg.distill_hidden, temperature=cfg.distill_tau,
-                              n_relation_heads=cfg.distill_relation_heads, distill_layer=cfg.distill_layer)
-    except ValueError as e:
-        die(str(e), 2)
-    if crit.lambda_ld == crit.gamma_ad == crit.delta_hidden == 0:
-        return None, crit
-    ckpt = checkpoint.load(path)
-    tconf = GPTConfig(**ckpt["model_args"])
-    check_teacher(cfg, crit, student_conf, tconf, path)  # shapes that would only fail at the first step
-    teacher = GPT(tconf)
-    checkpoint.load_weights(teacher, ckpt["model"], path)
-    teacher.requires_grad_(False).eval().to(device)
-    if device.startswith("cuda"):
-        teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
-        cos, sin = precompute_rope(tconf.n_embd // tconf.n_head, tconf.block_size, tconf.rope_theta)
-        teacher.rope_cos, teacher.rope_sin = cos.to(device), sin.to(device)
-    return teacher, crit
 
 
 def save(run, step):
