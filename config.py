@@ -11,7 +11,7 @@ full-precision forward (0) into the ternary one (1).
 
 Also: where the data comes from (resolve_data, make_loaders), the model shape (model_config), and the checks
 that need more than the config (check_run: world size, out_dir, teacher; check_teacher: stage-3 shapes),
-and stage 3's frozen teacher with its BitDistill loss (make_teacher).
+and stage 3's frozen teachers with their BitDistill loss (make_teachers).
 Used by train.py; test: python -m pytest tests/test_train.py
 """
 
@@ -77,7 +77,8 @@ class TrainConfig:
     two_phase_lr_drop: float = 0.5
     lambda_warmup_steps: int = 200  # stage 2: lambda goes 0 -> 1 linearly over this many steps
     # stage 3: BitDistill (distill.py), L = CE + lambda * logits KD + gamma * attention-relation KD (+ delta * hidden)
-    teacher: str = ""            # teacher checkpoint; "" = <out_dir>/stage1/ckpt.pt
+    teacher: str = ""            # teacher checkpoint(s), "a.pt" or "a.pt,b.pt"; "" = <out_dir>/stage1/ckpt.pt
+    teacher_weights: str = ""    # several teachers: weights of their logits mixture, "0.7,0.3"; "" = equal
     distill_preset: str = "summarization"  # lambda 1, gamma 1e3; classification: lambda 10, gamma 1e5
     distill_lambda: float = -1.0  # logits-KD weight; -1 = the preset's
     distill_gamma: float = -1.0  # attention-relation weight; -1 = the preset's
@@ -292,15 +293,37 @@ def model_config(cfg, vocab_size, eot):
                      n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask, eot=eot)
 
 
-def check_run(cfg, rt, out_dir, teacher_path):
+def teacher_paths(cfg):
+    """Stage 3's teacher checkpoints: --teacher split at commas; "" = the stage-1 run of this out_dir."""
+    return [p for p in cfg.teacher.split(",") if p] or [os.path.join(cfg.out_dir, "stage1", "ckpt.pt")]
+
+
+def parse_teacher_weights(cfg, n):
+    """--teacher_weights as n floats >= 0 with a positive sum, or None (equal weights)."""
+    if not cfg.teacher_weights:
+        return None
+    try:
+        w = [float(x) for x in cfg.teacher_weights.split(",")]
+    except ValueError:
+        w = []
+    if len(w) != n or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
+        die(f"--teacher_weights={cfg.teacher_weights}: expected {n} comma-separated numbers >= 0 with a positive "
+            f"sum, one per --teacher", 2)
+    return w
+
+
+def check_run(cfg, rt, out_dir, teachers):
     """Refuse, before anything is loaded or written, a batch split that does not divide, a stage 3 without its
-    teacher, or an out_dir that cannot be written."""
+    teachers, or an out_dir that cannot be written."""
     world = rt.world
     if cfg.grad_accum % world:
         die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
             f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
-    if cfg.stage == 3 and not os.path.exists(teacher_path):
-        die(f"stage 3 needs the full-precision teacher at {teacher_path}; make it with: python train.py --stage=1")
+    for path in teachers if cfg.stage == 3 else []:
+        if not os.path.exists(path):
+            die(f"stage 3 needs the full-precision teacher at {path}; make it with: python train.py --stage=1")
+    if cfg.stage == 3:
+        parse_teacher_weights(cfg, len(teachers))
     try:
         if rt.master:
             checkpoint.check_writable(out_dir)
@@ -308,44 +331,46 @@ def check_run(cfg, rt, out_dir, teacher_path):
         die(f"cannot write to {out_dir}: {e.strerror}; pass a writable --out_dir")
 
 
-def check_teacher(cfg, crit, s, t, path):
+def check_teacher(cfg, crit, s, t, path, first=True):
     """Stage 3 settings that only fail at the first step, refused before training: another vocabulary, a
-    --distill_layer outside either model, relation heads that do not divide both widths, hidden-state
-    distillation across shapes, a context longer than the teacher's."""
+    --distill_layer outside either model, relation heads that do not divide both widths, a context longer
+    than the teacher's. Only the first teacher gives relations and hidden states (first=False: the others)."""
     if t.vocab_size != s.vocab_size:
         die(f"{path}: teacher vocabulary {t.vocab_size} != student {s.vocab_size}; the same --tokenizer is needed")
     try:
-        crit.layer_index(s.n_layer), crit.layer_index(t.n_layer)
+        crit.layer_index(s.n_layer), crit.layer_index(t.n_layer) if first else None
     except ValueError as e:  # --distill_layer outside one of the models
         die(str(e), 2)
     heads = crit.n_relation_heads
-    if crit.gamma_ad and (s.n_embd % heads or t.n_embd % heads):
+    if first and crit.gamma_ad and (s.n_embd % heads or t.n_embd % heads):
         fits = max(a for a in range(1, heads + 1) if s.n_embd % a == 0 and t.n_embd % a == 0)
         die(f"--distill_relation_heads={heads} must divide the width of the student ({s.n_embd}) and of the "
             f"teacher ({t.n_embd}); try --distill_relation_heads={fits}", 2)
-    if crit.delta_hidden and (s.n_layer, s.n_embd) != (t.n_layer, t.n_embd):
-        die(f"--distill_hidden={crit.delta_hidden} matches hidden states layer by layer, but the teacher {path} has "
-            f"{t.n_layer} layers of {t.n_embd} and the student {s.n_layer} of {s.n_embd}; pass --distill_hidden=0", 2)
     if cfg.block_size > t.block_size:
         die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
             f"--block_size={t.block_size} or less", 2)
 
 
-def make_teacher(cfg, path, student_conf, device):
-    """Stage 3: the frozen full-precision teacher (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
-    With every distillation weight 0 there is no teacher: plain CE, the control run."""
+def make_teachers(cfg, paths, student_conf, device):
+    """Stage 3: the frozen full-precision teachers (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
+    With every distillation weight 0 there is no teacher: ([], crit), plain CE, the control run."""
     try:
         crit = BitDistillLoss(cfg.distill_preset, lambda_ld=None if cfg.distill_lambda < 0 else cfg.distill_lambda,
                               gamma_ad=None if cfg.distill_gamma < 0 else cfg.distill_gamma,
                               delta_hidden=cfg.distill_hidden, temperature=cfg.distill_tau,
-                              n_relation_heads=cfg.distill_relation_heads, distill_layer=cfg.distill_layer)
+                              n_relation_heads=cfg.distill_relation_heads, distill_layer=cfg.distill_layer,
+                              teacher_weights=parse_teacher_weights(cfg, len(paths)))
     except ValueError as e:
         die(str(e), 2)
     if crit.lambda_ld == crit.gamma_ad == crit.delta_hidden == 0:
-        return None, crit
+        return [], crit
+    return [_load_teacher(cfg, crit, p, student_conf, device, first=i == 0) for i, p in enumerate(paths)], crit
+
+
+def _load_teacher(cfg, crit, path, student_conf, device, first):
     ckpt = checkpoint.load(path)
     tconf = GPTConfig(**ckpt["model_args"])
-    check_teacher(cfg, crit, student_conf, tconf, path)  # shapes that would only fail at the first step
+    check_teacher(cfg, crit, student_conf, tconf, path, first)  # shapes that would only fail at the first step
     teacher = GPT(tconf)
     checkpoint.load_weights(teacher, ckpt["model"], path)
     teacher.requires_grad_(False).eval().to(device)
@@ -353,4 +378,4 @@ def make_teacher(cfg, path, student_conf, device):
         teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
         cos, sin = precompute_rope(tconf.n_embd // tconf.n_head, tconf.block_size, tconf.rope_theta)
         teacher.rope_cos, teacher.rope_sin = cos.to(device), sin.to(device)
-    return teacher, crit
+    return teacher

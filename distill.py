@@ -9,14 +9,20 @@ not part of BitDistill) the student's hidden states after matched blocks are als
 Sources: BitDistill, arXiv 2510.13998 (Eqs. for L_LD, L_AD and the total) and its authors' trainer;
 MiniLM-v2, arXiv 2012.15828 (multi-head self-attention relations); hidden-state (intermediate-layer)
 distillation as in TinyBERT, arXiv 1909.10351 (section 3.1), which compares the raw states through a learned
-projection; here the widths must match and both states are L2-normalised, so only their directions count.
+projection; here both states are L2-normalised, so only their directions count, and a teacher of another
+width is compared through its token-by-token similarity matrix instead (no projection to learn); another
+depth is matched with TinyBERT's uniform layer map. Several teachers (Hinton et al., arXiv 1503.02531,
+section 2, distil an ensemble through its averaged predictions): the logits target is the weighted mixture
+of the teachers' tempered distributions; relations and hidden states come from the first teacher.
 
     L        = L_CE + lambda_ld * L_LD + gamma_ad * L_AD + delta_hidden * L_hidden   (delta_hidden = 0: off)
     L_LD     = tau^2 * mean_{valid tokens} sum_v p_t(v) (log p_t(v) - log p_s(v)),  p = softmax(z / tau), tau = 5
+               K teachers: p_t = sum_k w_k softmax(z_k / tau), sum_k w_k = 1 (default w_k = 1/K)
     L_AD     = (1/A_r) * sum_{X in Q,K,V} mean_{b, a, i} KL(R_t[b,a,i,:] || R_s[b,a,i,:])
                R = softmax(X_hat X_hat^T / t) over keys, t = 1, where X (B, H, T, d) is concatenated to
                (B, T, H*d), re-split into A_r relation heads of d_r = H*d / A_r and L2-normalised (X_hat)
-    L_hidden = sum_l w_l * MSE(normalize(h_s^l), normalize(h_t^l)),  w_l = l / (1 + ... + n), l = 1..n
+    L_hidden = sum_l w_l * MSE(normalize(h_s^l), normalize(h_t^g(l))),  w_l = l / (1 + ... + n), l = 1..n
+               (widths differ: MSE(h_hat_s h_hat_s^T, h_hat_t h_hat_t^T); g(l) = ceil(l * n_t / n_s))
 
 Presets (paper): classification lambda_ld=10, gamma_ad=1e5; summarization lambda_ld=1, gamma_ad=1e3.
 The teacher is never differentiated: every teacher tensor is detached here.
@@ -34,13 +40,23 @@ PRESETS = {
 }
 
 
-def logits_kd_loss(student_logits, teacher_logits, temperature=5.0, mask=None):
-    """tau^2 * KL(softmax(z_t/tau) || softmax(z_s/tau)), summed over V, averaged over valid tokens."""
-    if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"logits shapes differ: student {tuple(student_logits.shape)}, teacher "
-                         f"{tuple(teacher_logits.shape)}; both must be (..., V) over the same vocabulary")
+def logits_kd_loss(student_logits, teacher_logits, temperature=5.0, mask=None, weights=None):
+    """tau^2 * KL(p_t || softmax(z_s/tau)), summed over V, averaged over valid tokens.
+    teacher_logits: one (..., V) tensor, p_t = softmax(z_t/tau); or a list of them (several teachers), and
+    then p_t = sum_k w_k softmax(z_k/tau), the weighted mixture of the tempered distributions (weights:
+    one per teacher, >= 0, normalised; None = equal)."""
+    teachers = list(teacher_logits) if isinstance(teacher_logits, (list, tuple)) else [teacher_logits]
+    for z in teachers:
+        if student_logits.shape != z.shape:
+            raise ValueError(f"logits shapes differ: student {tuple(student_logits.shape)}, teacher "
+                             f"{tuple(z.shape)}; both must be (..., V) over the same vocabulary")
+    w = [1.0] * len(teachers) if weights is None else [float(x) for x in weights]
+    if len(w) != len(teachers) or min(w) < 0 or sum(w) <= 0:
+        raise ValueError(f"weights must be {len(teachers)} numbers >= 0 with a positive sum, got {w}")
     log_ps = F.log_softmax(student_logits.float() / temperature, dim=-1)  # (..., V), fp32 even for bf16 inputs
-    log_pt = F.log_softmax(teacher_logits.detach().float() / temperature, dim=-1)
+    # log p_t = log sum_k w_k p_k = logsumexp_k(log w_k + log p_k); with one teacher exactly log p_1
+    log_pt = torch.logsumexp(torch.stack([math.log(wk / sum(w)) + F.log_softmax(z.detach().float() / temperature, -1)
+                                          for wk, z in zip(w, teachers) if wk > 0]), dim=0)
     kl = (log_pt.exp() * (log_pt - log_ps)).sum(-1)  # (...)
     if mask is None:
         return temperature ** 2 * kl.mean()
@@ -125,8 +141,16 @@ def late_layer_weights(n):
     return [(i + 1) / (n * (n + 1) / 2) for i in range(n)]
 
 
+def match_layers(n_student, n_teacher):
+    """Teacher block for each student block when depths differ (TinyBERT's uniform map g(m) = m * N / M):
+    student block m (1-based) reads teacher block ceil(m * N / M); equal depths map one to one."""
+    return [math.ceil((m + 1) * n_teacher / n_student) - 1 for m in range(n_student)]
+
+
 def hidden_state_loss(student_hiddens, teacher_hiddens, layer_weights=None):
-    """Weighted MSE between L2-normalised hidden states of matched layers, each (B, T, C)."""
+    """Weighted MSE between L2-normalised hidden states of matched layers, each (B, T, C).
+    Equal widths: the states themselves. Different widths C_s != C_t: the token-by-token cosine-similarity
+    matrices S = h_hat h_hat^T (B, T, T), which have the same size whatever the width (no projection to learn)."""
     if len(student_hiddens) != len(teacher_hiddens) or not student_hiddens:
         raise ValueError(f"need the same non-zero number of matched layers, got {len(student_hiddens)} student "
                          f"and {len(teacher_hiddens)} teacher hidden states")
@@ -136,10 +160,12 @@ def hidden_state_loss(student_hiddens, teacher_hiddens, layer_weights=None):
                          f"sum, got {w}")
     loss = 0.0
     for wl, hs, ht in zip(w, student_hiddens, teacher_hiddens):
-        if hs.shape != ht.shape:
+        if hs.shape[:-1] != ht.shape[:-1] or hs.dim() != 3:
             raise ValueError(f"hidden shapes differ: student {tuple(hs.shape)}, teacher {tuple(ht.shape)}; "
-                             f"equal (B, T, C) required (no projection is learned here)")
+                             f"(B, T, C) with equal B and T required")
         hs_n, ht_n = F.normalize(hs.float(), dim=-1), F.normalize(ht.detach().float(), dim=-1)
+        if hs.shape[-1] != ht.shape[-1]:  # another width: compare how tokens relate, not the vectors
+            hs_n, ht_n = hs_n @ hs_n.transpose(1, 2), ht_n @ ht_n.transpose(1, 2)  # (B, T, T) each
         loss = loss + wl / sum(w) * F.mse_loss(hs_n, ht_n)
     return loss
 
@@ -149,7 +175,7 @@ class BitDistillLoss:
 
     def __init__(self, preset="summarization", lambda_ld=None, gamma_ad=None, delta_hidden=0.0,
                  temperature=5.0, relation_temperature=1.0, n_relation_heads=32, distill_layer=-1,
-                 relation_causal=True):
+                 relation_causal=True, teacher_weights=None):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
         self.lambda_ld = float(PRESETS[preset]["lambda_ld"] if lambda_ld is None else lambda_ld)
@@ -161,6 +187,7 @@ class BitDistillLoss:
         self.distill_layer = distill_layer          # attention layer for AD; negative counts from the end
         self.relation_causal = relation_causal      # see attention_relation_loss
         self.preset = preset
+        self.teacher_weights = teacher_weights      # several teachers: weights of their logits mixture (None = equal)
 
     def layer_index(self, n_layer):
         """Resolve distill_layer for a model with n_layer blocks (call once per model if depths differ)."""
@@ -175,7 +202,8 @@ class BitDistillLoss:
         V = student_logits.size(-1)
         zero = torch.zeros((), device=student_logits.device)
         ce = F.cross_entropy(student_logits.float().view(-1, V), targets.view(-1), ignore_index=ignore_index)
-        ld = logits_kd_loss(student_logits, teacher_logits, self.temperature, mask=targets != ignore_index)
+        ld = logits_kd_loss(student_logits, teacher_logits, self.temperature, mask=targets != ignore_index,
+                            weights=self.teacher_weights)
         ad = hidden = zero
         if self.gamma_ad != 0:
             if student_qkv is None or teacher_qkv is None:
@@ -195,7 +223,8 @@ class BitDistillLoss:
         return (f"BitDistillLoss(preset={self.preset!r}, lambda_ld={self.lambda_ld}, gamma_ad={self.gamma_ad}, "
                 f"delta_hidden={self.delta_hidden}, temperature={self.temperature}, relation_temperature="
                 f"{self.relation_temperature}, n_relation_heads={self.n_relation_heads}, distill_layer="
-                f"{self.distill_layer}, relation_causal={self.relation_causal})")
+                f"{self.distill_layer}, relation_causal={self.relation_causal}" +
+                (f", teacher_weights={self.teacher_weights})" if self.teacher_weights else ")"))
 
 
 if __name__ == "__main__":

@@ -99,14 +99,19 @@ class Attention(nn.Module):
         self.o_proj = make_linear(config, C, C, input_quantized=config.subln)
         self.subln = make_norm(config, C) if config.subln else nn.Identity()
 
-    def forward(self, x, cos, sin, mask, want_qkv=False):
+    def forward(self, x, cos, sin, mask, want_qkv=False, cache=None):
         B, T, C = x.size()
         nh, hd = self.n_head, C // self.n_head
         q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, nh, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, nh, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        if cache is not None:  # generation: keys and values of the earlier positions are kept, not recomputed
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        # causal when queries and keys are the same positions; one new query sees every cached key
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) == k.size(2))
         y = y.transpose(1, 2).contiguous().view(B, T, C)       # (B, T, C) heads concatenated
         return self.o_proj(self.subln(y)), ((q, k, v) if want_qkv else None)
 
@@ -133,8 +138,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, want_qkv=False):
-        a, qkv = self.attn(self.attn_norm(x), cos, sin, mask, want_qkv)
+    def forward(self, x, cos, sin, mask, want_qkv=False, cache=None):
+        a, qkv = self.attn(self.attn_norm(x), cos, sin, mask, want_qkv, cache)
         x = x + a
         x = x + self.mlp(self.mlp_norm(x))
         return x, qkv
@@ -204,16 +209,36 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """Sample max_new_tokens continuations of idx (B, T), cropping the context to block_size."""
+        """Sample max_new_tokens continuations of idx (B, T), cropping the context to block_size. A KV cache
+        keeps each layer's keys and values, so a step runs the new token only; when the context reaches
+        block_size it is cropped and refilled, which computes exactly what the uncropped forward would.
+        (Activations are quantised per token, so cached positions are what a full forward computes.)"""
+        cache, pos = None, 0
         for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]
-            logits = self(idx_cond)[0][:, -1, :] / max(temperature, 1e-6)  # (B, V)
+            if self.config.doc_mask:  # document-restarted positions: no cache, the plain forward
+                logits = self(idx[:, -self.config.block_size:])[0]
+            elif cache is None or pos >= self.config.block_size:  # (re)fill from the last block_size tokens
+                cache = [{} for _ in self.h]
+                ctx = idx[:, -self.config.block_size:]
+                logits, pos = self._decode(ctx, cache, 0), ctx.size(1)
+            else:
+                logits, pos = self._decode(idx[:, -1:], cache, pos), pos + 1
+            logits = logits[:, -1, :] / max(temperature, 1e-6)  # (B, V)
             if top_k is not None:
                 v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
                 logits[logits < v[:, [-1]]] = -float("inf")
             idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+    def _decode(self, idx, cache, pos):
+        """Logits of the last of the tokens idx (B, T) at positions pos .. pos+T-1, extending the KV cache."""
+        T = idx.size(1)
+        cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
+        x = self.wte(idx)
+        for block, layer_cache in zip(self.h, cache):
+            x, _ = block(x, cos, sin, None, cache=layer_cache)
+        return self.lm_head(self.norm_f(x[:, [-1], :]))  # (B, 1, V)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ Sample text from a trained checkpoint.
   python sample.py --ckpt=out/stage1/ckpt.pt --start="ROMEO:" --max_new_tokens=300 --temperature=0.8
   python sample.py --packed=True                     (ternary model run from 2-bit packed weights)
   python sample.py --ckpt=out/stage2/packed.pt       (a packed export from export.py)
+  python sample.py --ckpt=out/stage1/ckpt.pt --jsonl=teacher.jsonl --num_samples=256 --max_new_tokens=256 \
+      --temperature=1 --top_k=50257   (a corpus of teacher-written documents; shard it with prepare.py, then
+                                       mix it in: --data=data/shakespeare_byte:0.8,data/teacher:0.2)
 
 The tokenizer and model shape come from the checkpoint, so any stage's ckpt.pt works. With --packed=True
 every BitLinear is frozen to 2-bit codes plus gamma (kernels/packed_linear.py) before sampling: the fp
@@ -14,6 +17,7 @@ Greedy decoding is --top_k=1; --temperature must be a finite number > 0 (0 is re
 Test: python -m pytest tests/test_sample.py tests/test_packed.py
 """
 
+import json
 import math
 import os
 import sys
@@ -27,7 +31,7 @@ from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from model import GPT, GPTConfig
 
 DEFAULTS = dict(ckpt="out/stage2/ckpt.pt", start="\n", num_samples=2, max_new_tokens=200, temperature=0.8,
-                top_k=50, seed=1337, device="auto", packed=False)
+                top_k=50, seed=1337, device="auto", packed=False, jsonl="")
 
 
 def die(msg, code=1):
@@ -90,12 +94,37 @@ def main(argv):
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args["device"] == "auto" else args["device"]
     torch.manual_seed(args["seed"])
     model, tok = load_model(args["ckpt"], device, args["packed"])
+    if args["jsonl"]:
+        n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"], args["temperature"],
+                         args["top_k"], args["start"])
+        print(f"wrote {args['num_samples']} samples, {n} characters, to {args['jsonl']}")
+        return
     ids = [tok.eot] + tok.encode(args["start"])  # documents start with end-of-text in the shards
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, ...]
     for _ in range(args["num_samples"]):
         y = model.generate(x, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"])
         print(tok.decode(y[0, 1:].tolist()))
         print("---------------")
+
+
+def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0, top_k=None, start="", batch_size=64):
+    """Teacher-generated data: num_samples documents sampled from the model, each cut at its first end-of-text,
+    written as jsonl ({"text": ...} per line, prepare.py's input). Written beside path, then renamed.
+    Returns the number of characters written."""
+    ids = torch.tensor([tok.eot] + tok.encode(start), dtype=torch.long)  # a document starts after end-of-text
+    device = next(model.parameters()).device
+    tmp, chars = path + ".tmp", 0
+    with open(tmp, "w") as f:
+        for i in range(0, num_samples, batch_size):
+            x = ids.to(device).expand(min(batch_size, num_samples - i), -1)
+            y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)[:, 1:].tolist()
+            for row in y:
+                row = row[:row.index(tok.eot)] if tok.eot in row else row  # the model ended the document
+                text = tok.decode(row)
+                chars += len(text)
+                f.write(json.dumps({"text": text}) + "\n")
+    os.replace(tmp, path)
+    return chars
 
 
 # -----------------------------------------------------------------------------

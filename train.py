@@ -35,7 +35,8 @@ import torch
 import checkpoint
 import data
 from config import (TrainConfig, build_config, check_run, lambda_at, lr_mult, make_loaders,  # noqa: F401
-                    make_teacher, model_config, parse_args, resolve_data)
+                    make_teachers, model_config, parse_args, resolve_data, teacher_paths)
+from distill import match_layers
 from model import GPT
 from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
@@ -124,23 +125,27 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
                  (" (SubLN inserted with unit gain)" if insert else ""))
 
 
-def make_loss_fn(run, teacher_path):
-    """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher, or
+def make_loss_fn(run, teachers):
+    """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher(s), or
     plain CE when every distillation weight is 0 (the control run). Picked once; returns loss_fn(x, y)."""
     if run.cfg.stage < 3:
         return lambda x, y: (run.train_model(x, y)[1], None)
-    teacher, crit = make_teacher(run.cfg, teacher_path, run.model.config, run.rt.device)
-    if teacher is None:
+    models, crit = make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
+    if not models:
         run.rt.log("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
         return lambda x, y: (run.train_model(x, y)[1], None)
-    run.rt.log(f"stage 3: teacher {teacher_path}, {crit}")
+    run.rt.log(f"stage 3: teacher{'s' if len(models) > 1 else ''} {', '.join(teachers)}, {crit}")
     kw = dict(qkv_layer=crit.distill_layer if crit.gamma_ad != 0 else None, hiddens=crit.delta_hidden != 0)
+    first, others = models[0], models[1:]  # the first teacher also gives relations and hidden states
+    layers = match_layers(run.model.config.n_layer, first.config.n_layer)  # student block -> teacher block
 
     def distill_loss(x, y):
         s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (runtime.WithStates)
         with torch.no_grad():
-            t_logits, _, t = teacher.forward_with_states(x, y, **kw)
-        parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t["hiddens"] or None)
+            t_logits, _, t = first.forward_with_states(x, y, **kw)
+            t_logits = [t_logits] + [m(x, y)[0] for m in others]
+        t_hiddens = [t["hiddens"][i] for i in layers] if t["hiddens"] else None
+        parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t_hiddens)
         return parts["loss"], parts
     return distill_loss
 
@@ -183,12 +188,12 @@ def setup(argv):
             die(f"--resume=True but there is no checkpoint at {run.ckpt_path}; start without --resume")
         resume = checkpoint.load(run.ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
         run.cfg = cfg = build_config(overrides, base=resume["config"])  # the saved run, flags given now on top
-    teacher_path = cfg.teacher or os.path.join(cfg.out_dir, "stage1", "ckpt.pt")
-    check_run(cfg, run.rt, run.out_dir, teacher_path)
+    teachers = teacher_paths(cfg)
+    check_run(cfg, run.rt, run.out_dir, teachers)
     if run.rt.master:
         run.unlock = checkpoint.lock(run.out_dir)  # a second run into the same out_dir stops here
     try:
-        build(run, resume, teacher_path)
+        build(run, resume, teachers)
     except BaseException:  # an error line, a signal: the lock goes with it
         if run.unlock:
             run.unlock()
@@ -196,7 +201,7 @@ def setup(argv):
     return run
 
 
-def build(run, resume, teacher_path):
+def build(run, resume, teachers):
     cfg, rt = run.cfg, run.rt
     earlier = checkpoint.existing_run(run.out_dir) if rt.master and not cfg.resume else []
     if earlier and not cfg.overwrite:
@@ -220,7 +225,7 @@ def build(run, resume, teacher_path):
     run.model.to(rt.device)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
     run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile)  # compiled, in DDP or FSDP2 as asked
-    run.loss_fn = make_loss_fn(run, teacher_path)
+    run.loss_fn = make_loss_fn(run, teachers)
     run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
     try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number

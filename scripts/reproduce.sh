@@ -2,8 +2,7 @@
 # Reproduces the measured tables in README.md on the default CPU preset.
 #   bash scripts/reproduce.sh optimizers   AdamW vs Muon, stage 2 from scratch at equal tokens (~9 min on 2 cores)
 #   bash scripts/reproduce.sh distill      stage 1, 2, 3 and the CE control (~17 min on 2 cores)
-#   bash scripts/reproduce.sh probes       after `distill`: 200-step stage-3 probes (CE, logits KD only) and a
-#                                          600-step stage 3 with logits KD only (~12 min on 2 cores)
+# The stage-3 comparison with error bars is `python lab.py distill` (lab.py), not this script.
 # Runs go to out/reproduce/ (override with OUT=...). Each table row is the last val loss in a metrics.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,16 +37,8 @@ case "${1:-}" in
     table "stage1 fp=$OUT/distill/stage1" "stage2 ternary=$OUT/distill/stage2" \
           "stage3 distilled=$OUT/distill/stage3" "control (stage2 + CE)=$OUT/distill/control"
     ;;
-  probes)
-    P="--stage=3 --out_dir=$OUT/distill --max_iters=200 --eval_interval=200"
-    $TRAIN $P --distill_lambda=0 --distill_gamma=0 --run_name=p_control
-    $TRAIN $P --distill_gamma=0 --run_name=p_ld
-    $TRAIN --stage=3 --out_dir="$OUT/distill" --distill_gamma=0 --run_name=stage3_ld
-    table "200 steps, CE=$OUT/distill/p_control" "200 steps, logits KD=$OUT/distill/p_ld" \
-          "600 steps, logits KD=$OUT/distill/stage3_ld"
-    ;;
   *)
-    echo "usage: bash scripts/reproduce.sh optimizers|distill|probes" >&2
+    echo "usage: bash scripts/reproduce.sh optimizers|distill" >&2
     exit 2
     ;;
 esac

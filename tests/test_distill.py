@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from distill import (PRESETS, BitDistillLoss, attention_relation_loss, hidden_state_loss, late_layer_weights,
-                     logits_kd_loss)
+                     logits_kd_loss, match_layers)
 
 
 def _qkv(B, H, T, d, seed, requires_grad=False):
@@ -192,10 +192,63 @@ def test_hidden_state_loss_matches_manual_and_weights():
     assert hidden_state_loss(hs, hs).item() == 0.0
 
 
-def test_hidden_state_loss_rejects_mismatched_width():
+def test_hidden_state_loss_rejects_mismatched_tokens():
     with pytest.raises(ValueError) as e:
-        hidden_state_loss([torch.randn(1, 2, 4)], [torch.randn(1, 2, 8)])
-    assert "(1, 2, 4)" in str(e.value) and "(1, 2, 8)" in str(e.value), e.value  # both shapes named
+        hidden_state_loss([torch.randn(1, 2, 4)], [torch.randn(1, 3, 8)])
+    assert "(1, 2, 4)" in str(e.value) and "(1, 3, 8)" in str(e.value), e.value  # both shapes named
+
+
+def test_hidden_state_loss_other_width_compares_token_similarities():
+    g = torch.Generator().manual_seed(3)
+    hs, other = torch.randn(2, 5, 4, generator=g), torch.randn(2, 5, 8, generator=g)
+    # a wider teacher whose states are the student's through orthonormal rows (Q Q^T = I): every cosine
+    # similarity between tokens is the same, so the loss is 0; anything else is not
+    Q = torch.linalg.qr(torch.randn(8, 4, generator=g))[0].T  # (4, 8), orthonormal rows
+    assert hidden_state_loss([hs], [hs @ Q]).item() == pytest.approx(0.0, abs=1e-6)
+    a = hs / hs.norm(dim=-1, keepdim=True)
+    b = other / other.norm(dim=-1, keepdim=True)
+    manual = ((a @ a.transpose(1, 2) - b @ b.transpose(1, 2)) ** 2).mean().item()  # MSE of (B, T, T) matrices
+    assert hidden_state_loss([hs], [other]).item() == pytest.approx(manual, rel=1e-6)
+    assert manual > 0.01
+
+
+def test_match_layers_is_tinyberts_uniform_map():
+    assert match_layers(4, 4) == [0, 1, 2, 3]
+    assert match_layers(4, 8) == [1, 3, 5, 7]  # student block m reads teacher block m * N / M (1-based)
+    assert match_layers(4, 2) == [0, 0, 1, 1]
+    assert match_layers(3, 12) == [3, 7, 11]  # the last student block always reads the last teacher block
+
+
+# ----------------------------------------------------------------------------- several teachers
+
+def test_mixture_target_equals_hand_computed_mixture():
+    g = torch.Generator().manual_seed(7)
+    zs, z1, z2 = (torch.randn(2, 3, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    tau, w = 2.0, (0.7, 0.3)
+    p1, p2, ps = ((z / tau).softmax(-1) for z in (z1, z2, zs))
+    p = w[0] * p1 + w[1] * p2  # the mixture of the tempered distributions, by hand
+    expected = tau ** 2 * (p * (p.log() - ps.log())).sum(-1).mean().item()
+    got = logits_kd_loss(zs.float(), [z1.float(), z2.float()], temperature=tau, weights=w).item()
+    assert got == pytest.approx(expected, rel=1e-5)
+    # weights are normalised; a teacher of weight 0 is left out entirely
+    assert logits_kd_loss(zs, [z1, z2], tau, weights=(7, 3)).item() == pytest.approx(expected, rel=1e-6)
+    assert logits_kd_loss(zs, [z1, z2], tau, weights=(1, 0)).item() == logits_kd_loss(zs, z1, tau).item()
+
+
+def test_two_identical_teachers_equal_one_teacher():
+    g = torch.Generator().manual_seed(8)
+    zs, zt = torch.randn(2, 4, 9, generator=g), torch.randn(2, 4, 9, generator=g)
+    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]]).bool()
+    one = logits_kd_loss(zs, zt, 5.0, mask=mask)
+    assert logits_kd_loss(zs, [zt, zt.clone()], 5.0, mask=mask).item() == pytest.approx(one.item(), rel=1e-6)
+    assert logits_kd_loss(zs, [zt], 5.0, mask=mask).item() == one.item()  # a list of one is exactly one teacher
+
+
+def test_mixture_weights_must_fit_the_teachers():
+    z = torch.randn(1, 2, 3)
+    for w in ((1.0,), (1.0, -1.0), (0.0, 0.0)):
+        with pytest.raises(ValueError):
+            logits_kd_loss(z, [z, z], weights=w)
 
 
 # ----------------------------------------------------------------------------- BitDistillLoss

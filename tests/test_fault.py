@@ -402,7 +402,7 @@ def test_shards_replaced_under_a_running_loader_stop_the_run_with_one_line(tmp_p
 
 @pytest.mark.parametrize("flags,facts", [
     (["--distill_relation_heads=3"], ("--distill_relation_heads=3", "32", "--distill_relation_heads=2")),
-    (["--distill_hidden=1", "--n_layer=2"], ("--distill_hidden=1", "1 layers", "2 of 32", "--distill_hidden=0")),
+    (["--teacher_weights=1,2"], ("--teacher_weights=1,2", "expected 1 ", "one per --teacher")),
     (["--block_size=64"], ("--block_size=64", "32", "ckpt.pt")),
 ])
 def test_stage3_settings_that_fail_only_at_step_1_are_refused_before_training(saved, tmp_path, capsys, flags, facts):

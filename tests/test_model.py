@@ -171,6 +171,24 @@ def test_generate_greedy_matches_argmax_loop():
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("quant", [False, True])
+def test_generate_with_kv_cache_equals_full_forwards_past_block_size(quant):
+    # the cache must give what cropping and re-running the whole context gives, also once the context is
+    # longer than block_size (the cache is refilled from the last block_size tokens), for a batch of prompts
+    model = make(quant=quant, block_size=16).eval()
+    idx = torch.randint(0, 60, (3, 5))
+    out = model.generate(idx, 30, top_k=1)
+    ref = idx
+    for _ in range(30):
+        logits = model(ref[:, -16:])[0][:, -1]
+        ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, ref)
+    cache = [{} for _ in model.h]  # and the logits themselves: a prefill then one step vs one full forward
+    model._decode(idx, cache, 0)
+    step = model._decode(out[:, 5:6], cache, 5)
+    torch.testing.assert_close(step, model(out[:, :6])[0], rtol=1e-5, atol=1e-5)
+
+
 def test_fullgraph_compile_matches_eager_forward_and_backward():
     # At the endpoints lambda = 1 (ternary) and 0 (fp). In between, the blend v + lambda * (Q(v) - v) lies
     # off the int8 grid, and inductor's different fp rounding can flip a later rounding to the neighbouring

@@ -8,6 +8,8 @@ Sampling itself (a training checkpoint, --packed=True, an export) is tested end 
 """
 
 import dataclasses
+import json
+import os
 
 import pytest
 import torch
@@ -110,3 +112,27 @@ def test_bad_checkpoint_file_is_one_line_naming_the_file(case, files, tmp_path, 
     err = fails(capsys, f"--ckpt={tmp_path / 'ckpt.pt'}", "--device=cpu", "--max_new_tokens=3", code=code,
                 main=sample.main)
     assert all(f.format(d=tmp_path) in err for f in facts), err
+
+
+def test_teacher_written_corpus_shards_and_mixes_into_the_loader(files, tmp_path):
+    # sample.write_corpus -> prepare.py -> a second source the mixing loader reads beside the first
+    import data
+    import prepare
+    model, tok = sample.load_model(str(files / "ckpt.pt"), "cpu")
+    torch.manual_seed(0)
+    path = str(tmp_path / "teacher.jsonl")
+    chars = sample.write_corpus(model, tok, path, num_samples=40, max_new_tokens=30, temperature=1.0, batch_size=16)
+    lines = [json.loads(line)["text"] for line in open(path)]
+    assert len(lines) == 40 and sum(map(len, lines)) == chars and chars > 0
+    assert not os.path.exists(path + ".tmp")
+    prepare.prepare([path], tokenizer="byte", out_dir=str(tmp_path / "shards"))
+    mine = str(tmp_path / "mine")
+    os.makedirs(mine)
+    data.write_shard(os.path.join(mine, "train_000.bin"), [7] * 5000)  # all 7s: easy to tell
+    data.write_shard(os.path.join(mine, "val_000.bin"), [7] * 500)
+    with open(os.path.join(mine, "meta.json"), "w") as f:
+        json.dump({"tokenizer": "byte", "vocab_size": 257, "eot": 256}, f)
+    loader = data.DataLoader({mine: 0.5, str(tmp_path / "shards"): 0.5}, "train", 8, 8, seed=1)
+    rows = torch.cat([loader.next_batch()[0] for _ in range(10)])  # (80, 8)
+    teacher_rows = (rows != 7).any(1).float().mean().item()
+    assert 0.3 < teacher_rows < 0.7  # about half the rows come from the teacher's text

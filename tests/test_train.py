@@ -215,3 +215,34 @@ def test_zclip_rescues_a_run_from_a_gradient_spike():
           f"({100 * (spiked_noclip - clean_noclip) / clean_noclip:+.3f} %)")  # README quotes these (pytest -s)
     assert spiked_noclip > 1.01 * clean_noclip, (spiked_noclip, clean_noclip)
     assert spiked_noclip - clean_noclip > 10 * abs(rescued - clean)
+
+
+def test_stage3_two_identical_teachers_train_exactly_like_one(tmp_path):
+    # the mixture of two copies of one distribution is that distribution: the same run, step for step
+    out = str(tmp_path)
+    run("--stage=1", "--max_iters=4", "--eval_interval=4", f"--out_dir={out}", *TINY)
+    run("--stage=2", "--max_iters=4", "--eval_interval=4", f"--out_dir={out}", *TINY)
+    t = os.path.join(out, "stage1", "ckpt.pt")
+    s3 = ("--stage=3", "--max_iters=3", "--eval_interval=3", "--distill_gamma=0", f"--out_dir={out}", *TINY)
+    run(*s3, f"--teacher={t}", "--run_name=one")
+    p = run(*s3, f"--teacher={t},{t}", "--teacher_weights=2,2", "--run_name=two")
+    assert "teachers" in p.stdout and "teacher_weights=[2.0, 2.0]" in p.stdout
+    one, two = ([r for r in records(out, run_name=n) if "loss" in r] for n in ("one", "two"))
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        assert b["ld"] > 0 and b["ld"] == pytest.approx(a["ld"], rel=1e-4) and b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+def test_stage3_teacher_of_another_width_and_depth(tmp_path):
+    # relations are re-split into relation heads and hidden states compared as token similarities, so a
+    # 2-layer, 64-wide teacher teaches a 1-layer, 32-wide student
+    out = str(tmp_path)
+    wide = [a for a in TINY if not a.startswith(("--n_layer", "--n_embd"))] + ["--n_layer=2", "--n_embd=64"]
+    run("--stage=1", "--max_iters=3", "--eval_interval=3", f"--out_dir={out}", "--run_name=wide", *wide)
+    run("--stage=2", "--max_iters=3", "--eval_interval=3", "--init_from=scratch", f"--out_dir={out}", *TINY)
+    run("--stage=3", "--max_iters=2", "--eval_interval=2", "--distill_gamma=10", "--distill_hidden=1",
+        "--distill_relation_heads=2", f"--teacher={os.path.join(out, 'wide', 'ckpt.pt')}", f"--out_dir={out}", *TINY)
+    recs = [r for r in records(out, stage=3) if "loss" in r]
+    assert all(r["ld"] > 0 and r["ad"] > 0 and r["hidden"] > 0 for r in recs)
+    assert recs[-1]["loss"] == pytest.approx(recs[-1]["ce"] + recs[-1]["ld"] + 10 * recs[-1]["ad"] + recs[-1]["hidden"],
+                                             rel=1e-5)

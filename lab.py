@@ -1,0 +1,369 @@
+"""
+The experiment runner: one command per README comparison table, every row for N seeds, mean +- std.
+
+A table is a list of rows; a row is one train.py command line, run once per seed. Rows may start from
+other rows' checkpoints (a teacher, a student), so each seed's runs go in order, and the rows of seed k
+only ever read runs of seed k (the multi-teacher row also reads the next seed's teacher). Every run is
+then scored the same way, whatever it logged itself: the loss of its final checkpoint over the WHOLE
+validation split of the shipped corpus (every window of T+1 tokens once, no sampling), so all rows of a
+table compare the same tokens, and a row trained on a mix of sources is still scored on the real text.
+
+    python lab.py distill                  every row x 3 seeds, then the table (README "BitDistill")
+    python lab.py distill --seeds=1        one seed of each row (a quick look; not for README)
+    python lab.py distill --rows=teacher,student   only those rows (and what they need)
+    python lab.py distill --report         no training: the table from the runs that exist
+    python lab.py list                     the tables and their rows
+
+Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A finished run has a
+result.json beside its checkpoint and is skipped next time; a stopped one is resumed (--resume=True), so a
+long table can be finished over several sittings. The table goes to results/<table>.md and .json, and
+results/<table>.png (val curves) when matplotlib is installed.
+Statistics: mean and sample standard deviation (ddof=1) over seeds; "differs" needs |delta| > 2 std.
+Test: python -m pytest tests/test_lab.py
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import checkpoint
+import data
+from model import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+SEEDS = (0, 1, 2)
+
+
+@dataclass
+class Row:
+    name: str              # directory name and --rows key
+    label: str             # what the table calls it
+    args: str              # train.py flags; {run}, {seed}, {next_seed} are filled in per seed (see argv())
+    needs: tuple = ()      # rows of the same seed that must finish first
+    needs_next: tuple = ()  # rows of the next seed (wrapping) that must finish first
+    prepare: object = None  # optional fn(lab, seed) run before the row (e.g. writing teacher data)
+
+
+@dataclass
+class Table:
+    name: str
+    about: str
+    rows: list
+    baseline: str = ""     # the row every other row is compared with
+    reference: str = ""    # the row whose gap to the baseline a technique should close
+    notes: list = field(default_factory=list)
+
+# -----------------------------------------------------------------------------
+# the tables
+
+
+def _distill_table():
+    teacher_steps, student_init, stage3 = 1200, 400, 200
+    s3 = (f"--stage=3 --max_iters={stage3} --eval_interval=50 --init_from={{run}}/student/ckpt.pt "
+          f"--teacher={{run}}/teacher/ckpt.pt")
+    rows = [
+        Row("teacher", f"fp teacher (stage 1, {teacher_steps} steps)",
+            f"--stage=1 --max_iters={teacher_steps} --eval_interval={student_init} --keep_last=3"),
+        Row("student", f"stage-2 student (ternary, 600 steps from the teacher's step {student_init})",
+            f"--stage=2 --init_from={{run}}/teacher/ckpt_{student_init:06d}.pt", needs=("teacher",)),
+        Row("control", f"control: student + {stage3} steps of plain CE", s3 + " --distill_lambda=0 --distill_gamma=0",
+            needs=("teacher", "student")),
+        Row("ld", "stage 3, logits KD only (lambda 1, tau 5)", s3 + " --distill_lambda=1 --distill_gamma=0",
+            needs=("teacher", "student")),
+    ]
+    for g in ("1", "10", "100", "1000"):
+        rows.append(Row(f"ad{g}", f"stage 3, logits + relation KD, gamma {g}" +
+                        (" (the paper's preset)" if g == "1000" else ""),
+                        s3 + f" --distill_lambda=1 --distill_gamma={g}", needs=("teacher", "student")))
+    rows += [
+        Row("hidden", "stage 3, logits KD + hidden states (delta 100)",
+            s3 + " --distill_lambda=1 --distill_gamma=0 --distill_hidden=100", needs=("teacher", "student")),
+        Row("two_teachers", "stage 3, logits KD from two teachers (this seed's and the next seed's, equal weights)",
+            s3 + " --distill_lambda=1 --distill_gamma=0 --teacher={run}/teacher/ckpt.pt,{next_run}/teacher/ckpt.pt",
+            needs=("teacher", "student"), needs_next=("teacher",)),
+        Row("teacher_data", "control + teacher-written text mixed in (weight 0.2)",
+            s3 + " --distill_lambda=0 --distill_gamma=0 --data={shipped}:0.8,{run}/teacher_data:0.2",
+            needs=("teacher", "student"), prepare=_write_teacher_data),
+    ]
+    return Table("distill", "BitDistill stage 3 against plain training, equal student budget", rows,
+                 baseline="control", reference="teacher",
+                 notes=[f"teacher: {teacher_steps} fp steps of 16 x 256 tokens; student: the teacher's step-"
+                        f"{student_init} checkpoint, 600 ternary steps (stage 2), then {stage3} steps per stage-3 row"])
+
+
+def _write_teacher_data(lab, seed):
+    """Shards of text sampled from this seed's teacher (sample.write_corpus), once."""
+    out = os.path.join(lab.seed_dir(seed), "teacher_data")
+    if os.path.exists(os.path.join(out, "meta.json")):
+        return
+    import prepare
+    import sample
+    jsonl = os.path.join(lab.seed_dir(seed), "teacher_data.jsonl")
+    torch.manual_seed(seed)
+    model, tok = sample.load_model(os.path.join(lab.seed_dir(seed), "teacher", checkpoint.LATEST), "cpu")
+    # the teacher's own distribution (temperature 1, no top-k); 256 documents of up to 256 bytes
+    sample.write_corpus(model, tok, jsonl, num_samples=256, max_new_tokens=256, temperature=1.0)
+    prepare.prepare([jsonl], tokenizer="byte", out_dir=out)
+
+
+TABLES = {"distill": _distill_table}
+
+# -----------------------------------------------------------------------------
+# scoring: the whole val split
+
+
+@torch.no_grad()
+def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
+    """Mean next-token loss of a checkpoint over every non-overlapping window of block_size + 1 tokens of
+    the val shards in shard_dir (each shard's tail shorter than a window is left out, as the loader does).
+    Returns (loss, n_tokens)."""
+    ckpt = checkpoint.load(ckpt_path)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    checkpoint.load_weights(model, ckpt["model"], ckpt_path)
+    model.to(device).eval()
+    T = model.config.block_size
+    total, count = 0.0, 0
+    for path in data._find_shards(shard_dir, "val"):
+        tokens = data.read_shard(path)
+        n = (len(tokens) - 1) // T  # windows of T+1 tokens starting at 0, T, 2T, ...
+        for i in range(0, n, batch_size):
+            rows = [np.asarray(tokens[j * T: j * T + T + 1], dtype=np.int64) for j in range(i, min(i + batch_size, n))]
+            buf = torch.from_numpy(np.stack(rows)).to(device)  # (b, T+1)
+            x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+            logits = model(x, y)[0]
+            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    if count == 0:
+        raise ValueError(f"{shard_dir}: no val window of {T + 1} tokens")
+    return total / count, count
+
+# -----------------------------------------------------------------------------
+# running
+
+
+class Lab:
+    def __init__(self, table, seeds=SEEDS, root=None, results=None, python=sys.executable):
+        self.table, self.seeds, self.python = table, list(seeds), python
+        self.root = root or os.path.join("out", "lab", table.name)
+        self.results = results or os.path.join(ROOT, "results")  # where the table is written
+        self.rows = {r.name: r for r in table.rows}
+        self.shipped = os.path.join(ROOT, "data", "shakespeare_byte")
+
+    def seed_dir(self, seed):
+        return os.path.join(self.root, f"seed{seed}")
+
+    def run_dir(self, row, seed):
+        return os.path.join(self.seed_dir(seed), row)
+
+    def next_seed(self, seed):
+        return self.seeds[(self.seeds.index(seed) + 1) % len(self.seeds)]
+
+    def argv(self, row, seed, resume):
+        flags = row.args.format(run=self.seed_dir(seed), next_run=self.seed_dir(self.next_seed(seed)),
+                                seed=seed, shipped=self.shipped).split()
+        flags += [f"--seed={seed}", f"--out_dir={self.seed_dir(seed)}", f"--run_name={row.name}", "--device=cpu",
+                  "--resume=True" if resume else "--overwrite=True"]
+        return [self.python, os.path.join(ROOT, "train.py"), *flags]
+
+    def result(self, row, seed):
+        path = os.path.join(self.run_dir(row, seed), "result.json")
+        return json.load(open(path)) if os.path.exists(path) else None
+
+    def order(self, wanted):
+        """(row, seed) pairs to run: each seed's rows in table order, with what they need before them."""
+        need = set()
+
+        def add(name, seed):
+            if (name, seed) in need:
+                return
+            row = self.rows[name]
+            for dep in row.needs:
+                add(dep, seed)
+            for dep in row.needs_next:
+                add(dep, self.next_seed(seed))
+            need.add((name, seed))
+        for seed in self.seeds:
+            for name in wanted:
+                add(name, seed)
+        names = [r.name for r in self.table.rows]
+        # prerequisites (rows others need) of every seed first, so the cross-seed rows find them
+        prereq = {d for r in self.table.rows for d in (*r.needs, *r.needs_next)}
+        key = lambda p: (p[0] not in prereq, self.seeds.index(p[1]), names.index(p[0]))
+        return sorted(need, key=key)
+
+    def run(self, wanted, log=print):
+        for name, seed in self.order(wanted):
+            if self.result(name, seed) is not None:
+                log(f"[lab] {name} seed {seed}: done, skipped")
+                continue
+            self.run_one(self.rows[name], seed, log)
+
+    def run_one(self, row, seed, log=print):
+        d = self.run_dir(row.name, seed)
+        os.makedirs(d, exist_ok=True)
+        if row.prepare is not None:
+            row.prepare(self, seed)
+        resume = os.path.exists(os.path.join(d, checkpoint.LATEST))
+        cmd = self.argv(row, seed, resume)
+        log(f"[lab] {row.name} seed {seed}: {' '.join(cmd[1:])}")
+        t0 = time.time()
+        with open(os.path.join(d, "train.log"), "a") as f:
+            code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        if code != 0:
+            tail = open(os.path.join(d, "train.log")).read().splitlines()[-5:]
+            raise RuntimeError(f"{row.name} seed {seed} failed (exit {code}); last lines of {d}/train.log:\n  " +
+                               "\n  ".join(tail))
+        loss, n = full_val_loss(os.path.join(d, checkpoint.LATEST), self.shipped)
+        recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+        steps = [r for r in recs if "ms" in r]
+        res = {"row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "argv": cmd[1:],
+               "steps": max((r["step"] for r in steps), default=0),
+               "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
+               "wall_s": time.time() - t0, "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]}
+        _write_json(os.path.join(d, "result.json"), res)
+        log(f"[lab] {row.name} seed {seed}: whole-val loss {loss:.4f} ({n} tokens), {res['wall_s']:.0f} s")
+
+    # -------------------------------------------------------------------------
+    # the table
+
+    def summary(self):
+        """{row: {mean, std, n, values}} over the seeds that have a result."""
+        out = {}
+        for row in self.table.rows:
+            vals = [r["val_loss"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
+            out[row.name] = {"label": row.label, "values": vals, "n": len(vals),
+                             "mean": statistics.mean(vals) if vals else None,
+                             "std": statistics.stdev(vals) if len(vals) > 1 else None}
+        return out
+
+    def report(self):
+        """Markdown and JSON (and a PNG of the val curves, if matplotlib is there) under results/."""
+        summ = self.summary()
+        base = summ.get(self.table.baseline, {})
+        ref = summ.get(self.table.reference, {})
+        lines = [f"| row | val loss, mean ± std ({len(self.seeds)} seeds) | vs {self.table.baseline} | "
+                 f"gap to {self.table.reference} closed |", "|---|---|---|---|"]
+        for name, s in summ.items():
+            lines.append(f"| {s['label']} | {fmt(s)} | {versus(s, base)} | {closed(s, base, ref)} |")
+        md = "\n".join(lines)
+        os.makedirs(self.results, exist_ok=True)
+        stem = os.path.join(self.results, self.table.name)
+        with open(stem + ".md", "w") as f:
+            f.write(f"# {self.table.name}: {self.table.about}\n\n" + "\n".join(self.table.notes) +
+                    f"\n\nCommand: `python lab.py {self.table.name}`; val loss over the whole val split of the shipped "
+                    f"corpus. \"vs\": mean difference, and whether it exceeds 2 std of the {self.table.baseline} "
+                    f"row.\n\n{md}\n")
+        runs = [r for row in self.table.rows for s in self.seeds if (r := self.result(row.name, s)) is not None]
+        _write_json(stem + ".json", {"table": self.table.name, "seeds": self.seeds, "summary": summ, "runs": runs})
+        print(md)
+        self.plot(stem + ".png")
+        return summ
+
+    def plot(self, path):
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("[lab] matplotlib is not installed, so no curve plot (pip install matplotlib); the table is written")
+            return
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for row in self.table.rows:
+            curves = [r["curve"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
+            if not curves or row.name in ("teacher", "student"):
+                continue
+            steps = [p[0] for p in curves[0]]
+            mean = [statistics.mean(c[i][1] for c in curves if i < len(c)) for i in range(len(steps))]
+            ax.plot(steps, mean, marker="o", label=row.name)
+        ax.set_xlabel("stage-3 step")
+        ax.set_ylabel("val loss (sampled evals, mean over seeds)")
+        ax.legend()
+        fig.savefig(path, dpi=100)
+        print(f"[lab] wrote {path}")
+
+
+def fmt(s):
+    if s["mean"] is None:
+        return "not run"
+    return f"{s['mean']:.4f} ± {s['std']:.4f}" if s["std"] is not None else f"{s['mean']:.4f} (1 seed)"
+
+
+def versus(s, base):
+    """Mean difference to the baseline row, and whether it is more than 2 std of the baseline."""
+    if s["mean"] is None or not base or base.get("mean") is None or s is base:
+        return ""
+    d = s["mean"] - base["mean"]
+    if base["std"] is None:
+        return f"{d:+.4f}"
+    verdict = ("better" if d < 0 else "worse") if abs(d) > 2 * base["std"] else "no measurable difference"
+    return f"{d:+.4f} ({verdict})"
+
+
+def closed(s, base, ref):
+    """Fraction of the baseline -> reference gap that this row closes (1 = reaches the reference)."""
+    if s["mean"] is None or not base or not ref or base.get("mean") is None or ref.get("mean") is None:
+        return ""
+    gap = base["mean"] - ref["mean"]
+    return f"{(base['mean'] - s['mean']) / gap:.0%}" if gap > 0 and s is not ref and s is not base else ""
+
+
+def _write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv):
+    args = dict(a.removeprefix("--").partition("=")[::2] for a in argv[1:])
+    if not argv or argv[0] == "list":
+        for name, make in TABLES.items():
+            t = make()
+            print(f"{name}: {t.about}")
+            for r in t.rows:
+                print(f"  {r.name:14s} {r.label}")
+        return 0
+    if argv[0] not in TABLES:
+        print(f"error: unknown table {argv[0]!r}; tables: {', '.join(TABLES)} (python lab.py list)", file=sys.stderr)
+        return 2
+    unknown = set(args) - {"seeds", "rows", "report", "root"}
+    if unknown:
+        print(f"error: unknown option(s) {', '.join(sorted(unknown))}; use --seeds=N --rows=a,b --report --root=DIR",
+              file=sys.stderr)
+        return 2
+    table = TABLES[argv[0]]()
+    try:
+        n = int(args.get("seeds", len(SEEDS)))
+        assert n >= 1
+    except (ValueError, AssertionError):
+        print(f"error: --seeds={args['seeds']}: expected an integer >= 1", file=sys.stderr)
+        return 2
+    lab = Lab(table, seeds=range(n), root=args.get("root") or None)
+    wanted = args["rows"].split(",") if args.get("rows") else [r.name for r in table.rows]
+    bad = [w for w in wanted if w not in lab.rows]
+    if bad:
+        print(f"error: unknown row(s) {', '.join(bad)}; rows of {table.name}: {', '.join(lab.rows)}", file=sys.stderr)
+        return 2
+    if "report" not in args:
+        t0 = time.time()
+        try:
+            lab.run(wanted)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            lab.report()
+            return 1
+        print(f"[lab] {table.name}: ran in {(time.time() - t0) / 60:.1f} min")
+    lab.report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
