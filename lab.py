@@ -301,8 +301,8 @@ def versus(s, base):
     if s["mean"] is None or not base or base.get("mean") is None or s is base:
         return ""
     d = s["mean"] - base["mean"]
-    if base["std"] is None:
-        return f"{d:+.4f}"
+    if base["std"] is None or s.get("n", 2) < 2:
+        return f"{d:+.4f} (too few seeds for a verdict)"
     verdict = ("better" if d < 0 else "worse") if abs(d) > 2 * base["std"] else "no measurable difference"
     return f"{d:+.4f} ({verdict})"
 
