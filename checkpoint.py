@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 LATEST = "ckpt.pt"
+AVERAGED = "avg.pt"  # the checkpoint average (averaging.py), when a run keeps one
 NUMBERED = re.compile(r"ckpt_(\d+)\.pt")
 
 
@@ -194,7 +195,7 @@ def _atomic_link(src, dst):
 def existing_run(d):
     """The files of an earlier run in d (checkpoints, metrics), which a fresh run must not mix with its own."""
     names = os.listdir(d) if os.path.isdir(d) else []
-    return sorted(n for n in names if n in (LATEST, "metrics.jsonl") or NUMBERED.fullmatch(n))
+    return sorted(n for n in names if n in (LATEST, AVERAGED, "metrics.jsonl") or NUMBERED.fullmatch(n))
 
 
 def remove_run(d):

@@ -5,9 +5,13 @@ overrides, a --key=value parser checked against the field types, and the LR and 
   defaults (TrainConfig) -> device preset (cpu | cuda) -> stage preset (1 | 2 | 3) -> command line
 
 Schedules: warmup-cosine (nanoGPT) or WSD, warmup-stable-decay (MiniCPM, arXiv 2404.06395, section 4):
-linear warmup, constant, then a linear decay to min_lr over the last decay_frac of the steps. Lambda-warmup
+linear warmup, constant, then a linear decay to min_lr over the last decay_frac of the steps; "moderate" is WSD
+ending at 1/3 of the peak (Luo et al., arXiv 2511.18903: a curriculum's best data comes last, so do not
+decay the lr to nothing), "constant" no decay at all (pair it with checkpoint averaging). Lambda-warmup
 (HF blog "Fine-tuning LLMs to 1.58bit", 2024): lambda = min(step / lambda_warmup_steps, 1), blending the
-full-precision forward (0) into the ternary one (1).
+full-precision forward (0) into the ternary one (1). Continual quantisation-aware pre-training (Nielsen et al.,
+arXiv 2502.11895): one stage-2 run trains in 16-bit until quant_start, then goes ternary, lambda ramping
+from there, lambda = clip((step - quant_start) / lambda_warmup_steps, 0, 1); the optimizer state carries over.
 
 Also: where the data comes from (resolve_data, make_loaders), the model shape (model_config), and the checks
 that need more than the config (check_run: world size, out_dir, teacher; check_teacher: stage-3 shapes),
@@ -43,6 +47,7 @@ class TrainConfig:
     # data
     tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
     data: str = ""               # shard dir, or "dirA:0.7,dirB:0.3" to mix; "" = the shipped corpus
+    data_order: str = "sequential"  # sequential | shuffle | curriculum (easy-to-hard over this run's rows)
     # model
     n_layer: int = 4
     n_head: int = 4
@@ -64,7 +69,8 @@ class TrainConfig:
     muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
     muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
     min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
-    schedule: str = "wsd"        # cosine (nanoGPT) or wsd (warmup-stable-decay, MiniCPM)
+    schedule: str = "wsd"        # cosine (nanoGPT), wsd (warmup-stable-decay, MiniCPM), constant (after warmup),
+                                 # or moderate: wsd to min_lr_frac 1/3 (Luo et al.'s "moderate decay")
     warmup_iters: int = 50
     decay_frac: float = 0.2      # wsd: decay over the last 20% of steps
     weight_decay: float = 0.1
@@ -76,6 +82,12 @@ class TrainConfig:
     two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight decay -> 0
     two_phase_lr_drop: float = 0.5
     lambda_warmup_steps: int = 200  # stage 2: lambda goes 0 -> 1 linearly over this many steps
+    quant_start: float = 0.0     # stage 2: full precision until this step (>= 1) or fraction of max_iters (< 1),
+                                 # then ternary, lambda ramping from there (continual QAT, arXiv 2502.11895)
+    # checkpoint averaging (averaging.py): an EMA over the last k snapshots, saved as <run>/avg.pt
+    avg_checkpoints: int = 0     # k; 0 = off (Luo et al.: 6)
+    avg_interval: int = 0        # steps between snapshots; 0 = decay_frac * max_iters / k (a WSD decay's window)
+    avg_alpha: float = 0.2       # EMA coefficient over the snapshots; 0 = their plain mean
     # stage 3: BitDistill (distill.py), L = CE + lambda * logits KD + gamma * attention-relation KD (+ delta * hidden)
     teacher: str = ""            # teacher checkpoint(s), "a.pt" or "a.pt,b.pt"; "" = <out_dir>/stage1/ckpt.pt
     teacher_weights: str = ""    # several teachers: weights of their logits mixture, "0.7,0.3"; "" = equal
@@ -102,6 +114,9 @@ DEVICE_PRESETS = {
     "cuda": dict(tokenizer="gpt2", n_layer=12, n_head=12, n_embd=768, block_size=1024, pad_vocab=True,
                  batch_size=16, grad_accum=4, max_iters=5000, eval_interval=500, eval_iters=50,
                  log_interval=10, warmup_iters=200, lambda_warmup_steps=1000, lr=1.5e-3),
+}
+SCHEDULE_PRESETS = {  # --schedule=moderate: WSD decaying only to 1/3 of the peak (Luo et al., arXiv 2511.18903:
+    "moderate": dict(min_lr_frac=1 / 3),  # 3e-3 -> 1e-3), unless --min_lr_frac is also given
 }
 STAGE_PRESETS = {
     1: dict(schedule="cosine"),
@@ -149,6 +164,7 @@ def build_config(overrides, base=None):
             die(f"--stage={stage}: expected one of {sorted(STAGE_PRESETS)}", 2)
         cfg.update(DEVICE_PRESETS.get(device.split(":")[0], {}))
         cfg.update(STAGE_PRESETS[stage])
+        cfg.update(SCHEDULE_PRESETS.get(overrides.get("schedule"), {}))
         cfg["device"] = device
     cfg.update(overrides)
     cfg = TrainConfig(**cfg)
@@ -159,7 +175,8 @@ def build_config(overrides, base=None):
 def check_config(cfg):
     """Every field's range in one place, checked before any data is tokenised or any model built: a value
     that would train nonsense (a negative lr, no layers, a NaN) stops here with one line naming the flag."""
-    choices = dict(stage=(1, 2, 3), tokenizer=("byte", "gpt2"), schedule=("cosine", "wsd"), optimizer=("muon", "adamw"),
+    choices = dict(stage=(1, 2, 3), tokenizer=("byte", "gpt2"), schedule=("cosine", "wsd", "moderate", "constant"),
+                   data_order=("sequential", "shuffle", "curriculum"), optimizer=("muon", "adamw"),
                    muon_adjust_lr=("original", "match_rms_adamw"), distill_preset=("summarization", "classification"),
                    dtype=("auto", "float32", "bfloat16", "float16"), compile=("auto", "true", "false"))
     for key, valid in choices.items():
@@ -167,7 +184,8 @@ def check_config(cfg):
             die(f"--{key}={getattr(cfg, key)}: expected one of {', '.join(map(str, valid))}", 2)
     at_least = dict(n_layer=1, n_head=1, n_embd=1, block_size=1, batch_size=1, grad_accum=1, max_iters=0,
                     eval_interval=1, eval_iters=1, log_interval=1, warmup_iters=0, lambda_warmup_steps=0,
-                    checkpoint_interval=0, keep_last=1, max_bad_steps=1, seed=0, distill_relation_heads=1)
+                    checkpoint_interval=0, keep_last=1, max_bad_steps=1, seed=0, distill_relation_heads=1,
+                    avg_checkpoints=0, avg_interval=0)
     for key, low in at_least.items():
         if getattr(cfg, key) < low:
             die(f"--{key}={getattr(cfg, key)}: expected an integer >= {low}", 2)
@@ -180,11 +198,17 @@ def check_config(cfg):
                   grad_clip=(">= 0", lambda v: v >= 0), two_phase_lr_drop=("in (0, 1]", lambda v: 0 < v <= 1),
                   distill_lambda=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
                   distill_gamma=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
-                  distill_tau=("> 0", lambda v: v > 0), distill_hidden=(">= 0", lambda v: v >= 0))
+                  distill_tau=("> 0", lambda v: v > 0), distill_hidden=(">= 0", lambda v: v >= 0),
+                  avg_alpha=("in [0, 1]", lambda v: 0 <= v <= 1))
     for key, (what, ok) in ranges.items():
         v = getattr(cfg, key)
         if not (math.isfinite(v) and ok(v)):
             die(f"--{key}={v}: expected a finite number {what}", 2)
+    if not (math.isfinite(cfg.quant_start) and cfg.quant_start >= 0 and (cfg.quant_start < 1 or cfg.quant_start.is_integer())):
+        die(f"--quant_start={cfg.quant_start}: expected a fraction of max_iters in [0, 1) or a whole step >= 1", 2)
+    if cfg.quant_start and cfg.stage != 2:
+        die(f"--quant_start={cfg.quant_start} switches a stage-2 run from 16-bit to ternary; stage {cfg.stage} has "
+            f"no such switch (stage 1 is full precision throughout, stage 3 ternary throughout)", 2)
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"--n_embd={cfg.n_embd} must split into --n_head={cfg.n_head} heads of even size (RoPE rotates pairs)", 2)
     dev = cfg.device.split(":")
@@ -227,6 +251,8 @@ def lr_mult(step, cfg):
 def _schedule(step, cfg):
     if step < cfg.warmup_iters:
         return (step + 1) / (cfg.warmup_iters + 1)
+    if cfg.schedule == "constant":
+        return 1.0
     if cfg.schedule == "cosine":
         progress = min((step - cfg.warmup_iters) / max(cfg.max_iters - cfg.warmup_iters, 1), 1.0)
         return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -234,24 +260,44 @@ def _schedule(step, cfg):
     if step < decay_start:
         return 1.0
     progress = min((step - decay_start) / max(cfg.max_iters - decay_start, 1), 1.0)
-    return 1.0 - (1 - cfg.min_lr_frac) * progress  # linear decay to min_lr
+    return 1.0 - (1 - cfg.min_lr_frac) * progress  # linear decay to min_lr (wsd, moderate)
+
+
+def avg_interval(cfg):
+    """Steps between the snapshots checkpoint averaging takes: --avg_interval, or by default the last decay_frac
+    of the run split into avg_checkpoints intervals (averaging stands in for a WSD decay over that window)."""
+    return cfg.avg_interval or max(1, round(cfg.decay_frac * cfg.max_iters / max(cfg.avg_checkpoints, 1)))
 
 
 def lambda_at(step, cfg):
-    """lambda = min(step / lambda_warmup_steps, 1); 0 = full precision, 1 = ternary.
+    """lambda = clip((step - quant_start) / lambda_warmup_steps, 0, 1); 0 = full precision, 1 = ternary.
     Stage 3 starts from an already ternary student, so lambda is 1 throughout."""
-    if cfg.stage >= 3 or cfg.lambda_warmup_steps <= 0:
+    if cfg.stage >= 3:
         return 1.0
-    return min(step / cfg.lambda_warmup_steps, 1.0)
+    start = quant_start_step(cfg)
+    if step < start:
+        return 0.0  # the 16-bit phase of continual QAT
+    if cfg.lambda_warmup_steps <= 0:
+        return 1.0
+    return min((step - start) / cfg.lambda_warmup_steps, 1.0)
+
+
+def quant_start_step(cfg):
+    """--quant_start as a step: a fraction of max_iters when below 1, else the step itself."""
+    q = cfg.quant_start
+    return round(q * cfg.max_iters) if q < 1 else int(q)
 
 
 def resolve_data(cfg):
     """The shard directories and mixing weights; prepares the shipped corpus the first time."""
     if not cfg.data:
         root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"shakespeare_{cfg.tokenizer}")
-        if not os.path.exists(os.path.join(root, "meta.json")):
+        scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
+        if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
+                                                                    not os.path.exists(scores)):
             import prepare  # ingestion: only the first run needs it
-            print(f"no shards in {root}; tokenising the shipped corpus (once)")
+            print(f"no shards{'' if os.path.exists(root) else ' or no difficulty scores'} in {root}; tokenising "
+                  f"the shipped corpus (once)")
             prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root)
         return {root: 1.0}
     sources = parse_data(cfg.data)
@@ -277,7 +323,9 @@ def make_loaders(cfg, rt, resume):
         rt.barrier()
         if rt.local_rank != 0:
             sources = resolve_data(cfg)
-        train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
+        span = cfg.max_iters * cfg.batch_size * cfg.grad_accum  # the rows this run reads: one curriculum block
+        train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed,
+                                       order=cfg.data_order, span=span)
         val_loader = data.DataLoader(sources, "val", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
         if resume is not None:
             train_loader.load_state_dict(resume["loader"])

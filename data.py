@@ -2,8 +2,10 @@
 Binary token shards and the loader that streams (B, T) batches from them.
 
 A corpus is tokenised once (prepare.py) into shards; training reads windows of T+1 consecutive tokens straight
-from np.memmap, so loading costs nothing and the loader's position is two integers per source (shard index,
-offset) that a checkpoint saves. The format is llm.c's (dev/data/data_common.py), in full in docs/shard-format.md:
+from np.memmap, so loading costs nothing and the loader's position is one window counter per source that a
+checkpoint saves. The windows come in shard order, shuffled, or easy-to-hard (a curriculum, after Luo et al.,
+arXiv 2511.18903: sort the data by a score, here each chunk's zlib compression ratio written by prepare.py,
+and read it in ascending order). The format is llm.c's (dev/data/data_common.py), in full in docs/shard-format.md:
     header: 256 little-endian int32 = [20240520 (magic), version, n_tokens, 0, ..., 0]
     tokens: n_tokens little-endian uint16 (version 1, vocabulary <= 65536) or uint32 (version 2)
 Version 1 is llm.c's GPT-2 shard byte for byte; version 2 is ours (llm.c marks its uint32 shards with another magic).
@@ -24,6 +26,7 @@ import json
 import os
 import re
 import sys
+import zlib
 
 import numpy as np
 import torch
@@ -77,17 +80,24 @@ class DataLoader:
     """Streams (x, y) batches of shape (B, T) from the {split}_*.bin shards of one or more directories.
 
     sources: a directory, or a dict {directory: weight} with weights > 0 (normalised).
-    Each call, one seeded np.random.Generator, the same on every rank, draws the source of each of the
-    B * world_size global rows, so all ranks agree without talking. Within a source, rows are consecutive
-    windows of its token stream: its j-th row of the call starts at pos + j*T and reads T+1 tokens (x = the
-    first T, y = the last T); rank r keeps global rows r*B .. (r+1)*B - 1; each source then advances by
-    (its rows)*T. A window that would run past the end of its shard moves that source to the next shard at
-    offset 0 (after the last shard, the first), dropping the tail. The state, (shard index, offset) per source
-    plus the RNG, is the same on every rank, so one rank's state_dict() resumes them all exactly.
+    A source is cut into windows of T+1 tokens starting at 0, T, 2T, ... of each shard (a shard's tail too
+    short for a window is dropped), numbered in shard order. Each call, one seeded np.random.Generator, the same
+    on every rank, draws the source of each of the B * world_size global rows; the source's next window in its
+    `order` fills the row (x = the first T tokens, y = the last T); rank r keeps global rows r*B .. (r+1)*B - 1.
+    order:
+      sequential  windows in shard order, wrapping: a row's neighbours are the text that follows it
+      shuffle     each epoch a seeded permutation of the windows (nanoGPT samples random offsets instead)
+      curriculum  the shuffled windows, each consecutive block of `span` of them sorted easy-to-hard by the
+                  difficulty scores prepare.py wrote (difficulty()); span = the rows a run draws, so a
+                  curriculum run reads exactly the windows a shuffled run reads, only in another order
+    The state, one window counter per source plus the RNG, is the same on every rank, so one rank's
+    state_dict() resumes them all exactly.
     """
 
-    def __init__(self, sources, split, B, T, rank=0, world_size=1, seed=1337):
+    def __init__(self, sources, split, B, T, rank=0, world_size=1, seed=1337, order="sequential", span=0):
         sources = _check_sources(sources, rank, world_size)
+        if order not in ORDERS:
+            raise ValueError(f"unknown data order {order!r}; expected one of {', '.join(ORDERS)}")
         self.dirs = list(sources)
         self.weights = np.array([float(w) for w in sources.values()]) / sum(sources.values())
         self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
@@ -97,14 +107,48 @@ class DataLoader:
                         for ps, ids in zip(self.shards, self.identities)]
         _check_meta(self.dirs, split, self.lengths)
         _check_block_size(self.shards, self.lengths, T)
+        self.windows = [_windows(ns, T) for ns in self.lengths]  # per source: (shard index, offset) arrays
+        self.scores = [window_difficulty(p, ns, T) for p, ns in zip(self.shards, self.lengths)] \
+            if order == "curriculum" else None
+        self.order, self.span = order, span
         self.reset()
 
     def reset(self):
         """Back to the start of every source with a re-seeded RNG (used to evaluate on val). Shards are mapped
         again, so shards that prepare.py replaced since raise DataChanged at the next batch."""
-        self.pos = [[0, 0] for _ in self.dirs]  # per source: [shard index, offset]
+        self.cursor = [0] * len(self.dirs)  # per source: how many of its windows were read
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
         self._mapped = [(None, None)] * len(self.dirs)  # per source: (shard index, memmap)
+        self._block = [(None, None)] * len(self.dirs)   # per source: (block number, its window numbers)
+
+    def window(self, s, j):
+        """Window number of the j-th row that source s gives, in this loader's order."""
+        n = len(self.windows[s][0])
+        if self.order == "sequential":
+            return j % n
+        span = n if self.order == "shuffle" else self.span_of(s)
+        b, i = divmod(j, span)
+        if self._block[s][0] != b:
+            ids = self._shuffled(s, np.arange(b * span, (b + 1) * span))
+            if self.order == "curriculum":  # easy to hard; ties keep the shuffled order
+                ids = ids[np.argsort(self.scores[s][ids], kind="stable")]
+            self._block[s] = (b, ids)
+        return int(self._block[s][1][i])
+
+    def _shuffled(self, s, m):
+        """Window numbers at positions m of source s's shuffled stream: epoch e is a permutation seeded by
+        (seed, source, e), so every rank and every resume draws the same one."""
+        n = len(self.windows[s][0])
+        out = np.empty(len(m), dtype=np.int64)
+        for e in np.unique(m // n):
+            at = m // n == e
+            out[at] = np.random.Generator(np.random.PCG64([self.seed, s, int(e)])).permutation(n)[m[at] % n]
+        return out
+
+    def span_of(self, s):
+        """Curriculum block of source s: its share of span rows (span 0: one epoch)."""
+        n = len(self.windows[s][0])
+        return max(1, round(self.span * self.weights[s])) if self.span else n
 
     def _tokens(self, s, k):
         if self._mapped[s][0] != k:  # map only the current shard of each source, and only the file first opened
@@ -116,12 +160,11 @@ class DataLoader:
         src = self.rng.choice(len(self.dirs), size=B * self.world_size, p=self.weights)  # (B*world_size,)
         rows = []
         for g, s in enumerate(src):
-            k, off = self.pos[s]
-            if off + T + 1 > self.lengths[s][k]:  # drop the shard's tail, go on in the next one (wrapping)
-                k, off = (k + 1) % len(self.shards[s]), 0
-            if self.rank * B <= g < (self.rank + 1) * B:
+            j, self.cursor[s] = self.cursor[s], self.cursor[s] + 1
+            if self.rank * B <= g < (self.rank + 1) * B:  # this rank's rows; every rank counts all of them
+                w = self.window(s, j)
+                k, off = int(self.windows[s][0][w]), int(self.windows[s][1][w])
                 rows.append(self._tokens(s, k)[off:off + T + 1])
-            self.pos[s] = [k, off + T]
         buf = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
         x = buf[:, :-1].contiguous()  # (B, T)
         y = buf[:, 1:].contiguous()  # (B, T) next-token targets
@@ -130,13 +173,68 @@ class DataLoader:
     def state_dict(self):
         # plain Python types only: it loads inside a checkpoint with torch.load(weights_only=True)
         return {"dirs": [os.path.basename(os.path.normpath(d)) for d in self.dirs], "split": self.split,
-                "pos": [[int(k), int(off)] for k, off in self.pos], "rng": self.rng.bit_generator.state}
+                "order": self.order, "span": int(self.span), "cursor": [int(j) for j in self.cursor],
+                "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, sd):
-        _check_state(self, sd)
+        sd = _check_state(self, sd)
         self.reset()
-        self.pos = [[int(k), int(off)] for k, off in sd["pos"]]
+        self.span = sd["span"]  # a resumed run keeps its curriculum blocks, even with another --max_iters
+        self.cursor = [int(j) for j in sd["cursor"]]
         self.rng.bit_generator.state = sd["rng"]
+
+
+ORDERS = ("sequential", "shuffle", "curriculum")
+
+
+def _windows(lengths, T):
+    """(shard index, offset) of every window of T+1 tokens in shards of these lengths, in shard order."""
+    ks = [np.full((n - 1) // T, k) for k, n in enumerate(lengths)]
+    offs = [np.arange((n - 1) // T) * T for n in lengths]
+    return np.concatenate(ks).astype(np.int64), np.concatenate(offs).astype(np.int64)
+
+# -----------------------------------------------------------------------------
+# difficulty: what the curriculum sorts by
+
+DIFFICULTY_CHUNK = 256  # tokens per difficulty score
+
+
+def difficulty(tokens, decode_bytes, chunk=DIFFICULTY_CHUNK):
+    """Difficulty of each chunk of `chunk` tokens: the zlib compression ratio of its text, compressed bytes /
+    raw bytes (the eot token carries no text). Text that repeats itself (refrains, lists of names, short
+    exchanges) compresses well and scores low, 'easy'; dense, varied text scores high. It needs no model, so
+    prepare.py computes it once, deterministically, and prints how long that took; a small reference model's
+    loss is the costlier alternative (it ranks by what one model finds hard, and must exist first).
+    decode_bytes: token ids -> bytes (the tokenizer's)."""
+    out = np.empty(-(-len(tokens) // chunk), dtype=np.float32)
+    for c in range(len(out)):
+        raw = decode_bytes(tokens[c * chunk:(c + 1) * chunk])
+        out[c] = len(zlib.compress(raw, 9)) / len(raw) if raw else 0.0
+    return out
+
+
+def difficulty_path(shard):
+    return shard[:-len(".bin")] + ".difficulty.npy"
+
+
+def window_difficulty(shards, lengths, T):
+    """Per window (as _windows numbers them): the mean difficulty of the chunks its T inputs touch (one chunk
+    when T is a multiple of DIFFICULTY_CHUNK)."""
+    out = []
+    for path, n in zip(shards, lengths):
+        try:
+            chunks = np.load(difficulty_path(path))
+        except (OSError, ValueError):
+            raise ValueError(f"{difficulty_path(path)}: missing or unreadable, and the curriculum order needs it "
+                             f"(shards prepared before difficulty scores existed?); {_remake_hint(path)}") from None
+        if len(chunks) != -(-n // DIFFICULTY_CHUNK):
+            raise ValueError(f"{difficulty_path(path)}: {len(chunks)} scores for {n} tokens in chunks of "
+                             f"{DIFFICULTY_CHUNK}: not this shard's; {_remake_hint(path)}")
+        csum = np.concatenate([[0.0], np.cumsum(chunks, dtype=np.float64)])
+        off = np.arange((n - 1) // T) * T
+        first, last = off // DIFFICULTY_CHUNK, (off + T - 1) // DIFFICULTY_CHUNK  # chunks of its inputs x
+        out.append((csum[last + 1] - csum[first]) / (last + 1 - first))
+    return np.concatenate(out)
 
 # -----------------------------------------------------------------------------
 # tokenisers
@@ -158,7 +256,11 @@ class ByteTokenizer:
 
     def decode(self, ids):
         # eot (or any id >= 256) is not a byte: drop it rather than fail in the middle of a sample
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids):
+        ids = np.asarray(ids)
+        return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()
 
 
 class GPT2Tokenizer:
@@ -180,6 +282,9 @@ class GPT2Tokenizer:
 
     def decode(self, ids):
         return self.enc.decode(list(ids), errors="replace")
+
+    def decode_bytes(self, ids):
+        return self.enc.decode_bytes([int(i) for i in ids if i != self.eot])
 
 
 _tokenizers = {}  # loading the gpt2 ranks takes a moment: build each tokenizer once
@@ -364,14 +469,26 @@ def _check_not_mid_swap(d):
 
 
 def _check_state(loader, sd):
+    """The state, checked against this loader; a state from before data orders existed ("pos": shard and
+    offset per source, sequential) is converted. Returns it."""
     names = [os.path.basename(os.path.normpath(d)) for d in loader.dirs]
     if sd["dirs"] != names or sd["split"] != loader.split:
         raise ValueError(f"loader state is for {sd['split']} of {sd['dirs']} but this loader reads {loader.split} "
                          f"of {names}; resume with the same sources in the same order")
-    for s, (k, off) in enumerate(sd["pos"]):
-        if not 0 <= k < len(loader.shards[s]):
-            raise ValueError(f"loader state points at shard {k} of {loader.dirs[s]}, which has "
-                             f"{len(loader.shards[s])} {loader.split} shards; was the data prepared again?")
+    if "pos" in sd:  # [shard, offset] per source: the window at that place, in shard order
+        for s, (k, off) in enumerate(sd["pos"]):
+            if not 0 <= k < len(loader.shards[s]):
+                raise ValueError(f"loader state points at shard {k} of {loader.dirs[s]}, which has "
+                                 f"{len(loader.shards[s])} {loader.split} shards; was the data prepared again?")
+        first = [np.concatenate([[0], np.cumsum([(n - 1) // loader.T for n in ns])]) for ns in loader.lengths]
+        sd = dict(sd, order="sequential", span=0, cursor=[int(first[s][k]) + off // loader.T
+                                                           for s, (k, off) in enumerate(sd["pos"])])
+    if sd["order"] != loader.order:
+        raise ValueError(f"loader state is for --data_order={sd['order']}, but this run asks for "
+                         f"{loader.order}; resume with --data_order={sd['order']}")
+    if len(sd["cursor"]) != len(loader.dirs) or min(sd["cursor"]) < 0:
+        raise ValueError(f"loader state {sd['cursor']} does not fit the {len(loader.dirs)} source(s) of this run")
+    return sd
 
 # -----------------------------------------------------------------------------
 

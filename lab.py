@@ -50,6 +50,7 @@ class Row:
     needs: tuple = ()      # rows of the same seed that must finish first
     needs_next: tuple = ()  # rows of the next seed (wrapping) that must finish first
     prepare: object = None  # optional fn(lab, seed) run before the row (e.g. writing teacher data)
+    score: str = checkpoint.LATEST  # the file of the run that is scored (avg.pt: its checkpoint average)
 
 
 @dataclass
@@ -60,6 +61,10 @@ class Table:
     baseline: str = ""     # the row every other row is compared with
     reference: str = ""    # the row whose gap to the baseline a technique should close
     notes: list = field(default_factory=list)
+    steps_label: str = "step"  # the x axis of the val curves
+    no_curve: tuple = ()   # rows left out of the curve plot
+    x: dict = field(default_factory=dict)  # row -> a number: also plot final val loss against it (<table>_final.png)
+    x_label: str = ""
 
 # -----------------------------------------------------------------------------
 # the tables
@@ -96,7 +101,8 @@ def _distill_table():
     return Table("distill", "BitDistill stage 3 against plain training, equal student budget", rows,
                  baseline="control", reference="teacher",
                  notes=[f"teacher: {teacher_steps} fp steps of 16 x 256 tokens; student: the teacher's step-"
-                        f"{student_init} checkpoint, 600 ternary steps (stage 2), then {stage3} steps per stage-3 row"])
+                        f"{student_init} checkpoint, 600 ternary steps (stage 2), then {stage3} steps per stage-3 row"],
+                 steps_label="stage-3 step", no_curve=("teacher", "student"))
 
 
 def _write_teacher_data(lab, seed):
@@ -114,7 +120,39 @@ def _write_teacher_data(lab, seed):
     prepare.prepare([jsonl], tokenizer="byte", out_dir=out)
 
 
-TABLES = {"distill": _distill_table}
+def _switch_table():
+    """Continual QAT (Nielsen et al., arXiv 2502.11895): when should a run go from 16-bit to ternary?"""
+    common = "--init_from=scratch --schedule=wsd --lambda_warmup_steps=30"  # one stage-2 run of 600 steps each
+    rows = [Row("ternary", "ternary from step 0", f"--stage=2 {common}")]
+    for pct in (25, 50, 75, 90):
+        rows.append(Row(f"switch{pct}", f"16-bit, ternary from {pct}% (step {6 * pct})",
+                        f"--stage=2 {common} --quant_start={pct / 100}"))
+    rows.append(Row("fp", "16-bit throughout (stage 1, the reference)", f"--stage=1 {common}"))
+    return Table("switch", "when to go ternary: one run, 16-bit first, ternary from the switch point", rows,
+                 baseline="ternary", reference="fp",
+                 notes=["every row: 600 steps of 16 x 256 tokens from scratch, WSD schedule, lambda ramping over 30 "
+                        "steps from the switch; the optimizer state carries over the switch"],
+                 x={"ternary": 0.0, "switch25": 0.25, "switch50": 0.5, "switch75": 0.75, "switch90": 0.9, "fp": 1.0},
+                 x_label="switch to ternary at (fraction of the run; 1 = never)")
+
+
+def _curriculum_table():
+    """Curriculum x schedule (Luo et al., arXiv 2511.18903) on the ternary model."""
+    schedules = [("wsd", "WSD decay to 0.1", "--schedule=wsd", checkpoint.LATEST),
+                 ("moderate", "moderate decay (WSD to 1/3)", "--schedule=moderate", checkpoint.LATEST),
+                 ("avg", "constant LR + average of the last 6 checkpoints", "--schedule=constant --avg_checkpoints=6",
+                  checkpoint.AVERAGED)]
+    rows = [Row(f"{order}_{name}", f"{'easy-to-hard' if order == 'curriculum' else 'random'} order, {label}",
+                f"--stage=2 --init_from=scratch --data_order={order} {flags}", score=score)
+            for name, label, flags, score in schedules for order in ("shuffle", "curriculum")]
+    return Table("curriculum", "curriculum (easy-to-hard by zlib ratio) x LR schedule, ternary stage 2", rows,
+                 baseline="shuffle_wsd",
+                 notes=["every row: stage 2 from scratch, 600 steps of 16 x 256 tokens; both orders read the same "
+                        "windows (the curriculum sorts the shuffled ones); the averaging rows are scored on avg.pt "
+                        "(snapshots every 20 steps over the last 100)"])
+
+
+TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table}
 
 # -----------------------------------------------------------------------------
 # scoring: the whole val split
@@ -221,10 +259,10 @@ class Lab:
             tail = open(os.path.join(d, "train.log")).read().splitlines()[-5:]
             raise RuntimeError(f"{row.name} seed {seed} failed (exit {code}); last lines of {d}/train.log:\n  " +
                                "\n  ".join(tail))
-        loss, n = full_val_loss(os.path.join(d, checkpoint.LATEST), self.shipped)
+        loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
         recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
         steps = [r for r in recs if "ms" in r]
-        res = {"row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "argv": cmd[1:],
+        res = {"row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": row.score, "argv": cmd[1:],
                "steps": max((r["step"] for r in steps), default=0),
                "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
                "wall_s": time.time() - t0, "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]}
@@ -278,16 +316,28 @@ class Lab:
         fig, ax = plt.subplots(figsize=(8, 5))
         for row in self.table.rows:
             curves = [r["curve"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
-            if not curves or row.name in ("teacher", "student"):
+            if not curves or row.name in self.table.no_curve:
                 continue
             steps = [p[0] for p in curves[0]]
             mean = [statistics.mean(c[i][1] for c in curves if i < len(c)) for i in range(len(steps))]
             ax.plot(steps, mean, marker="o", label=row.name)
-        ax.set_xlabel("stage-3 step")
+        ax.set_xlabel(self.table.steps_label)
         ax.set_ylabel("val loss (sampled evals, mean over seeds)")
         ax.legend()
         fig.savefig(path, dpi=100)
         print(f"[lab] wrote {path}")
+        summ = self.summary()
+        pts = [(x, summ[r]) for r, x in self.table.x.items() if summ[r]["mean"] is not None]
+        if pts:  # final whole-val loss against a row's number (e.g. the switch point), with 1-std error bars
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.errorbar([x for x, _ in pts], [s["mean"] for _, s in pts], yerr=[s["std"] or 0 for _, s in pts],
+                        marker="o", capsize=4)
+            ax.set_xlabel(self.table.x_label)
+            ax.set_ylabel("final val loss, whole val split (mean ± std)")
+            fig.tight_layout()
+            final = path[:-len(".png")] + "_final.png"
+            fig.savefig(final, dpi=100)
+            print(f"[lab] wrote {final}")
 
 
 def fmt(s):

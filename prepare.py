@@ -3,7 +3,8 @@ Tokenise a corpus once into the binary shards that data.py's DataLoader streams 
 
 Document i (in source order, empty documents skipped) goes to val iff i % val_every == val_every - 1, so the split
 is by document and the same corpus always gives byte-identical shards. Each document is written as [eot] + tokens
-into {train,val}_000.bin, ... of exactly shard_tokens tokens (the last shorter), plus a meta.json. The dataset is
+into {train,val}_000.bin, ... of exactly shard_tokens tokens (the last shorter), each with its difficulty scores
+(<shard>.difficulty.npy, data.difficulty: what --data_order=curriculum sorts by), plus a meta.json. The dataset is
 built in a temporary directory beside out_dir, which then replaces out_dir whole (_swap), so a failed, stopped or
 killed run leaves an older dataset intact, and a loader never sees a mix of two runs.
 
@@ -83,9 +84,10 @@ def _chunks(docs, max_chars=1 << 22, max_docs=1024):
 class _ShardWriter:
     """Writes one split's documents as {split}_000.bin, ... of exactly shard_tokens tokens (the last shorter)."""
 
-    def __init__(self, out_dir, split, dtype, shard_tokens):
+    def __init__(self, out_dir, split, dtype, shard_tokens, decode_bytes):
         self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
-        self.buf, self.nbuf, self.nshards, self.ntok, self.ndocs = [], 0, 0, 0, 0
+        self.decode_bytes = decode_bytes  # for the difficulty scores the curriculum order sorts by
+        self.buf, self.nbuf, self.nshards, self.ntok, self.ndocs, self.score_s = [], 0, 0, 0, 0, 0.0
 
     def add(self, doc):  # doc: (1 + len(tokens),) = [eot] + tokens
         self.buf.append(doc)
@@ -95,7 +97,11 @@ class _ShardWriter:
 
     def _flush(self, n):
         flat = np.concatenate(self.buf)
-        data.write_shard(os.path.join(self.out_dir, f"{self.split}_{self.nshards:03d}.bin"), flat[:n], self.dtype)
+        path = os.path.join(self.out_dir, f"{self.split}_{self.nshards:03d}.bin")
+        data.write_shard(path, flat[:n], self.dtype)
+        t0 = time.time()
+        np.save(data.difficulty_path(path), data.difficulty(flat[:n], self.decode_bytes))
+        self.score_s += time.time() - t0
         self.buf, self.nbuf, self.nshards = [flat[n:]], len(flat) - n, self.nshards + 1
 
     def close(self):
@@ -123,7 +129,7 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
         os.makedirs(os.path.dirname(real), exist_ok=True)
         _recover(real)  # what killed runs left beside it
         tmp_dir = _make_tmp_dir(real)
-        train, val = (_ShardWriter(tmp_dir, split, dtype, shard_tokens) for split in ("train", "val"))
+        train, val = (_ShardWriter(tmp_dir, split, dtype, shard_tokens, tok.decode_bytes) for split in ("train", "val"))
         i, held = 0, None  # held: the latest train document, kept back in case it must be the only val one
         for chunk in _chunks(iter_documents(paths)):
             for ids in tok.encode_batch(chunk):  # batched: tiktoken encodes the chunk on all threads
@@ -144,7 +150,8 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
         n_train, n_val = train.close(), val.close()
         meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, dtype=np.dtype(dtype).name,
                     n_docs_train=train.ndocs, n_docs_val=val.ndocs, train_tokens=train.ntok, val_tokens=val.ntok,
-                    train_shards=n_train, val_shards=n_val, sources=paths, val_every=val_every)
+                    train_shards=n_train, val_shards=n_val, sources=paths, val_every=val_every,
+                    difficulty=f"zlib compression ratio per {data.DIFFICULTY_CHUNK} tokens, <shard>.difficulty.npy")
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
         _swap(tmp_dir, real)
@@ -156,7 +163,8 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
             shutil.rmtree(tmp_dir, ignore_errors=True)
     print(f"{tok.name} tokens of {len(paths)} file(s) -> {out_dir} in {time.time() - t0:.1f}s\n"
           f"  train: {train.ndocs:,} docs, {train.ntok:,} tokens, {n_train} shard(s)\n"
-          f"  val:   {val.ndocs:,} docs, {val.ntok:,} tokens, {n_val} shard(s)")
+          f"  val:   {val.ndocs:,} docs, {val.ntok:,} tokens, {n_val} shard(s)\n"
+          f"  difficulty scores (zlib ratio per {data.DIFFICULTY_CHUNK} tokens): {train.score_s + val.score_s:.1f}s")
     return out_dir
 
 
@@ -235,7 +243,7 @@ def _check_out_dir(out_dir):
     if os.path.exists(real) and not os.path.isdir(real):
         raise ValueError(f"{out_dir}: exists and is not a directory; pass a new directory, or an earlier "
                          f"prepare.py output, as --out_dir")
-    ours = re.compile(r"meta\.json|(train|val)_\d+\.bin")
+    ours = re.compile(r"meta\.json|(train|val)_\d+\.(bin|difficulty\.npy)")
     other = sorted(n for n in (os.listdir(real) if os.path.isdir(real) else []) if not ours.fullmatch(n))
     if other:
         raise ValueError(f"{out_dir}: also holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which "

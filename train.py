@@ -23,6 +23,7 @@ skipped. Metrics go to out/stage<N>/metrics.jsonl; the first run tokenises the s
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
+import copy
 import dataclasses
 import math
 import os
@@ -34,8 +35,10 @@ import torch
 
 import checkpoint
 import data
-from config import (TrainConfig, build_config, check_run, lambda_at, lr_mult, make_loaders,  # noqa: F401
-                    make_teachers, model_config, parse_args, resolve_data, teacher_paths)
+from averaging import CheckpointAverage
+from config import (TrainConfig, avg_interval, build_config, check_run, lambda_at, lr_mult,  # noqa: F401
+                    make_loaders, make_teachers, model_config, parse_args, quant_start_step, resolve_data,
+                    teacher_paths)
 from distill import match_layers
 from model import GPT
 from muon import configure_muon
@@ -169,6 +172,7 @@ class Run:
     autocast: object = None
     accum: int = 1               # micro-batches per step on this rank
     start: Start = None
+    average: CheckpointAverage = None  # --avg_checkpoints: the average of the last checkpoints
     unlock: object = None        # releases out_dir's lock (rank 0)
 
     @property
@@ -222,12 +226,24 @@ def build(run, resume, teachers):
     if run.start.ckpt is not None:
         checkpoint.load_weights(run.model, run.start.ckpt["model"], run.start.path, run.start.insert_subln)
     rt.log(run.start.note)
+    if cfg.quant_start:
+        q = quant_start_step(cfg)
+        rt.log(f"continual QAT: full precision for steps 0..{q - 1}, then ternary, lambda reaching 1 at step "
+               f"{q + cfg.lambda_warmup_steps}; the optimizer state carries over")
     run.model.to(rt.device)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
     run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile)  # compiled, in DDP or FSDP2 as asked
     run.loss_fn = make_loss_fn(run, teachers)
     run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
+    if cfg.avg_checkpoints:
+        if cfg.fsdp and rt.world > 1:
+            die("--avg_checkpoints with --fsdp=True: averaging sharded weights is not implemented; use DDP", 2)
+        run.average = CheckpointAverage(cfg.avg_checkpoints, avg_interval(cfg), cfg.avg_alpha, cfg.max_iters)
+        if resume is not None and resume.get("average"):
+            run.average.load_state_dict(resume["average"], rt.device)
+        rt.log(f"checkpoint averaging: EMA (alpha {cfg.avg_alpha}) of the weights at steps "
+               f"{run.average.steps()}, saved as {os.path.join(run.out_dir, checkpoint.AVERAGED)}")
     try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
         if resume is not None:
             checkpoint.restore(resume, run.optimizer, run.clipper)
@@ -273,8 +289,13 @@ def training_loop(run):
                 evaluate = last or step % cfg.eval_interval == 0
                 if evaluate:
                     val_loss = estimate_val_loss(run)
-                    rt.log(f"step {step}: val loss {val_loss:.4f}")
-                    rt.log_json(run.out_dir, {"step": step, "val_loss": val_loss, "lambda": lam})
+                    rec = {"step": step, "val_loss": val_loss, "lambda": lam}
+                    if run.average is not None and run.average.count:  # the average, evaluated beside the weights
+                        with run.average.swapped_in(run.model):
+                            rec["val_loss_avg"] = estimate_val_loss(run)
+                    rt.log(f"step {step}: val loss {val_loss:.4f}" + (f", average of {run.average.count} "
+                           f"checkpoints {rec['val_loss_avg']:.4f}" if "val_loss_avg" in rec else ""))
+                    rt.log_json(run.out_dir, rec)
                 if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
                     save(run, step)
                     timer.reset()  # evaluation and checkpoint time are not step time
@@ -283,6 +304,8 @@ def training_loop(run):
             log_now = (step + 1) % cfg.log_interval == 0
             out = train_step(run, step, stop.requested is not None, timed=log_now)
             step += 1
+            if run.average is not None:
+                run.average.update(run.model, step)  # at its snapshot steps only
             timer.steps += 1
             n_bad, bad_run = (n_bad, 0) if out["ok"] else (n_bad + 1, bad_run + 1)
             if not out["ok"] or log_now:
@@ -405,9 +428,20 @@ def save(run, step):
             f"--lr or --muon_lr and continue from it with --resume=True")
     state = checkpoint.training_state(step, dataclasses.asdict(run.cfg), dataclasses.asdict(run.model.config),
                                       run.model, run.optimizer, run.clipper, run.train_loader)
+    averaged = None
+    if run.average is not None:
+        state["average"] = run.average.state_dict()
+        if run.average.count:  # avg.pt: a checkpoint like any other, holding the averaged weights
+            with run.average.swapped_in(run.model):
+                averaged = {k: state[k] for k in ("step", "config", "model_args")}
+                # deepcopy: on the CPU full_state's tensors ARE the parameters, which get their own weights back
+                averaged.update(model=copy.deepcopy(checkpoint.full_state(run.model.state_dict(keep_vars=True))),
+                                averaged={"steps": run.average.steps()[:run.average.count], "alpha": run.average.alpha})
     try:
         if run.rt.master:
             checkpoint.save(state, run.out_dir, run.cfg.keep_last)
+            if averaged is not None:
+                checkpoint.atomic_save(averaged, os.path.join(run.out_dir, checkpoint.AVERAGED))
     except OSError as e:  # e.g. a full disk: the atomic write left the previous checkpoint as it was
         die(f"cannot write a checkpoint to {run.out_dir}: {e.strerror}; the previous one is kept, free space "
             f"and continue with --resume=True")

@@ -380,3 +380,109 @@ def test_data_py_with_the_old_tokenising_flags_points_to_prepare_py():
     p = _python("data.py", "--tokenizer=byte")
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(err) == 1 and "python prepare.py --tokenizer=byte" in err[0], p.stderr
+
+# -----------------------------------------------------------------------------
+# data orders: shuffled and curriculum (easy-to-hard)
+
+
+def _scored(tmp_path, *shards, T=8):
+    """Shards whose windows of T have known difficulty scores: window w of the whole source scores
+    score_of(first token of w) = a fixed pseudo-random number, written as prepare.py writes them."""
+    d = _shards(tmp_path / "c", *shards)
+    for k, a in enumerate(shards):
+        a = np.asarray(a)
+        per_chunk = (a[::data.DIFFICULTY_CHUNK] * 7919 % 1000).astype(np.float32)  # one score per chunk
+        np.save(data.difficulty_path(os.path.join(d, f"train_{k:03d}.bin")), per_chunk)
+    return d
+
+
+def _row_starts(loader, n):
+    return [int(v) for _ in range(n) for v in loader.next_batch()[0][:, 0]]
+
+
+def test_shuffle_reads_every_window_once_per_epoch_in_a_seeded_order(tmp_path):
+    d = _shards(tmp_path / "a", np.arange(20), np.arange(100, 125))  # windows start at 0, 8 | 100, 108, 116
+    shuffled = data.DataLoader(d, "train", B=1, T=8, order="shuffle", seed=3)
+    a = _row_starts(shuffled, 10)
+    assert sorted(a[:5]) == sorted(a[5:]) == [0, 8, 100, 108, 116] and a[:5] != a[5:]  # new permutation each epoch
+    assert _row_starts(data.DataLoader(d, "train", B=1, T=8, order="shuffle", seed=3), 10) == a  # seeded
+    assert _row_starts(data.DataLoader(d, "train", B=1, T=8, order="shuffle", seed=4), 10) != a
+
+
+def test_curriculum_reads_the_shuffled_windows_easy_to_hard(tmp_path):
+    """Each block of span rows holds exactly the windows a shuffled loader reads in those rows, sorted by the
+    difficulty prepare.py wrote: the two orders differ only in order."""
+    C = data.DIFFICULTY_CHUNK
+    d = _scored(tmp_path, np.arange(40 * C), np.arange(40 * C, 70 * C))
+    T, span = C, 24  # one chunk per window
+    score = {int(t): float(t * 7919 % 1000) for t in range(0, 70 * C, C)}
+    cur = data.DataLoader(d, "train", B=4, T=T, order="curriculum", span=span, seed=1)
+    shuf = data.DataLoader(d, "train", B=4, T=T, order="shuffle", seed=1)
+    for block in range(3):  # 6 batches of 4 = one block of 24
+        c, s = _row_starts(cur, 6), _row_starts(shuf, 6)
+        assert sorted(c) == sorted(s)
+        assert [score[t] for t in c] == sorted(score[t] for t in c)  # ascending difficulty
+    # span 0: one block = one epoch (39 + 29 windows: a shard's last chunk has no token after it), sorted through
+    whole = _row_starts(data.DataLoader(d, "train", B=4, T=T, order="curriculum", seed=1), 17)
+    starts = [*range(0, 39 * C, C), *range(40 * C, 69 * C, C)]
+    assert sorted(whole) == starts and [score[t] for t in whole] == sorted(score[t] for t in starts)
+
+
+@pytest.mark.parametrize("order", ["shuffle", "curriculum"])
+def test_ordered_loader_is_rank_aware_and_resumes_exactly(tmp_path, order):
+    C = data.DIFFICULTY_CHUNK
+    d = _scored(tmp_path, np.arange(30 * C), np.arange(30 * C, 50 * C))
+    kw = dict(T=C // 2, order=order, span=20, seed=5)
+    ranks = [data.DataLoader(d, "train", B=2, rank=r, world_size=2, **kw) for r in range(2)]
+    single = data.DataLoader(d, "train", B=4, **kw)
+    for _ in range(15):  # crosses blocks and an epoch (99 windows of 128)
+        x = single.next_batch()[0]
+        assert torch.equal(torch.cat([ld.next_batch()[0] for ld in ranks]), x)
+    assert ranks[0].state_dict() == ranks[1].state_dict() == single.state_dict()
+    buf = io.BytesIO()
+    torch.save({"loader": single.state_dict()}, buf)
+    expected = [single.next_batch()[0] for _ in range(40)]
+    buf.seek(0)
+    fresh = data.DataLoader(d, "train", B=4, **dict(kw, span=999))  # a resumed run keeps its saved span
+    fresh.load_state_dict(torch.load(buf, weights_only=True)["loader"])
+    assert all(torch.equal(a, fresh.next_batch()[0]) for a in expected)
+
+
+def test_curriculum_refuses_shards_without_scores_and_resume_with_another_order(tmp_path):
+    d = _shards(tmp_path / "a", np.arange(100))
+    with pytest.raises(ValueError, match="difficulty.npy") as e:
+        data.DataLoader(d, "train", B=1, T=8, order="curriculum")
+    assert "prepare.py" in str(e.value)
+    with pytest.raises(ValueError, match="data order"):
+        data.DataLoader(d, "train", B=1, T=8, order="random")
+    sd = data.DataLoader(d, "train", B=1, T=8, order="shuffle").state_dict()
+    with pytest.raises(ValueError, match="--data_order=shuffle"):
+        data.DataLoader(d, "train", B=1, T=8).load_state_dict(sd)
+
+
+def test_loader_state_from_before_orders_existed_still_resumes(tmp_path):
+    """A checkpoint written before data orders kept (shard, offset) per source; it continues at that window."""
+    d = _shards(tmp_path / "a", np.arange(20), np.arange(100, 125))
+    loader = data.DataLoader(d, "train", B=1, T=8)
+    sd = {k: v for k, v in loader.state_dict().items() if k not in ("order", "span", "cursor")}
+    loader.load_state_dict(dict(sd, pos=[[1, 8]]))
+    assert _row_starts(loader, 4) == [108, 116, 0, 8]
+    loader.load_state_dict(dict(sd, pos=[[0, 16]]))  # past shard 0's last window: the next shard's first
+    assert _row_starts(loader, 1) == [100]
+
+
+def test_difficulty_is_the_zlib_ratio_of_each_chunk_and_prepare_writes_it(tmp_path):
+    import zlib
+    tok = data.get_tokenizer("byte")
+    rep, varied = b"ab" * 128, bytes(np.random.default_rng(0).integers(32, 127, 256, dtype=np.uint8))
+    scores = data.difficulty(np.frombuffer(rep + varied, dtype=np.uint8).astype(np.int64), tok.decode_bytes)
+    assert scores.tolist() == pytest.approx([len(zlib.compress(rep, 9)) / 256, len(zlib.compress(varied, 9)) / 256])
+    assert scores[0] < 0.2 < 0.8 < scores[1]  # a refrain is easy, noise is hard
+    import prepare
+    src = tmp_path / "c.jsonl"
+    src.write_text("\n".join(json.dumps({"text": t}) for t in ["la " * 500, "x", "The quick brown fox. " * 40]))
+    out = prepare.prepare([str(src)], tokenizer="byte", out_dir=str(tmp_path / "s"), val_every=2)
+    toks = data.read_shard(os.path.join(out, "train_000.bin"))
+    saved = np.load(data.difficulty_path(os.path.join(out, "train_000.bin")))
+    assert saved.tolist() == data.difficulty(np.asarray(toks), tok.decode_bytes).tolist()
+    assert len(saved) == -(-len(toks) // data.DIFFICULTY_CHUNK)

@@ -57,11 +57,18 @@ def digest(path):
 # exact resume, preemption, atomic writes, non-finite steps
 
 
-def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
+SCHEDULE_FINDINGS = ["--data_order=curriculum", "--quant_start=12", "--schedule=constant", "--avg_checkpoints=3",
+                     "--avg_interval=6"]  # the issue-12 options: the curriculum loader, continual QAT, averaging
+
+
+@pytest.mark.parametrize("extra", [[], SCHEDULE_FINDINGS], ids=["default", "curriculum+quant_start+averaging"])
+def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, extra):
     """32 steps straight, against 16 steps + SIGKILL + resume to 32. Stage 2 with Muon, ZClip (its 25-step
     warmup ends after the resume point) and 2 micro-batches per step; the LR schedule (max_iters=32) and lambda
-    depend on the step, so both runs use the same max_iters."""
-    args = ["--stage=2", *TINY, "--grad_accum=2", "--max_iters=32", "--eval_interval=32", "--checkpoint_interval=16"]
+    depend on the step, so both runs use the same max_iters. Also with the curriculum order, a switch to
+    ternary at step 12 and checkpoint averaging (snapshots at 20, 26, 32: the average straddles the resume)."""
+    args = ["--stage=2", *TINY, "--grad_accum=2", "--max_iters=32", "--eval_interval=32", "--checkpoint_interval=16",
+            *extra]
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     run(f"--out_dir={straight}", *args)
     log = str(tmp_path / "killed.log")
@@ -81,8 +88,10 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path):
     # and the whole final state: ZClip statistics (they only change a loss once a step is clipped), optimizer
     # moments, weights, loader position and RNGs
     ends = [torch.load(os.path.join(d, "stage2", "ckpt.pt"), weights_only=True) for d in (straight, killed)]
-    for key in ("model", "optimizer", "zclip", "loader", "rng", "step"):
+    for key in ("model", "optimizer", "zclip", "loader", "rng", "step") + (("average",) if extra else ()):
         assert same(ends[0][key], ends[1][key]), key
+    if extra:
+        assert ends[0]["loader"]["order"] == "curriculum" and ends[0]["average"]["count"] == 3
     assert ends[0]["zclip"]["n_seen"] == 25  # ZClip left its warmup after the resume point
 
 

@@ -1,5 +1,6 @@
 """End-to-end tests of train.py on the shipped corpus (tiny models, CPU) and of its schedules and CLI."""
 
+import dataclasses
 import math
 import os
 
@@ -246,3 +247,49 @@ def test_stage3_teacher_of_another_width_and_depth(tmp_path):
     assert all(r["ld"] > 0 and r["ad"] > 0 and r["hidden"] > 0 for r in recs)
     assert recs[-1]["loss"] == pytest.approx(recs[-1]["ce"] + recs[-1]["ld"] + 10 * recs[-1]["ad"] + recs[-1]["hidden"],
                                              rel=1e-5)
+
+
+def test_quant_start_trains_in_full_precision_then_ramps_lambda_from_the_switch():
+    """Continual QAT: lambda is 0 before --quant_start (a fraction of max_iters or a step), then ramps over
+    lambda_warmup_steps from there, not from step 0."""
+    cfg = train.TrainConfig(stage=2, max_iters=1000, lambda_warmup_steps=100, quant_start=0.5)
+    lam = [train.lambda_at(s, cfg) for s in (0, 499, 500, 550, 600, 999)]
+    assert lam == [0.0, 0.0, 0.0, 0.5, 1.0, 1.0]
+    assert train.lambda_at(250, dataclasses.replace(cfg, quant_start=200)) == 0.5  # >= 1: a step
+    assert train.lambda_at(50, dataclasses.replace(cfg, quant_start=0)) == 0.5    # 0: ternary QAT from the start
+
+
+def test_quant_start_run_is_the_fp_run_until_the_switch(tmp_path):
+    """Before the switch a stage-2 run computes what stage 1 (full precision, same seed and schedule)
+    computes, step for step; from the switch on it departs, and lambda ramps 0 -> 1 as logged."""
+    out = str(tmp_path)
+    common = [*TINY, "--max_iters=12", "--eval_interval=12", "--schedule=wsd", "--init_from=scratch", f"--out_dir={out}"]
+    run("--stage=1", *common)
+    run("--stage=2", "--quant_start=6", *common)
+    fp = [r for r in records(out, stage=1) if "loss" in r]
+    q = [r for r in records(out, stage=2) if "loss" in r]
+    assert [r["lambda"] for r in q] == [0.0] * 6 + [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]  # the lambda of step r["step"]-1
+    assert [r["loss"] for r in q[:7]] == pytest.approx([r["loss"] for r in fp[:7]], rel=1e-6, abs=0)
+    assert abs(q[9]["loss"] - fp[9]["loss"]) > 1e-4
+
+
+@pytest.mark.parametrize("flag", ["--quant_start=-1", "--quant_start=1.5", "--quant_start=nan"])
+def test_bad_quant_start_is_refused(capsys, flag):
+    assert flag in fails(capsys, "--stage=2", flag, code=2)
+
+
+def test_quant_start_outside_stage_2_is_refused(capsys):
+    assert "stage 1" in fails(capsys, "--stage=1", "--quant_start=0.5", code=2)
+
+
+def test_constant_and_moderate_schedules():
+    """constant: warmup then the peak to the end; moderate: WSD ending at 1/3 of the peak (Luo et al.'s preset),
+    its end movable with --min_lr_frac like any WSD."""
+    cfg = train.build_config({"schedule": "constant", "max_iters": 100, "warmup_iters": 10, "device": "cpu"})
+    assert [train.lr_mult(s, cfg) for s in (0, 10, 99, 100)] == [pytest.approx(1 / 11), 1.0, 1.0, 1.0]
+    cfg = train.build_config({"schedule": "moderate", "max_iters": 100, "warmup_iters": 10, "device": "cpu"})
+    assert cfg.min_lr_frac == pytest.approx(1 / 3) and train.lr_mult(100, cfg) == pytest.approx(1 / 3)
+    assert train.lr_mult(79, cfg) == 1.0 and train.lr_mult(90, cfg) == pytest.approx(1 - (2 / 3) / 2)
+    cfg = train.build_config({"schedule": "moderate", "min_lr_frac": 0.5, "max_iters": 100, "device": "cpu"})
+    assert train.lr_mult(100, cfg) == pytest.approx(0.5)
+    assert train.avg_interval(dataclasses.replace(cfg, avg_checkpoints=6, max_iters=600)) == 20  # 0.2 * 600 / 6
