@@ -32,7 +32,7 @@ case "${1:-}" in
   distill)
     $TRAIN --stage=1 --out_dir="$OUT/distill"
     $TRAIN --stage=2 --out_dir="$OUT/distill"
-    $TRAIN --stage=3 --out_dir="$OUT/distill"
+    $TRAIN --stage=3 --out_dir="$OUT/distill" --distill_preset=summarization  # the paper's preset, as first measured
     $TRAIN --stage=3 --out_dir="$OUT/distill" --distill_lambda=0 --distill_gamma=0 --run_name=control
     table "stage1 fp=$OUT/distill/stage1" "stage2 ternary=$OUT/distill/stage2" \
           "stage3 distilled=$OUT/distill/stage3" "control (stage2 + CE)=$OUT/distill/control"

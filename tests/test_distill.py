@@ -255,7 +255,7 @@ def test_mixture_weights_must_fit_the_teachers():
 
 def test_presets_and_overrides():
     assert PRESETS == {"classification": dict(lambda_ld=10.0, gamma_ad=1e5),
-                       "summarization": dict(lambda_ld=1.0, gamma_ad=1e3)}
+                       "summarization": dict(lambda_ld=1.0, gamma_ad=1e3), "logits": dict(lambda_ld=1.0, gamma_ad=0.0)}
     c = BitDistillLoss("classification")
     assert (c.lambda_ld, c.gamma_ad) == (10.0, 1e5)
     d = BitDistillLoss()

@@ -410,7 +410,7 @@ def test_shards_replaced_under_a_running_loader_stop_the_run_with_one_line(tmp_p
 
 
 @pytest.mark.parametrize("flags,facts", [
-    (["--distill_relation_heads=3"], ("--distill_relation_heads=3", "32", "--distill_relation_heads=2")),
+    (["--distill_relation_heads=3", "--distill_gamma=1"], ("--distill_relation_heads=3", "32", "--distill_relation_heads=2")),
     (["--teacher_weights=1,2"], ("--teacher_weights=1,2", "expected 1 ", "one per --teacher")),
     (["--block_size=64"], ("--block_size=64", "32", "ckpt.pt")),
 ])

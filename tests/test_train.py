@@ -86,7 +86,7 @@ def test_stage1_lowers_val_loss_then_stage2_starts_from_it(tmp_path):
 
     # stage 3: the stage-2 student distilled from the frozen stage-1 teacher; every term is logged
     p = run("--stage=3", "--max_iters=6", "--eval_interval=6", "--distill_relation_heads=2", f"--out_dir={out}",
-            *BIGGER)
+            "--distill_preset=summarization", *BIGGER)
     assert "starting from the stage-2 weights" in p.stdout
     recs3 = [r for r in records(out, stage=3) if "loss" in r]
     assert len(recs3) == 6 and all(r["lambda"] == 1.0 for r in recs3)
