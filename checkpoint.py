@@ -32,6 +32,7 @@ Test:  python -m pytest tests/test_fault.py tests/test_scale.py
 This file imports only torch, numpy and the standard library.
 """
 
+import copy
 import errno
 import os
 import random
@@ -118,6 +119,16 @@ def training_state(step, config, model_args, model, optimizer, clipper=None, loa
             "optimizer": full_state(optimizer.state_dict()),
             "zclip": full_state(clipper.state_dict()) if clipper is not None else None,
             "loader": loader.state_dict() if loader is not None else None, "rng": rng_state()}
+
+def averaged_state(state, model, average):
+    """avg.pt: the training checkpoint `state`'s step, config and model_args, with the weights of the checkpoint
+    average (averaging.CheckpointAverage) as its model, so every reader of ckpt.pt reads it too."""
+    with average.swapped_in(model):
+        # deepcopy: on the CPU full_state's tensors ARE the parameters, which get their own weights back
+        weights = copy.deepcopy(full_state(model.state_dict(keep_vars=True)))
+    return {**{key: state[key] for key in ("step", "config", "model_args")}, "model": weights,
+            "averaged": {"steps": average.steps()[:average.count], "alpha": average.alpha}}
+
 
 def restore(ckpt, optimizer, clipper=None):
     """Load the optimizer (then cut it into FSDP2 shards where the parameters are DTensors), ZClip and RNG

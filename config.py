@@ -15,7 +15,8 @@ from there, lambda = clip((step - quant_start) / lambda_warmup_steps, 0, 1); the
 
 Also: where the data comes from (resolve_data, make_loaders), the model shape (model_config), and the checks
 that need more than the config (check_run: world size, out_dir, teacher; check_teacher: stage-3 shapes),
-and stage 3's frozen teachers with their BitDistill loss (make_teachers).
+stage 3's frozen teachers with their BitDistill loss (make_teachers), the optimizer groups
+(configure_optimizer) and the checkpoint average (make_average).
 Used by train.py; test: python -m pytest tests/test_train.py
 """
 
@@ -28,8 +29,10 @@ import torch
 
 import checkpoint
 import data
+from averaging import CheckpointAverage
 from distill import BitDistillLoss
 from model import GPT, GPTConfig, precompute_rope
+from muon import configure_muon
 from runtime import die
 
 
@@ -428,3 +431,37 @@ def _load_teacher(cfg, crit, path, student_conf, device, first):
         cos, sin = precompute_rope(tconf.n_embd // tconf.n_head, tconf.block_size, tconf.rope_theta)
         teacher.rope_cos, teacher.rope_sin = cos.to(device), sin.to(device)
     return teacher
+
+
+def configure_optimizer(model, cfg, device_type, process_group=None):
+    """muon: Muon for the 2-D hidden matrices, AdamW for embeddings/head (decayed) and norm gains (not);
+    adamw: AdamW for all, weight decay on matrices only. Every group records its initial lr and wd.
+    process_group (DDP): the ranks that share out Muon's Newton-Schulz work (FSDP2 params bring their own)."""
+    fused = device_type == "cuda" and not cfg.fsdp  # fused AdamW over DTensor shards: not tried, so not used
+    if cfg.optimizer == "muon":  # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower (bench.py --muon)
+        opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr, muon_weight_decay=cfg.weight_decay,
+                             adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
+                             adamw_betas=(cfg.beta1, cfg.beta2), fused=fused, process_group=process_group,
+                             ns_dtype=torch.bfloat16 if device_type == "cuda" else torch.float32)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    for g in opt.param_groups:
+        g["initial_lr"], g["initial_wd"] = g["lr"], g["weight_decay"]
+    return opt
+
+
+def make_average(cfg, rt, resume, out_dir):
+    """--avg_checkpoints: the checkpoint average (averaging.py), restored from resume when it holds one."""
+    if not cfg.avg_checkpoints:
+        return None
+    if cfg.fsdp and rt.world > 1:
+        die("--avg_checkpoints with --fsdp=True: averaging sharded weights is not implemented; use DDP", 2)
+    average = CheckpointAverage(cfg.avg_checkpoints, avg_interval(cfg), cfg.avg_alpha, cfg.max_iters)
+    if resume is not None and resume.get("average"):
+        average.load_state_dict(resume["average"], rt.device)
+    rt.log(f"checkpoint averaging: EMA (alpha {cfg.avg_alpha}) of the weights at steps {average.steps()}, "
+           f"saved as {os.path.join(out_dir, checkpoint.AVERAGED)}")
+    return average

@@ -4,7 +4,7 @@ Binary token shards and the loader that streams (B, T) batches from them.
 A corpus is tokenised once (prepare.py) into shards; training reads windows of T+1 consecutive tokens straight
 from np.memmap, so loading costs nothing and the loader's position is one window counter per source that a
 checkpoint saves. The windows come in shard order, shuffled, or easy-to-hard (a curriculum, after Luo et al.,
-arXiv 2511.18903: sort the data by a score, here each chunk's zlib compression ratio written by prepare.py,
+arXiv 2511.18903: sort the data by a score, here each chunk's zlib compression ratio, prepare.difficulty,
 and read it in ascending order). The format is llm.c's (dev/data/data_common.py), in full in docs/shard-format.md:
     header: 256 little-endian int32 = [20240520 (magic), version, n_tokens, 0, ..., 0]
     tokens: n_tokens little-endian uint16 (version 1, vocabulary <= 65536) or uint32 (version 2)
@@ -26,7 +26,6 @@ import json
 import os
 import re
 import sys
-import zlib
 
 import numpy as np
 import torch
@@ -88,7 +87,7 @@ class DataLoader:
       sequential  windows in shard order, wrapping: a row's neighbours are the text that follows it
       shuffle     each epoch a seeded permutation of the windows (nanoGPT samples random offsets instead)
       curriculum  the shuffled windows, each consecutive block of `span` of them sorted easy-to-hard by the
-                  difficulty scores prepare.py wrote (difficulty()); span = the rows a run draws, so a
+                  difficulty scores prepare.py wrote (prepare.difficulty); span = the rows a run draws, so a
                   curriculum run reads exactly the windows a shuffled run reads, only in another order
     The state, one window counter per source plus the RNG, is the same on every rank, so one rank's
     state_dict() resumes them all exactly.
@@ -196,21 +195,7 @@ def _windows(lengths, T):
 # -----------------------------------------------------------------------------
 # difficulty: what the curriculum sorts by
 
-DIFFICULTY_CHUNK = 256  # tokens per difficulty score
-
-
-def difficulty(tokens, decode_bytes, chunk=DIFFICULTY_CHUNK):
-    """Difficulty of each chunk of `chunk` tokens: the zlib compression ratio of its text, compressed bytes /
-    raw bytes (the eot token carries no text). Text that repeats itself (refrains, lists of names, short
-    exchanges) compresses well and scores low, 'easy'; dense, varied text scores high. It needs no model, so
-    prepare.py computes it once, deterministically, and prints how long that took; a small reference model's
-    loss is the costlier alternative (it ranks by what one model finds hard, and must exist first).
-    decode_bytes: token ids -> bytes (the tokenizer's)."""
-    out = np.empty(-(-len(tokens) // chunk), dtype=np.float32)
-    for c in range(len(out)):
-        raw = decode_bytes(tokens[c * chunk:(c + 1) * chunk])
-        out[c] = len(zlib.compress(raw, 9)) / len(raw) if raw else 0.0
-    return out
+DIFFICULTY_CHUNK = 256  # tokens per difficulty score (prepare.difficulty: the zlib ratio of the chunk's text)
 
 
 def difficulty_path(shard):

@@ -4,7 +4,7 @@ Tokenise a corpus once into the binary shards that data.py's DataLoader streams 
 Document i (in source order, empty documents skipped) goes to val iff i % val_every == val_every - 1, so the split
 is by document and the same corpus always gives byte-identical shards. Each document is written as [eot] + tokens
 into {train,val}_000.bin, ... of exactly shard_tokens tokens (the last shorter), each with its difficulty scores
-(<shard>.difficulty.npy, data.difficulty: what --data_order=curriculum sorts by), plus a meta.json. The dataset is
+(<shard>.difficulty.npy, difficulty(): what --data_order=curriculum sorts by), plus a meta.json. The dataset is
 built in a temporary directory beside out_dir, which then replaces out_dir whole (_swap), so a failed, stopped or
 killed run leaves an older dataset intact, and a loader never sees a mix of two runs.
 
@@ -81,6 +81,20 @@ def _chunks(docs, max_chars=1 << 22, max_docs=1024):
         yield chunk
 
 
+def difficulty(tokens, decode_bytes, chunk=data.DIFFICULTY_CHUNK):
+    """Difficulty of each chunk of `chunk` tokens: the zlib compression ratio of its text, compressed bytes /
+    raw bytes (the eot token carries no text). Text that repeats itself (refrains, lists of names, short
+    exchanges) compresses well and scores low, 'easy'; dense, varied text scores high. It needs no model, so
+    it is computed here once, deterministically, and prints how long that took; a small reference model's
+    loss is the costlier alternative (it ranks by what one model finds hard, and must exist first).
+    decode_bytes: token ids -> bytes (the tokenizer's)."""
+    out = np.empty(-(-len(tokens) // chunk), dtype=np.float32)
+    for c in range(len(out)):
+        raw = decode_bytes(tokens[c * chunk:(c + 1) * chunk])
+        out[c] = len(zlib.compress(raw, 9)) / len(raw) if raw else 0.0
+    return out
+
+
 class _ShardWriter:
     """Writes one split's documents as {split}_000.bin, ... of exactly shard_tokens tokens (the last shorter)."""
 
@@ -100,7 +114,7 @@ class _ShardWriter:
         path = os.path.join(self.out_dir, f"{self.split}_{self.nshards:03d}.bin")
         data.write_shard(path, flat[:n], self.dtype)
         t0 = time.time()
-        np.save(data.difficulty_path(path), data.difficulty(flat[:n], self.decode_bytes))
+        np.save(data.difficulty_path(path), difficulty(flat[:n], self.decode_bytes))
         self.score_s += time.time() - t0
         self.buf, self.nbuf, self.nshards = [flat[n:]], len(flat) - n, self.nshards + 1
 

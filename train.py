@@ -23,7 +23,6 @@ skipped. Metrics go to out/stage<N>/metrics.jsonl; the first run tokenises the s
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
-import copy
 import dataclasses
 import math
 import os
@@ -36,12 +35,11 @@ import torch
 import checkpoint
 import data
 from averaging import CheckpointAverage
-from config import (TrainConfig, avg_interval, build_config, check_run, lambda_at, lr_mult,  # noqa: F401
-                    make_loaders, make_teachers, model_config, parse_args, quant_start_step, resolve_data,
-                    teacher_paths)
+from config import (TrainConfig, avg_interval, build_config, check_run, configure_optimizer,  # noqa: F401
+                    lambda_at, lr_mult, make_average, make_loaders, make_teachers, model_config, parse_args,
+                    quant_start_step, resolve_data, teacher_paths)
 from distill import match_layers
 from model import GPT
-from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from runtime import Runtime, StepTimer, die
 from zclip import ZClip
@@ -236,14 +234,7 @@ def build(run, resume, teachers):
     run.loss_fn = make_loss_fn(run, teachers)
     run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
-    if cfg.avg_checkpoints:
-        if cfg.fsdp and rt.world > 1:
-            die("--avg_checkpoints with --fsdp=True: averaging sharded weights is not implemented; use DDP", 2)
-        run.average = CheckpointAverage(cfg.avg_checkpoints, avg_interval(cfg), cfg.avg_alpha, cfg.max_iters)
-        if resume is not None and resume.get("average"):
-            run.average.load_state_dict(resume["average"], rt.device)
-        rt.log(f"checkpoint averaging: EMA (alpha {cfg.avg_alpha}) of the weights at steps "
-               f"{run.average.steps()}, saved as {os.path.join(run.out_dir, checkpoint.AVERAGED)}")
+    run.average = make_average(cfg, rt, resume, run.out_dir)  # --avg_checkpoints, else None
     try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
         if resume is not None:
             checkpoint.restore(resume, run.optimizer, run.clipper)
@@ -335,27 +326,7 @@ def training_loop(run):
     return val_loss
 
 # -----------------------------------------------------------------------------
-# plumbing: optimizer groups, clipping, the host read, evaluation, wrapping, checkpoints, logging
-
-
-def configure_optimizer(model, cfg, device_type, process_group=None):
-    """muon: Muon for the 2-D hidden matrices, AdamW for embeddings/head (decayed) and norm gains (not);
-    adamw: AdamW for all, weight decay on matrices only. Every group records its initial lr and wd.
-    process_group (DDP): the ranks that share out Muon's Newton-Schulz work (FSDP2 params bring their own)."""
-    fused = device_type == "cuda" and not cfg.fsdp  # fused AdamW over DTensor shards: not tried, so not used
-    if cfg.optimizer == "muon":  # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower (bench.py --muon)
-        opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr, muon_weight_decay=cfg.weight_decay,
-                             adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
-                             adamw_betas=(cfg.beta1, cfg.beta2), fused=fused, process_group=process_group,
-                             ns_dtype=torch.bfloat16 if device_type == "cuda" else torch.float32)
-    else:
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
-    for g in opt.param_groups:
-        g["initial_lr"], g["initial_wd"] = g["lr"], g["weight_decay"]
-    return opt
+# plumbing: clipping, the host read, evaluation, wrapping, checkpoints, logging
 
 
 def clip_gradients(params, clipper, cfg):
@@ -431,12 +402,7 @@ def save(run, step):
     averaged = None
     if run.average is not None:
         state["average"] = run.average.state_dict()
-        if run.average.count:  # avg.pt: a checkpoint like any other, holding the averaged weights
-            with run.average.swapped_in(run.model):
-                averaged = {k: state[k] for k in ("step", "config", "model_args")}
-                # deepcopy: on the CPU full_state's tensors ARE the parameters, which get their own weights back
-                averaged.update(model=copy.deepcopy(checkpoint.full_state(run.model.state_dict(keep_vars=True))),
-                                averaged={"steps": run.average.steps()[:run.average.count], "alpha": run.average.alpha})
+        averaged = checkpoint.averaged_state(state, run.model, run.average) if run.average.count else None
     try:
         if run.rt.master:
             checkpoint.save(state, run.out_dir, run.cfg.keep_last)

@@ -473,16 +473,17 @@ def test_loader_state_from_before_orders_existed_still_resumes(tmp_path):
 
 def test_difficulty_is_the_zlib_ratio_of_each_chunk_and_prepare_writes_it(tmp_path):
     import zlib
+
+    import prepare
     tok = data.get_tokenizer("byte")
     rep, varied = b"ab" * 128, bytes(np.random.default_rng(0).integers(32, 127, 256, dtype=np.uint8))
-    scores = data.difficulty(np.frombuffer(rep + varied, dtype=np.uint8).astype(np.int64), tok.decode_bytes)
+    scores = prepare.difficulty(np.frombuffer(rep + varied, dtype=np.uint8).astype(np.int64), tok.decode_bytes)
     assert scores.tolist() == pytest.approx([len(zlib.compress(rep, 9)) / 256, len(zlib.compress(varied, 9)) / 256])
     assert scores[0] < 0.2 < 0.8 < scores[1]  # a refrain is easy, noise is hard
-    import prepare
     src = tmp_path / "c.jsonl"
     src.write_text("\n".join(json.dumps({"text": t}) for t in ["la " * 500, "x", "The quick brown fox. " * 40]))
     out = prepare.prepare([str(src)], tokenizer="byte", out_dir=str(tmp_path / "s"), val_every=2)
     toks = data.read_shard(os.path.join(out, "train_000.bin"))
     saved = np.load(data.difficulty_path(os.path.join(out, "train_000.bin")))
-    assert saved.tolist() == data.difficulty(np.asarray(toks), tok.decode_bytes).tolist()
+    assert saved.tolist() == prepare.difficulty(np.asarray(toks), tok.decode_bytes).tolist()
     assert len(saved) == -(-len(toks) // data.DIFFICULTY_CHUNK)
