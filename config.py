@@ -49,7 +49,8 @@ class TrainConfig:
     seed: int = 1337
     # data
     tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
-    data: str = ""               # shard dir, or "dirA:0.7,dirB:0.3" to mix; "" = the shipped corpus
+    data: str = ""               # shard dir or shipped corpus (shakespeare, python), or "dirA:0.7,python:0.3" to mix;
+                                 # "" = shakespeare
     data_order: str = "sequential"  # sequential | shuffle | curriculum (easy-to-hard over this run's rows)
     # model
     n_layer: int = 4
@@ -64,7 +65,8 @@ class TrainConfig:
     grad_accum: int = 1          # micro-batches per optimizer step
     max_iters: int = 600
     eval_interval: int = 200
-    eval_iters: int = 20
+    eval_iters: int = 20         # batches per source at each evaluation
+    eval_whole: bool = True      # the final evaluation reads every window of the val split once
     log_interval: int = 1
     # optimizer and schedules
     optimizer: str = "muon"      # muon (Muon for hidden matrices, AdamW for the rest) or adamw (AdamW for all)
@@ -292,19 +294,27 @@ def quant_start_step(cfg):
     return round(q * cfg.max_iters) if q < 1 else int(q)
 
 
+SHIPPED = ("shakespeare", "python")  # --data names of the corpora in data/ (prepare.CORPORA)
+
+
+def shipped_dir(name, cfg):
+    """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (prepare.py) the first time."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"{name}_{cfg.tokenizer}")
+    scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
+    if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
+                                                                not os.path.exists(scores)):
+        import prepare  # ingestion: only the first run needs it
+        print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; tokenising the "
+              f"shipped corpus {name} (once)")
+        prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root, corpus=name)
+    return root
+
+
 def resolve_data(cfg):
-    """The shard directories and mixing weights; prepares the shipped corpus the first time."""
-    if not cfg.data:
-        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", f"shakespeare_{cfg.tokenizer}")
-        scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
-        if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
-                                                                    not os.path.exists(scores)):
-            import prepare  # ingestion: only the first run needs it
-            print(f"no shards{'' if os.path.exists(root) else ' or no difficulty scores'} in {root}; tokenising "
-                  f"the shipped corpus (once)")
-            prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root)
-        return {root: 1.0}
-    sources = parse_data(cfg.data)
+    """The shard directories and mixing weights. A shipped corpus may be named instead of a directory
+    (--data=shakespeare:0.75,python:0.25) and is prepared the first time; "" = shakespeare."""
+    sources = {shipped_dir(p, cfg) if p in SHIPPED and not os.path.isdir(p) else p: w
+               for p, w in (parse_data(cfg.data) or {"shakespeare": 1.0}).items()}
     for path in sources:
         if not os.path.exists(os.path.join(path, "meta.json")):
             die(f"{path}: no meta.json; make shards with: python prepare.py --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
@@ -319,8 +329,8 @@ def resolve_data(cfg):
 
 
 def make_loaders(cfg, rt, resume):
-    """Train and val loaders over the shards (rt: runtime.Runtime); local rank 0 of each node prepares the
-    shipped corpus first. resume: a checkpoint whose loader position the train loader continues from."""
+    """The train loader and {source name: (its val loader, mixing weight)} (rt: runtime.Runtime); local rank 0
+    of each node prepares the shipped corpora first. resume: a checkpoint whose loader position the train loader continues from."""
     try:
         if rt.local_rank == 0:
             sources = resolve_data(cfg)
@@ -330,12 +340,16 @@ def make_loaders(cfg, rt, resume):
         span = cfg.max_iters * cfg.batch_size * cfg.grad_accum  # the rows this run reads: one curriculum block
         train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed,
                                        order=cfg.data_order, span=span)
-        val_loader = data.DataLoader(sources, "val", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed)
+        total = sum(sources.values())
+        names = [os.path.basename(os.path.normpath(d)) for d in sources]
+        names = names if len(set(names)) == len(names) else list(sources)  # two dirs of one name: their paths
+        val_loaders = {name: (data.DataLoader(d, "val", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed),
+                              w / total) for name, (d, w) in zip(names, sources.items())}
         if resume is not None:
             train_loader.load_state_dict(resume["loader"])
     except ValueError as e:
         die(str(e))
-    return train_loader, val_loader
+    return train_loader, val_loaders
 
 
 def model_config(cfg, vocab_size, eot):

@@ -169,6 +169,22 @@ class DataLoader:
         y = buf[:, 1:].contiguous()  # (B, T) next-token targets
         return x, y
 
+    def sweep(self):
+        """Every window of the split once, in shard order, as (x, y) batches: the whole-split evaluation.
+        Rank r reads rows r*B .. (r+1)*B - 1 of each global batch of B * world_size windows; a row past the last
+        window repeats window 0 with every target -1 (the loss ignores it), so all ranks read as many batches."""
+        if len(self.dirs) != 1:
+            raise ValueError("sweep() reads one source; make one loader per source")
+        n, B, T = len(self.windows[0][0]), self.B, self.T
+        for start in range(0, n, B * self.world_size):
+            ids = np.arange(start + self.rank * B, start + (self.rank + 1) * B)
+            rows = [self._tokens(0, int(self.windows[0][0][w]))[off:off + T + 1]
+                    for w, off in ((w, int(self.windows[0][1][w])) for w in np.where(ids < n, ids, 0))]
+            buf = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
+            x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+            y[torch.from_numpy(ids >= n)] = -1
+            yield x, y
+
     def state_dict(self):
         # plain Python types only: it loads inside a checkpoint with torch.load(weights_only=True)
         return {"dirs": [os.path.basename(os.path.normpath(d)) for d in self.dirs], "split": self.split,

@@ -65,6 +65,7 @@ class Table:
     no_curve: tuple = ()   # rows left out of the curve plot
     x: dict = field(default_factory=dict)  # row -> a number: also plot final val loss against it (<table>_final.png)
     x_label: str = ""
+    also: dict = field(default_factory=dict)  # shipped corpus -> column: also scored on its whole val split
 
 # -----------------------------------------------------------------------------
 # the tables
@@ -152,7 +153,30 @@ def _curriculum_table():
                         "(snapshots every 20 steps over the last 100)"])
 
 
-TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table}
+def _order_table():
+    """Shuffled windows against the stream read in order, on the quick start (python train.py --stage=2)."""
+    rows = [Row("sequential", "sequential: each batch 16 adjacent windows of one play", "--stage=2 --init_from=scratch "
+                "--data_order=sequential"),
+            Row("shuffle", "shuffle: each batch 16 windows from anywhere (a seeded permutation per epoch)",
+                "--stage=2 --init_from=scratch --data_order=shuffle")]
+    return Table("order", "data order on the quick-start workload (stage 2 from scratch, 600 steps)", rows,
+                 baseline="sequential", notes=["every row: the quick start's flags, 600 steps of 16 x 256 tokens"])
+
+
+def _mix_table():
+    """Prose + code mixes (the source notes' mixing by weight): the per-source trade-off."""
+    rows = [Row("prose", "Shakespeare only", "--stage=2 --init_from=scratch --data=shakespeare")]
+    rows += [Row(f"code{p}", f"Shakespeare {100 - p}% + Python {p}%",
+                 f"--stage=2 --init_from=scratch --data=shakespeare:{(100 - p) / 100},python:{p / 100}")
+             for p in (10, 25, 50)]
+    return Table("mix", "mixing a second kind of text: Shakespeare and the Python standard library", rows,
+                 baseline="prose", also={"python": "Python val loss"},
+                 notes=["every row: stage 2 from scratch, 600 steps of 16 x 256 tokens, the default data order; a mix "
+                        "draws each row's source by weight, so equal tokens in all but sources"])
+
+
+TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table,
+          "order": _order_table, "mix": _mix_table}
 
 # -----------------------------------------------------------------------------
 # scoring: the whole val split
@@ -260,9 +284,11 @@ class Lab:
             raise RuntimeError(f"{row.name} seed {seed} failed (exit {code}); last lines of {d}/train.log:\n  " +
                                "\n  ".join(tail))
         loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
+        also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name))[0] for name in self.table.also}
         recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
         steps = [r for r in recs if "ms" in r]
         res = {"row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": row.score, "argv": cmd[1:],
+               "also": also,
                "steps": max((r["step"] for r in steps), default=0),
                "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
                "wall_s": time.time() - t0, "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]}
@@ -277,9 +303,10 @@ class Lab:
         out = {}
         for row in self.table.rows:
             vals = [r["val_loss"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
-            out[row.name] = {"label": row.label, "values": vals, "n": len(vals),
-                             "mean": statistics.mean(vals) if vals else None,
-                             "std": statistics.stdev(vals) if len(vals) > 1 else None}
+            out[row.name] = {"label": row.label, **_stats(vals)}
+            for name in self.table.also:  # the other corpora's val loss of the same runs
+                out[row.name][name] = _stats([r["also"][name] for s in self.seeds
+                                              if (r := self.result(row.name, s)) is not None])
         return out
 
     def report(self):
@@ -287,10 +314,15 @@ class Lab:
         summ = self.summary()
         base = summ.get(self.table.baseline, {})
         ref = summ.get(self.table.reference, {})
-        lines = [f"| row | val loss, mean ± std ({len(self.seeds)} seeds) | vs {self.table.baseline} | "
-                 f"gap to {self.table.reference} closed |", "|---|---|---|---|"]
+        also = self.table.also
+        lines = [f"| row | val loss, mean ± std ({len(self.seeds)} seeds) | vs {self.table.baseline} | " +
+                 "".join(f"{col} | vs {self.table.baseline} | " for col in also.values()) +
+                 (f"gap to {self.table.reference} closed |" if self.table.reference else ""),
+                 "|---|---|---|" + "---|---|" * len(also) + ("---|" if self.table.reference else "")]
         for name, s in summ.items():
-            lines.append(f"| {s['label']} | {fmt(s)} | {versus(s, base)} | {closed(s, base, ref)} |")
+            lines.append(f"| {s['label']} | {fmt(s)} | {versus(s, base)} | " +
+                         "".join(f"{fmt(s[c])} | {versus(s[c], base.get(c, {}))} | " for c in also) +
+                         (f"{closed(s, base, ref)} |" if self.table.reference else ""))
         md = "\n".join(lines)
         os.makedirs(self.results, exist_ok=True)
         stem = os.path.join(self.results, self.table.name)
@@ -338,6 +370,20 @@ class Lab:
             final = path[:-len(".png")] + "_final.png"
             fig.savefig(final, dpi=100)
             print(f"[lab] wrote {final}")
+
+
+def _stats(vals):
+    return {"values": vals, "n": len(vals), "mean": statistics.mean(vals) if vals else None,
+            "std": statistics.stdev(vals) if len(vals) > 1 else None}
+
+
+def _shipped_dir(name):
+    """data/<name>_byte, the byte shards of a shipped corpus, prepared if missing (as train.py does)."""
+    d = os.path.join(ROOT, "data", f"{name}_byte")
+    if not os.path.exists(os.path.join(d, "meta.json")):
+        import prepare
+        prepare.prepare(tokenizer="byte", out_dir=d, corpus=name)
+    return d
 
 
 def fmt(s):

@@ -1,18 +1,22 @@
 """
 Tokenise a corpus once into the binary shards that data.py's DataLoader streams (format: data.py, docs/shard-format.md).
 
-Document i (in source order, empty documents skipped) goes to val iff i % val_every == val_every - 1, so the split
-is by document and the same corpus always gives byte-identical shards. Each document is written as [eot] + tokens
-into {train,val}_000.bin, ... of exactly shard_tokens tokens (the last shorter), each with its difficulty scores
-(<shard>.difficulty.npy, difficulty(): what --data_order=curriculum sorts by), plus a meta.json. The dataset is
-built in a temporary directory beside out_dir, which then replaces out_dir whole (_swap), so a failed, stopped or
+Documents are first cleaned (clean.py: quality rules for prose or code, exact and MinHash near-duplicate
+removal; --clean=prose|code|dedup|none, by default the shipped corpus's setting and none for your own files,
+the report printed). Document i (in source order, empty and removed documents skipped) goes to val iff
+i % val_every == val_every - 1, so the split is by document and the same corpus always gives byte-identical
+shards. Each document is written as [eot] + tokens into {train,val}_000.bin, ... of exactly shard_tokens tokens
+(the last shorter), each with its difficulty scores (<shard>.difficulty.npy, difficulty(): what
+--data_order=curriculum sorts by), plus a meta.json. The dataset is built in a temporary directory beside
+out_dir, which then replaces out_dir whole (_swap), so a failed, stopped or
 killed run leaves an older dataset intact, and a loader never sees a mix of two runs.
 
 Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to data/shakespeare_<tokenizer>/):
     python prepare.py --tokenizer=byte
+    python prepare.py --corpus=python       # the shipped code corpus (data/README.md) -> data/python_byte/
     python prepare.py --tokenizer=gpt2 --out_dir=data/mine corpus/*.txt more.jsonl.gz
 Sources: .txt (the whole file is one document), .jsonl / .jsonl.gz (one {"text": ...} document per line).
-Other flags: --val_every=20, --shard_tokens=100000000.
+Other flags: --val_every=20, --shard_tokens=100000000, --clean=prose|code|dedup|none.
 Test:
     python -m pytest tests/test_prepare.py
 """
@@ -35,10 +39,17 @@ import zlib
 
 import numpy as np
 
+import clean
 import data
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # shipped assets, default outputs
 SHAKESPEARE = os.path.join(DATA_DIR, "shakespeare.jsonl.gz")
+PYTHON = os.path.join(DATA_DIR, "python.jsonl.gz")
+# the shipped corpora (data/README.md): name -> (file, default --clean). The plays are deduplicated but not
+# quality-filtered: Gopher's repeated-lines rule, written for web text, would drop The Merry Wives of Windsor,
+# whose speaker names ("FALSTAFF.") are 32% of its lines (python clean.py data/shakespeare.jsonl.gz shows it)
+CORPORA = {"shakespeare": (SHAKESPEARE, "dedup"), "python": (PYTHON, "code")}
+CLEAN = ("prose", "code", "dedup", "none")  # quality rules (clean.py) + deduplication; dedup only; nothing
 
 
 def iter_documents(paths):
@@ -124,18 +135,27 @@ class _ShardWriter:
         return self.nshards
 
 
-def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_tokens=100_000_000):
-    """Tokenise sources into out_dir/{train,val}_NNN.bin and meta.json; return out_dir.
-    Document i (source order, empty documents skipped) goes to val iff i % val_every == val_every - 1; if that
-    picks none, the last document does. The new dataset is built in a temporary directory beside out_dir and
+def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_tokens=100_000_000, corpus="shakespeare",
+            clean_as=None):
+    """Tokenise sources (None: the shipped corpus named `corpus`) into out_dir/{train,val}_NNN.bin and meta.json;
+    return out_dir. clean_as: prose | code (quality rules, then exact and near-duplicate removal, clean.py),
+    dedup (only the deduplication), none; None = the shipped corpus's default, or none for your own files.
+    Document i (source order, empty and removed documents skipped) goes to val iff i % val_every == val_every - 1;
+    if that picks none, the last document does. The new dataset is built in a temporary directory beside out_dir and
     then replaces out_dir whole, so a failed run leaves an older dataset intact. A ValueError says what went
     wrong in one line (a bad source, a full disk); out_dir is then as it was."""
     t0 = time.time()
     tok = data.get_tokenizer(tokenizer)
     if val_every < 2 or shard_tokens < 1:
         raise ValueError(f"need val_every >= 2 (got {val_every}) and shard_tokens >= 1 (got {shard_tokens})")
-    paths = [SHAKESPEARE] if sources is None else _expand_sources(sources)
-    out_dir = out_dir or default_out_dir(sources, paths, tok.name)
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; shipped: {', '.join(CORPORA)}")
+    paths = [CORPORA[corpus][0]] if sources is None else _expand_sources(sources)
+    clean_as = clean_as or (CORPORA[corpus][1] if sources is None else "none")
+    if clean_as not in CLEAN:
+        raise ValueError(f"unknown cleaning {clean_as!r}; expected one of {', '.join(CLEAN)}")
+    cleaner = None if clean_as == "none" else clean.Cleaner(None if clean_as == "dedup" else clean_as)
+    out_dir = out_dir or default_out_dir(sources, paths, tok.name, corpus)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     tmp_dir = None
     try:
@@ -145,7 +165,8 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
         tmp_dir = _make_tmp_dir(real)
         train, val = (_ShardWriter(tmp_dir, split, dtype, shard_tokens, tok.decode_bytes) for split in ("train", "val"))
         i, held = 0, None  # held: the latest train document, kept back in case it must be the only val one
-        for chunk in _chunks(iter_documents(paths)):
+        docs = iter_documents(paths)
+        for chunk in _chunks(docs if cleaner is None else filter(cleaner.keep, docs)):
             for ids in tok.encode_batch(chunk):  # batched: tiktoken encodes the chunk on all threads
                 doc = np.empty(1 + len(ids), dtype=dtype)
                 doc[0], doc[1:] = tok.eot, ids  # eot first: it marks where the document starts
@@ -158,6 +179,8 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
                 i += 1
         if i < 2:  # checked before anything is written
             what = "empty corpus: no non-empty document" if i == 0 else "only one document"
+            if cleaner is not None and cleaner.removed:
+                what += f" left after cleaning ({cleaner.report()}; --clean=none keeps them all)"
             raise ValueError(f"{what} in {', '.join(paths)}; the train/val split is by document, so give at "
                              f"least 2 (e.g. several .txt files or .jsonl lines)")
         (val if val.ndocs == 0 else train).add(held)
@@ -165,6 +188,7 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
         meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, dtype=np.dtype(dtype).name,
                     n_docs_train=train.ndocs, n_docs_val=val.ndocs, train_tokens=train.ntok, val_tokens=val.ntok,
                     train_shards=n_train, val_shards=n_val, sources=paths, val_every=val_every,
+                    cleaning=cleaner.summary() if cleaner else None,
                     difficulty=f"zlib compression ratio per {data.DIFFICULTY_CHUNK} tokens, <shard>.difficulty.npy")
         with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2)
@@ -175,17 +199,20 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     finally:  # also on KeyboardInterrupt or a signal turned into an exception: no half dataset stays behind
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-    print(f"{tok.name} tokens of {len(paths)} file(s) -> {out_dir} in {time.time() - t0:.1f}s\n"
+    seconds = time.time() - t0
+    print(f"{cleaner.report() if cleaner else 'cleaning: none (--clean=prose|code|dedup to filter)'}\n"
+          f"{tok.name} tokens of {len(paths)} file(s) -> {out_dir} in {seconds:.1f}s, "
+          f"{(train.ntok + val.ntok) / seconds:,.0f} tokens/s\n"
           f"  train: {train.ndocs:,} docs, {train.ntok:,} tokens, {n_train} shard(s)\n"
           f"  val:   {val.ndocs:,} docs, {val.ntok:,} tokens, {n_val} shard(s)\n"
           f"  difficulty scores (zlib ratio per {data.DIFFICULTY_CHUNK} tokens): {train.score_s + val.score_s:.1f}s")
     return out_dir
 
 
-def default_out_dir(sources, paths, tokenizer_name):
-    """data/shakespeare_<tokenizer> for the shipped corpus, else data/<first source's stem>_<tokenizer>."""
+def default_out_dir(sources, paths, tokenizer_name, corpus="shakespeare"):
+    """data/<corpus>_<tokenizer> for a shipped corpus, else data/<first source's stem>_<tokenizer>."""
     stem = re.sub(r"\.(txt|jsonl|jsonl\.gz)$", "", os.path.basename(paths[0]))
-    return os.path.join(DATA_DIR, f"{'shakespeare' if sources is None else stem}_{tokenizer_name}")
+    return os.path.join(DATA_DIR, f"{corpus if sources is None else stem}_{tokenizer_name}")
 
 
 def tokenize_throughput(tokenizer_name):
@@ -356,15 +383,17 @@ def _on_sigterm(signum, frame):
     raise _Stopped
 
 
-def _default_for(sources, tokenizer):
+def _default_for(sources, tokenizer, corpus):
     try:
-        return default_out_dir(sources or None, _expand_sources(sources) if sources else [SHAKESPEARE], tokenizer)
+        return default_out_dir(sources or None, _expand_sources(sources) if sources else [SHAKESPEARE], tokenizer,
+                               corpus)
     except ValueError:
         return "--out_dir"
 
 
 def main(argv):
-    opts = {"tokenizer": "byte", "out_dir": None, "val_every": 20, "shard_tokens": 100_000_000}
+    opts = {"tokenizer": "byte", "out_dir": None, "val_every": 20, "shard_tokens": 100_000_000, "corpus": "shakespeare",
+            "clean": None}
     sources = [a for a in argv if not a.startswith("-")]
     for a in (a for a in argv if a.startswith("-")):
         if a in ("-h", "--help"):
@@ -373,24 +402,26 @@ def main(argv):
         key, eq, val = a[2:].partition("=")
         if key not in opts or not eq or (isinstance(opts[key], int) and not val.isdigit()):
             print(f"prepare.py: bad flag {a}; valid: --tokenizer=byte|gpt2 --out_dir=DIR --val_every=N "
-                  f"--shard_tokens=N [sources ...]", file=sys.stderr)
+                  f"--shard_tokens=N --corpus={'|'.join(CORPORA)} --clean={'|'.join(CLEAN)} [sources ...]",
+                  file=sys.stderr)
             return 2
         opts[key] = int(val) if isinstance(opts[key], int) else val
-    if opts["tokenizer"] not in data.TOKENIZERS:
-        print(f"prepare.py: unknown tokenizer {opts['tokenizer']!r}; valid: {', '.join(data.TOKENIZERS)}",
-              file=sys.stderr)
-        return 2
+    for key, valid in (("tokenizer", data.TOKENIZERS), ("corpus", CORPORA), ("clean", CLEAN)):
+        if opts[key] is not None and opts[key] not in valid:
+            print(f"prepare.py: unknown {key} {opts[key]!r}; valid: {', '.join(valid)}", file=sys.stderr)
+            return 2
     # only here, not in prepare(): train.py calls prepare() and has its own signal handling
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        out_dir = prepare(sources or None, **opts)
+        kw = {k: v for k, v in opts.items() if k != "clean"}
+        out_dir = prepare(sources or None, clean_as=opts["clean"], **kw)
     except ValueError as e:  # a bad corpus, a full disk: one line that says what to fix, not a traceback
         print(f"prepare.py: {e}", file=sys.stderr)
         return 1
     except (_Stopped, KeyboardInterrupt) as e:
         how, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, _Stopped) else ("Ctrl-C", 128 + signal.SIGINT)
-        where = opts["out_dir"] or _default_for(sources, opts["tokenizer"])
+        where = opts["out_dir"] or _default_for(sources, opts["tokenizer"], opts["corpus"])
         print(f"prepare.py: stopped by {how} before it finished; {where} keeps its previous dataset, if it had "
               f"one; run the same command again to prepare it", file=sys.stderr)
         return code

@@ -166,7 +166,7 @@ class Run:
     clipper: ZClip = None
     loss_fn: object = None
     train_loader: data.DataLoader = None
-    val_loader: data.DataLoader = None
+    val_loaders: dict = None     # source name -> (its val DataLoader, its mixing weight)
     autocast: object = None
     accum: int = 1               # micro-batches per step on this rank
     start: Start = None
@@ -218,7 +218,7 @@ def build(run, resume, teachers):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = rt.device_type == "cuda"
     dtype = ("bfloat16" if rt.device_type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype
     run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
-    run.train_loader, run.val_loader = make_loaders(cfg, rt, resume)
+    run.train_loader, run.val_loaders = make_loaders(cfg, rt, resume)
 
     run.model = GPT(conf)
     if run.start.ckpt is not None:
@@ -279,14 +279,15 @@ def training_loop(run):
             if step > start or last:
                 evaluate = last or step % cfg.eval_interval == 0
                 if evaluate:
-                    val_loss = estimate_val_loss(run)
-                    rec = {"step": step, "val_loss": val_loss, "lambda": lam}
+                    whole = last and cfg.eval_whole  # the final evaluation: every val window once
+                    val_loss, by_source = estimate_val_loss(run, whole)
+                    rec = {"step": step, "val_loss": val_loss, "lambda": lam, "whole_val": whole}
+                    if len(by_source) > 1:
+                        rec["val_loss_by_source"] = by_source
                     if run.average is not None and run.average.count:  # the average, evaluated beside the weights
                         with run.average.swapped_in(run.model):
-                            rec["val_loss_avg"] = estimate_val_loss(run)
-                    rt.log(f"step {step}: val loss {val_loss:.4f}" + (f", average of {run.average.count} "
-                           f"checkpoints {rec['val_loss_avg']:.4f}" if "val_loss_avg" in rec else ""))
-                    rt.log_json(run.out_dir, rec)
+                            rec["val_loss_avg"] = estimate_val_loss(run, whole)[0]
+                    log_eval(run, rec)
                 if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
                     save(run, step)
                     timer.reset()  # evaluation and checkpoint time are not step time
@@ -374,20 +375,41 @@ def optimizer_step(optimizer, rt, timed):
 
 
 @torch.no_grad()
-def estimate_val_loss(run):
-    """Mean loss over the first eval_iters * batch_size val rows. Each of W ranks reads its own rows of
-    eval_iters / W global batches (rounded up), so when W divides eval_iters every world size reads the same rows."""
-    model, loader = run.model, run.val_loader
+def estimate_val_loss(run, whole=False):
+    """(the mixing-weighted total, {source: val loss}): per source, the mean token loss over the first
+    eval_iters * batch_size rows of its val split, or with whole=True over every window of it once
+    (DataLoader.sweep). Each of W ranks reads its own rows of eval_iters / W global batches (rounded up), so when
+    W divides eval_iters every world size reads the same rows."""
+    model, rt = run.model, run.rt
     model.eval()
-    loader.reset()
-    iters = -(-run.cfg.eval_iters // loader.world_size)
-    losses = torch.zeros(iters, device=run.rt.device)
-    for k in range(iters):
-        x, y = loader.next_batch()
-        with run.autocast:
-            losses[k] = run.train_model(x.to(run.rt.device), y.to(run.rt.device))[1].float()
+    by_source = {}
+    for name, (loader, _) in run.val_loaders.items():
+        loader.reset()
+        iters = -(-run.cfg.eval_iters // loader.world_size)
+        batches = loader.sweep() if whole else (loader.next_batch() for _ in range(iters))
+        sums = torch.zeros(2, device=rt.device)  # (sum of token losses, tokens)
+        for x, y in batches:
+            x, y = x.to(rt.device), y.to(rt.device)
+            n = (y != -1).sum()
+            with run.autocast:
+                loss = run.train_model(x, y)[1].float()
+            sums += torch.stack([torch.where(n > 0, loss * n, 0.0), n.float()])  # an all-padding batch adds 0
+        rt.all_reduce_(sums)
+        by_source[name] = (sums[0] / sums[1]).item()
     model.train()
-    return (run.rt.all_reduce_(losses.mean()) / run.rt.world).item()
+    return sum(w * by_source[n] for n, (_, w) in run.val_loaders.items()), by_source
+
+
+def log_eval(run, rec):
+    parts = [f"step {rec['step']}: val loss {rec['val_loss']:.4f}"]
+    if "val_loss_by_source" in rec:
+        parts.append("(" + ", ".join(f"{n} {v:.4f}" for n, v in rec["val_loss_by_source"].items()) + ")")
+    if rec["whole_val"]:
+        parts.append("over the whole val split")
+    if "val_loss_avg" in rec:
+        parts.append(f"; average of {run.average.count} checkpoints {rec['val_loss_avg']:.4f}")
+    run.rt.log(" ".join(parts).replace(" ;", ";"))
+    run.rt.log_json(run.out_dir, rec)
 
 
 

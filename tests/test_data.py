@@ -164,6 +164,30 @@ def test_loader_mixing_proportions_match_weights(tmp_path):
     assert abs(from_b - n * p) < 4 * sigma
 
 
+def test_sweep_reads_every_window_once_across_ranks_padding_with_ignored_targets(tmp_path):
+    """The whole-split evaluation: 2 shards of 100 and 45 tokens give 12 + 5 windows of T+1 = 9; B=3 on 2 ranks:
+    3 global batches of 6, the last one 5 real rows and 1 padding row whose targets are all -1."""
+    d = _shards(tmp_path / "s", np.arange(100), 1000 + np.arange(45), split="val")
+    ranks = [list(data.DataLoader(d, "val", B=3, T=8, rank=r, world_size=2).sweep()) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == 3  # every rank runs as many forward passes
+    starts = [int(x[i, 0]) for r in (0, 1) for x, y in ranks[r] for i in range(len(x)) if (y[i] != -1).all()]
+    assert sorted(starts) == [8 * k for k in range(12)] + [1000 + 8 * k for k in range(5)]  # each window once
+    x, y = ranks[1][-1]
+    assert (y[2] == -1).all() and (y[:2] != -1).all() and torch.equal(y[0, :-1], x[0, 1:])
+    one = torch.cat([x for x, _ in data.DataLoader(d, "val", B=6, T=8).sweep()])
+    two = torch.cat([torch.cat([ranks[0][k][0], ranks[1][k][0]]) for k in range(3)])
+    assert torch.equal(one, two)  # the same rows as one rank with the global batch
+
+
+def test_shuffled_batch_rows_are_not_consecutive_windows(tmp_path):
+    """--data_order=shuffle: the 16 rows of a batch come from all over the split (sequential: 16 neighbours)."""
+    d = _shards(tmp_path / "a", np.arange(100_000) % 60_000)
+    for order, neighbours in (("sequential", 15), ("shuffle", 0)):
+        starts = data.DataLoader(d, "train", B=16, T=64, order=order).next_batch()[0][:, 0].numpy()
+        assert int(np.sum(np.diff(starts) == 64)) <= neighbours and (order == "shuffle" or
+                                                                    np.all(np.diff(starts) == 64))
+
+
 def test_loader_refuses_block_size_larger_than_a_shard(tmp_path):
     d = _shards(tmp_path / "a", np.arange(100), np.arange(10))
     with pytest.raises(ValueError) as e:
@@ -289,7 +313,8 @@ def test_loader_reset_for_evaluation_stops_with_data_changed_after_a_re_prepare(
 def test_shipped_assets_are_the_documented_files_inside_the_repo():
     # data/README.md lists these sums; prepare.SHAKESPEARE is checked in tests/test_prepare.py
     expected = {"gpt2.tiktoken": "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
-                "shakespeare.jsonl.gz": "9341b58f5b2795fe9e17259d9cba5c0fe5d7f9d8eab2e2db796c81d586903aeb"}
+                "shakespeare.jsonl.gz": "9341b58f5b2795fe9e17259d9cba5c0fe5d7f9d8eab2e2db796c81d586903aeb",
+                "python.jsonl.gz": "29456fd35da3476c7975cf5433899412ef7e5ce6bdd078a004b2a039bac44399"}
     assert data.GPT2_RANKS == os.path.join(ROOT, "data", "gpt2.tiktoken")
     for name, sha in expected.items():
         with open(os.path.join(ROOT, "data", name), "rb") as f:

@@ -73,6 +73,7 @@ def test_runs_every_row_and_seed_then_skips_them_and_resumes_a_stopped_one(tmp_p
     _shards(str(tmp_path / "shards"), 1000)
     t = lab.Lab(_table(), seeds=(0, 1), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
     t.shipped = str(tmp_path / "shards")
+    t.table.also = {"python": "Python val loss"}  # every run is also scored on the shipped code corpus's val split
     for r in t.table.rows:  # train on the tiny shards too
         r.args += f" --data={t.shipped}"
     logs = []
@@ -94,6 +95,10 @@ def test_runs_every_row_and_seed_then_skips_them_and_resumes_a_stopped_one(tmp_p
     summ = t.report()
     assert summ["a"]["n"] == 2 and summ["a"]["mean"] == pytest.approx(
         statistics.mean([t.result("a", s)["val_loss"] for s in (0, 1)]))
+    py = [t.result("a", s)["also"]["python"] for s in (0, 1)]
+    assert summ["a"]["python"]["mean"] == pytest.approx(statistics.mean(py))
+    assert py[0] == pytest.approx(lab.full_val_loss(os.path.join(t.run_dir("a", 0), "ckpt.pt"), lab._shipped_dir("python"))[0])
+    assert "| Python val loss | vs b |" in open(tmp_path / "results" / "t.md").read()
     assert os.path.exists(tmp_path / "results" / "t.md") and os.path.exists(tmp_path / "results" / "t.json")
     table = json.load(open(tmp_path / "results" / "t.json"))
     assert len(table["runs"]) == 6 and table["summary"]["c"]["std"] == pytest.approx(

@@ -23,7 +23,7 @@ from muon import Muon
 from zclip import ZClip
 
 ARGS = ["--stage=2", *TINY, "--max_iters=6", "--eval_interval=6", "--checkpoint_interval=3", "--keep_last=2",
-        "--grad_accum=2"]
+        "--grad_accum=2", "--eval_whole=True"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
@@ -76,6 +76,7 @@ def test_two_ranks_with_half_the_batch_match_one_rank(runs, mode):
     val = [[r["val_loss"] for r in map(json.loads, open(os.path.join(o, "stage2", "metrics.jsonl"))) if "val_loss" in r]
            for o in (out["one"], out[mode])]
     assert val[1][0] == pytest.approx(val[0][0], rel=1e-5, abs=0)  # the ranks split the same val rows
+    assert val[1][-1] == pytest.approx(val[0][-1], rel=1e-5, abs=0)  # and every window of the whole split once
     assert ("FSDP2" if mode == "fsdp" else "DDP") in procs[mode].stdout
 
 

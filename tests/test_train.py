@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train
-from conftest import TINY, fails, records, run
+from conftest import ROOT, TINY, fails, records, run
 
 BIGGER = [*TINY, "--batch_size=8", "--eval_iters=4"]  # enough tokens per step to see stage 1 learn in 60 steps
 
@@ -293,3 +293,23 @@ def test_constant_and_moderate_schedules():
     cfg = train.build_config({"schedule": "moderate", "min_lr_frac": 0.5, "max_iters": 100, "device": "cpu"})
     assert train.lr_mult(100, cfg) == pytest.approx(0.5)
     assert train.avg_interval(dataclasses.replace(cfg, avg_checkpoints=6, max_iters=600)) == 20  # 0.2 * 600 / 6
+
+
+def test_final_val_loss_is_over_the_whole_val_split_per_source_and_weighted(tmp_path):
+    """Two shipped corpora mixed 3:1: every evaluation logs each source's val loss and their 3:1 total; the
+    final one reads every val window once and equals lab.py's independent whole-split scoring of the checkpoint."""
+    import lab
+    out = str(tmp_path / "o")
+    p = run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--eval_whole=True", "--max_iters=4",
+            "--eval_interval=2", "--data=shakespeare:0.75,python:0.25")
+    evals = [r for r in records(out) if "val_loss" in r]
+    assert [r["whole_val"] for r in evals] == [False, True]
+    for r in evals:
+        by = r["val_loss_by_source"]
+        assert set(by) == {"shakespeare_byte", "python_byte"}
+        assert r["val_loss"] == pytest.approx(0.75 * by["shakespeare_byte"] + 0.25 * by["python_byte"], rel=1e-12)
+    ckpt = os.path.join(out, "stage2", "ckpt.pt")
+    for name, by in evals[-1]["val_loss_by_source"].items():
+        want, _ = lab.full_val_loss(ckpt, os.path.join(ROOT, "data", name))
+        assert by == pytest.approx(want, abs=1e-5), name
+    assert "python_byte" in p.stdout and "over the whole val split" in p.stdout

@@ -1,0 +1,146 @@
+"""clean.py: quality filters, exact and MinHash-LSH near-duplicate removal, and prepare.py's use of them."""
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import clean
+import prepare
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _words(n, seed):
+    """n distinct made-up words: every word 5-gram of the text is distinct."""
+    rng = np.random.default_rng(seed)
+    return ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 7)) + str(i) for i in range(n)]
+
+
+def _set_jaccard(a, b, n=5):
+    """Independent reference: Jaccard of the word 5-gram sets, with Python tuples."""
+    ga = {tuple(a[i:i + n]) for i in range(len(a) - n + 1)}
+    gb = {tuple(b[i:i + n]) for i in range(len(b) - n + 1)}
+    return len(ga & gb) / len(ga | gb)
+
+
+def _docs():
+    base = _words(400, 0)
+    near = list(base)
+    for i in (50, 150, 250, 350):  # 4 words changed: 20 of 396 shingles differ on each side
+        near[i] = "changed" + str(i)
+    far = base[:187] + _words(213, 1)  # shares its first 183 shingles: J = 183 / (792 - 183) = 0.30
+    return base, near, far
+
+
+def test_shingles_and_jaccard_match_an_independent_set_implementation():
+    base, near, far = _docs()
+    for other in (near, far):
+        want = _set_jaccard(base, other)
+        got = clean.jaccard(clean.shingles(" ".join(base)), clean.shingles(" ".join(other)))
+        assert got == pytest.approx(want, abs=1e-9)  # no 32-bit collision among ~800 shingles
+    assert len(clean.shingles(" ".join(base))) == 396
+    assert len(clean.shingles("Too short")) == 1  # fewer than 5 words: the whole text is one shingle
+
+
+def test_minhash_agreement_estimates_jaccard():
+    """P[sig_i(a) = sig_i(b)] = J: the fraction of agreeing rows is within 4 standard errors of J."""
+    base, near, far = _docs()
+    mh = clean.MinHash(k=512, seed=3)
+    a = mh.signature(clean.shingles(" ".join(base)))
+    for other in (near, far):
+        j = _set_jaccard(base, other)
+        agree = float(np.mean(a == mh.signature(clean.shingles(" ".join(other)))))
+        assert abs(agree - j) < 4 * math.sqrt(j * (1 - j) / 512), (agree, j)
+
+
+def test_planted_exact_and_near_duplicates_are_removed_and_a_distant_pair_is_kept():
+    base, near, far = _docs()
+    assert _set_jaccard(base, near) >= 0.9 and 0.25 < _set_jaccard(base, far) < 0.35
+    cleaner = clean.Cleaner(kind=None)  # deduplication only: these are not sentences
+    original = " ".join(base)
+    exact = "  " + original.upper().replace(" ", "\n") + " "  # same text once case and whitespace are normalised
+    kept = [cleaner.keep(t) for t in (original, exact, " ".join(near), " ".join(far))]
+    assert kept == [True, False, False, True]
+    assert cleaner.removed == {"exact duplicate": 1, "near duplicate": 1}
+    assert "4 documents in, 2 removed" in cleaner.report()
+
+
+def test_near_duplicate_threshold_is_the_exact_jaccard():
+    """With the threshold just above and just below the pair's Jaccard, the pair is kept and removed."""
+    base, near, _ = _docs()
+    j = _set_jaccard(base, near)
+    for threshold, second_kept in ((j + 0.01, True), (j - 0.01, False)):
+        c = clean.Cleaner(kind=None, threshold=threshold)
+        assert [c.keep(" ".join(base)), c.keep(" ".join(near))] == [True, second_kept]
+
+
+PROSE_JUNK = {
+    "too few words": "Click here to subscribe now!",
+    "symbols": " ".join(["#tag #more #trend ... words"] * 30),
+    "few words with letters": " ".join(["1234 5678 90123 4567 89 word"] * 40),
+    "repeated lines": "\n".join(["Buy cheap watches today, best prices online"] * 30 + ["Contact us for more."]),
+    "odd mean word length": " ".join(["a b c d e f g h i j"] * 10),
+}
+CODE_JUNK = {
+    "very long line": "x = [" + ", ".join(str(i) for i in range(400)) + "]\n" + "y = 1\n" * 40,
+    "long mean line": "\n".join(["data = '" + "ab12" * 30 + "'"] * 20),
+    "few alphanumerics": "def f(x):\n" + "\n".join(["    + - * / = ( ) [ ] { } ;"] * 60) + "\n",
+    "too few words": "from _decimal import *\n",
+}
+
+
+@pytest.mark.parametrize("kind, junk", [("prose", PROSE_JUNK), ("code", CODE_JUNK)])
+def test_quality_filters_remove_planted_junk_for_the_stated_reason(kind, junk):
+    for reason, text in junk.items():
+        assert clean.quality_reason(text, kind) == reason, reason
+
+
+def _shipped(path):
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_quality_filters_keep_real_documents():
+    """Every shipped module of 50 words or more passes the code rules. 41 of the 42 plays pass Gopher's prose rules;
+    the one that fails is The Merry Wives of Windsor, on repeated lines (its speaker names), which is why the
+    shipped plays are only deduplicated (prepare.CORPORA)."""
+    code = [d for d in _shipped(prepare.PYTHON) if len(d["text"].split()) >= 50]
+    assert len(code) == 159 and all(clean.quality_reason(d["text"], "code") is None for d in code)
+    failed = {d["title"]: clean.quality_reason(d["text"], "prose") for d in _shipped(prepare.SHAKESPEARE)}
+    assert {t: r for t, r in failed.items() if r} == {"merry_wives_of_windsor": "repeated lines"}
+
+
+def test_prepare_cleans_reports_and_records_the_counts(tmp_path, capsys):
+    base, near, far = _docs()
+    real = _shipped(prepare.PYTHON)[20]["text"]
+    docs = [real, real.replace("\n", "\r\n").upper(), PROSE_JUNK["too few words"]]
+    docs += ["\n".join(" ".join(w[i:i + 8]) for i in range(0, 400, 8)) for w in (base, near, far)]
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    out = prepare.prepare([str(src)], out_dir=str(tmp_path / "o"), val_every=2, clean_as="code")
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    assert meta["cleaning"]["docs_in"] == 6
+    assert meta["cleaning"]["docs_removed"] == {"exact duplicate": 1, "too few words": 1, "near duplicate": 1}
+    assert meta["n_docs_train"] + meta["n_docs_val"] == 3
+    assert "6 documents in, 3 removed" in capsys.readouterr().out
+    prepare.prepare([str(src)], out_dir=str(tmp_path / "n"), val_every=2)  # your own files: no cleaning by default
+    meta = json.load(open(tmp_path / "n" / "meta.json"))
+    assert meta["n_docs_train"] + meta["n_docs_val"] == 6 and meta["cleaning"] is None
+
+
+def test_clean_and_prepare_command_lines_print_the_report(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "clean.py", "--kind=code", prepare.PYTHON], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "167 documents in, 8 removed (8 too few words), 159 kept" in r.stdout
+    r = subprocess.run([sys.executable, "prepare.py", "--corpus=python", f"--out_dir={tmp_path / 'py'}"], cwd=ROOT,
+                       env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and "159 kept" in r.stdout and "tokens/s" in r.stdout
+    bad = subprocess.run([sys.executable, "prepare.py", "--clean=maybe"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "prose, code, dedup, none" in bad.stderr
