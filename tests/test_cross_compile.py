@@ -1,0 +1,53 @@
+"""kernels/cross_compile.py: every Triton kernel configuration compiles to a cubin for sm_80 and sm_90 on this
+CPU-only machine (no launch), and a kernel that cannot compile for a GPU is caught, which the interpreter
+running tests/test_kernels.py would not do. Subprocesses: the interpreter flag that test_kernels.py sets in
+this process must be unset for compiling."""
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1",
+                                                                         "TRITON_DEFAULT_FP_FUSION": "1"}
+
+
+def test_cross_compile_every_kernel_configuration_for_sm80_and_sm90():
+    p = subprocess.run([sys.executable, "-m", "kernels.cross_compile"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=900)
+    lines = [line for line in p.stdout.splitlines() if "bytes of cubin" in line]
+    assert p.returncode == 0 and "all configurations compiled" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert len(lines) == 2 * 19 and sum(line.startswith("sm_90 ") for line in lines) == 19
+
+
+BAD = '''
+import triton, triton.language as tl
+from kernels import cross_compile as cc
+
+@triton.jit
+def bad(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs[:, None] * BLOCK + offs[None, :])  # (8, 8) int8
+    tl.store(y_ptr + offs[:, None] * BLOCK + offs[None, :], tl.dot(x, x, out_dtype=tl.int32))
+
+# an int8 tl.dot with a K of 8: the interpreter multiplies it with NumPy, a GPU needs K >= 16 (32 for int8)
+cc.compile_one(bad, dict(x_ptr="*i8", y_ptr="*i32", BLOCK="constexpr"), dict(BLOCK=8), {}, cc.TARGETS["sm_80"])
+'''
+
+
+def test_a_kernel_that_cannot_compile_for_a_gpu_fails(tmp_path):
+    script = tmp_path / "bad_kernel.py"  # triton.jit reads the kernel's source from its file
+    script.write_text(BAD)
+    p = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=dict(ENV, PYTHONPATH=ROOT), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode != 0 and "K >= " in p.stderr, p.stderr[-2000:]
+
+
+def test_gpu_check_script_refuses_a_machine_without_cuda_in_one_line():
+    import pytest
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run bash scripts/gpu_check.sh itself")  # never on the CPU CI
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and "no CUDA GPU" in p.stderr
