@@ -4,6 +4,7 @@ Export a trained ternary checkpoint as packed 2-bit weights, and load such an ex
   python export.py                                              (out/stage2/ckpt.pt -> out/stage2/packed.pt)
   python export.py --ckpt=out/stage3/ckpt.pt --out=out/stage3/packed.pt
   python sample.py --ckpt=out/stage2/packed.pt                  (sample.py reads exports directly)
+  python export.py --format=gguf --out=out/stage2/model.gguf    (for llama.cpp: gguf_export.py; pip install gguf)
 
 The idea: a training checkpoint holds the fp32 latent hidden weights (and the optimizer state); inference
 needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma (kernels/packed_linear.py). The export is
@@ -15,7 +16,8 @@ a plain dict that loads with torch.load(weights_only=True):
      "fp": {every other state-dict tensor: embedding, LM head, norms; no latent weights, no lambda_}}
 
 Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 bits against 16).
-GGUF export is not implemented. Test: python -m pytest tests/test_packed.py
+--format=gguf writes a GGUF file for llama.cpp's bitnet architecture instead (gguf_export.py says what goes where).
+Test: python -m pytest tests/test_packed.py tests/test_gguf.py
 """
 
 import contextlib
@@ -30,7 +32,7 @@ from kernels.packed_linear import PackedBitLinear, freeze_ternary
 from model import GPT, GPTConfig
 
 FORMAT = "nanobitnet-packed-v1"
-DEFAULTS = dict(ckpt="out/stage2/ckpt.pt", out="")  # out "" = packed.pt beside the checkpoint
+DEFAULTS = dict(ckpt="out/stage2/ckpt.pt", out="", format="packed")  # out "" = packed.pt / model.gguf beside the checkpoint
 
 
 def die(msg, code=1):
@@ -73,8 +75,8 @@ def load_packed(path):
     return model_from_packed(obj, path), obj["tokenizer"]
 
 
-def export(ckpt_path, out_path):
-    """Load a training checkpoint, freeze it to packed weights, write the export; returns it."""
+def load_training_checkpoint(ckpt_path):
+    """(model, tokenizer name) of a training checkpoint; one error line for anything else."""
     try:
         ckpt = checkpoint.load(ckpt_path, required=())
     except checkpoint.CheckpointError as e:  # truncated, corrupt or foreign: one line naming the file
@@ -88,6 +90,12 @@ def export(ckpt_path, out_path):
         model.load_state_dict(ckpt["model"])
     except Exception as e:  # a foreign or mismatched file: name it, no traceback
         die(f"{ckpt_path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    return model, tokenizer
+
+
+def export(ckpt_path, out_path):
+    """Load a training checkpoint, freeze it to packed weights, write the export; returns it."""
+    model, tokenizer = load_training_checkpoint(ckpt_path)
     try:
         obj = packed_state(freeze_ternary(model.eval()), tokenizer)
     except ValueError as e:
@@ -110,8 +118,13 @@ def main(argv):
         if not arg.startswith("--") or not eq or key not in args:
             die(f"unknown or malformed argument {arg!r}; use --key=value with key one of: {', '.join(args)}", 2)
         args[key] = val
-    out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt")
+    if args["format"] not in ("packed", "gguf"):
+        die(f"--format={args['format']}: expected packed (our 2-bit export) or gguf (llama.cpp)", 2)
+    out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt" if args["format"] == "packed"
+                                           else "model.gguf")
     _check_paths(args["ckpt"], out_path)
+    if args["format"] == "gguf":
+        return export_gguf(args["ckpt"], out_path)
     obj = export(args["ckpt"], out_path)
     packed = sum(p["w_packed"].numel() for p in obj["packed"].values())  # uint8: one byte each
     bf16 = sum(2 * p["in_features"] * p["out_features"] for p in obj["packed"].values())
@@ -119,6 +132,34 @@ def main(argv):
     print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB on disk): {len(obj['packed'])} packed matrices, "
           f"hidden-matrix bytes {packed:,} vs {bf16:,} in bf16 (1/{bf16 / packed:.3g}), plus {4 * len(obj['packed'])} "
           f"bytes of fp32 gammas; other weights (embedding, head, norms) {other:,} bytes")
+
+
+def export_gguf(ckpt_path, out_path):
+    """--format=gguf: write, read back and compare (gguf_export.verify_gguf), then one line on what went out."""
+    import importlib.util
+    if importlib.util.find_spec("gguf") is None:
+        die("--format=gguf needs the gguf package (pip install gguf, or pip install -r requirements.txt)")
+    import gguf_export
+    model, tokenizer = load_training_checkpoint(ckpt_path)
+    tmp = out_path + ".tmp"
+    try:
+        counts = gguf_export.write_gguf(model.eval(), tokenizer, tmp)
+        bad = gguf_export.verify_gguf(tmp, model)
+        if bad:
+            raise ValueError(f"the file read back differs from the model: {'; '.join(bad[:3])}")
+        os.replace(tmp, out_path)  # only a verified file lands under the final name
+    except (ValueError, OSError) as e:
+        die(f"{ckpt_path}: cannot export as GGUF: {getattr(e, 'strerror', None) or e}; {out_path} is unchanged")
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    types = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    hidden = "TQ2_0 (2-bit ternary)" if "TQ2_0" in counts else "F16 (rows not a multiple of 256, TQ2_0's block)"
+    print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB), llama.cpp architecture bitnet, tokenizer "
+          f"{tokenizer}: tensors {types}; hidden matrices as {hidden} with an F32 gamma each; read back and "
+          f"verified tensor by tensor")
+    if "TQ2_0" in counts and "F16" in counts:
+        print("  some hidden matrices went out as F16: their rows are not a multiple of 256")
 
 
 # -----------------------------------------------------------------------------
@@ -133,7 +174,7 @@ def _check_paths(ckpt, out):
     if not os.path.exists(ckpt):
         die(f"no checkpoint at {ckpt}; train one first: python train.py --stage=2")
     if os.path.isdir(out):
-        die(f"--out={out} is a directory; pass a file name, e.g. --out={os.path.join(out, 'packed.pt')}", 2)
+        die(f"--out={out} is a directory; pass a file name, e.g. --out={os.path.join(out, 'model.gguf')}", 2)
     d = os.path.dirname(out) or "."
     if not os.path.isdir(d):
         die(f"--out={out}: directory {d} does not exist; create it (mkdir -p {d}) or pass another --out")

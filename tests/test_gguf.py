@@ -1,0 +1,125 @@
+"""gguf_export.py / export.py --format=gguf: what llama.cpp's bitnet architecture reads, checked by reading the
+file back (gguf's reader, and TQ2_0 bytes decoded here by hand), vocabulary metadata, and the command line.
+The end-to-end run in llama.cpp itself is scripts/check_llamacpp.sh (not in CI: it compiles llama.cpp)."""
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import gguf_export
+import quant
+from conftest import ENV, ROOT, TINY, run
+from model import GPT, GPTConfig
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**dict(dict(vocab_size=257, n_layer=2, n_head=2, n_embd=64, block_size=32), **kw))).eval()
+
+
+def _tensors(path):
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def test_every_tensor_reads_back_exactly_as_ternary_codes_and_gamma(tmp_path):
+    m = _model()
+    path = str(tmp_path / "m.gguf")
+    counts = gguf_export.write_gguf(m, "byte", path)
+    assert counts == {"F32": 1 + 2 * (7 + 4) + 1, "F16": 2 * 7}  # K = 64 or 192: not whole blocks of 256
+    assert gguf_export.verify_gguf(path, m) == []
+    t = _tensors(path)
+    w_q, gamma = quant.weight_quant(m.h[1].mlp.down_proj.weight)
+    assert np.array_equal(np.asarray(t["blk.1.ffn_down.weight"].data), w_q.numpy().astype(np.float16))
+    assert float(t["blk.1.ffn_down.scale"].data[0]) == gamma.item()  # F32: gamma exactly
+    assert list(t["blk.1.ffn_down.weight"].shape) == [m.config.hidden_dim(), 64]  # ggml order: (in, out)
+    names = {"attn_q": "attn.q_proj", "attn_k": "attn.k_proj", "attn_v": "attn.v_proj", "attn_output": "attn.o_proj",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # llama.cpp's names
+    for i in range(2):
+        for theirs, ours in names.items():
+            w_q, gamma = quant.weight_quant(m.get_submodule(f"h.{i}.{ours}").weight)
+            assert np.array_equal(np.asarray(t[f"blk.{i}.{theirs}.weight"].data, np.float32), w_q.numpy()), theirs
+            assert float(t[f"blk.{i}.{theirs}.scale"].data[0]) == gamma.item()
+        for theirs, ours in {"attn_norm": "attn_norm", "attn_sub_norm": "attn.subln", "ffn_norm": "mlp_norm",
+                             "ffn_sub_norm": "mlp.subln"}.items():
+            assert np.array_equal(t[f"blk.{i}.{theirs}.weight"].data, m.get_submodule(f"h.{i}.{ours}").weight.detach())
+    assert "output.weight" not in t  # tied: llama.cpp's bitnet uses token_embd as the head
+    assert np.array_equal(np.asarray(t["token_embd.weight"].data), m.wte.weight.detach().numpy())
+
+
+def test_a_changed_tensor_is_caught(tmp_path):
+    m = _model()
+    path = str(tmp_path / "m.gguf")
+    gguf_export.write_gguf(m, "byte", path)
+    t = _tensors(path)["blk.0.attn_k.weight"]
+    with open(path, "r+b") as f:  # flip one weight of attn_k from its code to another value
+        f.seek(t.data_offset + 2 * 5)
+        old = np.frombuffer(f.read(2), np.float16)[0]
+        f.seek(t.data_offset + 2 * 5)
+        f.write(np.float16(0.0 if old != 0 else 1.0).tobytes())
+    assert gguf_export.verify_gguf(path, m) == ["blk.0.attn_k.weight: 1 of 4096 values differ"]
+
+
+def _decode_tq2_0(raw, rows, cols):
+    """Independent decoder of ggml's TQ2_0 blocks (256 weights in 66 bytes: qs[64], then d as fp16): in each half
+    of 128 weights, byte j holds weights j, j+32, j+64, j+96 at bits 0, 2, 4, 6, each stored as code + 1."""
+    blocks = np.asarray(raw, np.uint8).reshape(rows, cols // 256, 66)
+    out = np.empty((rows, cols // 256, 256), np.float32)
+    d = blocks[..., 64:66].copy().view(np.float16)[..., 0].astype(np.float32)
+    for half in range(2):
+        qs = blocks[..., 32 * half:32 * half + 32]
+        for s in range(4):
+            out[..., 128 * half + 32 * s:128 * half + 32 * s + 32] = ((qs >> (2 * s)) & 3).astype(np.float32) - 1
+    return (out * d[..., None]).reshape(rows, cols)
+
+
+def test_rows_of_whole_256_blocks_go_out_as_tq2_0_decoded_by_hand(tmp_path):
+    m = _model(n_embd=256, n_head=4, mlp_hidden=512)
+    path = str(tmp_path / "m.gguf")
+    assert gguf_export.write_gguf(m, "byte", path) == {"F32": 1 + 2 * (7 + 4) + 1, "TQ2_0": 2 * 7}
+    assert gguf_export.verify_gguf(path, m) == []
+    t = _tensors(path)["blk.1.ffn_gate.weight"]
+    assert t.tensor_type == gguf.GGMLQuantizationType.TQ2_0 and t.n_bytes == 512 * 256 // 256 * 66
+    w_q, _ = quant.weight_quant(m.h[1].mlp.gate_proj.weight)
+    assert np.array_equal(_decode_tq2_0(t.data, 512, 256), w_q.numpy().astype(np.float32))  # d = 1: exact
+
+
+def test_vocabulary_metadata_byte_and_gpt2(tmp_path):
+    path = str(tmp_path / "b.gguf")
+    gguf_export.write_gguf(_model(vocab_size=320), "byte", path)  # padded past 257 as --pad_vocab does
+    f = gguf.GGUFReader(path).fields
+    tokens = f["tokenizer.ggml.tokens"].contents()
+    assert len(tokens) == 320 and tokens[32] == "Ġ" and tokens[10] == "Ċ" and tokens[65] == "A"
+    assert tokens[256] == "<|endoftext|>" and tokens[257] == "[PAD257]" and len(set(tokens)) == 320
+    types = f["tokenizer.ggml.token_type"].contents()
+    assert types[:256] == [1] * 256 and types[256] == 3 and set(types[257:]) == {5}  # normal, control, unused
+    assert f["tokenizer.ggml.bos_token_id"].contents() == f["tokenizer.ggml.eos_token_id"].contents() == 256
+    assert f["general.architecture"].contents() == "bitnet" and f["bitnet.context_length"].contents() == 32
+    path = str(tmp_path / "g.gguf")
+    gguf_export.write_gguf(_model(vocab_size=50257), "gpt2", path)
+    f = gguf.GGUFReader(path).fields
+    merges = f["tokenizer.ggml.merges"].contents()
+    assert len(merges) == 50000 and merges[:3] == ["Ġ t", "Ġ a", "h e"]  # GPT-2's merges.txt starts so
+    assert f["tokenizer.ggml.tokens"].contents()[50256] == "<|endoftext|>"
+
+
+def test_export_command_line_gguf_and_its_refusals(tmp_path, capsys):
+    out = str(tmp_path / "o")
+    run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=6", "--eval_interval=6")
+    ckpt = os.path.join(out, "stage2", "ckpt.pt")
+    p = subprocess.run([sys.executable, "export.py", "--format=gguf", f"--ckpt={ckpt}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "architecture bitnet" in p.stdout and "verified" in p.stdout, p.stderr
+    assert os.path.exists(os.path.join(out, "stage2", "model.gguf"))
+    p = subprocess.run([sys.executable, "export.py", "--format=onnx", f"--ckpt={ckpt}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "packed" in p.stderr
+    with pytest.raises(ValueError, match="SubLN"):
+        gguf_export.write_gguf(_model(subln=False), "byte", str(tmp_path / "x.gguf"))
+    m = _model()
+    quant.set_lambda(m, 0.5)
+    with pytest.raises(ValueError, match="lambda"):
+        gguf_export.write_gguf(m, "byte", str(tmp_path / "y.gguf"))
