@@ -27,7 +27,6 @@ sys.path.insert(0, ROOT)
 
 import data  # noqa: E402
 import export  # noqa: E402
-import gguf_export  # noqa: E402
 
 
 def main(argv):
