@@ -70,6 +70,10 @@ class TrainConfig:
     log_interval: int = 1
     # optimizer and schedules
     optimizer: str = "muon"      # muon (Muon for hidden matrices, AdamW for the rest) or adamw (AdamW for all)
+    normuon: bool = False        # NorMuon: per-neuron normalised Muon updates (muon_variants.py)
+    muon_state: str = "fp32"     # Muon momentum stored as fp32, linear8 or dynamic8 (8-bit blockwise)
+    qk_clip_tau: float = 0.0     # QK-clip (MuonClip) threshold on the max attention logit; 0 = off (Kimi K2: 100)
+    log_max_logit: bool = False  # log each step's max attention logit (on whenever qk_clip_tau > 0)
     lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw)
     muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
     muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
@@ -183,6 +187,7 @@ def check_config(cfg):
     that would train nonsense (a negative lr, no layers, a NaN) stops here with one line naming the flag."""
     choices = dict(stage=(1, 2, 3), tokenizer=("byte", "gpt2"), schedule=("cosine", "wsd", "moderate", "constant"),
                    data_order=("sequential", "shuffle", "curriculum"), optimizer=("muon", "adamw"),
+                   muon_state=("fp32", "linear8", "dynamic8"),
                    muon_adjust_lr=("original", "match_rms_adamw"), distill_preset=("logits", "summarization", "classification"),
                    dtype=("auto", "float32", "bfloat16", "float16"), compile=("auto", "true", "false"))
     for key, valid in choices.items():
@@ -205,7 +210,7 @@ def check_config(cfg):
                   distill_lambda=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
                   distill_gamma=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
                   distill_tau=("> 0", lambda v: v > 0), distill_hidden=(">= 0", lambda v: v >= 0),
-                  avg_alpha=("in [0, 1]", lambda v: 0 <= v <= 1))
+                  avg_alpha=("in [0, 1]", lambda v: 0 <= v <= 1), qk_clip_tau=(">= 0", lambda v: v >= 0))
     for key, (what, ok) in ranges.items():
         v = getattr(cfg, key)
         if not (math.isfinite(v) and ok(v)):
@@ -215,6 +220,8 @@ def check_config(cfg):
     if cfg.quant_start and cfg.stage != 2:
         die(f"--quant_start={cfg.quant_start} switches a stage-2 run from 16-bit to ternary; stage {cfg.stage} has "
             f"no such switch (stage 1 is full precision throughout, stage 3 ternary throughout)", 2)
+    if (cfg.normuon or cfg.muon_state != "fp32") and cfg.optimizer != "muon":
+        die(f"--normuon / --muon_state change Muon; --optimizer={cfg.optimizer} has no Muon", 2)
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"--n_embd={cfg.n_embd} must split into --n_head={cfg.n_head} heads of even size (RoPE rotates pairs)", 2)
     dev = cfg.device.split(":")
@@ -356,7 +363,8 @@ def model_config(cfg, vocab_size, eot):
     if cfg.pad_vocab:
         vocab_size = 64 * math.ceil(vocab_size / 64)
     return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask, eot=eot)
+                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask, eot=eot,
+                     track_max_logit=cfg.qk_clip_tau > 0 or cfg.log_max_logit)
 
 
 def teacher_paths(cfg):
@@ -385,6 +393,9 @@ def check_run(cfg, rt, out_dir, teachers):
     if cfg.grad_accum % world:
         die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
             f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
+    if world > 1 and (cfg.normuon or cfg.muon_state != "fp32" or cfg.qk_clip_tau > 0):
+        die("--normuon, --muon_state and --qk_clip_tau run in one process here (each rank would record its own "
+            "max logits, and the variants' step is not shared out); use plain Muon with torchrun", 2)
     for path in teachers if cfg.stage == 3 else []:
         if not os.path.exists(path):
             die(f"stage 3 needs the full-precision teacher at {path}; make it with: python train.py --stage=1")
@@ -457,6 +468,10 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
                              adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
                              adamw_betas=(cfg.beta1, cfg.beta2), fused=fused, process_group=process_group,
                              ns_dtype=torch.bfloat16 if device_type == "cuda" else torch.float32)
+        if cfg.normuon or cfg.muon_state != "fp32":  # the same groups, stepped by NorMuon / 8-bit Muon
+            from muon_variants import MuonVariant
+            opt.muon = MuonVariant(opt.muon.param_groups, normuon=cfg.normuon, state=cfg.muon_state,
+                                   ns_dtype=opt.muon.ns_dtype)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},

@@ -40,6 +40,7 @@ from config import (TrainConfig, avg_interval, build_config, check_run, configur
                     quant_start_step, resolve_data, teacher_paths)
 from distill import match_layers
 from model import GPT
+from muon_variants import max_logit, qk_clip, reset_max_logit
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from runtime import Runtime, StepTimer, die
 from zclip import ZClip
@@ -69,9 +70,12 @@ def train_step(run, step, stop_requested, timed=False):
         loss_sum += loss.detach().float()
     clear_weight_quant(model)  # the weights are about to change
     stats = clip_gradients([p for p in model.parameters() if p.grad is not None], run.clipper, cfg)
-    out = read_step(run, loss_sum / run.accum, stats, stop_requested, parts)  # the one host read of the step
+    top = max_logit(model) if model.config.track_max_logit else None  # the step's largest q.k/sqrt(d)
+    out = read_step(run, loss_sum / run.accum, stats, stop_requested, parts, top)  # the one host read of the step
     out["ok"] = math.isfinite(out["loss"]) and math.isfinite(out["grad_norm_raw"])
     out["muon_ms"] = optimizer_step(opt, run.rt, timed) if out["ok"] else None
+    if top is not None:  # QK-clip (MuonClip) after the step, or only a fresh record for the next one
+        qk_clip(model, cfg.qk_clip_tau) if cfg.qk_clip_tau > 0 and out["ok"] else reset_max_logit(model)
     opt.zero_grad(set_to_none=True)
     out.update(lam=lam, lr=cfg.lr * mult)
     return out
@@ -344,7 +348,7 @@ def clip_gradients(params, clipper, cfg):
 STAT_KEYS = ("grad_norm_raw", "grad_norm", "clipped", "z")  # as logged, from ZClip's raw_norm, clipped_norm, ...
 
 
-def read_step(run, loss, stats, stop_requested, parts):
+def read_step(run, loss, stats, stop_requested, parts, top=None):
     """The one host read per step: the loss averaged over ranks, whether any rank got a stop signal, the
     clipping statistics and (stage 3) the loss terms, all in one tensor. Every rank gets the same numbers,
     so all take the same branch afterwards."""
@@ -352,11 +356,13 @@ def read_step(run, loss, stats, stop_requested, parts):
     extra = [] if parts is None else [parts[k].detach().float().reshape(1) for k in ("ce", "ld", "ad", "hidden")]
     values = torch.cat([reduced / torch.tensor([run.rt.world, 1.0], device=loss.device)] +
                        [stats[k].reshape(1).float() for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")]
-                       + extra).tolist()
+                       + extra + ([] if top is None else [top.float().reshape(1)])).tolist()
     out = dict(zip(("loss", "stop", *STAT_KEYS), values))
     out["stop"] = bool(out["stop"])
     if parts is not None:
-        out["parts"] = dict(zip(("ce", "ld", "ad", "hidden"), values[6:]))
+        out["parts"] = dict(zip(("ce", "ld", "ad", "hidden"), values[6:10]))
+    if top is not None:
+        out["max_logit"] = values[-1]
     return out
 
 
@@ -447,12 +453,14 @@ def log_step(run, step, out, n_bad, bad_run, timer):
     tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
     rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam,
            **{k: out[k] for k in STAT_KEYS}, "ms": 1000 * dt, "tok_per_s": tokens / dt,
-           "muon_ms": out["muon_ms"], "bad_steps": n_bad, **out.get("parts", {})}
+           "muon_ms": out["muon_ms"], "bad_steps": n_bad, **out.get("parts", {}),
+           **({"max_logit": out["max_logit"]} if "max_logit" in out else {})}
     rec["clipped"] = int(rec["clipped"])
     parts = out.get("parts")
     run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | grad norm "
                f"{rec['grad_norm_raw']:.3f} -> {rec['grad_norm']:.3f} (clipped {rec['clipped']}, z {rec['z']:.2f}) | "
                f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
+               (f" | max logit {rec['max_logit']:.1f}" if "max_logit" in rec else "") +
                (" | " + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) if parts else ""))
     run.rt.log_json(run.out_dir, rec)
 

@@ -59,14 +59,17 @@ def digest(path):
 
 SCHEDULE_FINDINGS = ["--data_order=curriculum", "--quant_start=12", "--schedule=constant", "--avg_checkpoints=3",
                      "--avg_interval=6"]  # the issue-12 options: the curriculum loader, continual QAT, averaging
+MUON_FAMILY = ["--normuon=True", "--muon_state=dynamic8", "--qk_clip_tau=0.02"]  # NorMuon, 8-bit state, QK-clip
 
 
-@pytest.mark.parametrize("extra", [[], SCHEDULE_FINDINGS], ids=["default", "curriculum+quant_start+averaging"])
+@pytest.mark.parametrize("extra", [[], SCHEDULE_FINDINGS, MUON_FAMILY],
+                         ids=["default", "curriculum+quant_start+averaging", "normuon+8bit+qk_clip"])
 def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, extra):
     """32 steps straight, against 16 steps + SIGKILL + resume to 32. Stage 2 with Muon, ZClip (its 25-step
     warmup ends after the resume point) and 2 micro-batches per step; the LR schedule (max_iters=32) and lambda
     depend on the step, so both runs use the same max_iters. Also with the curriculum order, a switch to
-    ternary at step 12 and checkpoint averaging (snapshots at 20, 26, 32: the average straddles the resume)."""
+    ternary at step 12 and checkpoint averaging (snapshots at 20, 26, 32: the average straddles the resume), and
+    with NorMuon, 8-bit momentum and QK-clip (their state and the clipped weights must carry over too)."""
     args = ["--stage=2", *TINY, "--grad_accum=2", "--max_iters=32", "--eval_interval=32", "--checkpoint_interval=16",
             *extra]
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
@@ -88,10 +91,15 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     # and the whole final state: ZClip statistics (they only change a loss once a step is clipped), optimizer
     # moments, weights, loader position and RNGs
     ends = [torch.load(os.path.join(d, "stage2", "ckpt.pt"), weights_only=True) for d in (straight, killed)]
-    for key in ("model", "optimizer", "zclip", "loader", "rng", "step") + (("average",) if extra else ()):
+    averaged = extra is SCHEDULE_FINDINGS
+    for key in ("model", "optimizer", "zclip", "loader", "rng", "step") + (("average",) if averaged else ()):
         assert same(ends[0][key], ends[1][key]), key
-    if extra:
+    if averaged:
         assert ends[0]["loader"]["order"] == "curriculum" and ends[0]["average"]["count"] == 3
+    if extra is MUON_FAMILY:  # the 8-bit codes and NorMuon's row moments are in the checkpoint, and were used
+        state = ends[0]["optimizer"]["muon"]["state"][0]
+        assert state["momentum_codes"].dtype == torch.uint8 and state["v"].shape[1] == 1
+        assert max(r["max_logit"] for r in records(straight) if "max_logit" in r) > 0.02  # QK-clip had work
     assert ends[0]["zclip"]["n_seen"] == 25  # ZClip left its warmup after the resume point
 
 

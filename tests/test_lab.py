@@ -74,6 +74,7 @@ def test_runs_every_row_and_seed_then_skips_them_and_resumes_a_stopped_one(tmp_p
     t = lab.Lab(_table(), seeds=(0, 1), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
     t.shipped = str(tmp_path / "shards")
     t.table.also = {"python": "Python val loss"}  # every run is also scored on the shipped code corpus's val split
+    t.table.measures = {"optimizer_bytes": "optimizer state, bytes"}
     for r in t.table.rows:  # train on the tiny shards too
         r.args += f" --data={t.shipped}"
     logs = []
@@ -98,7 +99,9 @@ def test_runs_every_row_and_seed_then_skips_them_and_resumes_a_stopped_one(tmp_p
     py = [t.result("a", s)["also"]["python"] for s in (0, 1)]
     assert summ["a"]["python"]["mean"] == pytest.approx(statistics.mean(py))
     assert py[0] == pytest.approx(lab.full_val_loss(os.path.join(t.run_dir("a", 0), "ckpt.pt"), lab._shipped_dir("python"))[0])
-    assert "| Python val loss | vs b |" in open(tmp_path / "results" / "t.md").read()
+    assert "| Python val loss | vs b | optimizer state, bytes |" in open(tmp_path / "results" / "t.md").read()
+    ck = torch.load(os.path.join(t.run_dir("b", 0), "ckpt.pt"), weights_only=True)["optimizer"]["muon"]["state"]
+    assert t.result("b", 0)["optimizer_bytes"] > sum(4 * s["momentum_buffer"].numel() for s in ck.values())
     assert os.path.exists(tmp_path / "results" / "t.md") and os.path.exists(tmp_path / "results" / "t.json")
     table = json.load(open(tmp_path / "results" / "t.json"))
     assert len(table["runs"]) == 6 and table["summary"]["c"]["std"] == pytest.approx(
