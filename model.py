@@ -46,6 +46,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     doc_mask: bool = False     # attend within documents only (needs eot); off = plain causal, faster
     eot: int = 256             # end-of-text id that starts every document in the shards
+    causal: bool = True        # False: every position attends to every other (the masked-diffusion LM, dlm.py)
     track_max_logit: bool = False  # record each head's largest q.k/sqrt(d) (Attention.max_logit; QK-clip)
     max_logit_rows: int = 1    # ... over the first rows of each batch (cost: rows/batch_size of the q.k work)
 
@@ -100,6 +101,7 @@ class Attention(nn.Module):
         self.v_proj = make_linear(config, C, C, input_quantized=True)
         self.o_proj = make_linear(config, C, C, input_quantized=config.subln)
         self.subln = make_norm(config, C) if config.subln else nn.Identity()
+        self.causal = config.causal
         self.track_rows = config.max_logit_rows if config.track_max_logit else 0
         if self.track_rows:  # the running max since qk_clip last read it (muon_variants.qk_clip)
             self.register_buffer("max_logit", torch.zeros(config.n_head), persistent=False)
@@ -118,7 +120,8 @@ class Attention(nn.Module):
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         # causal when queries and keys are the same positions; one new query sees every cached key
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.size(2) == k.size(2))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           is_causal=self.causal and mask is None and q.size(2) == k.size(2))
         y = y.transpose(1, 2).contiguous().view(B, T, C)       # (B, T, C) heads concatenated
         return self.o_proj(self.subln(y)), ((q, k, v) if want_qkv else None)
 
@@ -127,7 +130,8 @@ class Attention(nn.Module):
         """max_logit[h] = max(itself, the largest causal q_i.k_j / sqrt(hd) of head h over the first rows)."""
         n, T = min(self.track_rows, q.size(0)), q.size(2)
         s = (q[:n].float() @ k[:n].float().transpose(-2, -1)) / math.sqrt(q.size(-1))  # (n, nh, T, T)
-        allowed = mask[:n] if mask is not None else torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        allowed = mask[:n] if mask is not None else torch.ones(T, T, dtype=torch.bool, device=q.device)
+        allowed = allowed.tril() if mask is None and self.causal else allowed
         s = s.masked_fill(~allowed, float("-inf"))
         self.max_logit.copy_(torch.maximum(self.max_logit, s.amax(dim=(0, 2, 3))))
 

@@ -1,0 +1,47 @@
+"""
+Evaluation during training (train.py): each val source's mean token loss and their mixing-weighted total, logged
+and written to metrics.jsonl. Every evaluation reads the first eval_iters batches of each source, the same rows
+every time; the final one (--eval_whole=True, the default) reads every window of every val split once
+(data.DataLoader.sweep), the number lab.py also scores.
+Test: python -m pytest tests/test_train.py -k whole_val
+"""
+
+import torch
+
+
+@torch.no_grad()
+def estimate_val_loss(run, whole=False):
+    """(the mixing-weighted total, {source: val loss}): per source, the mean token loss over the first
+    eval_iters * batch_size rows of its val split, or with whole=True over every window of it once
+    (DataLoader.sweep). Each of W ranks reads its own rows of eval_iters / W global batches (rounded up), so when
+    W divides eval_iters every world size reads the same rows."""
+    model, rt = run.model, run.rt
+    model.eval()
+    by_source = {}
+    for name, (loader, _) in run.val_loaders.items():
+        loader.reset()
+        iters = -(-run.cfg.eval_iters // loader.world_size)
+        batches = loader.sweep() if whole else (loader.next_batch() for _ in range(iters))
+        sums = torch.zeros(2, device=rt.device)  # (sum of token losses, tokens)
+        for x, y in batches:
+            x, y = x.to(rt.device), y.to(rt.device)
+            n = (y != -1).sum()
+            with run.autocast:
+                loss = run.train_model(x, y)[1].float()
+            sums += torch.stack([torch.where(n > 0, loss * n, 0.0), n.float()])  # an all-padding batch adds 0
+        rt.all_reduce_(sums)
+        by_source[name] = (sums[0] / sums[1]).item()
+    model.train()
+    return sum(w * by_source[n] for n, (_, w) in run.val_loaders.items()), by_source
+
+
+def log_eval(run, rec):
+    parts = [f"step {rec['step']}: val loss {rec['val_loss']:.4f}"]
+    if "val_loss_by_source" in rec:
+        parts.append("(" + ", ".join(f"{n} {v:.4f}" for n, v in rec["val_loss_by_source"].items()) + ")")
+    if rec["whole_val"]:
+        parts.append("over the whole val split")
+    if "val_loss_avg" in rec:
+        parts.append(f"; average of {run.average.count} checkpoints {rec['val_loss_avg']:.4f}")
+    run.rt.log(" ".join(parts).replace(" ;", ";"))
+    run.rt.log_json(run.out_dir, rec)

@@ -1,0 +1,125 @@
+"""dlm.py: the mask token, LLaDA's 1/p-weighted masked CE against a hand computation, Dream's shift, the
+low-confidence remasking sampler, and the outlier-ratio diagnostic."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dlm
+from model import GPT, GPTConfig
+
+
+def _ar(seed=0, V=40):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=32, block_size=24)).eval()
+
+
+def test_mask_token_is_the_vocabulary_mean_and_the_model_becomes_bidirectional():
+    ar = _ar()
+    m, mask_id = dlm.add_mask_token(ar, "mean")
+    assert mask_id == 40 and m.config.vocab_size == 41 and not m.config.causal
+    assert torch.equal(m.wte.weight[:40], ar.wte.weight) and m.lm_head.weight is m.wte.weight  # tied: the head too
+    assert torch.allclose(m.wte.weight[40], ar.wte.weight.mean(dim=0), atol=1e-7)
+    for k, v in ar.state_dict().items():
+        if k not in ("wte.weight", "lm_head.weight"):
+            assert torch.equal(m.state_dict()[k], v), k
+    r, _ = dlm.add_mask_token(ar, "random", seed=1)
+    row = r.wte.weight[40]
+    assert 0.01 < row.std().item() < 0.03 and not torch.allclose(row, m.wte.weight[40], atol=1e-3)
+    x = torch.randint(0, 40, (1, 8))  # bidirectional: changing the last token changes the first position's output
+    y = x.clone()
+    y[0, -1] = (y[0, -1] + 1) % 40
+    with torch.no_grad():
+        a, b = (m.forward_with_states(t, hiddens=True)[0][0, 0] for t in (x, y))
+    assert not torch.allclose(a, b)
+
+
+def test_loss_equals_a_hand_computed_inverse_p_weighted_masked_ce():
+    m, mask_id = dlm.add_mask_token(_ar(), "mean")
+    torch.manual_seed(5)
+    x = torch.randint(0, 40, (3, 10))
+    t = torch.tensor([[0.2], [0.5], [0.9]])
+    masked = torch.rand(3, 10) < t
+    loss, _ = dlm.masked_diffusion_loss(m, x, mask_id, t=t, masked=masked)
+    inp = torch.where(masked, mask_id, x)
+    with torch.no_grad():
+        logits = m.forward_with_states(inp, hiddens=True)[0]
+    total = 0.0
+    for b in range(3):
+        p = (1 - 1e-3) * t[b, 0].item() + 1e-3
+        for i in range(10):
+            if masked[b, i]:
+                z = logits[b, i, :mask_id].double()  # the mask id is never a prediction
+                total += -(z[x[b, i]] - torch.logsumexp(z, 0)).item() / p
+    assert loss.item() == pytest.approx(total / 30, rel=1e-5)
+
+
+class _Fixed(torch.nn.Module):
+    """A 'model' whose logits are a leaf tensor, whatever the input: the loss's gradient shows which count."""
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = logits
+
+    def forward_with_states(self, idx, hiddens=False):
+        return self.logits, None, {}
+
+
+def test_unmasked_positions_contribute_nothing_and_the_shift_reads_the_left_neighbour():
+    torch.manual_seed(6)
+    logits = torch.randn(2, 8, 11, requires_grad=True)
+    x = torch.randint(0, 10, (2, 8))
+    masked = torch.rand(2, 8) < 0.5
+    masked[:, 3] = True
+    loss, _ = dlm.masked_diffusion_loss(_Fixed(logits), x, 10, t=torch.full((2, 1), 0.5), masked=masked)
+    loss.backward()
+    g = logits.grad.abs().sum(-1)
+    assert torch.all(g[~masked] == 0) and torch.all(g[masked] > 0)
+    assert torch.all(logits.grad[..., 10] == 0)  # nor does the mask id's logit
+    shifted = dlm.predictions(_Fixed(logits.detach()), x, 10, shift=True)
+    assert torch.equal(shifted[:, 1:, :10], logits.detach()[:, :-1, :10])  # position i reads i - 1
+    logits.grad = None
+    loss, used = dlm.masked_diffusion_loss(_Fixed(logits), x, 10, t=torch.full((2, 1), 0.5), masked=masked,
+                                           shift=True)
+    loss.backward()
+    assert not used[:, 0].any() and torch.all(logits.grad[:, -1] == 0)  # position 0 never masked; L-1 unread
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sampler_fills_every_masked_position_never_with_the_mask(temperature):
+    m, mask_id = dlm.add_mask_token(_ar(), "random")
+    prompt = torch.randint(0, 40, (1, 5))
+    out = dlm.generate(m, prompt, gen_len=16, steps=5, mask_id=mask_id, temperature=temperature,
+                       generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, 21) and torch.equal(out[:, :5], prompt) and not (out == mask_id).any()
+    with pytest.raises(ValueError, match="block_size"):
+        dlm.generate(m, prompt, gen_len=20, steps=4, mask_id=mask_id)
+
+
+def test_sampler_commits_the_most_confident_positions_first():
+    """One step with k = 1 of 2 masked positions commits the one the model is surer of."""
+    logits = torch.zeros(1, 3, 5)
+    logits[0, 1, 2] = 1.0  # position 1: token 2, mildly sure
+    logits[0, 2, 3] = 5.0  # position 2: token 3, very sure
+    fake = _Fixed(logits)
+    fake.config = type("C", (), {"block_size": 8})()
+    out = dlm.generate(fake, torch.tensor([[1]]), gen_len=2, steps=2, mask_id=4)
+    assert out.tolist() == [[1, 2, 3]]
+    x = torch.tensor([[1, 4, 4]])
+    conf = F.softmax(dlm.predictions(fake, x, 4), -1).amax(-1)
+    assert conf[0, 2] > conf[0, 1]
+
+
+def test_outlier_ratio_sees_a_random_mask_row_as_an_outlier_after_rmsnorm():
+    """The diagnostic splits mask tokens from the others, and flags a spiky row: a one-hot mask embedding has, after
+    the first RMSNorm, max|y| / mean|y| = n_embd, far above a dense row's."""
+    m, mask_id = dlm.add_mask_token(_ar(), "mean")
+    x = torch.randint(0, 40, (2, 12))
+    x[:, ::3] = mask_id
+    mask_r, other_r = dlm.outlier_ratio(m, x, mask_id)
+    assert math.isfinite(mask_r) and math.isfinite(other_r) and mask_r > 1 and other_r > 1
+    with torch.no_grad():  # a one-hot mask row: after RMSNorm max|y| / mean|y| = C at the first layer
+        m.wte.weight[mask_id] = 0.0
+        m.wte.weight[mask_id, 0] = 1.0
+    spiky, _ = dlm.outlier_ratio(m, x, mask_id)
+    assert spiky > 2 * mask_r
