@@ -38,7 +38,8 @@ from runtime import die
 
 @dataclass
 class TrainConfig:
-    stage: int = 2               # 1 = fp pre-training, 2 = ternary continued pre-training, 3 = distillation
+    stage: int = 2               # 1 = fp pre-training, 2 = ternary continued pre-training, 3 = distillation,
+                                 # dlm (= 4) = conversion of the stage-2 model to a masked-diffusion LM (dlm.py)
     device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset below
     out_dir: str = "out"         # checkpoints and metrics go to <out_dir>/stage<N>/
     resume: bool = False         # continue from <out_dir>/stage<N>/ckpt.pt
@@ -74,6 +75,9 @@ class TrainConfig:
     muon_state: str = "fp32"     # Muon momentum stored as fp32, linear8 or dynamic8 (8-bit blockwise)
     qk_clip_tau: float = 0.0     # QK-clip (MuonClip) threshold on the max attention logit; 0 = off (Kimi K2: 100)
     log_max_logit: bool = False  # log each step's max attention logit (on whenever qk_clip_tau > 0)
+    # --stage=dlm: the masked-diffusion conversion (dlm.py)
+    dlm_mask_init: str = "mean"  # the new mask token's embedding: mean (of the vocabulary) or random
+    dlm_shift: bool = True       # Dream's shift: position i's prediction read from position i - 1's output
     lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw)
     muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
     muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
@@ -132,7 +136,11 @@ STAGE_PRESETS = {
     1: dict(schedule="cosine"),
     2: dict(schedule="wsd"),
     3: dict(schedule="cosine"),
+    4: dict(schedule="wsd"),  # --stage=dlm
 }
+DLM = 4
+STAGE_NAMES = {"dlm": DLM}
+
 
 
 BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
@@ -148,6 +156,9 @@ def parse_args(argv):
         if not arg.startswith("--") or not eq or key not in fields:
             die(f"unknown or malformed argument {arg!r}; use --key=value with key one of: {', '.join(fields)}", 2)
         typ = fields[key]
+        if key == "stage" and val in STAGE_NAMES:
+            out[key] = STAGE_NAMES[val]
+            continue
         try:
             if typ is bool or key == "compile":
                 if key == "compile" and val.lower() == "auto":
@@ -185,7 +196,7 @@ def build_config(overrides, base=None):
 def check_config(cfg):
     """Every field's range in one place, checked before any data is tokenised or any model built: a value
     that would train nonsense (a negative lr, no layers, a NaN) stops here with one line naming the flag."""
-    choices = dict(stage=(1, 2, 3), tokenizer=("byte", "gpt2"), schedule=("cosine", "wsd", "moderate", "constant"),
+    choices = dict(stage=(1, 2, 3, DLM), dlm_mask_init=("mean", "random"), tokenizer=("byte", "gpt2"), schedule=("cosine", "wsd", "moderate", "constant"),
                    data_order=("sequential", "shuffle", "curriculum"), optimizer=("muon", "adamw"),
                    muon_state=("fp32", "linear8", "dynamic8"),
                    muon_adjust_lr=("original", "match_rms_adamw"), distill_preset=("logits", "summarization", "classification"),
@@ -285,7 +296,7 @@ def avg_interval(cfg):
 def lambda_at(step, cfg):
     """lambda = clip((step - quant_start) / lambda_warmup_steps, 0, 1); 0 = full precision, 1 = ternary.
     Stage 3 starts from an already ternary student, so lambda is 1 throughout."""
-    if cfg.stage >= 3:
+    if cfg.stage == 3:
         return 1.0
     start = quant_start_step(cfg)
     if step < start:
@@ -362,9 +373,15 @@ def make_loaders(cfg, rt, resume):
 def model_config(cfg, vocab_size, eot):
     if cfg.pad_vocab:
         vocab_size = 64 * math.ceil(vocab_size / 64)
-    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask, eot=eot,
-                     track_max_logit=cfg.qk_clip_tau > 0 or cfg.log_max_logit)
+    dlm = cfg.stage == DLM  # one more token (the mask, id = the AR vocabulary size) and bidirectional attention
+    return GPTConfig(vocab_size=vocab_size + dlm, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask and not dlm,
+                     eot=eot, causal=not dlm, track_max_logit=cfg.qk_clip_tau > 0 or cfg.log_max_logit)
+
+
+def stage_dir(stage):
+    """out_dir's subdirectory of a stage: stage1, stage2, stage3, dlm."""
+    return "dlm" if stage == DLM else f"stage{stage}"
 
 
 def teacher_paths(cfg):
@@ -393,6 +410,8 @@ def check_run(cfg, rt, out_dir, teachers):
     if cfg.grad_accum % world:
         die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
             f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
+    if world > 1 and cfg.stage == DLM:
+        die("--stage=dlm runs in one process here (its loss calls the model directly, not the DDP wrapper)", 2)
     if world > 1 and (cfg.normuon or cfg.muon_state != "fp32" or cfg.qk_clip_tau > 0):
         die("--normuon, --muon_state and --qk_clip_tau run in one process here (each rank would record its own "
             "max logits, and the variants' step is not shared out); use plain Muon with torchrun", 2)

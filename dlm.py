@@ -29,6 +29,7 @@ Convert and sample (stage "dlm" of train.py; sample.py --dlm=True):
 Test: python -m pytest tests/test_dlm.py
 """
 
+import contextlib
 import math
 
 import torch
@@ -64,9 +65,11 @@ def add_mask_token(model, init="mean", seed=0):
     return new, c.vocab_size
 
 
-def masked_diffusion_loss(model, x, mask_id, shift=False, generator=None, t=None, masked=None):
+def masked_diffusion_loss(model, x, mask_id, shift=False, generator=None, t=None, masked=None, diagnostics=False):
     """LLaDA's 1/p-weighted CE on the masked positions of x (B, L). t (B, 1) and masked (B, L) bool may be given
-    (tests); otherwise drawn with `generator`. Returns (loss, masked)."""
+    (tests); otherwise drawn with `generator` (None: torch's global RNG, which checkpoints save). Returns (loss,
+    info): info["masked"], and with diagnostics the mean outlier ratio (see outlier_ratio) of mask tokens and of
+    the others in this forward pass, info["ratio_mask"] and info["ratio_other"] (0-d tensors, no host sync)."""
     B, L = x.shape
     if t is None:
         t = torch.rand(B, 1, generator=generator, device=x.device)
@@ -76,10 +79,18 @@ def masked_diffusion_loss(model, x, mask_id, shift=False, generator=None, t=None
     if shift:
         masked = masked.clone()
         masked[:, 0] = False                                            # nothing left of position 0 to read it
-    logits = predictions(model, torch.where(masked, mask_id, x), mask_id, shift)  # (B, L, V)
+    inp = torch.where(masked, mask_id, x)
+    with _recording(model, diagnostics) as ratios:
+        logits = predictions(model, inp, mask_id, shift)                # (B, L, V)
     ce = F.cross_entropy(logits.float().flatten(0, 1), x.flatten(), reduction="none").view(B, L)
     loss = (ce * masked / p).sum() / (B * L)                            # unmasked positions: weight 0
-    return loss, masked
+    info = {"masked": masked}
+    if diagnostics:
+        r = torch.stack(ratios).mean(dim=0)                             # (B, L): per token, over the norms
+        is_mask = inp == mask_id
+        info["ratio_mask"] = (r * is_mask).sum() / is_mask.sum().clamp(min=1)
+        info["ratio_other"] = (r * ~is_mask).sum() / (~is_mask).sum().clamp(min=1)
+    return loss, info
 
 
 def predictions(model, idx, mask_id, shift=False):
@@ -122,22 +133,31 @@ def outlier_ratio(model, idx, mask_id):
     the RMSNorm before it, before quantisation), averaged over those norms: (mean over mask tokens, mean over
     the others). A large ratio means the per-token int8 scale 127 / max|y| leaves the token's typical channel
     only a few levels, or rounds it to zero."""
-    from quant import QuantRMSNorm
-    ratios = []
-
-    def hook(mod, inputs, out):
-        y = F.rms_norm(inputs[0].float(), mod.normalized_shape, mod.weight.float(), mod.eps)
-        ratios.append(y.abs().amax(dim=-1) / y.abs().mean(dim=-1).clamp(min=1e-12))   # (B, L)
-
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, QuantRMSNorm)]
-    try:
+    with _recording(model) as ratios:
         model.forward_with_states(idx, hiddens=True)
-    finally:
-        for h in handles:
-            h.remove()
-    if not ratios:
-        raise ValueError("no QuantRMSNorm in the model: it is not a ternary (quant=True) model")
     r = torch.stack(ratios).mean(dim=0)                                  # (B, L)
     is_mask = idx == mask_id
     return (r[is_mask].mean().item() if is_mask.any() else float("nan"),
             r[~is_mask].mean().item() if (~is_mask).any() else float("nan"))
+
+
+@contextlib.contextmanager
+def _recording(model, on=True):
+    """Collects, during a forward pass, each QuantRMSNorm's per-token max|y| / mean|y| (B, L) into a list."""
+    from quant import QuantRMSNorm
+    ratios = []
+
+    def hook(mod, inputs, out):
+        with torch.no_grad():
+            y = F.rms_norm(inputs[0].float(), mod.normalized_shape, mod.weight.float(), mod.eps)
+            ratios.append(y.abs().amax(dim=-1) / y.abs().mean(dim=-1).clamp(min=1e-12))
+
+    norms = [m for m in model.modules() if isinstance(m, QuantRMSNorm)] if on else []
+    if on and not norms:
+        raise ValueError("no QuantRMSNorm in the model: it is not a ternary (quant=True) model")
+    handles = [m.register_forward_hook(hook) for m in norms]
+    try:
+        yield ratios
+    finally:
+        for h in handles:
+            h.remove()

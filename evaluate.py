@@ -2,11 +2,16 @@
 Evaluation during training (train.py): each val source's mean token loss and their mixing-weighted total, logged
 and written to metrics.jsonl. Every evaluation reads the first eval_iters batches of each source, the same rows
 every time; the final one (--eval_whole=True, the default) reads every window of every val split once
-(data.DataLoader.sweep), the number lab.py also scores.
+(data.DataLoader.sweep), the number lab.py also scores. A masked-diffusion model (--stage=dlm) is scored by its
+own loss (dlm.masked_diffusion_loss) with masks drawn from a generator seeded the same at every evaluation.
 Test: python -m pytest tests/test_train.py -k whole_val
 """
 
 import torch
+
+import dlm
+
+DLM_EVAL_SEED = 1234  # the masks of every DLM evaluation
 
 
 @torch.no_grad()
@@ -18,6 +23,7 @@ def estimate_val_loss(run, whole=False):
     model, rt = run.model, run.rt
     model.eval()
     by_source = {}
+    gen = None if model.config.causal else torch.Generator(device=rt.device).manual_seed(DLM_EVAL_SEED)
     for name, (loader, _) in run.val_loaders.items():
         loader.reset()
         iters = -(-run.cfg.eval_iters // loader.world_size)
@@ -27,12 +33,21 @@ def estimate_val_loss(run, whole=False):
             x, y = x.to(rt.device), y.to(rt.device)
             n = (y != -1).sum()
             with run.autocast:
-                loss = run.train_model(x, y)[1].float()
+                loss = run.train_model(x, y)[1].float() if gen is None else _dlm_loss(run, x, y, gen)
             sums += torch.stack([torch.where(n > 0, loss * n, 0.0), n.float()])  # an all-padding batch adds 0
         rt.all_reduce_(sums)
         by_source[name] = (sums[0] / sums[1]).item()
     model.train()
     return sum(w * by_source[n] for n, (_, w) in run.val_loaders.items()), by_source
+
+
+def _dlm_loss(run, x, y, gen):
+    """The masked-diffusion loss of the rows of x that are real windows (a sweep pads with rows of targets -1)."""
+    rows = (y != -1).all(dim=1)
+    if not rows.any():
+        return torch.zeros((), device=x.device)
+    mask_id = run.model.config.vocab_size - 1
+    return dlm.masked_diffusion_loss(run.model, x[rows], mask_id, run.cfg.dlm_shift, generator=gen)[0].float()
 
 
 def log_eval(run, rec):

@@ -5,6 +5,8 @@ Sample text from a trained checkpoint.
   python sample.py --ckpt=out/stage1/ckpt.pt --start="ROMEO:" --max_new_tokens=300 --temperature=0.8
   python sample.py --packed=True                     (ternary model run from 2-bit packed weights)
   python sample.py --ckpt=out/stage2/packed.pt       (a packed export from export.py)
+  python sample.py --dlm=True                        (out/dlm/ckpt.pt, the masked-diffusion model: dlm.generate
+                                                      fills --max_new_tokens masks in --steps steps)
   python sample.py --ckpt=out/stage1/ckpt.pt --jsonl=teacher.jsonl --num_samples=256 --max_new_tokens=256 \
       --temperature=1 --top_k=50257   (a corpus of teacher-written documents; shard it with prepare.py, then
                                        mix it in: --data=data/shakespeare_byte:0.8,data/teacher:0.2)
@@ -26,12 +28,13 @@ import torch
 
 import checkpoint
 import data
+import dlm
 from export import FORMAT, model_from_packed
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from model import GPT, GPTConfig
 
 DEFAULTS = dict(ckpt="out/stage2/ckpt.pt", start="\n", num_samples=2, max_new_tokens=200, temperature=0.8,
-                top_k=50, seed=1337, device="auto", packed=False, jsonl="")
+                top_k=50, seed=1337, device="auto", packed=False, jsonl="", dlm=False, steps=64)
 
 
 def die(msg, code=1):
@@ -68,14 +71,16 @@ def load_model(path, device, packed=False):
         die(str(e))
     try:
         is_export = isinstance(ckpt, dict) and ckpt.get("format") == FORMAT
+        causal = ckpt["model_args"].get("causal", True)  # False: a masked-diffusion model (one extra token)
         tok = _check_tokenizer(path, ckpt["tokenizer"] if is_export else ckpt["config"]["tokenizer"],
-                               ckpt["model_args"]["vocab_size"])
+                               ckpt["model_args"]["vocab_size"] - (not causal))
         if is_export:
             model = model_from_packed(ckpt, path)
             print(bytes_line(weight_bytes(model)) + " (packed export)")
             return model.to(device).eval(), tok
         model = GPT(GPTConfig(**ckpt["model_args"]))
         model.load_state_dict(ckpt["model"])
+        model.dlm_shift = ckpt["config"].get("dlm_shift", True)  # how --stage=dlm trained it
     except Exception as e:
         die(f"{path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     if packed:
@@ -93,7 +98,14 @@ def main(argv):
     _check_args(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args["device"] == "auto" else args["device"]
     torch.manual_seed(args["seed"])
+    if args["dlm"] and args["ckpt"] == DEFAULTS["ckpt"]:
+        args["ckpt"] = os.path.join("out", "dlm", checkpoint.LATEST)
     model, tok = load_model(args["ckpt"], device, args["packed"])
+    if args["dlm"] != (not model.config.causal):
+        die(f"{args['ckpt']} is {'an autoregressive' if model.config.causal else 'a masked-diffusion'} model; "
+            f"sample it with --dlm={'False' if model.config.causal else 'True'}", 2)
+    if args["dlm"]:
+        return sample_dlm(model, tok, args, device)
     if args["jsonl"]:
         n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"], args["temperature"],
                          args["top_k"], args["start"])
@@ -103,6 +115,21 @@ def main(argv):
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, ...]
     for _ in range(args["num_samples"]):
         y = model.generate(x, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"])
+        print(tok.decode(y[0, 1:].tolist()))
+        print("---------------")
+
+
+def sample_dlm(model, tok, args, device):
+    """--dlm=True: prompt + masks, filled by low-confidence remasking (dlm.generate), within block_size."""
+    ids = [tok.eot] + tok.encode(args["start"])
+    gen_len = min(args["max_new_tokens"], model.config.block_size - len(ids))
+    if gen_len < 1:
+        die(f"--start is {len(ids)} tokens, which leaves no room in block_size {model.config.block_size}", 2)
+    x = torch.tensor(ids, dtype=torch.long, device=device)[None, ...]
+    g = torch.Generator(device=device).manual_seed(args["seed"])
+    for _ in range(args["num_samples"]):
+        y = dlm.generate(model, x, gen_len, min(args["steps"], gen_len), model.config.vocab_size - 1,
+                         shift=model.dlm_shift, temperature=args["temperature"], generator=g)
         print(tok.decode(y[0, 1:].tolist()))
         print("---------------")
 
@@ -133,7 +160,7 @@ def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0,
 
 
 def _check_args(args):
-    for key in ("num_samples", "max_new_tokens", "top_k"):
+    for key in ("num_samples", "max_new_tokens", "top_k", "steps"):
         if args[key] < 1:
             greedy = " (--top_k=1 is greedy decoding)" if key == "top_k" else ""
             die(f"--{key}={args[key]}: expected an integer >= 1{greedy}", 2)

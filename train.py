@@ -37,10 +37,11 @@ import data
 from averaging import CheckpointAverage
 from config import (TrainConfig, avg_interval, build_config, check_run, configure_optimizer,  # noqa: F401
                     lambda_at, lr_mult, make_average, make_loaders, make_teachers, model_config, parse_args,
-                    quant_start_step, resolve_data, teacher_paths)
+                    quant_start_step, resolve_data, stage_dir, teacher_paths, DLM)
 from distill import match_layers
 from evaluate import estimate_val_loss, log_eval
-from model import GPT
+import dlm
+from model import GPT, GPTConfig
 from muon_variants import max_logit, qk_clip, reset_max_logit
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from runtime import Runtime, StepTimer, die
@@ -115,6 +116,8 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
         checkpoint.check_fits(resume_ckpt["model_args"], conf, resume_path)
         return Start(resume_ckpt["step"], resume_ckpt, resume_path,
                      note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
+    if cfg.stage == DLM:
+        return dlm_start(cfg, conf)
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
         return Start(note=f"stage {cfg.stage}: training from scratch")
     path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
@@ -131,9 +134,34 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
                  (" (SubLN inserted with unit gain)" if insert else ""))
 
 
+def dlm_start(cfg, conf):
+    """--stage=dlm: the stage-2 model (or --init_from) with the mask token added (dlm.add_mask_token)."""
+    path = os.path.join(cfg.out_dir, "stage2", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
+    if cfg.init_from == "scratch" or not os.path.exists(path):
+        die(f"--stage=dlm converts a trained ternary model; no checkpoint at {path}; make one with: python train.py "
+            f"--stage=2, or pass --init_from=<its ckpt.pt>")
+    ckpt = checkpoint.load(path)
+    checkpoint.check_fits(ckpt["model_args"], dataclasses.replace(conf, vocab_size=conf.vocab_size - 1,
+                                                                  causal=True, doc_mask=ckpt["model_args"].get(
+                                                                      "doc_mask", False)), path)
+    ar = GPT(GPTConfig(**ckpt["model_args"]))
+    checkpoint.load_weights(ar, ckpt["model"], path)
+    model, mask_id = dlm.add_mask_token(ar, cfg.dlm_mask_init, seed=cfg.seed)
+    return Start(0, {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, path,
+                 note=f"stage dlm: the AR model in {path} with a mask token (id {mask_id}, {cfg.dlm_mask_init} init), "
+                      f"bidirectional attention{', Dream shift' if cfg.dlm_shift else ''}")
+
+
 def make_loss_fn(run, teachers):
     """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher(s), or
-    plain CE when every distillation weight is 0 (the control run). Picked once; returns loss_fn(x, y)."""
+    plain CE when every distillation weight is 0 (the control run). Stage dlm: the masked-diffusion loss, with the
+    outlier ratios of mask and other tokens (dlm.py). Picked once; returns loss_fn(x, y)."""
+    if run.cfg.stage == DLM:
+        mask_id = run.model.config.vocab_size - 1
+        def dlm_loss(x, y):
+            loss, info = dlm.masked_diffusion_loss(run.model, x, mask_id, run.cfg.dlm_shift, diagnostics=True)
+            return loss, {k: info[k] for k in ("ratio_mask", "ratio_other")}
+        return dlm_loss
     if run.cfg.stage < 3:
         return lambda x, y: (run.train_model(x, y)[1], None)
     models, crit = make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
@@ -188,7 +216,7 @@ def setup(argv):
     Every input is checked before anything is written, so a bad flag or file costs nothing already saved."""
     overrides = parse_args(argv)
     cfg = build_config(overrides)
-    run = Run(cfg, Runtime.from_env(cfg.device), os.path.join(cfg.out_dir, cfg.run_name or f"stage{cfg.stage}"))
+    run = Run(cfg, Runtime.from_env(cfg.device), os.path.join(cfg.out_dir, cfg.run_name or stage_dir(cfg.stage)))
     resume = None
     if cfg.resume:
         if not os.path.exists(run.ckpt_path):
@@ -327,7 +355,7 @@ def training_loop(run):
             f"above, lower --lr or check the data")
     if val_loss is not None and step >= cfg.max_iters:
         skipped = f", {n_bad} of them skipped as non-finite" if n_bad else ""
-        rt.log(f"final val loss {val_loss:.4f} (stage {cfg.stage}, {step} steps{skipped}); checkpoint {run.ckpt_path}")
+        rt.log(f"final val loss {val_loss:.4f} ({stage_dir(cfg.stage)}, {step} steps{skipped}); checkpoint {run.ckpt_path}")
     rt.close()
     return val_loss
 
@@ -354,14 +382,15 @@ def read_step(run, loss, stats, stop_requested, parts, top=None):
     clipping statistics and (stage 3) the loss terms, all in one tensor. Every rank gets the same numbers,
     so all take the same branch afterwards."""
     reduced = run.rt.all_reduce_(torch.stack([loss, torch.tensor(float(stop_requested), device=loss.device)]))
-    extra = [] if parts is None else [parts[k].detach().float().reshape(1) for k in ("ce", "ld", "ad", "hidden")]
+    names = [] if parts is None else [k for k in parts if k != "loss"]  # stage 3: ce ld ad hidden; dlm: ratios
+    extra = [parts[k].detach().float().reshape(1) for k in names]
     values = torch.cat([reduced / torch.tensor([run.rt.world, 1.0], device=loss.device)] +
                        [stats[k].reshape(1).float() for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")]
                        + extra + ([] if top is None else [top.float().reshape(1)])).tolist()
     out = dict(zip(("loss", "stop", *STAT_KEYS), values))
     out["stop"] = bool(out["stop"])
     if parts is not None:
-        out["parts"] = dict(zip(("ce", "ld", "ad", "hidden"), values[6:10]))
+        out["parts"] = dict(zip(names, values[6:6 + len(names)]))
     if top is not None:
         out["max_logit"] = values[-1]
     return out

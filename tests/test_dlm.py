@@ -1,12 +1,18 @@
 """dlm.py: the mask token, LLaDA's 1/p-weighted masked CE against a hand computation, Dream's shift, the
 low-confidence remasking sampler, and the outlier-ratio diagnostic."""
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import dlm
+from conftest import ENV, ROOT, TINY, fails, records, run, start
 from model import GPT, GPTConfig
 
 
@@ -79,8 +85,9 @@ def test_unmasked_positions_contribute_nothing_and_the_shift_reads_the_left_neig
     shifted = dlm.predictions(_Fixed(logits.detach()), x, 10, shift=True)
     assert torch.equal(shifted[:, 1:, :10], logits.detach()[:, :-1, :10])  # position i reads i - 1
     logits.grad = None
-    loss, used = dlm.masked_diffusion_loss(_Fixed(logits), x, 10, t=torch.full((2, 1), 0.5), masked=masked,
+    loss, info = dlm.masked_diffusion_loss(_Fixed(logits), x, 10, t=torch.full((2, 1), 0.5), masked=masked,
                                            shift=True)
+    used = info["masked"]
     loss.backward()
     assert not used[:, 0].any() and torch.all(logits.grad[:, -1] == 0)  # position 0 never masked; L-1 unread
 
@@ -123,3 +130,51 @@ def test_outlier_ratio_sees_a_random_mask_row_as_an_outlier_after_rmsnorm():
         m.wte.weight[mask_id, 0] = 1.0
     spiky, _ = dlm.outlier_ratio(m, x, mask_id)
     assert spiky > 2 * mask_r
+
+
+# ----------------------------------------------------------------------------- train.py --stage=dlm, sample.py --dlm
+
+
+
+@pytest.fixture(scope="module")
+def stage2(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dlm") / "o")
+    run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=6", "--eval_interval=6")
+    return out
+
+
+def _steps(out, name):
+    return {r["step"]: r["loss"] for r in records(out, run_name=name) if "loss" in r}
+
+
+def test_stage_dlm_converts_logs_its_diagnostics_and_resumes_bit_exactly(stage2, tmp_path):
+    ckpt = os.path.join(stage2, "stage2", "ckpt.pt")
+    args = ["--stage=dlm", f"--init_from={ckpt}", *TINY, "--max_iters=8", "--eval_interval=8",
+            "--checkpoint_interval=4"]
+    straight, halves = str(tmp_path / "a"), str(tmp_path / "b")
+    p = run(f"--out_dir={straight}", *args)
+    assert "mask token (id 257, mean init)" in p.stdout and "(dlm, 8 steps)" in p.stdout
+    recs = [r for r in records(straight, run_name="dlm") if "loss" in r]
+    assert len(recs) == 8 and all(r["ratio_mask"] > 1 and r["ratio_other"] > 1 for r in recs)
+    assert recs[0]["lambda"] == 0.0  # the conversion warms lambda up again (--lambda_warmup_steps)
+    log = str(tmp_path / "b.log")
+    p = start(f"--out_dir={halves}", *args, log=log, faults="hang_at=4")  # killed after the step-4 checkpoint
+    deadline = time.time() + 120
+    while "hanging until killed" not in open(log).read() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    assert "at step 4" in run(f"--out_dir={halves}", "--stage=dlm", "--resume=True").stdout
+    a, b = _steps(straight, "dlm"), _steps(halves, "dlm")
+    assert sorted(a) == sorted(b) == list(range(1, 9)) and [a[s] for s in a] == [b[s] for s in a]
+    out = subprocess.run([sys.executable, "sample.py", "--dlm=True", f"--ckpt={straight}/dlm/ckpt.pt",
+                          "--max_new_tokens=20", "--steps=5", "--num_samples=1"], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.count("---------------") == 1, out.stderr
+
+
+def test_stage_dlm_refuses_a_missing_source_and_torchrun(tmp_path, capsys, monkeypatch):
+    line = fails(capsys, "--stage=dlm", f"--out_dir={tmp_path}", *TINY)
+    assert "converts a trained ternary model" in line and "--stage=2" in line
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "one process" in fails(capsys, "--stage=dlm", f"--out_dir={tmp_path}", *TINY, "--grad_accum=2", code=2)
