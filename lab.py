@@ -51,6 +51,7 @@ class Row:
     needs_next: tuple = ()  # rows of the next seed (wrapping) that must finish first
     prepare: object = None  # optional fn(lab, seed) run before the row (e.g. writing teacher data)
     score: str = checkpoint.LATEST  # the file of the run that is scored (avg.pt: its checkpoint average)
+    shown: bool = True     # False: a prerequisite run only (e.g. the AR model a DLM row converts), not a table row
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Table:
     x_label: str = ""
     also: dict = field(default_factory=dict)  # shipped corpus -> column: also scored on its whole val split
     measures: dict = field(default_factory=dict)  # result key -> column: a per-run number, its mean over seeds
+    dlm_t: tuple = ()      # masked-diffusion rows: scored by the masked-token val loss at these mask ratios t
 
 # -----------------------------------------------------------------------------
 # the tables
@@ -193,8 +195,6 @@ def _muon_table():
                         "measured with nothing else running"])
 
 
-TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table,
-          "order": _order_table, "mix": _mix_table, "muon": _muon_table}
 
 # -----------------------------------------------------------------------------
 # scoring: the whole val split
@@ -224,6 +224,60 @@ def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
     if count == 0:
         raise ValueError(f"{shard_dir}: no val window of {T + 1} tokens")
     return total / count, count
+
+@torch.no_grad()
+def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
+    """A masked-diffusion checkpoint's mean CE over the masked tokens of every val window of T tokens, each token
+    masked with probability t (position 0 never, with Dream's shift), the masks drawn from a generator seeded
+    the same for every checkpoint. Returns (loss, masked tokens)."""
+    import dlm
+    ckpt = checkpoint.load(ckpt_path)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    checkpoint.load_weights(model, ckpt["model"], ckpt_path)
+    model.eval()
+    mask_id, shift, T = model.config.vocab_size - 1, ckpt["config"].get("dlm_shift", True), model.config.block_size
+    gen = torch.Generator().manual_seed(seed)
+    total, count = 0.0, 0
+    for path in data._find_shards(shard_dir, "val"):
+        tokens = data.read_shard(path)
+        n = len(tokens) // T
+        for i in range(0, n, batch_size):
+            x = torch.from_numpy(np.stack([np.asarray(tokens[j * T:(j + 1) * T], dtype=np.int64)
+                                           for j in range(i, min(i + batch_size, n))]))  # (b, T)
+            masked = torch.rand(x.shape, generator=gen) < t
+            if shift:
+                masked[:, 0] = False
+            logits = dlm.predictions(model, torch.where(masked, mask_id, x), mask_id, shift)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), x.flatten(), reduction="none").view(x.shape)
+            total, count = total + ce[masked].sum().item(), count + int(masked.sum())
+    return total / count, count
+
+
+def _dlm_table():
+    """Issue 16: converting the ternary AR model to a masked-diffusion LM; the mask token's init, lambda warm-up."""
+    src = Row("ar", "the AR source model (stage 2 from scratch)", "--stage=2 --init_from=scratch", shown=False)
+    conv = "--stage=dlm --init_from={run}/ar/ckpt.pt"
+    rows = [src,
+            Row("mean", "mask = vocabulary mean, lambda warm-up", f"{conv} --dlm_mask_init=mean", needs=("ar",)),
+            Row("random", "mask = random (N(0, 0.02)), lambda warm-up", f"{conv} --dlm_mask_init=random", needs=("ar",)),
+            Row("mean_nowarm", "mask = vocabulary mean, no lambda warm-up",
+                f"{conv} --dlm_mask_init=mean --lambda_warmup_steps=0", needs=("ar",)),
+            Row("random_nowarm", "mask = random, no lambda warm-up",
+                f"{conv} --dlm_mask_init=random --lambda_warmup_steps=0", needs=("ar",))]
+    return Table("dlm", "AR ternary model -> masked-diffusion LM: the mask token's init and lambda warm-up", rows,
+                 baseline="mean", dlm_t=(0.15, 0.5, 0.85),
+                 measures={"masked_val_t0.15": "masked val, t=0.15", "masked_val_t0.5": "masked val, t=0.5",
+                           "masked_val_t0.85": "masked val, t=0.85", "clipped_frac": "ZClip-clipped steps",
+                           "spikes": "grad-norm spikes (z > 2.5)", "ratio_mask": "outlier ratio, mask tokens",
+                           "ratio_other": "outlier ratio, other tokens"},
+                 notes=["every conversion: 600 steps of 16 x 256 tokens from the same seed's 600-step stage-2 model, "
+                        "ZClip on; val loss = the mean of the three masked val losses (mean CE over masked tokens of "
+                        "the whole val split, the same masks for every row)"])
+
+
+TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table,
+          "order": _order_table, "mix": _mix_table, "muon": _muon_table, "dlm": _dlm_table}
+
 
 # -----------------------------------------------------------------------------
 # running
@@ -301,11 +355,21 @@ class Lab:
             tail = open(os.path.join(d, "train.log")).read().splitlines()[-5:]
             raise RuntimeError(f"{row.name} seed {seed} failed (exit {code}); last lines of {d}/train.log:\n  " +
                                "\n  ".join(tail))
-        loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
-        also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name))[0] for name in self.table.also}
         recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
         steps = [r for r in recs if "ms" in r]
-        res = {"row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": row.score, "argv": cmd[1:],
+        extra = {}
+        if self.table.dlm_t and row.shown:  # the masked-token val loss at each t; val_loss = their mean
+            scored = {t: dlm_val_loss(os.path.join(d, row.score), self.shipped, t) for t in self.table.dlm_t}
+            extra = {f"masked_val_t{t}": v[0] for t, v in scored.items()}
+            loss, n = statistics.mean(extra.values()), sum(v[1] for v in scored.values())
+            extra.update(clipped_frac=statistics.mean(r["clipped"] for r in steps),
+                         spikes=sum(r["z"] > 2.5 for r in steps),
+                         ratio_mask=statistics.mean(r["ratio_mask"] for r in steps),
+                         ratio_other=statistics.mean(r["ratio_other"] for r in steps))
+        else:
+            loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
+        also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name))[0] for name in self.table.also}
+        res = {**extra, "row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": row.score, "argv": cmd[1:],
                "also": also,
                "steps": max((r["step"] for r in steps), default=0),
                "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
@@ -321,7 +385,7 @@ class Lab:
     def summary(self):
         """{row: {mean, std, n, values}} over the seeds that have a result."""
         out = {}
-        for row in self.table.rows:
+        for row in (r for r in self.table.rows if r.shown):
             vals = [r["val_loss"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
             out[row.name] = {"label": row.label, **_stats(vals)}
             for name in self.table.also:  # the other corpora's val loss of the same runs
@@ -413,8 +477,11 @@ def _state_bytes(obj):
 
 
 def _mean_of(vals):
+    """mean ± std (ddof 1) over seeds, or the mean of one."""
     vals = [v for v in vals if v is not None]
-    return f"{statistics.mean(vals):,.4g}" if vals else ""
+    if not vals:
+        return ""
+    return f"{statistics.mean(vals):,.4g}" + (f" ± {statistics.stdev(vals):,.2g}" if len(vals) > 1 else "")
 
 
 def _shipped_dir(name):

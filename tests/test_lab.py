@@ -133,3 +133,22 @@ def test_unknown_table_row_or_option_is_one_line_exit_2(capsys):
     assert lab.main(["distill", "--seeds=0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("error: ") for line in err)
+
+
+def test_a_dlm_table_scores_masked_val_losses_and_the_conversion_diagnostics(tmp_path):
+    _shards(str(tmp_path / "shards"), 1000)
+    tiny = " ".join(TINY) + " --max_iters=3 --eval_interval=3"
+    table = lab.Table("d", "tiny dlm", [
+        lab.Row("ar", "source", f"--stage=2 --init_from=scratch {tiny}", shown=False),
+        lab.Row("mean", "mean init", f"--stage=dlm --init_from={{run}}/ar/ckpt.pt {tiny}", needs=("ar",))],
+        baseline="mean", dlm_t=(0.15, 0.85), measures={"spikes": "spikes", "ratio_mask": "mask ratio"})
+    t = lab.Lab(table, seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
+    t.shipped = str(tmp_path / "shards")
+    for r in table.rows:
+        r.args += f" --data={t.shipped}"
+    t.run(["mean"], log=lambda line: None)
+    res = t.result("mean", 0)
+    want = [lab.dlm_val_loss(os.path.join(t.run_dir("mean", 0), "ckpt.pt"), t.shipped, p)[0] for p in (0.15, 0.85)]
+    assert [res["masked_val_t0.15"], res["masked_val_t0.85"]] == want and res["val_loss"] == statistics.mean(want)
+    assert res["clipped_frac"] == 0 and res["spikes"] == 0 and res["ratio_mask"] > 1
+    assert list(t.summary()) == ["mean"]  # the AR source is run, not shown
