@@ -122,7 +122,7 @@ def main(argv):
         die(f"--format={args['format']}: expected packed (our 2-bit export) or gguf (llama.cpp)", 2)
     out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt" if args["format"] == "packed"
                                            else "model.gguf")
-    _check_paths(args["ckpt"], out_path)
+    _check_paths(args["ckpt"], out_path, "packed.pt" if args["format"] == "packed" else "model.gguf")
     if args["format"] == "gguf":
         return export_gguf(args["ckpt"], out_path)
     obj = export(args["ckpt"], out_path)
@@ -167,14 +167,14 @@ def export_gguf(ckpt_path, out_path):
 # made from (ckpt.pt is a hard link to ckpt_<step>.pt, so compare files, not names), nor leave a .tmp behind
 
 
-def _check_paths(ckpt, out):
+def _check_paths(ckpt, out, name="packed.pt"):
     if os.path.isdir(ckpt):
         die(f"--ckpt={ckpt} is a directory; pass the checkpoint file in it, e.g. "
             f"--ckpt={os.path.join(ckpt, checkpoint.LATEST)}", 2)
     if not os.path.exists(ckpt):
         die(f"no checkpoint at {ckpt}; train one first: python train.py --stage=2")
     if os.path.isdir(out):
-        die(f"--out={out} is a directory; pass a file name, e.g. --out={os.path.join(out, 'model.gguf')}", 2)
+        die(f"--out={out} is a directory; pass a file name, e.g. --out={os.path.join(out, name)}", 2)
     d = os.path.dirname(out) or "."
     if not os.path.isdir(d):
         die(f"--out={out}: directory {d} does not exist; create it (mkdir -p {d}) or pass another --out")
