@@ -182,7 +182,7 @@ def build_config(overrides, base=None):
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         stage = overrides.get("stage", TrainConfig.stage)
         if stage not in STAGE_PRESETS:
-            die(f"--stage={stage}: expected one of {sorted(STAGE_PRESETS)}", 2)
+            die(f"--stage={stage}: expected 1, 2, 3 or dlm", 2)
         cfg.update(DEVICE_PRESETS.get(device.split(":")[0], {}))
         cfg.update(STAGE_PRESETS[stage])
         cfg.update(SCHEDULE_PRESETS.get(overrides.get("schedule"), {}))

@@ -20,7 +20,7 @@ def test_unknown_cli_key_fails_with_the_list_of_valid_keys():
 
 
 @pytest.mark.parametrize("flag,facts", [("--max_iters=ten", ("--max_iters=ten", "int")),
-                                        ("--stage=7", ("--stage=7", "[1, 2, 3]"))])
+                                        ("--stage=7", ("--stage=7", "1, 2, 3 or dlm"))])
 def test_wrong_type_and_bad_stage_fail_clearly(capsys, flag, facts):
     msg = fails(capsys, flag, code=2)
     assert all(f in msg for f in facts), msg
