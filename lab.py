@@ -18,7 +18,8 @@ Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A fin
 result.json beside its checkpoint and is skipped next time; a stopped one is resumed (--resume=True), so a
 long table can be finished over several sittings. The table goes to results/<table>.md and .json, and
 results/<table>.png (val curves) when matplotlib is installed.
-Statistics: mean and sample standard deviation (ddof=1) over seeds; "differs" needs |delta| > 2 std.
+Statistics: mean and sample standard deviation (ddof=1) over seeds; "differs" needs |delta| > 2 std of the
+noisier of the two rows.
 Test: python -m pytest tests/test_lab.py
 """
 
@@ -417,8 +418,8 @@ class Lab:
         with open(stem + ".md", "w") as f:
             f.write(f"# {self.table.name}: {self.table.about}\n\n" + "\n".join(self.table.notes) +
                     f"\n\nCommand: `python lab.py {self.table.name}`; val loss over the whole val split of the shipped "
-                    f"corpus. \"vs\": mean difference, and whether it exceeds 2 std of the {self.table.baseline} "
-                    f"row.\n\n{md}\n")
+                    f"corpus. \"vs\": mean difference, and whether it exceeds 2 std of the noisier of that row and "
+                    f"{self.table.baseline}.\n\n{md}\n")
         runs = [r for row in self.table.rows for s in self.seeds if (r := self.result(row.name, s)) is not None]
         _write_json(stem + ".json", {"table": self.table.name, "seeds": self.seeds, "summary": summ, "runs": runs})
         print(md)
@@ -500,13 +501,14 @@ def fmt(s):
 
 
 def versus(s, base):
-    """Mean difference to the baseline row, and whether it is more than 2 std of the baseline."""
+    """Mean difference to the baseline row, and whether it is more than 2 std of the noisier of the two rows."""
     if s["mean"] is None or not base or base.get("mean") is None or s is base:
         return ""
     d = s["mean"] - base["mean"]
-    if base["std"] is None or s.get("n", 2) < 2:
+    if base["std"] is None or s.get("n", 2) < 2 or s.get("std") is None:
         return f"{d:+.4f} (too few seeds for a verdict)"
-    verdict = ("better" if d < 0 else "worse") if abs(d) > 2 * base["std"] else "no measurable difference"
+    noise = 2 * max(base["std"], s["std"])
+    verdict = ("better" if d < 0 else "worse") if abs(d) > noise else "no measurable difference"
     return f"{d:+.4f} ({verdict})"
 
 

@@ -121,6 +121,7 @@ def test_versus_and_gap_closed_follow_their_definitions():
     assert lab.versus({"mean": 1.03, "std": 0.0}, base) == "+0.0300 (worse)"
     assert lab.versus({"mean": 0.985, "std": 0.0}, base) == "-0.0150 (no measurable difference)"  # < 2 std
     assert lab.versus({"mean": 0.90, "std": None, "n": 1}, base) == "-0.1000 (too few seeds for a verdict)"
+    assert lab.versus({"mean": 1.03, "std": 0.02}, base) == "+0.0300 (no measurable difference)"  # its own noise
     ref = {"mean": 0.80, "std": 0.01}
     assert lab.closed({"mean": 0.90, "std": 0.0}, base, ref) == "50%"
     assert lab.fmt({"mean": 1.23456, "std": 0.00123}) == "1.2346 ± 0.0012"
