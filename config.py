@@ -52,7 +52,8 @@ class TrainConfig:
     tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
     data: str = ""               # shard dir or shipped corpus (shakespeare, python), or "dirA:0.7,python:0.3" to mix;
                                  # "" = shakespeare
-    data_order: str = "sequential"  # sequential | shuffle | curriculum (easy-to-hard over this run's rows)
+    data_order: str = "shuffle"  # shuffle | sequential | curriculum (easy-to-hard over this run's rows);
+                                 # shuffle beats sequential by 0.17 val loss on the quick start (lab.py order)
     # model
     n_layer: int = 4
     n_head: int = 4

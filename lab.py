@@ -77,13 +77,15 @@ class Table:
 
 def _distill_table():
     teacher_steps, student_init, stage3 = 1200, 400, 200
+    # measured in sequential order, the default until 2026-11-24: pinned, so the committed table reproduces
+    seq = "--data_order=sequential"
     s3 = (f"--stage=3 --max_iters={stage3} --eval_interval=50 --init_from={{run}}/student/ckpt.pt "
-          f"--teacher={{run}}/teacher/ckpt.pt")
+          f"--teacher={{run}}/teacher/ckpt.pt {seq}")
     rows = [
         Row("teacher", f"fp teacher (stage 1, {teacher_steps} steps)",
-            f"--stage=1 --max_iters={teacher_steps} --eval_interval={student_init} --keep_last=3"),
+            f"--stage=1 --max_iters={teacher_steps} --eval_interval={student_init} --keep_last=3 {seq}"),
         Row("student", f"stage-2 student (ternary, 600 steps from the teacher's step {student_init})",
-            f"--stage=2 --init_from={{run}}/teacher/ckpt_{student_init:06d}.pt", needs=("teacher",)),
+            f"--stage=2 --init_from={{run}}/teacher/ckpt_{student_init:06d}.pt {seq}", needs=("teacher",)),
         Row("control", f"control: student + {stage3} steps of plain CE", s3 + " --distill_lambda=0 --distill_gamma=0",
             needs=("teacher", "student")),
         Row("ld", "stage 3, logits KD only (lambda 1, tau 5)", s3 + " --distill_lambda=1 --distill_gamma=0",
