@@ -1,10 +1,11 @@
 """
-Evaluation during training (train.py): each val source's mean token loss and their mixing-weighted total, logged
+Evaluation and logs during training (train.py). Evaluation: each val source's mean token loss and their mixing-weighted total, logged
 and written to metrics.jsonl. Every evaluation reads the first eval_iters batches of each source, the same rows
 every time; the final one (--eval_whole=True, the default) reads every window of every val split once
 (data.DataLoader.sweep), the number lab.py also scores. A masked-diffusion model (--stage=dlm) is scored by its
 own loss (dlm.masked_diffusion_loss) with masks drawn from a generator seeded the same at every evaluation.
-Test: python -m pytest tests/test_train.py -k whole_val
+Each step's log line and metrics.jsonl record come from log_step.
+Test: python -m pytest tests/test_train.py -k "whole_val or logged_ms"
 """
 
 import torch
@@ -12,6 +13,7 @@ import torch
 import dlm
 
 DLM_EVAL_SEED = 1234  # the masks of every DLM evaluation
+STAT_KEYS = ("grad_norm_raw", "grad_norm", "clipped", "z")  # as logged, from ZClip's raw_norm, clipped_norm, ...
 
 
 @torch.no_grad()
@@ -59,4 +61,27 @@ def log_eval(run, rec):
     if "val_loss_avg" in rec:
         parts.append(f"; average of {run.average.count} checkpoints {rec['val_loss_avg']:.4f}")
     run.rt.log(" ".join(parts).replace(" ;", ";"))
+    run.rt.log_json(run.out_dir, rec)
+
+
+def log_step(run, step, out, n_bad, bad_run, timer):
+    lam = out["lam"]
+    if not out["ok"]:
+        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['grad_norm_raw']} not finite, no "
+                   f"update ({bad_run} in a row, {n_bad} in all; max_bad_steps={run.cfg.max_bad_steps})")
+        run.rt.log_json(run.out_dir, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": n_bad})
+        return
+    dt = timer.lap()
+    tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
+    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam,
+           **{k: out[k] for k in STAT_KEYS}, "ms": 1000 * dt, "tok_per_s": tokens / dt,
+           "muon_ms": out["muon_ms"], "bad_steps": n_bad, **out.get("parts", {}),
+           **({"max_logit": out["max_logit"]} if "max_logit" in out else {})}
+    rec["clipped"] = int(rec["clipped"])
+    parts = out.get("parts")
+    run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | grad norm "
+               f"{rec['grad_norm_raw']:.3f} -> {rec['grad_norm']:.3f} (clipped {rec['clipped']}, z {rec['z']:.2f}) | "
+               f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
+               (f" | max logit {rec['max_logit']:.1f}" if "max_logit" in rec else "") +
+               (" | " + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) if parts else ""))
     run.rt.log_json(run.out_dir, rec)

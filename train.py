@@ -16,7 +16,8 @@ Two nodes of 8 GPUs: the same command on each, with --node_rank=0 / 1 and the ad
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py --stage=2
 
 Read top to bottom: train_step (one step of ternary QAT), starting_weights (the three-stage recipe), main (the
-loop between banners), then below a fence the plumbing (optimizer groups, clipping, evaluation, checkpoints, logs).
+loop between banners), then below a fence the plumbing (clipping, the host read, checkpoints; evaluation and the
+log line are in evaluate.py).
 batch_size is one micro-batch on one rank; grad_accum counts the micro-batches of a step over ALL ranks, so the
 global batch does not depend on the world size. Checkpoints resume exactly (checkpoint.py); a non-finite step is
 skipped. Metrics go to out/stage<N>/metrics.jsonl; the first run tokenises the shipped corpus (prepare.py).
@@ -39,7 +40,7 @@ from config import (TrainConfig, avg_interval, build_config, check_run, configur
                     lambda_at, lr_mult, make_average, make_loaders, make_teachers, model_config, parse_args,
                     quant_start_step, resolve_data, stage_dir, teacher_paths, DLM)
 from distill import match_layers
-from evaluate import estimate_val_loss, log_eval
+from evaluate import STAT_KEYS, estimate_val_loss, log_eval, log_step
 import dlm
 from model import GPT, GPTConfig
 from muon_variants import max_logit, qk_clip, reset_max_logit
@@ -360,7 +361,7 @@ def training_loop(run):
     return val_loss
 
 # -----------------------------------------------------------------------------
-# plumbing: clipping, the host read, evaluation, wrapping, checkpoints, logging
+# plumbing: clipping, the host read, the optimizer step, checkpoints (evaluation and logs: evaluate.py)
 
 
 def clip_gradients(params, clipper, cfg):
@@ -372,9 +373,6 @@ def clip_gradients(params, clipper, cfg):
     clipped = (raw > cfg.grad_clip) if cfg.grad_clip > 0 else torch.zeros((), dtype=torch.bool, device=raw.device)
     return {"raw_norm": raw, "clipped_norm": raw.clamp(max=cfg.grad_clip) if cfg.grad_clip > 0 else raw,
             "was_clipped": clipped.float(), "z_score": torch.zeros((), device=raw.device)}
-
-
-STAT_KEYS = ("grad_norm_raw", "grad_norm", "clipped", "z")  # as logged, from ZClip's raw_norm, clipped_norm, ...
 
 
 def read_step(run, loss, stats, stop_requested, parts, top=None):
@@ -431,29 +429,6 @@ def save(run, step):
         die(f"cannot write a checkpoint to {run.out_dir}: {e.strerror}; the previous one is kept, free space "
             f"and continue with --resume=True")
     run.rt.barrier()
-
-
-def log_step(run, step, out, n_bad, bad_run, timer):
-    lam = out["lam"]
-    if not out["ok"]:
-        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['grad_norm_raw']} not finite, no "
-                   f"update ({bad_run} in a row, {n_bad} in all; max_bad_steps={run.cfg.max_bad_steps})")
-        run.rt.log_json(run.out_dir, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": n_bad})
-        return
-    dt = timer.lap()
-    tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
-    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam,
-           **{k: out[k] for k in STAT_KEYS}, "ms": 1000 * dt, "tok_per_s": tokens / dt,
-           "muon_ms": out["muon_ms"], "bad_steps": n_bad, **out.get("parts", {}),
-           **({"max_logit": out["max_logit"]} if "max_logit" in out else {})}
-    rec["clipped"] = int(rec["clipped"])
-    parts = out.get("parts")
-    run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | grad norm "
-               f"{rec['grad_norm_raw']:.3f} -> {rec['grad_norm']:.3f} (clipped {rec['clipped']}, z {rec['z']:.2f}) | "
-               f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
-               (f" | max logit {rec['max_logit']:.1f}" if "max_logit" in rec else "") +
-               (" | " + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) if parts else ""))
-    run.rt.log_json(run.out_dir, rec)
 
 
 if __name__ == "__main__":
