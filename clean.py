@@ -178,7 +178,7 @@ class Cleaner:
         return (f"cleaning ({self.kind or 'no quality filter'}, near-duplicate Jaccard >= {self.threshold}): "
                 f"{self.docs_in:,} documents in, {out:,} removed ({why}), {self.docs_in - out:,} kept; "
                 f"{self.chars_in - self.chars_out:,} of {self.chars_in:,} characters removed; "
-                f"{self.chars_in / 1e6 / max(self.seconds, 1e-9):.1f} MB/s")
+                f"{self.chars_in / 1e6 / max(self.seconds, 1e-9):.1f} M characters/s")
 
     def summary(self):
         """The report as plain types, for meta.json."""
