@@ -70,6 +70,7 @@ class Table:
     also: dict = field(default_factory=dict)  # shipped corpus -> column: also scored on its whole val split
     measures: dict = field(default_factory=dict)  # result key -> column: a per-run number, its mean over seeds
     dlm_t: tuple = ()      # masked-diffusion rows: scored by the masked-token val loss at these mask ratios t
+    logit_rows: tuple = ()  # rows whose max-attention-logit curves are also plotted (<table>_logits.png)
 
 # -----------------------------------------------------------------------------
 # the tables
@@ -184,17 +185,22 @@ def _mix_table():
 
 def _muon_table():
     """The Muon family (issue: NorMuon, QK-clip, 8-bit Muon) on the stage-2 workload, with their costs."""
-    common = "--stage=2 --init_from=scratch --log_max_logit=True"
+    common, hot = "--stage=2 --init_from=scratch --log_max_logit=True", "--lr=1e-2 --muon_lr=1e-2"
     rows = [Row("muon", "Muon (fp32 momentum)", common),
             Row("normuon", "NorMuon (per-neuron normalised)", f"{common} --normuon=True"),
             Row("qkclip", "Muon + QK-clip (tau 100)", f"{common} --qk_clip_tau=100"),
             Row("muon8_linear", "8-bit Muon, linear map", f"{common} --muon_state=linear8"),
             Row("muon8_dynamic", "8-bit Muon, dynamic map", f"{common} --muon_state=dynamic8"),
-            Row("adamw", "AdamW for every matrix", f"{common} --optimizer=adamw")]
+            Row("adamw", "AdamW for every matrix", f"{common} --optimizer=adamw"),
+            # where logits do grow: both learning rates 3.3x higher (max logit ~21 by step 600, one seed); tau = 10
+            # caps them near where the default-lr run ends up by itself (~10), so QK-clip has work to do
+            Row("hot", "Muon, lr 1e-2 (logits grow)", f"{common} {hot}"),
+            Row("hot_qkclip", "Muon, lr 1e-2 + QK-clip (tau 10)", f"{common} {hot} --qk_clip_tau=10")]
     return Table("muon", "the Muon family: NorMuon, QK-clip, 8-bit momentum, against Muon and AdamW", rows,
                  baseline="muon", measures={"ms_per_step_median": "ms/step (median)",
                                             "optimizer_bytes": "optimizer state, bytes",
                                             "max_logit": "max attention logit in training"},
+                 logit_rows=("muon", "qkclip", "hot", "hot_qkclip"),
                  notes=["every row: stage 2 from scratch, 600 steps of 16 x 256 tokens; ms/step is a 2-core CPU's, "
                         "measured with nothing else running"])
 
@@ -379,7 +385,8 @@ class Lab:
                "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
                "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
                "optimizer_bytes": _state_bytes(checkpoint.load(os.path.join(d, checkpoint.LATEST))["optimizer"]),
-               "wall_s": time.time() - t0, "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]}
+               "wall_s": time.time() - t0, "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r],
+               "logit_curve": [[r["step"], r["max_logit"]] for r in steps if "max_logit" in r]}
         _write_json(os.path.join(d, "result.json"), res)
         log(f"[lab] {row.name} seed {seed}: whole-val loss {loss:.4f} ({n} tokens), {res['wall_s']:.0f} s")
 
@@ -450,6 +457,7 @@ class Lab:
         ax.legend()
         fig.savefig(path, dpi=100)
         print(f"[lab] wrote {path}")
+        self.plot_logits(path[:-len(".png")] + "_logits.png", plt)
         summ = self.summary()
         pts = [(x, summ[r]) for r, x in self.table.x.items() if summ[r]["mean"] is not None]
         if pts:  # final whole-val loss against a row's number (e.g. the switch point), with 1-std error bars
@@ -463,6 +471,24 @@ class Lab:
             fig.savefig(final, dpi=100)
             print(f"[lab] wrote {final}")
 
+
+    def plot_logits(self, path, plt):
+        """The logged max attention logit against step, mean over seeds, for the table's logit_rows."""
+        fig, ax, drawn = *plt.subplots(figsize=(8, 5)), 0
+        for name in self.table.logit_rows:
+            curves = [r["logit_curve"] for s in self.seeds if (r := self.result(name, s)) is not None and r.get("logit_curve")]
+            if curves:
+                n = min(len(c) for c in curves)
+                ax.plot([p[0] for p in curves[0][:n]], [statistics.mean(c[i][1] for c in curves) for i in range(n)],
+                        label=name)
+                drawn += 1
+        if drawn:
+            ax.set_xlabel(self.table.steps_label)
+            ax.set_ylabel("max attention logit of the step (mean over seeds)")
+            ax.legend()
+            fig.savefig(path, dpi=100)
+            print(f"[lab] wrote {path}")
+        plt.close(fig)
 
 def _stats(vals):
     return {"values": vals, "n": len(vals), "mean": statistics.mean(vals) if vals else None,
