@@ -20,9 +20,13 @@ from an AR one instead of training from scratch. Three pieces, each a function b
    output, the alignment the AR head was trained for (position i - 1 predicts token i), so the converted model
    starts from a good predictor and needs only to learn to use the right-hand context; position 0 has no
    left neighbour and is never masked.
-3. The sampler (generate): prompt + gen_len masks; at each of `steps` steps predict every masked position, and
-   commit the k most confident predictions (k = masked left / steps left), leaving the others masked: LLaDA's
-   low-confidence remasking.
+3. The sampler (generate): prompt + gen_len masks; at each of `steps` steps predict every masked position and
+   commit k of the predictions (k = masked left / steps left), leaving the others masked. Which k (LLaDA
+   sec. 2.4): k chosen uniformly at random (remasking="random", the reverse process itself) or the k most
+   confident (remasking="low_confidence", LLaDA's annealing-like heuristic). Low-confidence remasking needs a model
+   whose guesses far from any context are unsure; a small one is surest of the commonest token (a space, for
+   Shakespeare bytes) everywhere, commits those first, and the spaces then feed themselves: sample.py uses
+   random remasking by default for that reason (README's "Diffusion LM" shows both).
 
 Convert and sample (stage "dlm" of train.py; sample.py --dlm=True):
     python train.py --stage=dlm --init_from=out/stage2/ckpt.pt
@@ -103,10 +107,14 @@ def predictions(model, idx, mask_id, shift=False):
 
 
 @torch.no_grad()
-def generate(model, prompt, gen_len, steps, mask_id, shift=False, temperature=0.0, generator=None):
-    """prompt (1, P) -> (1, P + gen_len): the continuation filled in `steps` steps by low-confidence remasking."""
+def generate(model, prompt, gen_len, steps, mask_id, shift=False, temperature=0.0, top_k=None,
+             remasking="low_confidence", generator=None):
+    """prompt (1, P) -> (1, P + gen_len): the continuation filled in `steps` steps, k tokens a step, the k chosen
+    by remasking ("low_confidence": the most confident; "random": uniformly). temperature 0 is greedy."""
     if prompt.size(1) + gen_len > model.config.block_size:
         raise ValueError(f"prompt {prompt.size(1)} + gen_len {gen_len} > block_size {model.config.block_size}")
+    if remasking not in ("low_confidence", "random"):
+        raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
     x = torch.cat([prompt, torch.full((1, gen_len), mask_id, dtype=prompt.dtype, device=prompt.device)], dim=1)
     for s in range(steps):
         masked = x == mask_id
@@ -114,13 +122,23 @@ def generate(model, prompt, gen_len, steps, mask_id, shift=False, temperature=0.
         if left == 0:
             break
         logits = predictions(model, x, mask_id, shift).float()          # (1, L, V)
-        probs = F.softmax(logits / max(temperature, 1e-6), dim=-1) if temperature > 0 else F.softmax(logits, -1)
-        pred = (torch.multinomial(probs[0], 1, generator=generator).T if temperature > 0
-                else probs.argmax(dim=-1))                              # (1, L)
-        conf = probs.gather(-1, pred.unsqueeze(-1)).squeeze(-1)         # (1, L): the chosen token's probability
-        conf = conf.masked_fill(~masked, -1.0)                          # only masked positions compete
+        if top_k is not None and top_k < logits.size(-1):
+            kth = logits.topk(top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if temperature > 0:
+            probs = F.softmax(logits / temperature, dim=-1)
+            pred = torch.multinomial(probs[0], 1, generator=generator).T  # (1, L)
+        else:
+            probs = F.softmax(logits, dim=-1)
+            pred = probs.argmax(dim=-1)                                 # (1, L)
+        if remasking == "low_confidence":
+            score = probs.gather(-1, pred.unsqueeze(-1)).squeeze(-1)    # (1, L): the chosen token's probability
+        else:
+            score = torch.rand(x.shape, generator=generator, device=generator.device if generator else None)
+            score = score.to(x.device)
+        score = score.masked_fill(~masked, -1.0)                        # only masked positions compete
         k = math.ceil(left / (steps - s))                               # commit k now, the rest later
-        commit = conf[0].topk(k).indices
+        commit = score[0].topk(k).indices
         x[0, commit] = pred[0, commit]
     return x
 

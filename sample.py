@@ -6,7 +6,8 @@ Sample text from a trained checkpoint.
   python sample.py --packed=True                     (ternary model run from 2-bit packed weights)
   python sample.py --ckpt=out/stage2/packed.pt       (a packed export from export.py)
   python sample.py --dlm=True                        (out/dlm/ckpt.pt, the masked-diffusion model: dlm.generate
-                                                      fills --max_new_tokens masks in --steps steps)
+                                                      fills --max_new_tokens masks in --steps steps, choosing
+                                                      which to keep by --remasking=random or low_confidence)
   python sample.py --ckpt=out/stage1/ckpt.pt --jsonl=teacher.jsonl --num_samples=256 --max_new_tokens=256 \
       --temperature=1 --top_k=50257   (a corpus of teacher-written documents; shard it with prepare.py, then
                                        mix it in: --data=data/shakespeare_byte:0.8,data/teacher:0.2)
@@ -34,7 +35,7 @@ from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from model import GPT, GPTConfig
 
 DEFAULTS = dict(ckpt="out/stage2/ckpt.pt", start="\n", num_samples=2, max_new_tokens=200, temperature=0.8,
-                top_k=50, seed=1337, device="auto", packed=False, jsonl="", dlm=False, steps=64)
+                top_k=50, seed=1337, device="auto", packed=False, jsonl="", dlm=False, steps=64, remasking="random")
 
 
 def die(msg, code=1):
@@ -120,7 +121,8 @@ def main(argv):
 
 
 def sample_dlm(model, tok, args, device):
-    """--dlm=True: prompt + masks, filled by low-confidence remasking (dlm.generate), within block_size."""
+    """--dlm=True: prompt + masks, filled by dlm.generate within block_size, k tokens a step, the k kept chosen by
+    --remasking: random (the default: low_confidence writes only spaces with our small models, README)."""
     ids = [tok.eot] + tok.encode(args["start"])
     gen_len = min(args["max_new_tokens"], model.config.block_size - len(ids))
     if gen_len < 1:
@@ -129,7 +131,8 @@ def sample_dlm(model, tok, args, device):
     g = torch.Generator(device=device).manual_seed(args["seed"])
     for _ in range(args["num_samples"]):
         y = dlm.generate(model, x, gen_len, min(args["steps"], gen_len), model.config.vocab_size - 1,
-                         shift=model.dlm_shift, temperature=args["temperature"], generator=g)
+                         shift=model.dlm_shift, temperature=args["temperature"], top_k=args["top_k"],
+                         remasking=args["remasking"], generator=g)
         print(tok.decode(y[0, 1:].tolist()))
         print("---------------")
 
@@ -167,6 +170,8 @@ def _check_args(args):
     t = args["temperature"]
     if not (math.isfinite(t) and t > 0):  # generate() would turn 0 or less into greedy decoding without a word
         die(f"--temperature={t:g}: expected a finite number > 0; for greedy decoding use --top_k=1", 2)
+    if args["remasking"] not in ("random", "low_confidence"):
+        die(f"--remasking={args['remasking']}: expected random or low_confidence", 2)
     if not 0 <= args["seed"] < 2**64:
         die(f"--seed={args['seed']}: expected an integer >= 0 and below 2**64", 2)
     try:

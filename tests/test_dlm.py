@@ -1,5 +1,5 @@
 """dlm.py: the mask token, LLaDA's 1/p-weighted masked CE against a hand computation, Dream's shift, the
-low-confidence remasking sampler, and the outlier-ratio diagnostic."""
+sampler (low-confidence and random remasking), and the outlier-ratio diagnostic."""
 import math
 import os
 import signal
@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dlm
 from conftest import ENV, ROOT, TINY, fails, records, run, start
@@ -92,29 +91,65 @@ def test_unmasked_positions_contribute_nothing_and_the_shift_reads_the_left_neig
     assert not used[:, 0].any() and torch.all(logits.grad[:, -1] == 0)  # position 0 never masked; L-1 unread
 
 
+@pytest.mark.parametrize("remasking", ["low_confidence", "random"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_sampler_fills_every_masked_position_never_with_the_mask(temperature):
+def test_sampler_fills_every_masked_position_never_with_the_mask(temperature, remasking):
     m, mask_id = dlm.add_mask_token(_ar(), "random")
     prompt = torch.randint(0, 40, (1, 5))
     out = dlm.generate(m, prompt, gen_len=16, steps=5, mask_id=mask_id, temperature=temperature,
-                       generator=torch.Generator().manual_seed(0))
+                       remasking=remasking, generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 21) and torch.equal(out[:, :5], prompt) and not (out == mask_id).any()
     with pytest.raises(ValueError, match="block_size"):
         dlm.generate(m, prompt, gen_len=20, steps=4, mask_id=mask_id)
+    with pytest.raises(ValueError, match="remasking"):
+        dlm.generate(m, prompt, gen_len=4, steps=4, mask_id=mask_id, remasking="lowest")
 
 
-def test_sampler_commits_the_most_confident_positions_first():
-    """One step with k = 1 of 2 masked positions commits the one the model is surer of."""
+class _Recording(_Fixed):
+    """_Fixed that also keeps the input of every call: the sequence of partly unmasked drafts."""
+    def __init__(self, logits):
+        super().__init__(logits)
+        self.seen, self.config = [], type("C", (), {"block_size": 8})()
+
+    def forward_with_states(self, idx, hiddens=False):
+        self.seen.append(idx[0].tolist())
+        return super().forward_with_states(idx, hiddens)
+
+
+def _two_unequally_sure():
     logits = torch.zeros(1, 3, 5)
     logits[0, 1, 2] = 1.0  # position 1: token 2, mildly sure
     logits[0, 2, 3] = 5.0  # position 2: token 3, very sure
-    fake = _Fixed(logits)
-    fake.config = type("C", (), {"block_size": 8})()
+    return _Recording(logits)
+
+
+def test_low_confidence_remasking_commits_the_most_confident_position_first():
+    """Two steps, one token each: after step 1 the draft holds the surer position's token, the other still masked."""
+    fake = _two_unequally_sure()
     out = dlm.generate(fake, torch.tensor([[1]]), gen_len=2, steps=2, mask_id=4)
-    assert out.tolist() == [[1, 2, 3]]
-    x = torch.tensor([[1, 4, 4]])
-    conf = F.softmax(dlm.predictions(fake, x, 4), -1).amax(-1)
-    assert conf[0, 2] > conf[0, 1]
+    assert fake.seen == [[1, 4, 4], [1, 4, 3]] and out.tolist() == [[1, 2, 3]]
+
+
+def test_random_remasking_commits_positions_in_an_order_blind_to_confidence():
+    """Over 400 generator seeds the surer position goes first about half the time (binomial: 200 ± 10), where
+    low-confidence remasking puts it first every time."""
+    first = 0
+    for seed in range(400):
+        fake = _two_unequally_sure()
+        out = dlm.generate(fake, torch.tensor([[1]]), gen_len=2, steps=2, mask_id=4, remasking="random",
+                           generator=torch.Generator().manual_seed(seed))
+        assert out.tolist() == [[1, 2, 3]]
+        first += fake.seen[1] == [1, 4, 3]
+    assert 160 < first < 240, first
+
+
+def test_top_k_keeps_sampling_to_the_k_likeliest_tokens():
+    """Position 1's logits are nearly flat (token 2 at +1), so sampling at temperature 1 picks another token
+    most of the time; top_k=1 leaves only the argmax."""
+    picks = {k: [dlm.generate(_two_unequally_sure(), torch.tensor([[1]]), gen_len=2, steps=2, mask_id=4,
+                              temperature=1.0, top_k=k, generator=torch.Generator().manual_seed(s))[0, 1].item()
+                 for s in range(20)] for k in (None, 1)}
+    assert picks[1] == [2] * 20 and len(set(picks[None])) > 1
 
 
 def test_outlier_ratio_sees_a_random_mask_row_as_an_outlier_after_rmsnorm():

@@ -46,6 +46,7 @@ FLAG_REFUSALS = {  # argv (--ckpt is MISSING), facts in the error line; all exit
     "max_new_tokens-negative": (["--max_new_tokens=-5"], ["--max_new_tokens=-5", ">= 1"]),
     "num_samples-0": (["--num_samples=0"], ["--num_samples=0", ">= 1"]),
     "seed-negative": (["--seed=-1"], ["--seed=-1", ">= 0"]),
+    "remasking-unknown": (["--remasking=lowest"], ["--remasking=lowest", "random or low_confidence"]),
     "device-unknown": (["--device=tpu"], ["--device=tpu", "auto, cpu, cuda"]),
     "start-not-utf8": (["--start=\udcff"], ["--start", "UTF-8"]),  # an undecodable byte in argv
     "top_k-not-an-int": (["--top_k=many"], ["--top_k=many", "int"]),
