@@ -279,11 +279,15 @@ def _dlm_table():
                  baseline="mean", dlm_t=(0.15, 0.5, 0.85),
                  measures={"masked_val_t0.15": "masked val, t=0.15", "masked_val_t0.5": "masked val, t=0.5",
                            "masked_val_t0.85": "masked val, t=0.85", "clipped_frac": "ZClip-clipped steps",
-                           "spikes": "grad-norm spikes (z > 2.5)", "ratio_mask": "outlier ratio, mask tokens",
-                           "ratio_other": "outlier ratio, other tokens"},
+                           "spikes": "grad-norm spikes (z > 2.5)",
+                           "ratio_mask_start": "outlier ratio, mask, steps 1-10",
+                           "ratio_other_start": "outlier ratio, others, steps 1-10",
+                           "ratio_mask": "outlier ratio, mask tokens", "ratio_other": "outlier ratio, other tokens"},
                  notes=["every conversion: 600 steps of 16 x 256 tokens from the same seed's 600-step stage-2 model, "
                         "ZClip on; val loss = the mean of the three masked val losses (mean CE over masked tokens of "
-                        "the whole val split, the same masks for every row)"])
+                        "the whole val split, the same masks for every row); outlier ratio = max|y| / mean|y| of "
+                        "what the activation quantisers see (dlm.outlier_ratio), per token, averaged over steps "
+                        "(all 600, or the first 10)"])
 
 
 TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table,
@@ -320,7 +324,13 @@ class Lab:
 
     def result(self, row, seed):
         path = os.path.join(self.run_dir(row, seed), "result.json")
-        return json.load(open(path)) if os.path.exists(path) else None
+        if not os.path.exists(path):
+            return None
+        res = json.load(open(path))
+        if "ratio_mask" in res and "ratio_mask_start" not in res:  # scored before the start columns existed
+            metrics = os.path.join(self.run_dir(row, seed), "metrics.jsonl")
+            res.update(_ratios([r for line in open(metrics) if "ms" in (r := json.loads(line))]))
+        return res
 
     def order(self, wanted):
         """(row, seed) pairs to run: each seed's rows in table order, with what they need before them."""
@@ -374,9 +384,7 @@ class Lab:
             extra = {f"masked_val_t{t}": v[0] for t, v in scored.items()}
             loss, n = statistics.mean(extra.values()), sum(v[1] for v in scored.values())
             extra.update(clipped_frac=statistics.mean(r["clipped"] for r in steps),
-                         spikes=sum(r["z"] > 2.5 for r in steps),
-                         ratio_mask=statistics.mean(r["ratio_mask"] for r in steps),
-                         ratio_other=statistics.mean(r["ratio_other"] for r in steps))
+                         spikes=sum(r["z"] > 2.5 for r in steps), **_ratios(steps))
         else:
             loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
         also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name))[0] for name in self.table.also}
@@ -505,6 +513,13 @@ def _state_bytes(obj):
     if isinstance(obj, (list, tuple)):
         return sum(_state_bytes(v) for v in obj)
     return 0
+
+
+def _ratios(steps, start=10):
+    """A DLM run's outlier ratios (mask tokens, the others): mean over all steps and over the first `start`."""
+    first = [r for r in steps if r["step"] <= start]
+    return {f"ratio_{k}{suffix}": statistics.mean(r[f"ratio_{k}"] for r in rs)
+            for suffix, rs in (("", steps), ("_start", first)) for k in ("mask", "other")}
 
 
 def _mean_of(vals):

@@ -153,3 +153,13 @@ def test_a_dlm_table_scores_masked_val_losses_and_the_conversion_diagnostics(tmp
     assert [res["masked_val_t0.15"], res["masked_val_t0.85"]] == want and res["val_loss"] == statistics.mean(want)
     assert res["clipped_frac"] == 0 and res["spikes"] == 0 and res["ratio_mask"] > 1
     assert list(t.summary()) == ["mean"]  # the AR source is run, not shown
+    path = os.path.join(t.run_dir("mean", 0), "result.json")  # a result scored before the start columns: rebuilt
+    old = {k: v for k, v in res.items() if not k.endswith("_start")}
+    json.dump(old, open(path, "w"))
+    assert t.result("mean", 0) == res
+
+
+def test_dlm_ratios_average_all_steps_and_the_first_ten():
+    steps = [{"step": s, "ratio_mask": float(s), "ratio_other": 2.0 * s} for s in range(1, 13)]
+    assert lab._ratios(steps) == {"ratio_mask": 6.5, "ratio_other": 13.0, "ratio_mask_start": 5.5,
+                                  "ratio_other_start": 11.0}
