@@ -10,8 +10,10 @@ from an AR one instead of training from scratch. Three pieces, each a function b
    id = the old vocabulary size. The source notes' finding: a mask row drawn at random is an activation outlier
    after RMSNorm, and BitNet's per-token absmax scale (127 / max|x|) then rounds the token's other channels to
    zero; initialised to the MEAN of the existing embedding rows it looks like an average token. init="mean"
-   (the fix) or "random" (N(0, 0.02), the embedding's own init: the failure case). The mask id is never a
-   prediction: its logit is set to -inf in the loss and in the sampler.
+   (the fix) or "random" (N(0, 0.02), the embedding's own init: the failure case). Measured at our scale
+   (README, `python lab.py dlm`): the RMSNorm in front of every quantiser removes the random row's scale, it
+   is no outlier, and it converts no worse than the mean row. The mask id is never a prediction: its logit
+   is set to -inf in the loss and in the sampler.
 2. The objective (masked_diffusion_loss), LLaDA's estimator of the negative ELBO:
        t ~ U(0, 1) per sequence,  p = (1 - eps)·t + eps  (eps = 1e-3),  each token masked independently with p
        loss = sum over masked positions i of CE(logits_i, x_i) / p,  divided by B·L
