@@ -1,11 +1,12 @@
 """
 Binary token shards and the loader that streams (B, T) batches from them.
 
-A corpus is tokenised once (prepare.py) into shards; training reads windows of T+1 consecutive tokens straight
+A corpus is tokenised once (tools/prepare.py) into shards; training reads windows of T+1 consecutive tokens straight
 from np.memmap, so loading costs nothing and the loader's position is one window counter per source that a
-checkpoint saves. The windows come in shard order, shuffled, or easy-to-hard (a curriculum, after Luo et al.,
-arXiv 2511.18903: sort the data by a score, here each chunk's zlib compression ratio, prepare.difficulty,
-and read it in ascending order). The format is llm.c's (dev/data/data_common.py), in full in docs/shard-format.md:
+checkpoint saves. The windows come shuffled (the default), in shard order, or easy-to-hard (a curriculum, after
+Luo et al., arXiv 2511.18903: sort the data by a score, here each chunk's zlib compression ratio,
+prepare.difficulty, and read it in ascending order). The format is llm.c's (dev/data/data_common.py), in full
+in docs/shard-format.md:
     header: 256 little-endian int32 = [20240520 (magic), version, n_tokens, 0, ..., 0]
     tokens: n_tokens little-endian uint16 (version 1, vocabulary <= 65536) or uint32 (version 2)
 Version 1 is llm.c's GPT-2 shard byte for byte; version 2 is ours (llm.c marks its uint32 shards with another magic).
@@ -13,11 +14,12 @@ Every document is stored as [eot] + tokens: the end-of-text token is PREPENDED, 
 marks where a document starts, and the document ids of a packed row are doc_id = cumsum(tokens == eot).
 
 Tokenisers: "byte" (UTF-8 bytes 0..255, eot 256, vocab 257) and "gpt2" (tiktoken, built from the shipped
-data/gpt2.tiktoken since tiktoken cannot download it offline; eot 50256, vocab 50257).
+data/gpt2.tiktoken since tiktoken cannot download it offline; eot 50256, vocab 50257). Copied alone into another
+project, this file needs only numpy and torch; gpt2 also needs tiktoken and data/gpt2.tiktoken beside it.
 
 Run:
-    python prepare.py --tokenizer=byte    # writes data/shakespeare_byte/ (see prepare.py for your own corpus)
-    python data.py                        # prints the first batch of those shards
+    python -m tools.prepare --tokenizer=byte    # writes data/shakespeare_byte/ (see tools/prepare.py for your own corpus)
+    python data.py                              # prints the first batch of those shards
 Test:
     python -m pytest tests/test_data.py
 """
@@ -67,7 +69,7 @@ def read_shard(path, identity=None):
 
 
 def read_meta(d):
-    """meta.json of shard directory d (what made the shards, see prepare.py) as a dict. A missing, empty or
+    """meta.json of shard directory d (what made the shards, see tools/prepare.py) as a dict. A missing, empty or
     damaged file, or one without "tokenizer", raises ValueError naming the file and the fix."""
     return _check_meta_json(os.path.join(d, "meta.json"))
 
@@ -84,16 +86,18 @@ class DataLoader:
     on every rank, draws the source of each of the B * world_size global rows; the source's next window in its
     `order` fills the row (x = the first T tokens, y = the last T); rank r keeps global rows r*B .. (r+1)*B - 1.
     order:
-      sequential  windows in shard order, wrapping: a row's neighbours are the text that follows it
-      shuffle     each epoch a seeded permutation of the windows (nanoGPT samples random offsets instead)
+      shuffle     (default, the measured best) each epoch a seeded permutation of the windows (nanoGPT samples
+                  random offsets instead)
+      sequential  windows in shard order, wrapping: a row's neighbours are the text that follows it; what an
+                  evaluation on val reads with next_batch() (sweep() reads every window in shard order anyway)
       curriculum  the shuffled windows, each consecutive block of `span` of them sorted easy-to-hard by the
-                  difficulty scores prepare.py wrote (prepare.difficulty); span = the rows a run draws, so a
+                  difficulty scores tools/prepare.py wrote (prepare.difficulty); span = the rows a run draws, so a
                   curriculum run reads exactly the windows a shuffled run reads, only in another order
     The state, one window counter per source plus the RNG, is the same on every rank, so one rank's
     state_dict() resumes them all exactly.
     """
 
-    def __init__(self, sources, split, B, T, rank=0, world_size=1, seed=1337, order="sequential", span=0):
+    def __init__(self, sources, split, B, T, rank=0, world_size=1, seed=1337, order="shuffle", span=0):
         sources = _check_sources(sources, rank, world_size)
         if order not in ORDERS:
             raise ValueError(f"unknown data order {order!r}; expected one of {', '.join(ORDERS)}")
@@ -114,7 +118,7 @@ class DataLoader:
 
     def reset(self):
         """Back to the start of every source with a re-seeded RNG (used to evaluate on val). Shards are mapped
-        again, so shards that prepare.py replaced since raise DataChanged at the next batch."""
+        again, so shards that tools/prepare.py replaced since raise DataChanged at the next batch."""
         self.cursor = [0] * len(self.dirs)  # per source: how many of its windows were read
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
         self._mapped = [(None, None)] * len(self.dirs)  # per source: (shard index, memmap)
@@ -269,8 +273,17 @@ class GPT2Tokenizer:
     name, eot, vocab_size = "gpt2", 50256, 50257
 
     def __init__(self):
-        import tiktoken  # here, not at the top: the byte tokenizer, shards and loader work without tiktoken
-        import tiktoken.load
+        try:  # here, not at the top: the byte tokenizer, shards and loader work without tiktoken
+            import tiktoken
+            import tiktoken.load
+        except ImportError:
+            raise ImportError("the gpt2 tokenizer needs tiktoken: pip install tiktoken (or use the byte "
+                              "tokenizer, which needs nothing)") from None
+        if not os.path.isfile(GPT2_RANKS):
+            raise FileNotFoundError(
+                f"{GPT2_RANKS}: missing. The GPT-2 vocabulary is the file data/gpt2.tiktoken that ships with "
+                f"nanoBitNet (tiktoken cannot download it offline), read from the data/ folder beside data.py; "
+                f"copy it there, or use the byte tokenizer")
         ranks = tiktoken.load.load_tiktoken_bpe(GPT2_RANKS)
         self.enc = tiktoken.Encoding("gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": self.eot}, explicit_n_vocab=self.vocab_size)
@@ -305,14 +318,14 @@ def get_tokenizer(name):
 def _remake_hint(path):
     """The command that re-creates the shard at path, from the meta.json beside it when there is one."""
     d = os.path.dirname(path) or "."
-    shipped = os.path.join(os.path.dirname(GPT2_RANKS), "shakespeare.jsonl.gz")  # prepare.py's default source
+    shipped = os.path.join(os.path.dirname(GPT2_RANKS), "shakespeare.jsonl.gz")  # tools/prepare.py's default source
     try:
         with open(os.path.join(d, "meta.json")) as f:
             meta = json.load(f)
         srcs = "".join(" " + s for s in meta["sources"] if s != shipped)
-        return f"re-run: python prepare.py --tokenizer={meta['tokenizer']} --out_dir={d}{srcs}"
+        return f"re-run: python -m tools.prepare --tokenizer={meta['tokenizer']} --out_dir={d}{srcs}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "re-create it with prepare.py (python prepare.py --help)"
+        return "re-create it with tools/prepare.py (python -m tools.prepare --help)"
 
 
 def _check_tokens(path, tokens, dtype):
@@ -353,17 +366,17 @@ def _shard_index(name, split):
 
 def _find_shards(d, split):
     """The {split}_NNN.bin paths of directory d in numeric order: train_1000.bin comes after train_999.bin.
-    Refuses a set with a gap (000, 001, 003): a copy or a prepare.py run that did not finish."""
+    Refuses a set with a gap (000, 001, 003): a copy or a tools/prepare.py run that did not finish."""
     _check_not_mid_swap(d)
     names = [n for n in (os.listdir(d) if os.path.isdir(d) else []) if _shard_index(n, split) is not None]
     if not names:
-        raise ValueError(f"{d}: no {split}_*.bin shards; create them: python prepare.py --out_dir={d} [sources]")
+        raise ValueError(f"{d}: no {split}_*.bin shards; create them: python -m tools.prepare --out_dir={d} [sources]")
     names.sort(key=lambda n: _shard_index(n, split))
     idx = [_shard_index(n, split) for n in names]
     for k in range(1, len(idx)):
         if idx[k] == idx[k - 1]:
             raise ValueError(f"{d}: {names[k - 1]} and {names[k]} are both {split} shard {idx[k]}; keep the one "
-                             f"that belongs (prepare.py names it {split}_{idx[k]:03d}.bin)")
+                             f"that belongs (tools/prepare.py names it {split}_{idx[k]:03d}.bin)")
     missing = min(set(range(len(idx) + 1)) - set(idx))
     if missing < len(idx):
         path = os.path.join(d, f"{split}_{missing:03d}.bin")
@@ -409,23 +422,24 @@ def _check_meta(dirs, split, lengths):
 
 def _check_meta_json(path):
     d = os.path.dirname(path) or "."
-    fix = f"re-create it: python prepare.py --out_dir={d} <the sources it was made from>"
+    fix = f"re-create it: python -m tools.prepare --out_dir={d} <the sources it was made from>"
     try:
         with open(path, "rb") as f:
             meta = json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
-        raise ValueError(f"{path}: no such file; make the shards: python prepare.py --out_dir={d} <files>") from None
+        raise ValueError(f"{path}: no such file; make the shards: python -m tools.prepare --out_dir={d} "
+                         "<files>") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot be read ({e.strerror}); {fix}") from None
     except ValueError as e:  # empty, cut short, not UTF-8
         raise ValueError(f"{path}: not valid JSON ({e}); {fix}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), str):
-        raise ValueError(f"{path}: no \"tokenizer\" field (a JSON object written by prepare.py is expected); {fix}")
+        raise ValueError(f"{path}: no \"tokenizer\" field (a JSON object written by tools/prepare.py is expected); {fix}")
     return meta
 
 
 class DataChanged(ValueError):
-    """The shards of a running DataLoader were replaced or removed (prepare.py re-ran into its directory).
+    """The shards of a running DataLoader were replaced or removed (tools/prepare.py re-ran into its directory).
     Raised by next_batch() when it maps a shard, the first one after reset() included: every batch before it
     came from the files the loader opened, never from a mix. The position of the loader that raised it is then
     partway through that call, so a training loop stops without saving that loader's state_dict() (its last
@@ -441,8 +455,8 @@ def shard_identity(path):
 def _open_shard(path, identity):
     """path opened for reading; with identity given, a file that is no longer that one raises DataChanged."""
     d = os.path.dirname(path) or "."
-    changed = (f"{d}: the shards changed while this run was reading them ({os.path.basename(path)} %s; prepare.py "
-               f"re-ran?); restart the run, or --resume=True from its last checkpoint")
+    changed = (f"{d}: the shards changed while this run was reading them ({os.path.basename(path)} %s; "
+               f"python -m tools.prepare re-ran?); restart the run, or --resume=True from its last checkpoint")
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -457,7 +471,7 @@ def _open_shard(path, identity):
 
 
 def _check_not_mid_swap(d):
-    """prepare.py replaces a directory by two renames (d -> .<d>.old_*, new -> d); a kill between them leaves
+    """tools/prepare.py replaces a directory by two renames (d -> .<d>.old_*, new -> d); a kill between them leaves
     no d. Say where the previous dataset is rather than that there are no shards."""
     parent, name = os.path.split(os.path.abspath(d))
     if os.path.exists(d) or not os.path.isdir(parent):
@@ -465,8 +479,8 @@ def _check_not_mid_swap(d):
     old = sorted(n for n in os.listdir(parent) if n.startswith(f".{name}.old_"))
     if old:
         old = os.path.join(parent, old[-1])
-        raise ValueError(f"{d}: missing, but {old} holds its previous dataset (a prepare.py was killed while "
-                         f"replacing it); restore it: mv {old} {d} (or re-run prepare.py, which restores it first)")
+        raise ValueError(f"{d}: missing, but {old} holds its previous dataset (a tools/prepare.py was killed while "
+                         f"replacing it); restore it: mv {old} {d} (or re-run tools/prepare.py, which restores it first)")
 
 
 def _check_state(loader, sd):
@@ -499,15 +513,16 @@ if __name__ == "__main__":
         print(__doc__)
         sys.exit(0)
     if sys.argv[1:]:  # by habit: the tokenising command used to live here
-        print(f"data.py: tokenising moved to prepare.py; run: python prepare.py {' '.join(sys.argv[1:])}",
+        print(f"error: data.py takes no flags; tokenising is: python -m tools.prepare {' '.join(sys.argv[1:])}",
               file=sys.stderr)
         sys.exit(2)
     d = os.path.join(os.path.dirname(GPT2_RANKS), "shakespeare_byte")
     if not os.path.exists(os.path.join(d, "meta.json")):
-        sys.exit(f"no shards in {d}; make them first: python prepare.py --tokenizer=byte")
+        print(f"error: no shards in {d}; make them first: python -m tools.prepare --tokenizer=byte", file=sys.stderr)
+        sys.exit(1)
     shard = os.path.join(d, "train_000.bin")
     print(f"{shard}: header {np.fromfile(shard, dtype='<i4', count=4).tolist()} (magic, version, n_tokens, 0)")
-    x, y = DataLoader(d, "train", B=2, T=48).next_batch()  # (2, 48) each; y is x shifted left by one
+    x, y = DataLoader(d, "train", B=2, T=48, order="sequential").next_batch()  # (2, 48) each; y = x shifted by one
     for b in range(2):
         print(f"row {b}: x[:8] = {x[b, :8].tolist()}, y[:8] = {y[b, :8].tolist()}\n"
               f"       decoded: {get_tokenizer('byte').decode(x[b].tolist())!r}")

@@ -31,29 +31,6 @@ import torch.nn.functional as F
 from quant import BitLinear, QuantRMSNorm
 
 
-@dataclass
-class GPTConfig:
-    vocab_size: int = 257      # 257 = bytes + end-of-text; 50257 for GPT-2
-    block_size: int = 256      # max context length
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    mlp_hidden: int = 0        # 0 = 8/3 * n_embd rounded up to a multiple of 64 (Llama)
-    quant: bool = True         # hidden projections are BitLinear (ternary) instead of nn.Linear
-    subln: bool = True         # extra RMSNorm before o_proj and down_proj (BitDistill Stage 1)
-    tie_embeddings: bool = True  # LM head shares the embedding matrix (nanoGPT, BitNet 2B4T)
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    doc_mask: bool = False     # attend within documents only (needs eot); off = plain causal, faster
-    eot: int = 256             # end-of-text id that starts every document in the shards
-    causal: bool = True        # False: every position attends to every other (the masked-diffusion LM, dlm.py)
-    track_max_logit: bool = False  # record each head's largest q.k/sqrt(d) (Attention.max_logit; QK-clip)
-    max_logit_rows: int = 1    # ... over the first rows of each batch (cost: rows/batch_size of the q.k work)
-
-    def hidden_dim(self):
-        return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
-
-
 def precompute_rope(head_dim, length, theta):
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # (hd/2,)
     freqs = torch.outer(torch.arange(length).float(), inv_freq)                   # (L, hd/2)
@@ -163,6 +140,29 @@ class Block(nn.Module):
         x = x + a
         x = x + self.mlp(self.mlp_norm(x))
         return x, qkv
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 257      # 257 = bytes + end-of-text; 50257 for GPT-2
+    block_size: int = 256      # max context length
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_hidden: int = 0        # 0 = 8/3 * n_embd rounded up to a multiple of 64 (Llama)
+    quant: bool = True         # hidden projections are BitLinear (ternary) instead of nn.Linear
+    subln: bool = True         # extra RMSNorm before o_proj and down_proj (BitDistill Stage 1)
+    tie_embeddings: bool = True  # LM head shares the embedding matrix (nanoGPT, BitNet 2B4T)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    doc_mask: bool = False     # attend within documents only (needs eot); off = plain causal, faster
+    eot: int = 256             # end-of-text id that starts every document in the shards
+    causal: bool = True        # False: every position attends to every other (the masked-diffusion LM, lessons/dlm.py)
+    track_max_logit: bool = False  # record each head's largest q.k/sqrt(d) (Attention.max_logit; QK-clip)
+    max_logit_rows: int = 1    # ... over the first rows of each batch (cost: rows/batch_size of the q.k work)
+
+    def hidden_dim(self):
+        return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
 
 class GPT(nn.Module):

@@ -6,13 +6,10 @@ Muon keeps SGD momentum per weight matrix but steps along the momentum's nearest
 then moves by about the same amount, whatever the gradient's spectrum. Embeddings, the LM head, norm gains and
 biases are not hidden matrices and go to AdamW.
 
-Sources:
-    Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (blog post, 2024),
-        https://kellerjordan.github.io/posts/muon/ and github.com/KellerJordan/Muon (NS5, the "original" lr scale)
-    torch.optim.Muon (torch >= 2.9): the single-process step below equals its step bit for bit
-    Moonlight, "Muon is Scalable for LLM Training" (arXiv 2502.16982): §2.1 eq. 1-2 (momentum, NS5); §2.2 eq. 3
-        (decoupled weight decay), Lemma 1 (update RMS = sqrt(1/max(A, B))) and eq. 4 (0.2·sqrt(max(A, B))):
-        "match_rms_adamw"
+Sources: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (kellerjordan.github.io/posts/muon,
+2024) and github.com/KellerJordan/Muon (NS5, the "original" lr scale); torch.optim.Muon (torch >= 2.9), whose step
+the single-process step below equals bit for bit; Moonlight, "Muon is Scalable for LLM Training" (arXiv 2502.16982):
+§2.1 eq. 1-2 (momentum, NS5), §2.2 eq. 3 (decoupled weight decay), Lemma 1 and eq. 4 ("match_rms_adamw").
 
 Formulas (β = 0.95, (a, b, c) = (3.4445, -4.7750, 2.0315), NS5 arithmetic in bf16):
     muon_update:  buf = β·buf + (1 - β)·g                 (an EMA: buf.lerp_(g, 1 - β))
@@ -22,23 +19,13 @@ Formulas (β = 0.95, (a, b, c) = (3.4445, -4.7750, 2.0315), NS5 arithmetic in bf
     step:         p = p·(1 - lr·wd) - lr_adj·NS5(u)       (decoupled weight decay, with the unscaled lr)
     adjusted_lr:  lr_adj = lr·sqrt(max(1, rows/cols))     "original" (Keller Jordan, the default)
                   lr_adj = lr·0.2·sqrt(max(rows, cols))   "match_rms_adamw" (Moonlight: AdamW's lr and wd carry over)
-Moonlight writes the momentum as a sum, M = β·M + g. The EMA is (1 - β) times that sum, and so is u; NS5 divides
-the scale away.
+Schedules: Muon's lr (0.02) and AdamW's (3e-4) differ, so a schedule scales each group's own "initial_lr"
+(g["lr"] = g["initial_lr"] * lr_mult(it)); nanoGPT's one lr for every group gives Muon AdamW's lr. See MuonWithAdamW.
 
-Learning-rate schedules: Muon's lr (0.02) and AdamW's (3e-4) differ, so every param group of MuonWithAdamW keeps
-its own "initial_lr", and a schedule scales that by the schedule's multiplier lr_mult(it) (warmup, cosine, ...):
-    for g in opt.param_groups:
-        g["lr"] = g["initial_lr"] * lr_mult(it)
-A loop that sets one lr for every group (nanoGPT's `param_group['lr'] = lr`) gives Muon AdamW's lr, with no error.
-torch.optim.lr_scheduler (LambdaLR(opt, lr_mult), CosineAnnealingLR, SequentialLR, ...) scales initial_lr too.
-With adjust_lr_fn="match_rms_adamw" Muon's update has AdamW's RMS, so Muon can take AdamW's lr and weight decay
-(Moonlight §2.2): set muon_lr = adamw_lr, and one lr for every group is then right.
-
-Run:   python muon.py                       (NS5 against the SVD, Muon on least squares, parity with torch.optim.Muon,
-                                             a warmup schedule for Muon + AdamW)
+Run:   python muon.py   (NS5 against the SVD, least squares, parity with torch.optim.Muon, a Muon + AdamW schedule)
 Test:  python -m pytest tests/test_muon.py  (distributed: python -m pytest tests/test_scale.py -k muon)
-DDP and FSDP2 (NS5 shared out over the ranks) are in the section at the bottom of this file. The file imports only
-torch and the standard library, so it can be copied into another project.
+Imports only torch and the standard library: copy it into another project. DDP and FSDP2 (NS5 shared out over the
+ranks): the section at the bottom of this file.
 """
 import math
 
@@ -54,7 +41,7 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
     Approximate U Vᵀ, the orthogonal factor of G = U S Vᵀ, for G of shape (rows, cols) or (..., rows, cols).
     The coefficients maximise the slope at zero, so the result is U S' Vᵀ with S' roughly in [0.5, 1.5], which
     trains as well as U Vᵀ. dtype: bf16 as in the paper (GPU tensor cores); float32 is ~18x faster on CPUs
-    without bf16 matrix units (`python bench.py --muon`), and at least as accurate. Returns G's shape in dtype.
+    without bf16 matrix units (`python -m lab.bench --muon`), and at least as accurate. Returns G's shape in dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"zeropower_via_newtonschulz5 expects (..., rows, cols), got shape {tuple(G.shape)}")
@@ -79,7 +66,9 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
 
 
 def muon_update(grad, momentum, beta=0.95, nesterov=True):
-    """Update `momentum` (the buffer) in place; return the matrix to orthogonalise, u. grad is left unchanged."""
+    """Update `momentum` (the buffer) in place; return the matrix to orthogonalise, u. grad is left unchanged.
+    Moonlight writes the momentum as a sum, M = β·M + g. The EMA here is (1 - β) times that sum, and so is u;
+    NS5 divides the scale away."""
     momentum.lerp_(grad, 1 - beta)  # buf = β·buf + (1 - β)·g
     return grad.lerp(momentum, beta) if nesterov else momentum  # u = (1 - β)·g + β·buf
 

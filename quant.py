@@ -17,24 +17,12 @@ HF transformers integrations/bitnet.py; lambda-warmup from the HF blog "Fine-tun
     inference:                      y = (x_q @ W_q^T) * gamma / s                    (int32 accumulation, exact)
 
 torch.round rounds half to even (0.5 -> 0, 1.5 -> 2 -> clamped to 1), computed in fp32.
-lambda lives in a 0-d tensor buffer, so moving it from 0 to 1 never recompiles a torch.compile'd model.
-
-Packed storage, four ternary weights per byte as in BitNet b1.58 2B4T (arXiv 2504.12285); the bit layout is
-ours, specified with a worked byte in docs/packed-format.md: code = W_q + 1 in {0, 1, 2} (0b00 = -1,
-0b01 = 0, 0b10 = +1), four codes per uint8 along K, element k % 4 == j in bits 2j..2j+1, K padded to a
-multiple of 4 with 0b01. That is 2 bits per weight: 1/8 of the bytes of bf16.
-
-Where the quantisation cost goes, and how it is kept small:
-  - Activation quantisation is a row reduction (absmax) plus elementwise work on every BitLinear input.
-    In our model each BitLinear reads a norm's output (pre-norms feed q/k/v and gate/up, SubLN feeds o_proj and
-    down_proj), so QuantRMSNorm quantises once for all its readers (1 pass instead of 3 for q/k/v), and under
-    torch.compile the norm, absmax and rounding become one fused kernel. BitLinear(quantize_input=False) then
-    skips its own quantiser.
-  - Weight quantisation is a whole-matrix reduction (absmean) and a rounding pass per matrix. It depends only
-    on the weights, which change once per optimizer step, so with gradient accumulation cache_weight_quant
-    computes stopgrad(Q(w) - w) once per step and every micro-batch reuses it (same values, same gradients);
-    clear_weight_quant drops the cache before the weights change.
-  - lambda is a tensor, never a Python float: no recompilation as it warms up, and no host sync to read it.
+lambda lives in a 0-d buffer of every BitLinear (and QuantRMSNorm), and its default is 1: ternary. Loading
+full-precision weights (an nn.Linear checkpoint, load_state_dict(strict=False)) leaves it at 1, so the loaded
+model computes ternary; it stays full precision only after set_lambda(model, 0). A BitLinear checkpoint
+brings its own saved lambda_. Being a tensor, lambda never recompiles a torch.compile'd model as it moves.
+Packed storage for inference, four ternary weights per byte: pack_ternary, specified in docs/packed-format.md.
+Speed (the same values, computed less often: QuantRMSNorm, the weight-quant cache): the section at the bottom.
 
 Run the demo:  python quant.py          Test:  python -m pytest tests/test_quant.py
 """
@@ -91,14 +79,15 @@ class BitLinear(nn.Linear):
 
     The latent weight stays full precision (the optimizer's master copy). Set the blend with
     `set_lambda(model, lam)` or `m.lambda_.fill_(lam)`; 0 is exactly F.linear, 1 is BitNet b1.58.
-    quantize_input=False when the op before it already quantised x (QuantRMSNorm below).
+    quantize_input=False when the op before it already quantised x (QuantRMSNorm, in the speed section).
 
     Swapping it for an nn.Linear in another project, three differences to know:
       - bias defaults to False (BitNet b1.58 has no biases; PackedBitLinear refuses them), where nn.Linear's
         defaults to True: a bare nn.Linear(a, b) -> BitLinear(a, b) drops the bias. Pass bias= explicitly;
         BitLinear(a, b, bias=True) has exactly nn.Linear(a, b)'s parameters.
-      - lambda_ starts at 1: ternary from the first step. For lambda-warmup, set_lambda(model, 0.0) after
-        building the model and raise it during training.
+      - lambda_ starts at 1: ternary from the first step, and ternary after loading full-precision weights
+        into it. To keep loaded weights full precision (or for lambda-warmup), set_lambda(model, 0.0) after
+        building or loading the model, and raise it during training.
       - the state dict has one key more, "lambda_" (saved, so a resumed run keeps its lambda). An nn.Linear
         checkpoint loads with load_state_dict(sd, strict=False), whose missing_keys are then only the lambda_
         keys; code that counts keys (nanoGPT's from_pretrained asserts equal counts) must leave them out.
@@ -106,9 +95,9 @@ class BitLinear(nn.Linear):
 
     def __init__(self, in_features, out_features, bias=False, quantize_input=True, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.register_buffer("lambda_", torch.ones((), device=device))  # 0-d; 0 = fp, 1 = ternary
+        self.register_buffer("lambda_", torch.ones((), device=device))  # 0-d; 0 = fp, 1 = ternary (default)
         self.quantize_input = quantize_input
-        self.w_delta = None  # stopgrad(Q(w) - w), cached once per step by cache_weight_quant
+        self.w_delta = None  # stopgrad(Q(w) - w), cached once per step by cache_weight_quant (speed section)
 
     def forward(self, x):
         lam = self.lambda_
@@ -121,23 +110,6 @@ class BitLinear(nn.Linear):
         return F.linear(x, w, self.bias)                           # (..., out)
 
 
-class QuantRMSNorm(nn.RMSNorm):
-    """RMSNorm whose output is already the lambda-blended int8 fake-quantised activation.
-
-    In our model every BitLinear reads the output of a norm (pre-norms feed q/k/v and gate/up, SubLN feeds
-    o_proj and down_proj), so the activation quantiser moves into that norm: one quantisation for q, k and v
-    instead of three, and under torch.compile the norm, the row absmax and the rounding fuse into one kernel.
-    """
-
-    def __init__(self, dim, eps=1e-5, device=None):
-        super().__init__(dim, eps=eps, device=device)
-        self.register_buffer("lambda_", torch.ones((), device=device))
-
-    def forward(self, x):
-        y = super().forward(x)
-        return ste(y, activation_fake_quant(y), self.lambda_)
-
-
 def set_lambda(model, lam):
     """Write lam into every BitLinear's and QuantRMSNorm's buffer in place (no recompilation, no host sync)."""
     for m in model.modules():
@@ -145,23 +117,11 @@ def set_lambda(model, lam):
             m.lambda_.fill_(lam)
 
 
-@torch.no_grad()
-def cache_weight_quant(model):
-    """Quantise every BitLinear weight once, for all micro-batches of one optimizer step (gradient
-    accumulation). Call after the optimizer step, before the next forward; clear_weight_quant undoes it."""
-    for m in model.modules():
-        if isinstance(m, BitLinear):
-            m.w_delta = weight_fake_quant(m.weight) - m.weight
-
-
-def clear_weight_quant(model):
-    for m in model.modules():
-        if isinstance(m, BitLinear):
-            m.w_delta = None
-
-
 # -----------------------------------------------------------------------------
-# 2-bit packing: four ternary codes per byte along the input dimension
+# 2-bit packing: four ternary codes per byte along the input dimension, as in BitNet b1.58 2B4T
+# (arXiv 2504.12285); the bit layout is ours, with a worked byte in docs/packed-format.md:
+# code = W_q + 1 in {0, 1, 2} (0b00 = -1, 0b01 = 0, 0b10 = +1), element k % 4 == j in bits 2j..2j+1,
+# K padded to a multiple of 4 with 0b01. That is 2 bits per weight: 1/8 of the bytes of bf16.
 
 
 def pack_ternary(w_q):
@@ -182,6 +142,52 @@ def unpack_ternary(packed, in_features):
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
     codes = (packed.unsqueeze(-1) >> shifts) & 3  # (N, K/4, 4)
     return (codes.view(N, -1)[:, :in_features].to(torch.int8) - 1).contiguous()
+
+
+# -----------------------------------------------------------------------------
+# Speed: the same values and gradients as above, computed less often. Where the quantisation cost goes:
+#   - Activation quantisation is a row reduction (absmax) plus elementwise work on every BitLinear input. In our
+#     model each BitLinear reads a norm's output (pre-norms feed q/k/v and gate/up, SubLN feeds o_proj and
+#     down_proj), so QuantRMSNorm quantises once for all its readers (1 pass instead of 3 for q/k/v), and under
+#     torch.compile the norm, absmax and rounding become one fused kernel. BitLinear(quantize_input=False) then
+#     skips its own quantiser.
+#   - Weight quantisation is a whole-matrix reduction (absmean) and a rounding pass per matrix. It depends only
+#     on the weights, which change once per optimizer step, so with gradient accumulation cache_weight_quant
+#     computes stopgrad(Q(w) - w) once per step and every micro-batch reuses it (same values, same gradients);
+#     clear_weight_quant drops the cache before the weights change.
+#   - lambda is a tensor, never a Python float: no recompilation as it warms up, and no host sync to read it.
+
+
+class QuantRMSNorm(nn.RMSNorm):
+    """RMSNorm whose output is already the lambda-blended int8 fake-quantised activation.
+
+    In our model every BitLinear reads the output of a norm (pre-norms feed q/k/v and gate/up, SubLN feeds
+    o_proj and down_proj), so the activation quantiser moves into that norm: one quantisation for q, k and v
+    instead of three, and under torch.compile the norm, the row absmax and the rounding fuse into one kernel.
+    """
+
+    def __init__(self, dim, eps=1e-5, device=None):
+        super().__init__(dim, eps=eps, device=device)
+        self.register_buffer("lambda_", torch.ones((), device=device))
+
+    def forward(self, x):
+        y = super().forward(x)
+        return ste(y, activation_fake_quant(y), self.lambda_)
+
+
+@torch.no_grad()
+def cache_weight_quant(model):
+    """Quantise every BitLinear weight once, for all micro-batches of one optimizer step (gradient
+    accumulation). Call after the optimizer step, before the next forward; clear_weight_quant undoes it."""
+    for m in model.modules():
+        if isinstance(m, BitLinear):
+            m.w_delta = weight_fake_quant(m.weight) - m.weight
+
+
+def clear_weight_quant(model):
+    for m in model.modules():
+        if isinstance(m, BitLinear):
+            m.w_delta = None
 
 
 if __name__ == "__main__":

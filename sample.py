@@ -4,12 +4,12 @@ Sample text from a trained checkpoint.
   python sample.py                                   (out/stage2/ckpt.pt, default prompt)
   python sample.py --ckpt=out/stage1/ckpt.pt --start="ROMEO:" --max_new_tokens=300 --temperature=0.8
   python sample.py --packed=True                     (ternary model run from 2-bit packed weights)
-  python sample.py --ckpt=out/stage2/packed.pt       (a packed export from export.py)
+  python sample.py --ckpt=out/stage2/packed.pt       (a packed export from tools/export.py)
   python sample.py --dlm=True                        (out/dlm/ckpt.pt, the masked-diffusion model: dlm.generate
                                                       fills --max_new_tokens masks in --steps steps, choosing
                                                       which to keep by --remasking=random or low_confidence)
   python sample.py --ckpt=out/stage1/ckpt.pt --jsonl=teacher.jsonl --num_samples=256 --max_new_tokens=256 \
-      --temperature=1 --top_k=50257   (a corpus of teacher-written documents; shard it with prepare.py, then
+      --temperature=1 --top_k=50257   (a corpus of teacher-written documents; shard it with tools/prepare.py, then
                                        mix it in: --data=data/shakespeare_byte:0.8,data/teacher:0.2)
 
 The tokenizer and model shape come from the checkpoint, so any stage's ckpt.pt works. With --packed=True
@@ -20,46 +20,38 @@ Greedy decoding is --top_k=1; --temperature must be a finite number > 0 (0 is re
 Test: python -m pytest tests/test_sample.py tests/test_packed.py
 """
 
+import dataclasses
 import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 
-import checkpoint
+from tools import checkpoint
 import data
-import dlm
-from export import FORMAT, model_from_packed
+from lessons import dlm
+from tools.export import FORMAT, model_from_packed
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from model import GPT, GPTConfig
+from tools.flags import die, parse
 
-DEFAULTS = dict(ckpt="out/stage2/ckpt.pt", start="\n", num_samples=2, max_new_tokens=200, temperature=0.8,
-                top_k=50, seed=1337, device="auto", packed=False, jsonl="", dlm=False, steps=64, remasking="random")
-
-
-def die(msg, code=1):
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(code)
-
-
-def parse(argv):
-    args = dict(DEFAULTS)
-    for arg in argv:
-        key, eq, val = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not eq or key not in args:
-            die(f"unknown or malformed argument {arg!r}; use --key=value with key one of: {', '.join(args)}", 2)
-        typ = type(DEFAULTS[key])
-        try:
-            if typ is bool:  # bool("False") is True, so spell the values out
-                if val.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError
-                args[key] = val.lower() in ("true", "1")
-            else:
-                args[key] = typ(val)
-        except ValueError:
-            die(f"--{key}={val}: expected {typ.__name__}", 2)
-    return args
+@dataclass
+class SampleConfig:
+    ckpt: str = "out/stage2/ckpt.pt"  # a training checkpoint (any stage) or a packed export; --dlm: out/dlm/ckpt.pt
+    start: str = "\n"             # the prompt
+    num_samples: int = 2         # samples to print (or documents to write with --jsonl)
+    max_new_tokens: int = 200    # tokens generated per sample
+    temperature: float = 0.8     # > 0; for greedy decoding use --top_k=1
+    top_k: int = 50              # sample among the k likeliest tokens; 1 = greedy
+    seed: int = 1337             # seeds the sampling
+    device: str = "auto"         # auto = cuda if available, else cpu; or cpu, cuda, cuda:<index>
+    packed: bool = False         # freeze every BitLinear to 2-bit codes + gamma and run the integer path
+    jsonl: str = ""              # write num_samples documents to this .jsonl (a teacher-written corpus) instead
+    dlm: bool = False            # the checkpoint is a masked-diffusion model (--stage=dlm): fill masks, not next tokens
+    steps: int = 64              # --dlm: denoising steps
+    remasking: str = "random"    # --dlm: which predictions to keep each step: random or low_confidence
 
 
 def load_model(path, device, packed=False):
@@ -95,11 +87,11 @@ def load_model(path, device, packed=False):
 
 
 def main(argv):
-    args = parse(argv)
+    args = dataclasses.asdict(SampleConfig(**parse(argv, SampleConfig, __doc__)))
     _check_args(args)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args["device"] == "auto" else args["device"]
     torch.manual_seed(args["seed"])
-    if args["dlm"] and args["ckpt"] == DEFAULTS["ckpt"]:
+    if args["dlm"] and args["ckpt"] == SampleConfig.ckpt:
         args["ckpt"] = os.path.join("out", "dlm", checkpoint.LATEST)
     model, tok = load_model(args["ckpt"], device, args["packed"])
     if args["dlm"] != (not model.config.causal):
@@ -139,7 +131,7 @@ def sample_dlm(model, tok, args, device):
 
 def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0, top_k=None, start="", batch_size=64):
     """Teacher-generated data: num_samples documents sampled from the model, each cut at its first end-of-text,
-    written as jsonl ({"text": ...} per line, prepare.py's input). Written beside path, then renamed.
+    written as jsonl ({"text": ...} per line, tools/prepare.py's input). Written beside path, then renamed.
     Returns the number of characters written."""
     ids = torch.tensor([tok.eot] + tok.encode(start), dtype=torch.long)  # a document starts after end-of-text
     device = next(model.parameters()).device
@@ -196,10 +188,10 @@ def _check_tokenizer(path, name, vocab_size):
     try:
         tok = data.get_tokenizer(name)
     except ValueError as e:
-        die(f"{path}: {e}; the file was not written by train.py or export.py")
+        die(f"{path}: {e}; the file was not written by train.py or tools/export.py")
     if not tok.vocab_size <= vocab_size <= 64 * math.ceil(tok.vocab_size / 64):
         die(f"{path}: tokenizer {name!r} has {tok.vocab_size} tokens but the model's vocabulary is {vocab_size}; "
-            "the file mixes two runs: re-export it from its training checkpoint: python export.py --ckpt=<ckpt.pt>")
+            "the file mixes two runs: re-export it from its training checkpoint: python -m tools.export --ckpt=<ckpt.pt>")
     return tok
 
 

@@ -7,20 +7,19 @@ Train a ternary (BitNet b1.58) Llama-style model in three stages, nanoGPT-style.
   stage 3  BitDistill: stage-2 student, frozen stage-1 teacher                    -> out/stage3/ckpt.pt
 
 Run on one machine (CPU preset: byte tokenizer, minutes; CUDA preset: GPT-2 tokenizer, a real run):
-  python train.py --stage=1
-  python train.py --stage=2 --max_iters=2000 --lr=3e-3      (any field of TrainConfig as --key=value)
+  python train.py --stage=2                                   (python train.py --help: every flag)
+  python train.py --stage=2 --max_iters=2000 --lr=3e-3        (any field of TrainConfig as --key=value)
   python train.py --stage=2 --resume=True                     (continue a stopped run, bit for bit)
 One node, 8 GPUs (DDP; NCCL on CUDA, gloo on CPU); add --fsdp=True to shard params, grads and optimizer state:
   torchrun --standalone --nproc_per_node=8 train.py --stage=2
 Two nodes of 8 GPUs: the same command on each, with --node_rank=0 / 1 and the address of node 0:
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py --stage=2
 
-Read top to bottom: train_step (one step of ternary QAT), starting_weights (the three-stage recipe), main (the
-loop between banners), then below a fence the plumbing (clipping, the host read, checkpoints; evaluation and the
-log line are in evaluate.py).
-batch_size is one micro-batch on one rank; grad_accum counts the micro-batches of a step over ALL ranks, so the
-global batch does not depend on the world size. Checkpoints resume exactly (checkpoint.py); a non-finite step is
-skipped. Metrics go to out/stage<N>/metrics.jsonl; the first run tokenises the shipped corpus (prepare.py).
+Read top to bottom: the schedules (lr and lambda), train_step (one step of ternary QAT), the training loop, the
+three-stage recipe (where a run starts, and each stage's loss), then set-up. One step needs model.py, quant.py,
+muon.py, zclip.py and data.py (stage 3 adds distill.py); flags, checkpoints, evaluation, logs and distributed
+wrapping are plumbing in tools/. batch_size is one micro-batch on one rank; grad_accum counts the micro-batches
+of a step over ALL ranks, so the global batch does not depend on the world size.
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
@@ -28,25 +27,68 @@ import dataclasses
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-import checkpoint
 import data
-from averaging import CheckpointAverage
-from config import (TrainConfig, avg_interval, build_config, check_run, configure_optimizer,  # noqa: F401
-                    lambda_at, lr_mult, make_average, make_loaders, make_teachers, model_config, parse_args,
-                    quant_start_step, resolve_data, stage_dir, teacher_paths, DLM)
 from distill import match_layers
-from evaluate import STAT_KEYS, estimate_val_loss, log_eval, log_step
-import dlm
+from lessons import dlm
+from lessons.averaging import CheckpointAverage
+from lessons.muon_variants import max_logit, qk_clip, reset_max_logit
 from model import GPT, GPTConfig
-from muon_variants import max_logit, qk_clip, reset_max_logit
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
-from runtime import Runtime, StepTimer, die
+from tools import checkpoint, plumbing
+from tools.config import DLM, TrainConfig, build_config, check_run, model_config, parse_args, stage_dir, teacher_paths
+from tools.flags import die
+from tools.plumbing import estimate_val_loss, log_eval, log_step, optimizer_step, read_step, save
+from tools.runtime import Runtime, StepTimer
 from zclip import ZClip
+
+# -----------------------------------------------------------------------------
+# the schedules: learning rate and lambda
+
+
+def lr_mult(step, cfg):
+    """Multiplier on every group's peak lr: warmup-cosine (nanoGPT) or warmup-stable-decay (MiniCPM),
+    times two_phase_lr_drop in the second half with --two_phase=True (BitNet b1.58 FAQ)."""
+    drop = cfg.two_phase_lr_drop if cfg.two_phase and step >= cfg.max_iters // 2 else 1.0
+    return drop * _schedule(step, cfg)
+
+
+def _schedule(step, cfg):
+    if step < cfg.warmup_iters:
+        return (step + 1) / (cfg.warmup_iters + 1)
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        progress = min((step - cfg.warmup_iters) / max(cfg.max_iters - cfg.warmup_iters, 1), 1.0)
+        return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_start = int(cfg.max_iters * (1 - cfg.decay_frac))
+    if step < decay_start:
+        return 1.0
+    progress = min((step - decay_start) / max(cfg.max_iters - decay_start, 1), 1.0)
+    return 1.0 - (1 - cfg.min_lr_frac) * progress  # linear decay to min_lr (wsd, moderate)
+
+
+def lambda_at(step, cfg):
+    """lambda = clip((step - quant_start) / lambda_warmup_steps, 0, 1); 0 = full precision, 1 = ternary.
+    Stage 3 starts from an already ternary student, so lambda is 1 throughout."""
+    if cfg.stage == 3:
+        return 1.0
+    start = quant_start_step(cfg)
+    if step < start:
+        return 0.0  # the 16-bit phase of continual QAT
+    if cfg.lambda_warmup_steps <= 0:
+        return 1.0
+    return min((step - start) / cfg.lambda_warmup_steps, 1.0)
+
+
+def quant_start_step(cfg):
+    """--quant_start as a step: a fraction of max_iters when below 1, else the step itself."""
+    q = cfg.quant_start
+    return round(q * cfg.max_iters) if q < 1 else int(q)
+
 
 # -----------------------------------------------------------------------------
 # one training step of ternary QAT
@@ -90,8 +132,99 @@ def set_step_lambda(run, step):
     set_lambda(run.model, lam)
     return lam
 
+
+def clip_gradients(params, clipper, cfg):
+    """ZClip, or a fixed clip_grad_norm_; both return the same 0-d tensor stats (read once per step)."""
+    if clipper is not None:
+        return clipper.clip(params)
+    raw = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    raw = raw.full_tensor() if hasattr(raw, "full_tensor") else raw  # FSDP2: a DTensor of the global norm
+    clipped = (raw > cfg.grad_clip) if cfg.grad_clip > 0 else torch.zeros((), dtype=torch.bool, device=raw.device)
+    return {"raw_norm": raw, "clipped_norm": raw.clamp(max=cfg.grad_clip) if cfg.grad_clip > 0 else raw,
+            "was_clipped": clipped.float(), "z_score": torch.zeros((), device=raw.device)}
+
+
 # -----------------------------------------------------------------------------
-# where each run starts
+# the training loop
+
+
+def training_loop(run):
+    """The steps from run.start.step to max_iters, with evaluation, checkpoints, logs and the stop rules."""
+    cfg, rt = run.cfg, run.rt
+    step = start = run.start.step
+    val_loss, n_bad, bad_run = None, 0, 0
+    timer = StepTimer()  # ms per step, averaged between log lines
+    with checkpoint.StopSignal() as stop:
+        # ---------------------------------------------------------------- TRAINING SECTION BEGIN
+        while True:
+            lam = set_step_lambda(run, step)  # evaluation and checkpoint see the model that step `step` trains
+            last = step >= cfg.max_iters
+            if step > start or last:
+                evaluate = last or step % cfg.eval_interval == 0
+                if evaluate:
+                    whole = last and cfg.eval_whole  # the final evaluation: every val window once
+                    val_loss, by_source = estimate_val_loss(run, whole)
+                    rec = {"step": step, "val_loss": val_loss, "lambda": lam, "whole_val": whole}
+                    if len(by_source) > 1:
+                        rec["val_loss_by_source"] = by_source
+                    if run.average is not None and run.average.count:  # the average, evaluated beside the weights
+                        with run.average.swapped_in(run.model):
+                            rec["val_loss_avg"] = estimate_val_loss(run, whole)[0]
+                    log_eval(run, rec)
+                if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+                    save(run, step)
+                    timer.reset()  # evaluation and checkpoint time are not step time
+            if last:
+                break
+            log_now = (step + 1) % cfg.log_interval == 0
+            out = train_step(run, step, stop.requested is not None, timed=log_now)
+            step += 1
+            if run.average is not None:
+                run.average.update(run.model, step)  # at its snapshot steps only
+            timer.steps += 1
+            n_bad, bad_run = (n_bad, 0) if out["ok"] else (n_bad + 1, bad_run + 1)
+            if not out["ok"] or log_now:
+                log_step(run, step, out, n_bad, bad_run, timer)
+            if not out["ok"] and not checkpoint.all_finite(run.model):  # skipping cannot mend broken weights
+                die(f"step {step}: the weights are no longer finite (the update of an earlier step overflowed: is "
+                    f"--lr or --muon_lr too high?); nothing was saved over {run.ckpt_path}; lower the lr and "
+                    f"continue from it with --resume=True")
+            if bad_run >= cfg.max_bad_steps:
+                save(run, step)
+                die(f"{bad_run} steps in a row with a non-finite loss or gradient, the last at step {step}; "
+                    f"saved {run.ckpt_path} (weights as after step {step - bad_run}); lower --lr or check the "
+                    f"data, then continue with --resume=True")
+            if out["stop"]:
+                save(run, step)
+                rt.log(f"{stop.requested or 'stop signal on another rank'}: finished step {step}, saved "
+                       f"{run.ckpt_path}; continue with --resume=True")
+                break
+        # ---------------------------------------------------------------- TRAINING SECTION END
+    if step > start and n_bad == step - start:
+        die(f"all {n_bad} steps of this run were skipped as non-finite, so nothing was learned; see the log "
+            f"above, lower --lr or check the data")
+    if val_loss is not None and step >= cfg.max_iters:
+        skipped = f", {n_bad} of them skipped as non-finite" if n_bad else ""
+        rt.log(f"final val loss {val_loss:.4f} ({stage_dir(cfg.stage)}, {step} steps{skipped}); checkpoint {run.ckpt_path}"
+               + unfinished_warmup(run, step))
+    rt.close()
+    return val_loss
+
+
+def unfinished_warmup(run, step):
+    """The final line's warning when lambda never reached 1: the model is still part full precision, so it is
+    not the ternary model it is meant to be, and stage 3 and the packed export cannot take it as it is."""
+    lam = lambda_at(step, run.cfg) if run.model.config.quant else 1.0
+    if lam >= 1.0:
+        return ""
+    done = quant_start_step(run.cfg) + run.cfg.lambda_warmup_steps
+    return (f"; WARNING: lambda only reached {lam:.2f}, so the model is not ternary yet (lambda is 1 from step {done}): "
+            f"continue with --resume=True --max_iters={done} or more, or use a shorter --lambda_warmup_steps; stage 3 "
+            f"and the packed export need lambda 1")
+
+
+# -----------------------------------------------------------------------------
+# where each run starts (the three-stage recipe), and each stage's loss
 
 
 @dataclass
@@ -131,8 +264,19 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
     checkpoint.check_fits(ckpt["model_args"], conf, path)
     insert = cfg.stage == 1 and not ckpt["model_args"].get("subln", True) and conf.subln
     src = f"stage-{cfg.stage - 1} weights" if cfg.init_from == "auto" else "weights"
-    return Start(0, ckpt, path, insert, f"stage {cfg.stage}: starting from the {src} in {path}" +
-                 (" (SubLN inserted with unit gain)" if insert else ""))
+    note = f"stage {cfg.stage}: starting from the {src} in {path}" + (" (SubLN inserted with unit gain)" if insert else "")
+    lam = saved_lambda(ckpt)
+    if cfg.stage == 3 and lam is not None and lam < 1:
+        note += (f"; NOTE: that student ended mid lambda warm-up (lambda {lam:.2f}); stage 3 trains it at lambda 1 "
+                 f"from its first step. To finish the warm-up first: python train.py --stage=2 --resume=True "
+                 f"--max_iters=<more steps>")
+    return Start(0, ckpt, path, insert, note)
+
+
+def saved_lambda(ckpt):
+    """The lambda a checkpoint's BitLinear buffers hold (their smallest), or None for a full-precision model."""
+    lams = [float(v.min()) for k, v in ckpt["model"].items() if k.endswith("lambda_")]
+    return min(lams) if lams else None
 
 
 def dlm_start(cfg, conf):
@@ -156,7 +300,7 @@ def dlm_start(cfg, conf):
 def make_loss_fn(run, teachers):
     """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher(s), or
     plain CE when every distillation weight is 0 (the control run). Stage dlm: the masked-diffusion loss, with the
-    outlier ratios of mask and other tokens (dlm.py). Picked once; returns loss_fn(x, y)."""
+    outlier ratios of mask and other tokens (lessons/dlm.py). Picked once; returns loss_fn(x, y)."""
     if run.cfg.stage == DLM:
         mask_id = run.model.config.vocab_size - 1
         def dlm_loss(x, y):
@@ -165,7 +309,7 @@ def make_loss_fn(run, teachers):
         return dlm_loss
     if run.cfg.stage < 3:
         return lambda x, y: (run.train_model(x, y)[1], None)
-    models, crit = make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
+    models, crit = plumbing.make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
     if not models:
         run.rt.log("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
         return lambda x, y: (run.train_model(x, y)[1], None)
@@ -184,8 +328,9 @@ def make_loss_fn(run, teachers):
         return parts["loss"], parts
     return distill_loss
 
+
 # -----------------------------------------------------------------------------
-# set-up and the training loop
+# set-up: every input is checked before anything is written (the pieces are in tools/)
 
 
 @dataclass
@@ -252,7 +397,7 @@ def build(run, resume, teachers):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = rt.device_type == "cuda"
     dtype = ("bfloat16" if rt.device_type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype
     run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
-    run.train_loader, run.val_loaders = make_loaders(cfg, rt, resume)
+    run.train_loader, run.val_loaders = plumbing.make_loaders(cfg, rt, resume)
 
     run.model = GPT(conf)
     if run.start.ckpt is not None:
@@ -266,9 +411,9 @@ def build(run, resume, teachers):
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
     run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile)  # compiled, in DDP or FSDP2 as asked
     run.loss_fn = make_loss_fn(run, teachers)
-    run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
+    run.optimizer = plumbing.configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
-    run.average = make_average(cfg, rt, resume, run.out_dir)  # --avg_checkpoints, else None
+    run.average = plumbing.make_average(cfg, rt, resume, run.out_dir)  # --avg_checkpoints, else None
     try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
         if resume is not None:
             checkpoint.restore(resume, run.optimizer, run.clipper)
@@ -292,143 +437,11 @@ def main(argv):
         die(str(e))
     try:
         return training_loop(run)
-    except data.DataChanged as e:  # prepare.py re-ran under us: stop; the last checkpoint resumes exactly
+    except data.DataChanged as e:  # tools/prepare.py re-ran under us: stop; the last checkpoint resumes exactly
         die(str(e))
     finally:
         if run.unlock:
             run.unlock()
-
-
-def training_loop(run):
-    """The steps from run.start.step to max_iters, with evaluation, checkpoints, logs and the stop rules."""
-    cfg, rt = run.cfg, run.rt
-    step = start = run.start.step
-    val_loss, n_bad, bad_run = None, 0, 0
-    timer = StepTimer()  # ms per step, averaged between log lines
-    with checkpoint.StopSignal() as stop:
-        # ---------------------------------------------------------------- TRAINING SECTION BEGIN
-        while True:
-            lam = set_step_lambda(run, step)  # evaluation and checkpoint see the model that step `step` trains
-            last = step >= cfg.max_iters
-            if step > start or last:
-                evaluate = last or step % cfg.eval_interval == 0
-                if evaluate:
-                    whole = last and cfg.eval_whole  # the final evaluation: every val window once
-                    val_loss, by_source = estimate_val_loss(run, whole)
-                    rec = {"step": step, "val_loss": val_loss, "lambda": lam, "whole_val": whole}
-                    if len(by_source) > 1:
-                        rec["val_loss_by_source"] = by_source
-                    if run.average is not None and run.average.count:  # the average, evaluated beside the weights
-                        with run.average.swapped_in(run.model):
-                            rec["val_loss_avg"] = estimate_val_loss(run, whole)[0]
-                    log_eval(run, rec)
-                if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
-                    save(run, step)
-                    timer.reset()  # evaluation and checkpoint time are not step time
-            if last:
-                break
-            log_now = (step + 1) % cfg.log_interval == 0
-            out = train_step(run, step, stop.requested is not None, timed=log_now)
-            step += 1
-            if run.average is not None:
-                run.average.update(run.model, step)  # at its snapshot steps only
-            timer.steps += 1
-            n_bad, bad_run = (n_bad, 0) if out["ok"] else (n_bad + 1, bad_run + 1)
-            if not out["ok"] or log_now:
-                log_step(run, step, out, n_bad, bad_run, timer)
-            if not out["ok"] and not checkpoint.all_finite(run.model):  # skipping cannot mend broken weights
-                die(f"step {step}: the weights are no longer finite (the update of an earlier step overflowed: is "
-                    f"--lr or --muon_lr too high?); nothing was saved over {run.ckpt_path}; lower the lr and "
-                    f"continue from it with --resume=True")
-            if bad_run >= cfg.max_bad_steps:
-                save(run, step)
-                die(f"{bad_run} steps in a row with a non-finite loss or gradient, the last at step {step}; "
-                    f"saved {run.ckpt_path} (weights as after step {step - bad_run}); lower --lr or check the "
-                    f"data, then continue with --resume=True")
-            if out["stop"]:
-                save(run, step)
-                rt.log(f"{stop.requested or 'stop signal on another rank'}: finished step {step}, saved "
-                       f"{run.ckpt_path}; continue with --resume=True")
-                break
-        # ---------------------------------------------------------------- TRAINING SECTION END
-    if step > start and n_bad == step - start:
-        die(f"all {n_bad} steps of this run were skipped as non-finite, so nothing was learned; see the log "
-            f"above, lower --lr or check the data")
-    if val_loss is not None and step >= cfg.max_iters:
-        skipped = f", {n_bad} of them skipped as non-finite" if n_bad else ""
-        rt.log(f"final val loss {val_loss:.4f} ({stage_dir(cfg.stage)}, {step} steps{skipped}); checkpoint {run.ckpt_path}")
-    rt.close()
-    return val_loss
-
-# -----------------------------------------------------------------------------
-# plumbing: clipping, the host read, the optimizer step, checkpoints (evaluation and logs: evaluate.py)
-
-
-def clip_gradients(params, clipper, cfg):
-    """ZClip, or a fixed clip_grad_norm_; both return the same 0-d tensor stats (read once per step)."""
-    if clipper is not None:
-        return clipper.clip(params)
-    raw = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-    raw = raw.full_tensor() if hasattr(raw, "full_tensor") else raw  # FSDP2: a DTensor of the global norm
-    clipped = (raw > cfg.grad_clip) if cfg.grad_clip > 0 else torch.zeros((), dtype=torch.bool, device=raw.device)
-    return {"raw_norm": raw, "clipped_norm": raw.clamp(max=cfg.grad_clip) if cfg.grad_clip > 0 else raw,
-            "was_clipped": clipped.float(), "z_score": torch.zeros((), device=raw.device)}
-
-
-def read_step(run, loss, stats, stop_requested, parts, top=None):
-    """The one host read per step: the loss averaged over ranks, whether any rank got a stop signal, the
-    clipping statistics and (stage 3) the loss terms, all in one tensor. Every rank gets the same numbers,
-    so all take the same branch afterwards."""
-    reduced = run.rt.all_reduce_(torch.stack([loss, torch.tensor(float(stop_requested), device=loss.device)]))
-    names = [] if parts is None else [k for k in parts if k != "loss"]  # stage 3: ce ld ad hidden; dlm: ratios
-    extra = [parts[k].detach().float().reshape(1) for k in names]
-    values = torch.cat([reduced / torch.tensor([run.rt.world, 1.0], device=loss.device)] +
-                       [stats[k].reshape(1).float() for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")]
-                       + extra + ([] if top is None else [top.float().reshape(1)])).tolist()
-    out = dict(zip(("loss", "stop", *STAT_KEYS), values))
-    out["stop"] = bool(out["stop"])
-    if parts is not None:
-        out["parts"] = dict(zip(names, values[6:6 + len(names)]))
-    if top is not None:
-        out["max_logit"] = values[-1]
-    return out
-
-
-def optimizer_step(optimizer, rt, timed):
-    """Step; with timed=True also return the milliseconds of Muon's part (synchronising on CUDA)."""
-    if not timed or not hasattr(optimizer, "muon"):
-        return optimizer.step()  # None
-    sync = torch.cuda.synchronize if rt.device_type == "cuda" else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    optimizer.muon.step()
-    sync()
-    muon_ms = 1000 * (time.perf_counter() - t)
-    optimizer.adamw.step()
-    return muon_ms
-
-
-def save(run, step):
-    """Every rank calls it (FSDP2 gathers shards); rank 0 writes. A failed write keeps the previous checkpoint,
-    and so do non-finite weights: they never replace a finite checkpoint."""
-    if not checkpoint.all_finite(run.model):
-        die(f"step {step}: the weights are not finite, so they were not saved; {run.ckpt_path} is kept; lower "
-            f"--lr or --muon_lr and continue from it with --resume=True")
-    state = checkpoint.training_state(step, dataclasses.asdict(run.cfg), dataclasses.asdict(run.model.config),
-                                      run.model, run.optimizer, run.clipper, run.train_loader)
-    averaged = None
-    if run.average is not None:
-        state["average"] = run.average.state_dict()
-        averaged = checkpoint.averaged_state(state, run.model, run.average) if run.average.count else None
-    try:
-        if run.rt.master:
-            checkpoint.save(state, run.out_dir, run.cfg.keep_last)
-            if averaged is not None:
-                checkpoint.atomic_save(averaged, os.path.join(run.out_dir, checkpoint.AVERAGED))
-    except OSError as e:  # e.g. a full disk: the atomic write left the previous checkpoint as it was
-        die(f"cannot write a checkpoint to {run.out_dir}: {e.strerror}; the previous one is kept, free space "
-            f"and continue with --resume=True")
-    run.rt.barrier()
 
 
 if __name__ == "__main__":

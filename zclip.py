@@ -7,66 +7,30 @@ moving average (EMA) of the global gradient norm and of its variance; a step who
 those running statistics. Ordinary steps pass through untouched.
 
 Source: Kumar et al., "ZClip: Adaptive Spike Mitigation for LLM Pre-Training", arXiv 2504.02507, and its
-reference implementation github.com/bluorion-com/ZClip (zclip/zclip.py), whose steps map to the functions
-below: _compute_grad_norm -> total_norm, _compute_positive_zscore -> z_score, _compute_clip_val ->
-clip_threshold, _update_ema -> update_ema, _apply_clipping -> the factor and scale_ in ZClip.clip.
+reference implementation github.com/bluorion-com/ZClip (zclip/zclip.py). The default algorithm:
 
-    g = || all gradients ||_2                        global L2 norm, fp32
-    warmup: the first N = warmup_steps norms are only collected (no z-clipping). At call N:
-        mu = mean(norms), var = mean((norms - mu)^2)  (population variance); first decision at call N+1
-    decision: sigma = sqrt(var), z = (g - mu) / (sigma + eps)
-        mode="zscore":     spike if z > z_thresh
-            clip_option="adaptive_scaling":  T = clip_factor * (mu + z_thresh^2 * sigma / z)
-            clip_option="mean":              T = mu
-        mode="percentile": spike if g > mu + z_thresh * sigma, T = mu + z_thresh * sigma
-        effective = T on a spike, else g; if max_grad_norm is set, effective = min(effective, max_grad_norm)
-        (the max_grad_norm hard clip also applies during warmup)
-        if g > effective: every gradient *= effective / (g + 1e-6)
-    update, after clipping, with x = T on a spike, else g:
-        mu  <- alpha * mu  + (1 - alpha) * x
-        var <- alpha * var + (1 - alpha) * (x - mu)^2     (mu is the already-updated mean)
-    worked example: mu = 1, var = 0.25, z_thresh = 2, g = 3 gives z = 2 / 0.500001 ~ 3.999992,
-        T = 1 + 4 * 0.5 / z ~ 1.500001, gradients rescaled to norm ~ 1.5; then mu = 1.015, var ~ 0.2495568.
+    g = || all gradients ||_2 (fp32);  mu, var = mean, population variance of the first warmup_steps norms
+    z = (g - mu) / (sqrt(var) + eps);  a spike if z > z_thresh
+    T = clip_factor * (mu + z_thresh^2 * sqrt(var) / z)          (the further out the spike, the closer to mu)
+    on a spike, if g > T: every gradient *= T / (g + 1e-6)
+    mu  <- alpha * mu  + (1 - alpha) * x;  var <- alpha * var + (1 - alpha) * (x - mu)^2   (x = T on a spike, else g)
+    worked example: mu = 1, var = 0.25, z_thresh = 2, g = 3: z ~ 3.999992, T ~ 1.500001; then mu = 1.015,
+        var ~ 0.2495568
 
-Departures from the reference code: max_grad_norm defaults to None (pure ZClip; the reference defaults to 1.0);
-spike_update="skip" is its skip_update_on_spike=True; the handling of non-finite norms below is ours.
-Non-finite g (NaN/inf): gradients are left untouched and mu/var are not updated; the training loop is
-expected to skip that optimizer step. A non-finite norm collected during warmup is left out of the
-initial mean/variance.
-
-dtypes: gradients may be fp32, bf16 (or fp16) or fp64, mixed too. Each tensor's norm is accumulated in the
-wider of fp32 and its own dtype, g and the statistics are fp32 whatever the gradients, and the factor is
-handed to each gradient's in-place multiply in that same wider dtype (fp32 for bf16, fp64 for fp64).
-
-No host synchronisation: mu and var are 0-d fp32 tensors on the gradients' device, every decision is a
-torch.where, and the gradients are always multiplied by one 0-d factor with _foreach_mul_ (one call per
-dtype group). When nothing is clipped the factor is exactly 1.0, and x * 1.0 == x bitwise in IEEE
-arithmetic, so the no-clip path needs no branch. The only Python state that changes is the warmup count,
-which depends on the number of calls alone and stops changing after warmup (a compiled clip() does not
-recompile). clip() returns a dict of 0-d tensors; reading them when logging (float(stats["raw_norm"])) is
-the one host read per step.
-
-Distributed: under DDP every rank holds the whole all-reduced gradients, so the local norm is the global one.
-Under FSDP2 the gradients are DTensors sharded by rows; the section at the bottom of the file turns them into
-local shards and g into sqrt(all_reduce_sum(||local shards||^2)), the same g on every rank.
-
-Usage:
+The other modes and options, NaN/inf norms, dtypes, no host sync, FSDP2, and where we depart from the reference:
+docs/zclip.md. Usage (save zclip.state_dict() in the checkpoint, or a resumed run starts a new warmup):
     zclip = ZClip()                     # or ZClip(**PERCENTILE_RAW_EMA), or ZClip(max_grad_norm=1.0)
     loss.backward()                     # with a torch.amp.GradScaler, scaler.unscale_(optimizer) next
     stats = zclip.clip(model)           # between backward() and optimizer.step()
     optimizer.step()
-
-Checkpoints: ZClip is not an optimizer, so torch.save(optimizer.state_dict()) does not include it. Save its
-state next to the optimizer's, or a resumed run starts a new warmup and z-clips no spike for warmup_steps steps:
-    ckpt["zclip"] = zclip.state_dict()      # when saving
-    zclip.load_state_dict(ckpt["zclip"])    # when resuming
 
 Test: python -m pytest tests/test_zclip.py        Demo: python zclip.py
 """
 import torch
 
 # -----------------------------------------------------------------------------
-# the algorithm, one step per function: g, z, (spike, T), the EMA update, the in-place scaling
+# the algorithm, one step per function: g, z, (spike, T), the EMA update, the in-place scaling (the reference's
+# _compute_grad_norm, _compute_positive_zscore, _compute_clip_val, _update_ema, _apply_clipping)
 
 
 def total_norm(grads):
@@ -142,6 +106,10 @@ CONFIG_KEYS = ("alpha", "z_thresh", "warmup_steps", "eps", "mode", "clip_option"
 
 
 class ZClip:
+    """The statistics between calls (mu, var, the warmup norms) and the options. Not an optimizer: save
+    state_dict() next to the optimizer's, or a resumed run starts a new warmup and z-clips no spike for
+    warmup_steps steps."""
+
     def __init__(self, alpha=0.97, z_thresh=2.5, warmup_steps=25, eps=1e-6, mode="zscore",
                  clip_option="adaptive_scaling", clip_factor=1.0, max_grad_norm=None,
                  spike_update="threshold"):
@@ -152,7 +120,8 @@ class ZClip:
         self.mode = mode                    # "zscore" or "percentile"
         self.clip_option = clip_option      # zscore mode: "adaptive_scaling" or "mean"; ignored in percentile
         self.clip_factor = clip_factor      # scales T in adaptive_scaling (< 1 clips harder)
-        self.max_grad_norm = max_grad_norm  # None = pure ZClip; a float also hard-clips every step
+        self.max_grad_norm = max_grad_norm  # None = pure ZClip (the reference defaults to 1.0); a float also
+                                            # hard-clips every step, warmup included
         self.spike_update = spike_update    # what feeds the EMA on a spike, see SPIKE_UPDATES
         self._check_config()
         self.n_seen = 0                     # norms collected toward warmup; saturates at warmup_steps
@@ -168,7 +137,9 @@ class ZClip:
     def clip(self, params):
         """Clip the gradients of `params` (an nn.Module or an iterable of tensors) in place.
         Returns 0-d tensors: raw_norm, clipped_norm, was_clipped (0./1.), z_score, and ema_mean, ema_var
-        after this call's update."""
+        after this call's update. A non-finite g (NaN/inf) leaves the gradients, mu and var untouched (ours,
+        not the reference's): the training loop should skip that optimizer step. No host sync: every decision
+        is a torch.where, and the factor is exactly 1.0 when nothing is clipped (x * 1.0 == x bitwise)."""
         grads = [p.grad for p in (params.parameters() if isinstance(params, torch.nn.Module) else params)
                  if p.grad is not None]
         if not grads:
@@ -247,6 +218,7 @@ class ZClip:
 # -----------------------------------------------------------------------------
 # FSDP2 plumbing, kept apart so the algorithm above reads as on one device: under FSDP2 each rank holds a
 # row-shard of every gradient (a DTensor), so g needs the other ranks' shards and the scaling acts on our own.
+# (Under DDP every rank holds the whole all-reduced gradients: the local norm is the global one, nothing to do.)
 
 
 def _local_shards(grads):

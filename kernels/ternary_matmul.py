@@ -39,7 +39,7 @@ quantize_activations(x) is the fused per-row absmax int8 quantiser; it equals qu
 bit for bit (IEEE division via tl.math.div_rn, round-half-to-even, no FMA contraction).
 
 Test (CPU, interpreter):  python -m pytest tests/test_kernels.py
-Benchmark (GPU):          python bench.py
+Benchmark (GPU):          python -m lab.bench
 Demo:                     python kernels/ternary_matmul.py    (CPU: TRITON_INTERPRET=1 python ...)
 """
 

@@ -1,5 +1,5 @@
 """
-train.py with faults injected from outside, for tests/test_fault.py. train.py, config.py and checkpoint.py carry
+train.py with faults injected from outside, for tests/test_fault.py. train.py, tools/config.py and tools/checkpoint.py carry
 no test hooks: this script patches the functions they call, then runs train.main.
 
     NANOBITNET_FAULTS="hang_at=16" python tests/faults.py --stage=2 ...      (any train.py flags)
@@ -19,8 +19,9 @@ import time
 
 import torch
 
-import checkpoint  # the repository root is on PYTHONPATH (tests/conftest.py sets it)
+from tools import checkpoint  # the repository root is on PYTHONPATH (tests/conftest.py sets it)
 import train
+from tools import plumbing
 
 
 def parse(spec):
@@ -65,7 +66,7 @@ def inject_hang_in_setup():
         print("setting up", flush=True)
         while True:
             time.sleep(0.05)
-    train.make_loaders = make_loaders
+    plumbing.make_loaders = make_loaders
 
 
 def inject_hang(at):

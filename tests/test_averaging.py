@@ -1,4 +1,4 @@
-"""Tests for averaging.py (checkpoint averaging, Luo et al. arXiv 2511.18903) and its use in train.py:
+"""Tests for lessons/averaging.py (checkpoint averaging, Luo et al. arXiv 2511.18903) and its use in train.py:
 the average equals the hand-computed weighted sum of the snapshots, the model gets its own weights back,
 train.py's avg.pt is that average of its own numbered checkpoints, resumes exactly, and sample.py loads it.
 Run: python -m pytest tests/test_averaging.py"""
@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from averaging import CheckpointAverage
+from lessons.averaging import CheckpointAverage
 from conftest import ROOT, TINY, ENV, records, run
 
 

@@ -1,4 +1,4 @@
-"""clean.py: quality filters, exact and MinHash-LSH near-duplicate removal, and prepare.py's use of them."""
+"""lessons/clean.py: quality filters, exact and MinHash-LSH near-duplicate removal, and tools/prepare.py's use of them."""
 import gzip
 import json
 import math
@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-import clean
-import prepare
+from lessons import clean
+from tools import prepare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -135,12 +135,12 @@ def test_prepare_cleans_reports_and_records_the_counts(tmp_path, capsys):
 
 def test_clean_and_prepare_command_lines_print_the_report(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "clean.py", "--kind=code", prepare.PYTHON], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "lessons.clean"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "167 documents in, 8 removed (8 too few words), 159 kept" in r.stdout
-    r = subprocess.run([sys.executable, "prepare.py", "--corpus=python", f"--out_dir={tmp_path / 'py'}"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "tools.prepare", "--corpus=python", f"--out_dir={tmp_path / 'py'}"], cwd=ROOT,
                        env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "159 kept" in r.stdout and "tokens/s" in r.stdout
-    bad = subprocess.run([sys.executable, "prepare.py", "--clean=maybe"], cwd=ROOT, env=env, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "tools.prepare", "--clean=maybe"], cwd=ROOT, env=env, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "prose, code, dedup, none" in bad.stderr

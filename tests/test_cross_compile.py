@@ -47,7 +47,7 @@ def test_gpu_check_script_refuses_a_machine_without_cuda_in_one_line():
     import pytest
     import torch
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: run bash scripts/gpu_check.sh itself")  # never on the CPU CI
-    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], env=ENV, capture_output=True,
+        pytest.skip("this machine has a GPU: run bash lab/gpu_check.sh itself")  # never on the CPU CI
+    p = subprocess.run(["bash", os.path.join(ROOT, "lab", "gpu_check.sh")], env=ENV, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and "no CUDA GPU" in p.stderr

@@ -1,4 +1,4 @@
-"""Tests for data.py: the shard format, the DataLoader and the tokenisers (prepare.py: tests/test_prepare.py).
+"""Tests for data.py: the shard format, the DataLoader and the tokenisers (tools/prepare.py: tests/test_prepare.py).
 Run: python -m pytest tests/test_data.py"""
 
 import base64
@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -76,19 +77,19 @@ def test_read_shard_refuses_corrupt_files_naming_the_file_and_the_fix(tmp_path, 
         data.read_shard(str(path))
     msg = str(e.value)
     assert str(path) in msg and all(f in msg for f in facts) and "\n" not in msg, msg
-    assert "python prepare.py" in msg  # no meta.json beside it: points to prepare.py's --help
+    assert "python -m tools.prepare" in msg  # no meta.json beside it: points to tools/prepare.py's --help
 
 
 def test_read_shard_error_gives_the_command_from_meta_json(tmp_path):
     d = tmp_path / "ds"
     d.mkdir()
     data.write_shard(str(d / "train_000.bin"), np.arange(500))
-    with open(d / "meta.json", "w") as f:  # as prepare.py writes it: the shipped corpus is its default source
+    with open(d / "meta.json", "w") as f:  # as tools/prepare.py writes it: the shipped corpus is its default source
         json.dump({"tokenizer": "gpt2", "sources": [SHIPPED_CORPUS, "/corpus/a.txt"]}, f)
     _corrupt(d / "train_000.bin", "magic")
     with pytest.raises(ValueError) as e:
         data.read_shard(str(d / "train_000.bin"))
-    assert str(e.value).endswith(f"python prepare.py --tokenizer=gpt2 --out_dir={d} /corpus/a.txt"), str(e.value)
+    assert str(e.value).endswith(f"python -m tools.prepare --tokenizer=gpt2 --out_dir={d} /corpus/a.txt"), str(e.value)
 
 # -----------------------------------------------------------------------------
 # loader
@@ -103,7 +104,7 @@ def _shards(d, *arrays, split="train"):
 
 def test_loader_rows_are_consecutive_windows_and_y_is_x_shifted(tmp_path):
     d = _shards(tmp_path / "a", np.arange(1000))
-    loader = data.DataLoader(d, "train", B=4, T=8)
+    loader = data.DataLoader(d, "train", B=4, T=8, order="sequential")
     for step in range(3):
         x, y = loader.next_batch()
         assert x.shape == y.shape == (4, 8) and x.dtype == y.dtype == torch.int64
@@ -114,7 +115,7 @@ def test_loader_rows_are_consecutive_windows_and_y_is_x_shifted(tmp_path):
 
 def test_loader_moves_to_next_shard_dropping_the_tail_and_wraps(tmp_path):
     d = _shards(tmp_path / "a", np.arange(20), np.arange(100, 125))
-    loader = data.DataLoader(d, "train", B=1, T=8)
+    loader = data.DataLoader(d, "train", B=1, T=8, order="sequential")
     starts = [loader.next_batch()[0][0, 0].item() for _ in range(7)]
     # shard 0 fits windows at 0, 8 (16+9 > 20); shard 1 at 0, 8, 16 (24+9 > 25); then shard 0 again
     assert starts == [0, 8, 100, 108, 116, 0, 8]
@@ -188,6 +189,17 @@ def test_shuffled_batch_rows_are_not_consecutive_windows(tmp_path):
                                                                     np.all(np.diff(starts) == 64))
 
 
+def test_loader_default_order_is_shuffle(tmp_path):
+    """The measured best order (python -m lab order, lab/results/order.md) is the default; train.py passes
+    --data_order anyway, and its evaluations ask for order="sequential"."""
+    d = _shards(tmp_path / "a", np.arange(20), np.arange(100, 125))  # windows start at 0, 8 | 100, 108, 116
+    default = data.DataLoader(d, "train", B=1, T=8, seed=3)
+    assert default.order == "shuffle" and default.state_dict()["order"] == "shuffle"
+    starts = _row_starts(default, 10)
+    assert starts == _row_starts(data.DataLoader(d, "train", B=1, T=8, order="shuffle", seed=3), 10)
+    assert starts != _row_starts(data.DataLoader(d, "train", B=1, T=8, order="sequential"), 10)
+
+
 def test_loader_refuses_block_size_larger_than_a_shard(tmp_path):
     d = _shards(tmp_path / "a", np.arange(100), np.arange(10))
     with pytest.raises(ValueError) as e:
@@ -201,7 +213,7 @@ def test_loader_refuses_missing_shards_and_mixed_tokenizers(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError) as e:
         data.DataLoader(str(tmp_path / "empty"), "val", B=1, T=4)
-    assert "val_*.bin" in str(e.value) and f"python prepare.py --out_dir={tmp_path / 'empty'}" in str(e.value)
+    assert "val_*.bin" in str(e.value) and f"python -m tools.prepare --out_dir={tmp_path / 'empty'}" in str(e.value)
     sources = _two_sources(tmp_path)
     for d, name in zip(sources, ["byte", "gpt2"]):
         with open(os.path.join(d, "meta.json"), "w") as f:
@@ -216,7 +228,7 @@ def test_loader_reads_shards_in_numeric_order(tmp_path):
     d.mkdir()
     for k in range(1001):  # "train_1000.bin" sorts before "train_999.bin" as text
         data.write_shard(str(d / f"train_{k:03d}.bin"), np.full(9, k))
-    loader = data.DataLoader(str(d), "train", B=1, T=8)
+    loader = data.DataLoader(str(d), "train", B=1, T=8, order="sequential")
     loader.load_state_dict(dict(loader.state_dict(), pos=[[999, 0]]))
     assert [loader.next_batch()[0][0, 0].item() for _ in range(3)] == [999, 1000, 0]
 
@@ -235,7 +247,7 @@ def test_loader_refuses_a_shard_set_with_a_gap_naming_the_missing_file(tmp_path)
     with pytest.raises(ValueError) as e:
         data.DataLoader(d, "train", B=1, T=8)
     msg = str(e.value)
-    assert os.path.join(d, "train_002.bin") in msg and "missing" in msg and "python prepare.py" in msg, msg
+    assert os.path.join(d, "train_002.bin") in msg and "missing" in msg and "python -m tools.prepare" in msg, msg
 
 
 @pytest.mark.parametrize("fields, facts", [
@@ -247,7 +259,7 @@ def test_loader_refuses_shards_that_disagree_with_meta_json(tmp_path, fields, fa
     with pytest.raises(ValueError) as e:
         data.DataLoader(d, "train", B=1, T=8)
     msg = str(e.value)
-    assert os.path.join(d, "meta.json") in msg and all(f in msg for f in facts) and "prepare.py" in msg, msg
+    assert os.path.join(d, "meta.json") in msg and all(f in msg for f in facts) and "tools.prepare" in msg, msg
     _meta(d, train_tokens=200)  # agreeing counts, without the shard count of an old meta.json: fine
     assert data.DataLoader(d, "train", B=1, T=8).next_batch()[0].shape == (1, 8)
 
@@ -262,16 +274,16 @@ def test_read_meta_refuses_a_damaged_meta_json_naming_it_and_the_fix(tmp_path, c
         with pytest.raises(ValueError) as e:
             call()
         msg = str(e.value)
-        assert os.path.join(d, "meta.json") in msg and fact in msg and "python prepare.py" in msg, msg
+        assert os.path.join(d, "meta.json") in msg and fact in msg and "python -m tools.prepare" in msg, msg
     _meta(d)
     assert data.read_meta(d) == {"tokenizer": "byte"}
     os.remove(os.path.join(d, "meta.json"))
-    with pytest.raises(ValueError, match="no such file.*python prepare.py"):
+    with pytest.raises(ValueError, match="no such file.*python -m tools.prepare"):
         data.read_meta(d)
 
 
 def _replace_dataset(d, *arrays, split="train"):
-    """What prepare.py does to a directory a run is reading: new files (new inodes) under the same names."""
+    """What tools/prepare.py does to a directory a run is reading: new files (new inodes) under the same names."""
     _shards(d, *arrays, split=split)
     _meta(str(d))
 
@@ -279,7 +291,7 @@ def _replace_dataset(d, *arrays, split="train"):
 def test_loader_keeps_its_mapped_shard_then_stops_with_data_changed_when_shards_are_replaced(tmp_path):
     d = tmp_path / "a"
     _replace_dataset(d, np.arange(100), np.arange(100, 200))
-    loader = data.DataLoader(str(d), "train", B=1, T=8)
+    loader = data.DataLoader(str(d), "train", B=1, T=8, order="sequential")
     assert loader.next_batch()[0][0, 0].item() == 0
     _replace_dataset(d, np.arange(1000, 1100), np.arange(1100, 1150))  # re-prepared: other data, shorter shard
     # the shard it has mapped stays the old file, read consistently: windows 8, 16, ..., 88 of the old shard 0
@@ -293,13 +305,13 @@ def test_loader_keeps_its_mapped_shard_then_stops_with_data_changed_when_shards_
 def test_loader_reset_for_evaluation_stops_with_data_changed_after_a_re_prepare(tmp_path):
     d = tmp_path / "a"
     _replace_dataset(d, np.arange(500), split="val")
-    val = data.DataLoader(str(d), "val", B=2, T=16)
+    val = data.DataLoader(str(d), "val", B=2, T=16, order="sequential")  # as train.py evaluates
     first = val.next_batch()[0]
     val.reset()
     assert torch.equal(val.next_batch()[0], first)
     _replace_dataset(d, np.arange(20), split="val")  # a smaller val shard: rows of the old length would not fit
     val.reset()
-    with pytest.raises(data.DataChanged, match="prepare.py"):
+    with pytest.raises(data.DataChanged, match="tools.prepare"):
         val.next_batch()
     os.remove(d / "val_000.bin")  # a directory being swapped away: a missing shard is a change too
     val.reset()
@@ -388,23 +400,45 @@ def _python(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=120)
 
 
-def test_data_py_works_without_tiktoken_until_gpt2_is_asked_for(tmp_path):
-    p = _python("-c", f"""import sys; sys.modules["tiktoken"] = None  # import tiktoken now fails
-import data
-data.write_shard({str(tmp_path / "train_000.bin")!r}, [256] + data.get_tokenizer("byte").encode("hello"))
-x, y = data.DataLoader({str(tmp_path)!r}, "train", B=1, T=5).next_batch()
+def _data_py_alone(tmp_path, script, tiktoken=True):
+    """Run script beside a copy of data.py alone in an empty directory, as when it is copied into another
+    project (no data/ folder, no other repository file importable); tiktoken=False makes importing it fail."""
+    alone = tmp_path / "project"
+    alone.mkdir(exist_ok=True)
+    shutil.copy(os.path.join(ROOT, "data.py"), alone)
+    prelude = "import sys\n" + ("" if tiktoken else 'sys.modules["tiktoken"] = None  # import tiktoken now fails\n')
+    env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", prelude + script], cwd=alone, capture_output=True, text=True,
+                          env=env, timeout=120), alone
+
+
+def test_data_py_copied_alone_works_without_tiktoken_until_gpt2_is_asked_for(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    script = f"""import data
+print(data.__file__)
+data.write_shard({str(shards / "train_000.bin")!r}, [256] + data.get_tokenizer("byte").encode("hello"))
+x, y = data.DataLoader({str(shards)!r}, "train", B=1, T=5).next_batch()
 print(data.get_tokenizer("byte").decode(x[0].tolist() + y[0, -1:].tolist()))
 try:
     data.get_tokenizer("gpt2")
-except ImportError:
-    print("gpt2 needs tiktoken")""")
-    assert p.returncode == 0 and p.stdout.split("\n")[:2] == ["hello", "gpt2 needs tiktoken"], p.stdout + p.stderr
+except (ImportError, FileNotFoundError) as e:
+    print(type(e).__name__, e)"""
+    p, alone = _data_py_alone(tmp_path, script, tiktoken=False)
+    out = p.stdout.split("\n")
+    assert p.returncode == 0 and out[:2] == [str(alone / "data.py"), "hello"], p.stdout + p.stderr
+    assert out[2].startswith("ImportError") and "pip install tiktoken" in out[2], out[2]
+    # with tiktoken, the missing vocabulary file: where it comes from, and that tiktoken cannot fetch it offline
+    p, _ = _data_py_alone(tmp_path, script)
+    err = p.stdout.split("\n")[2]
+    assert err.startswith("FileNotFoundError") and str(alone / "data" / "gpt2.tiktoken") in err, p.stdout + p.stderr
+    assert "data/gpt2.tiktoken" in err and "ships with nanoBitNet" in err and "offline" in err and "byte" in err, err
 
 
 def test_data_py_with_the_old_tokenising_flags_points_to_prepare_py():
     p = _python("data.py", "--tokenizer=byte")
     err = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(err) == 1 and "python prepare.py --tokenizer=byte" in err[0], p.stderr
+    assert p.returncode == 2 and len(err) == 1 and "python -m tools.prepare --tokenizer=byte" in err[0], p.stderr
 
 # -----------------------------------------------------------------------------
 # data orders: shuffled and curriculum (easy-to-hard)
@@ -412,7 +446,7 @@ def test_data_py_with_the_old_tokenising_flags_points_to_prepare_py():
 
 def _scored(tmp_path, *shards, T=8):
     """Shards whose windows of T have known difficulty scores: window w of the whole source scores
-    score_of(first token of w) = a fixed pseudo-random number, written as prepare.py writes them."""
+    score_of(first token of w) = a fixed pseudo-random number, written as tools/prepare.py writes them."""
     d = _shards(tmp_path / "c", *shards)
     for k, a in enumerate(shards):
         a = np.asarray(a)
@@ -436,7 +470,7 @@ def test_shuffle_reads_every_window_once_per_epoch_in_a_seeded_order(tmp_path):
 
 def test_curriculum_reads_the_shuffled_windows_easy_to_hard(tmp_path):
     """Each block of span rows holds exactly the windows a shuffled loader reads in those rows, sorted by the
-    difficulty prepare.py wrote: the two orders differ only in order."""
+    difficulty tools/prepare.py wrote: the two orders differ only in order."""
     C = data.DIFFICULTY_CHUNK
     d = _scored(tmp_path, np.arange(40 * C), np.arange(40 * C, 70 * C))
     T, span = C, 24  # one chunk per window
@@ -477,18 +511,18 @@ def test_curriculum_refuses_shards_without_scores_and_resume_with_another_order(
     d = _shards(tmp_path / "a", np.arange(100))
     with pytest.raises(ValueError, match="difficulty.npy") as e:
         data.DataLoader(d, "train", B=1, T=8, order="curriculum")
-    assert "prepare.py" in str(e.value)
+    assert "tools.prepare" in str(e.value)
     with pytest.raises(ValueError, match="data order"):
         data.DataLoader(d, "train", B=1, T=8, order="random")
     sd = data.DataLoader(d, "train", B=1, T=8, order="shuffle").state_dict()
     with pytest.raises(ValueError, match="--data_order=shuffle"):
-        data.DataLoader(d, "train", B=1, T=8).load_state_dict(sd)
+        data.DataLoader(d, "train", B=1, T=8, order="sequential").load_state_dict(sd)
 
 
 def test_loader_state_from_before_orders_existed_still_resumes(tmp_path):
     """A checkpoint written before data orders kept (shard, offset) per source; it continues at that window."""
     d = _shards(tmp_path / "a", np.arange(20), np.arange(100, 125))
-    loader = data.DataLoader(d, "train", B=1, T=8)
+    loader = data.DataLoader(d, "train", B=1, T=8, order="sequential")
     sd = {k: v for k, v in loader.state_dict().items() if k not in ("order", "span", "cursor")}
     loader.load_state_dict(dict(sd, pos=[[1, 8]]))
     assert _row_starts(loader, 4) == [108, 116, 0, 8]
@@ -499,7 +533,7 @@ def test_loader_state_from_before_orders_existed_still_resumes(tmp_path):
 def test_difficulty_is_the_zlib_ratio_of_each_chunk_and_prepare_writes_it(tmp_path):
     import zlib
 
-    import prepare
+    from tools import prepare
     tok = data.get_tokenizer("byte")
     rep, varied = b"ab" * 128, bytes(np.random.default_rng(0).integers(32, 127, 256, dtype=np.uint8))
     scores = prepare.difficulty(np.frombuffer(rep + varied, dtype=np.uint8).astype(np.int64), tok.decode_bytes)

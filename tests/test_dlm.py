@@ -1,4 +1,4 @@
-"""dlm.py: the mask token, LLaDA's 1/p-weighted masked CE against a hand computation, Dream's shift, the
+"""lessons/dlm.py: the mask token, LLaDA's 1/p-weighted masked CE against a hand computation, Dream's shift, the
 sampler (low-confidence and random remasking), and the outlier-ratio diagnostic."""
 import math
 import os
@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-import dlm
+from lessons import dlm
 from conftest import ENV, ROOT, TINY, fails, records, run, start
 from model import GPT, GPTConfig
 

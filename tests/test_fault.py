@@ -1,4 +1,4 @@
-"""Fault tolerance of train.py and checkpoint.py: exact resume after SIGKILL, preemption by SIGTERM/SIGINT,
+"""Fault tolerance of train.py and tools/checkpoint.py: exact resume after SIGKILL, preemption by SIGTERM/SIGINT,
 atomic checkpoints (a kill in the middle of a write), non-finite steps, and one clear error line for each kind
 of bad input, with nothing already saved lost.
 
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
+from tools import checkpoint
 import data
 import train
 from conftest import TINY, fails, records, run, start
@@ -157,7 +157,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run_after_max_bad_ste
     assert all(torch.isfinite(v).all() for v in cks[6]["model"].values())
 
 # -----------------------------------------------------------------------------
-# checkpoint.py on its own
+# tools/checkpoint.py on its own
 
 
 def test_save_rotates_keep_last_and_ckpt_pt_names_the_newest(tmp_path):
@@ -257,11 +257,11 @@ def test_training_on_a_small_valid_shard_directory_works(tmp_path):
 
 
 @pytest.mark.parametrize("case,facts", [  # the file, what is wrong with it, the fix
-    ("bad_magic", ("train_000.bin", "magic 0", "20240520", "prepare.py")),
-    ("truncated", ("train_000.bin", "2024 bytes", "2000 tokens", "prepare.py")),
-    ("empty_dir", ("meta.json", "python prepare.py")),
-    ("empty_meta", ("meta.json", "prepare.py")),
-    ("meta_without_tokenizer", ("meta.json", "tokenizer", "prepare.py")),
+    ("bad_magic", ("train_000.bin", "magic 0", "20240520", "tools.prepare")),
+    ("truncated", ("train_000.bin", "2024 bytes", "2000 tokens", "tools.prepare")),
+    ("empty_dir", ("meta.json", "python -m tools.prepare")),
+    ("empty_meta", ("meta.json", "tools.prepare")),
+    ("meta_without_tokenizer", ("meta.json", "tokenizer", "tools.prepare")),
     ("other_tokenizer", ("gpt2", "--tokenizer=byte")),
     ("block_size_over_a_shard", ("train_000.bin", "block_size 4000", "2000 tokens", "--block_size")),
 ])
@@ -408,7 +408,7 @@ def test_shards_replaced_under_a_running_loader_stop_the_run_with_one_line(tmp_p
 
     def step_then_re_prepare(run, step, *args, **kwargs):
         out = real_step(run, step, *args, **kwargs)
-        if step + 1 == 2:  # as if prepare.py re-ran into the directory: a new val shard under the same name
+        if step + 1 == 2:  # as if tools/prepare.py re-ran into the directory: a new val shard under the same name
             data.write_shard(os.path.join(d, "val_000.bin"), np.arange(3000) % 256)
         return out
     monkeypatch.setattr(train, "train_step", step_then_re_prepare)

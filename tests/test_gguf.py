@@ -1,6 +1,6 @@
-"""gguf_export.py / export.py --format=gguf: what llama.cpp's bitnet architecture reads, checked by reading the
+"""tools/export.py --format=gguf: what llama.cpp's bitnet architecture reads, checked by reading the
 file back (gguf's reader, and TQ2_0 bytes decoded here by hand), vocabulary metadata, and the command line.
-The end-to-end run in llama.cpp itself is scripts/check_llamacpp.sh (not in CI: it compiles llama.cpp)."""
+The end-to-end run in llama.cpp itself is lab/check_llamacpp.sh (not in CI: it compiles llama.cpp)."""
 import os
 import subprocess
 import sys
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-import gguf_export
+from tools import export as gguf_export
 import quant
 from conftest import ENV, ROOT, TINY, run
 from model import GPT, GPTConfig
@@ -110,11 +110,11 @@ def test_export_command_line_gguf_and_its_refusals(tmp_path, capsys):
     out = str(tmp_path / "o")
     run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=6", "--eval_interval=6")
     ckpt = os.path.join(out, "stage2", "ckpt.pt")
-    p = subprocess.run([sys.executable, "export.py", "--format=gguf", f"--ckpt={ckpt}"], cwd=ROOT, env=ENV,
+    p = subprocess.run([sys.executable, "-m", "tools.export", "--format=gguf", f"--ckpt={ckpt}"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True)
     assert p.returncode == 0 and "architecture bitnet" in p.stdout and "verified" in p.stdout, p.stderr
     assert os.path.exists(os.path.join(out, "stage2", "model.gguf"))
-    p = subprocess.run([sys.executable, "export.py", "--format=onnx", f"--ckpt={ckpt}"], cwd=ROOT, env=ENV,
+    p = subprocess.run([sys.executable, "-m", "tools.export", "--format=onnx", f"--ckpt={ckpt}"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "packed" in p.stderr
     with pytest.raises(ValueError, match="SubLN"):

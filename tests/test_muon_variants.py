@@ -1,4 +1,4 @@
-"""muon_variants.py: NorMuon against a hand-written reference, 8-bit momentum (both maps) against its error
+"""lessons/muon_variants.py: NorMuon against a hand-written reference, 8-bit momentum (both maps) against its error
 bound and its byte formula, bit-exact resume with 8-bit state, and QK-clip capping the heads over tau exactly."""
 import copy
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import muon_variants as mv
+from lessons import muon_variants as mv
 from conftest import TINY, records, run
 from model import GPT, GPTConfig
 from muon import zeropower_via_newtonschulz5

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-import config
+from tools import config, plumbing
 import data
 from muon import configure_muon  # recipe: new import
 from quant import BitLinear  # recipe: new import
@@ -202,7 +202,7 @@ def get_lr(it):
 
 def sources():
     """The shipped corpus as byte shards (tokenised on first use) and its vocab size, as nanoGPT's meta.pkl."""
-    src = config.resolve_data(config.TrainConfig(tokenizer="byte"))
+    src = plumbing.resolve_data(config.TrainConfig(tokenizer="byte"))
     with open(os.path.join(next(iter(src)), "meta.json")) as f:
         return src, json.load(f)["vocab_size"]
 
@@ -227,7 +227,7 @@ def init(init_from, out_dir):
     scaler = torch.amp.GradScaler('cuda', enabled=(dtype == 'float16'))
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
     zclip = ZClip()  # recipe: after the optimizer
-    train_loader = data.DataLoader(src, 'train', batch_size, block_size)
+    train_loader = data.DataLoader(src, 'train', batch_size, block_size, order='sequential')
     if init_from == 'resume':
         optimizer.load_state_dict(checkpoint['optimizer'])
         zclip.load_state_dict(checkpoint['zclip'])  # recipe: ZClip is not an optimizer
@@ -251,7 +251,7 @@ def estimate_loss(model, val_loader):
 def train(model, optimizer, zclip, scaler, train_loader, iter_num, out_dir, stop_iter=max_iters):
     """nanoGPT's training loop from iter_num through stop_iter (its max_iters), writing out_dir/ckpt.pt at each
     eval. Returns ({iter: train loss}, {iter: val loss})."""
-    val_loader = data.DataLoader(sources()[0], 'val', batch_size, block_size)
+    val_loader = data.DataLoader(sources()[0], 'val', batch_size, block_size, order='sequential')
     train_losses, val_losses = {}, {}
     while True:
         # determine and set the learning rate for this iteration
@@ -311,7 +311,8 @@ def uninterrupted(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("uninterrupted")
     model, optimizer, zclip, scaler, train_loader, iter_num = init('scratch', out_dir)
     train_losses, val_losses = train(model, optimizer, zclip, scaler, train_loader, iter_num, out_dir)
-    final_val = estimate_loss(model, data.DataLoader(sources()[0], 'val', batch_size, block_size))
+    final_val = estimate_loss(model, data.DataLoader(sources()[0], 'val', batch_size, block_size,
+                                                     order='sequential'))
     return dict(out_dir=out_dir, model=model, optimizer=optimizer, zclip=zclip, train_losses=train_losses,
                 val_losses=val_losses, final_val=final_val)
 

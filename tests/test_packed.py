@@ -1,5 +1,5 @@
 """
-Tests for kernels/packed_linear.py (PackedBitLinear, freeze_ternary, weight_bytes), export.py and
+Tests for kernels/packed_linear.py (PackedBitLinear, freeze_ternary, weight_bytes), tools/export.py and
 sample.py --packed=True.
 
 The packed layer is compared with the fake-quantised BitLinear of quant.py at lambda = 1, on the torch
@@ -36,7 +36,7 @@ import kernels.ternary_matmul as tm  # noqa: E402
 if not ON_GPU and not tm.INTERPRETED:
     tm = importlib.reload(tm)  # packed_linear calls tm.<name>, so it sees the reloaded module
 
-import export  # noqa: E402
+from tools import export  # noqa: E402
 import quant  # noqa: E402
 from conftest import fails  # noqa: E402
 from kernels.packed_linear import PackedBitLinear, freeze_ternary, weight_bytes  # noqa: E402
@@ -192,7 +192,7 @@ def test_weight_bytes_measures_latent_and_packed_hidden_matrices():
 
 
 # -----------------------------------------------------------------------------
-# export.py and load_packed
+# tools/export.py and load_packed
 
 
 def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
@@ -214,11 +214,11 @@ def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
         assert torch.equal(model(idx, idx)[0], frozen(idx, idx)[0])
     with pytest.raises(ValueError) as e:  # the file, the format it should have, and how to make one
         export.model_from_packed({"model": {}}, "some.pt")
-    assert all(f in str(e.value) for f in ("some.pt", "nanobitnet-packed-v1", "python export.py")), e.value
+    assert all(f in str(e.value) for f in ("some.pt", "nanobitnet-packed-v1", "python -m tools.export")), e.value
 
 
 # -----------------------------------------------------------------------------
-# end to end: train.py -> sample.py --packed=True, export.py, sample.py on the export
+# end to end: train.py -> sample.py --packed=True, tools/export.py, sample.py on the export
 
 SMALL = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--max_iters=3",
          "--eval_interval=3", "--eval_iters=1", "--lambda_warmup_steps=1", "--device=cpu"]
@@ -256,9 +256,12 @@ def test_sample_packed_on_fp_checkpoint_and_export_errors(trained, capsys, tmp_p
     with pytest.raises(SystemExit) as e:
         sample.main([f"--ckpt={trained / 'stage1' / 'ckpt.pt'}", "--packed=True", "--device=cpu"])
     assert e.value.code == 1 and "quant=False" in capsys.readouterr().err
-    assert sample.parse(["--packed=False"])["packed"] is False and sample.parse(["--packed=true"])["packed"] is True
+    def parse(argv):
+        return sample.parse(argv, sample.SampleConfig)
+    assert parse(["--packed=False"])["packed"] is False and parse(["--packed=true"])["packed"] is True
+    assert parse(["--packed=yes"])["packed"] is True and parse(["--packed=off"])["packed"] is False  # as train.py
     with pytest.raises(SystemExit):
-        sample.parse(["--packed=yes"])
+        parse(["--packed=maybe"])
 
     with pytest.raises(SystemExit) as e:
         export.main([f"--ckpt={trained / 'stage1' / 'ckpt.pt'}", f"--out={tmp_path / 'x.pt'}"])
@@ -296,7 +299,7 @@ def test_export_cli_then_sample_reads_the_export(trained, capsys, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# export.py refusals: one "error: ..." line naming the flag or file and the fix, flags checked before
+# tools/export.py refusals: one "error: ..." line naming the flag or file and the fix, flags checked before
 # anything is read, and nothing already on disk lost
 
 

@@ -1,4 +1,4 @@
-"""Tests for prepare.py: reading a corpus, the train/val split by document, shards on disk, the command line.
+"""Tests for tools/prepare.py: reading a corpus, the train/val split by document, shards on disk, the command line.
 Run: python -m pytest tests/test_prepare.py"""
 
 import errno
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import data
-import prepare
+from tools import prepare
 from conftest import ENV, ROOT
 
 DOCS_TXT = "First document.\nIt has two lines.\n"
@@ -75,7 +75,7 @@ def test_read_shard_error_says_how_to_remake_a_prepared_dataset(tmp_path):
     with pytest.raises(ValueError) as e:
         data.read_shard(str(shard))
     srcs = " ".join(str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz"))
-    assert str(shard) in str(e.value) and f"python prepare.py --tokenizer=byte --out_dir={out} {srcs}" in str(e.value)
+    assert str(shard) in str(e.value) and f"python -m tools.prepare --tokenizer=byte --out_dir={out} {srcs}" in str(e.value)
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
@@ -169,11 +169,13 @@ def test_prepare_names_missing_sources_and_bad_lines(tmp_path):
 
 
 def test_cli_bad_flag_exits_2_with_one_line(capsys):
-    assert prepare.main(["--bogus=1"]) == 2
-    assert prepare.main(["--tokenizer=sentencepiece"]) == 2
-    assert prepare.main(["--val_every=x"]) == 2
+    for argv in (["--bogus=1"], ["--tokenizer=sentencepiece"], ["--val_every=x"]):
+        with pytest.raises(SystemExit) as e:
+            prepare.main(argv)
+        assert e.value.code == 2
     err = capsys.readouterr().err.strip().split("\n")
-    assert len(err) == 3 and "--bogus=1" in err[0] and "byte, gpt2" in err[1]
+    assert len(err) == 3 and all(e.startswith("error: ") for e in err), err
+    assert "--bogus=1" in err[0] and "byte, gpt2" in err[1] and "--val_every=x" in err[2]
 
 
 def test_cli_prepares_a_corpus_and_reports_errors_in_one_line(tmp_path, capsys):
@@ -191,7 +193,7 @@ def test_cli_prepares_a_corpus_and_reports_errors_in_one_line(tmp_path, capsys):
 def test_prepare_py_refuses_non_utf8_and_empty_corpora_in_one_line(tmp_path, content, facts):
     src = tmp_path / "corpus.txt"
     src.write_bytes(content)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "prepare.py"), f"--out_dir={tmp_path / 'o'}", str(src)],
+    p = subprocess.run([sys.executable, "-m", "tools.prepare", f"--out_dir={tmp_path / 'o'}", str(src)],
                        capture_output=True, text=True, env=ENV, timeout=120)
     err = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(err) == 1 and str(src) in err[0] and all(f in err[0] for f in facts), p.stderr
@@ -280,7 +282,7 @@ def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
     day_old = time.time() - 2 * 86400
     names = {f".o.tmp_{host}_{dead_pid}_abc123": "stale", f".o.old_{host}_{dead_pid}_abc123": "stale",
              f".o.tmp_{host}_1_abc123": "live", f".o.tmp_{host}_{os.getpid()}_abc123": "live",  # running
-             ".o.tmp_k2j3h4g5": "live", ".o.tmp_q9w8e7r6": "stale",  # an older prepare.py's names: by age
+             ".o.tmp_k2j3h4g5": "live", ".o.tmp_q9w8e7r6": "stale",  # an older tools/prepare.py's names: by age
              f".o.tmp_otherhost_{dead_pid}_abc123": "live",  # another machine's pid cannot be checked here
              ".other.tmp_x_1_y": "live"}  # not this out_dir's
     for name in names:
@@ -320,7 +322,7 @@ def test_prepare_refuses_a_bad_gzip_source_in_one_line(tmp_path, capsys, damage,
     before = _files(tmp_path / "o")
     assert prepare.main([f"--out_dir={tmp_path / 'o'}", str(d / "*")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"prepare.py: {gz}: ") and all(f in err[0] for f in facts), err
+    assert len(err) == 1 and err[0].startswith(f"error: {gz}: ") and all(f in err[0] for f in facts), err
     assert _files(tmp_path / "o") == before and _hidden(tmp_path) == []
 
 
@@ -382,7 +384,8 @@ def test_loaders_reading_a_directory_that_prepare_replaces_stop_with_data_change
     d = _write_corpus(tmp_path)
     out = str(tmp_path / "o")
     prepare.prepare([str(d / "*")], out_dir=out, val_every=2, shard_tokens=16)  # shards of 16: one row of T=8 each
-    train, val = data.DataLoader(out, "train", B=1, T=8), data.DataLoader(out, "val", B=1, T=8)
+    train = data.DataLoader(out, "train", B=1, T=8, order="sequential")
+    val = data.DataLoader(out, "val", B=1, T=8, order="sequential")
     train.next_batch()
     val.next_batch()
     prepare.prepare([str(d / "a.txt"), str(d / "b.jsonl")], out_dir=out, val_every=3, shard_tokens=16)  # less val
@@ -390,7 +393,7 @@ def test_loaders_reading_a_directory_that_prepare_replaces_stop_with_data_change
     for loader in (train, val):
         with pytest.raises(data.DataChanged) as e:
             loader.next_batch()
-        assert out in str(e.value) and "prepare.py" in str(e.value) and "--resume=True" in str(e.value)
+        assert out in str(e.value) and "tools.prepare" in str(e.value) and "--resume=True" in str(e.value)
     assert data.DataLoader(out, "val", B=1, T=4).next_batch()[0].shape == (1, 4)  # a new run reads the new data
 
 
@@ -400,7 +403,7 @@ def test_prepare_py_stopped_by_sigterm_says_so_and_keeps_the_old_dataset(tmp_pat
     prepare.prepare([str(d / "*")], out_dir=str(out), val_every=3)
     before = _files(out)
     # the shipped corpus in shards of 2000 tokens: thousands of files, seconds of work to interrupt
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "prepare.py"), f"--out_dir={out}", "--shard_tokens=2000"],
+    p = subprocess.Popen([sys.executable, "-m", "tools.prepare", f"--out_dir={out}", "--shard_tokens=2000"],
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not any(n.startswith(".o.tmp_") and os.listdir(tmp_path / n) for n in os.listdir(tmp_path)):

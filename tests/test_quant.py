@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import quant
 from quant import (BitLinear, QuantRMSNorm, activation_fake_quant, activation_quant, cache_weight_quant,
                    clear_weight_quant, pack_ternary, set_lambda, ste, unpack_ternary, weight_fake_quant, weight_quant)
 
@@ -117,6 +118,22 @@ def test_bitlinear_swapped_for_nn_linear_differs_only_as_documented():
     set_lambda(bit, 0.0)
     x = torch.randn(3, 6)
     assert torch.equal(bit(x), lin(x))  # at lambda 0 the loaded BitLinear is that nn.Linear
+
+def test_loaded_full_precision_weights_are_ternary_until_set_lambda_zero_as_documented():
+    """lambda_ defaults to 1 (ternary) and loading full-precision weights leaves it there: only
+    set_lambda(model, 0) keeps the loaded model full precision. quant.py's docstring and BitLinear's say so."""
+    torch.manual_seed(0)
+    fp = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.ReLU(), torch.nn.Linear(8, 4, bias=False))
+    bit = torch.nn.Sequential(BitLinear(8, 8), torch.nn.ReLU(), BitLinear(8, 4))
+    assert bit.load_state_dict(fp.state_dict(), strict=False).missing_keys == ["0.lambda_", "2.lambda_"]
+    x = torch.randn(3, 8)
+    assert [bit[i].lambda_.item() for i in (0, 2)] == [1.0, 1.0] and not torch.allclose(bit(x), fp(x))
+    set_lambda(bit, 0)
+    assert torch.equal(bit(x), fp(x))
+    for doc in (quant.__doc__, BitLinear.__doc__):
+        doc = " ".join(doc.split()).lower()
+        assert "loading full-precision weights" in doc and "set_lambda(model, 0" in doc and "ternary" in doc, doc
+
 
 def test_set_lambda_writes_every_buffer_and_it_is_saved():
     model = torch.nn.Sequential(BitLinear(4, 4), torch.nn.ReLU(), BitLinear(4, 4))

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-import export
+from tools import export
 import sample
 from conftest import fails
 from kernels.packed_linear import freeze_ternary
@@ -50,7 +50,7 @@ FLAG_REFUSALS = {  # argv (--ckpt is MISSING), facts in the error line; all exit
     "device-unknown": (["--device=tpu"], ["--device=tpu", "auto, cpu, cuda"]),
     "start-not-utf8": (["--start=\udcff"], ["--start", "UTF-8"]),  # an undecodable byte in argv
     "top_k-not-an-int": (["--top_k=many"], ["--top_k=many", "int"]),
-    "packed-not-a-bool": (["--packed=yes"], ["--packed=yes", "bool"]),
+    "packed-not-a-bool": (["--packed=maybe"], ["--packed=maybe", "true or false"]),
     "unknown-flag": (["--bogus=1"], ["'--bogus=1'", "ckpt, start"]),
     "no-value": (["--top_k"], ["'--top_k'", "--key=value"]),
 }
@@ -100,7 +100,7 @@ def _directory(d, files):
 FILE_REFUSALS = {  # how to spoil {d}/ckpt.pt, exit code, facts in the error line
     "truncated-checkpoint": (_truncated, 1, ["{d}/ckpt.pt", "cannot load checkpoint", "corrupt or truncated"]),
     "export-tokenizer-does-not-fit-vocabulary": (_mismatched_export, 1, ["{d}/ckpt.pt", "'byte'", "257", "50257",
-                                                                         "python export.py"]),
+                                                                         "python -m tools.export"]),
     "unknown-tokenizer": (_unknown_tokenizer, 1, ["{d}/ckpt.pt", "'sentencepiece'", "byte, gpt2"]),
     "ckpt-is-a-directory": (_directory, 2, ["--ckpt={d}/ckpt.pt", "directory", "{d}/ckpt.pt/ckpt.pt"]),
 }
@@ -116,9 +116,9 @@ def test_bad_checkpoint_file_is_one_line_naming_the_file(case, files, tmp_path, 
 
 
 def test_teacher_written_corpus_shards_and_mixes_into_the_loader(files, tmp_path):
-    # sample.write_corpus -> prepare.py -> a second source the mixing loader reads beside the first
+    # sample.write_corpus -> tools/prepare.py -> a second source the mixing loader reads beside the first
     import data
-    import prepare
+    from tools import prepare
     model, tok = sample.load_model(str(files / "ckpt.pt"), "cpu")
     torch.manual_seed(0)
     path = str(tmp_path / "teacher.jsonl")

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import train
+from tools import config, plumbing
+from zclip import ZClip
 from conftest import ROOT, TINY, fails, records, run
 
 BIGGER = [*TINY, "--batch_size=8", "--eval_iters=4"]  # enough tokens per step to see stage 1 learn in 60 steps
@@ -42,7 +44,7 @@ def test_wrong_type_and_bad_stage_fail_clearly(capsys, flag, facts):
 def test_nonsense_values_stop_with_one_line_before_any_data_or_model(tmp_path, capsys, monkeypatch, flag, facts):
     def too_late(*args, **kwargs):
         raise AssertionError("the flag was checked only after data or a model was set up")
-    monkeypatch.setattr(train, "make_loaders", too_late)
+    monkeypatch.setattr(plumbing, "make_loaders", too_late)
     monkeypatch.setattr(train, "GPT", too_late)
     msg = fails(capsys, flag, f"--out_dir={tmp_path}", code=2)
     assert flag.split(",")[0] in msg and all(f in msg for f in facts), msg  # the flag, what it must be
@@ -52,9 +54,9 @@ def test_nonsense_values_stop_with_one_line_before_any_data_or_model(tmp_path, c
 @pytest.mark.parametrize("value,expected", [("True", "true"), ("yes", "true"), ("1", "true"), ("ON", "true"),
                                             ("False", "false"), ("no", "false"), ("auto", "auto")])
 def test_compile_parses_like_every_boolean_flag(value, expected):
-    assert train.parse_args([f"--compile={value}"]) == {"compile": expected}
+    assert config.parse_args([f"--compile={value}"]) == {"compile": expected}
     if expected != "auto":
-        assert train.parse_args([f"--zclip={value}"]) == {"zclip": expected == "true"}
+        assert config.parse_args([f"--zclip={value}"]) == {"zclip": expected == "true"}
 
 
 def test_resume_without_checkpoint_fails_clearly(tmp_path, capsys):
@@ -82,7 +84,7 @@ def test_stage1_lowers_val_loss_then_stage2_starts_from_it(tmp_path):
     recs2 = records(out, stage=2)
     # lambda = 0 at step 0: the ternary model is exactly the stage-1 model, far below a fresh model's loss
     assert recs2[0]["lambda"] == 0.0 and recs2[0]["loss"] < first_loss - 1.0
-    assert recs2[-1]["lambda"] == 1.0
+    assert recs2[-1]["lambda"] == 1.0 and "WARNING" not in p.stdout  # lambda reached 1: no unfinished-warm-up line
 
     # stage 3: the stage-2 student distilled from the frozen stage-1 teacher; every term is logged
     p = run("--stage=3", "--max_iters=6", "--eval_interval=6", "--distill_relation_heads=2", f"--out_dir={out}",
@@ -97,6 +99,16 @@ def test_stage1_lowers_val_loss_then_stage2_starts_from_it(tmp_path):
     p = run("--stage=3", "--max_iters=2", "--eval_interval=2", "--distill_lambda=0", "--distill_gamma=0",
             "--run_name=control", f"--out_dir={out}", *BIGGER)
     assert "plain CE" in p.stdout and os.path.exists(os.path.join(out, "control", "ckpt.pt"))
+
+
+def test_a_run_ending_before_lambda_reaches_1_says_so_and_stage3_names_the_remedy(tmp_path):
+    out = str(tmp_path)
+    run("--stage=1", "--max_iters=2", "--eval_interval=2", f"--out_dir={out}", *TINY)
+    p = run("--stage=2", "--max_iters=3", "--eval_interval=3", f"--out_dir={out}", *TINY)  # warm-up is 4 steps
+    final = [line for line in p.stdout.splitlines() if line.startswith("final val loss")]
+    assert len(final) == 1 and "lambda only reached 0.75" in final[0] and "--max_iters=4" in final[0], p.stdout
+    p = run("--stage=3", "--max_iters=1", "--eval_interval=1", f"--out_dir={out}", *TINY)
+    assert "lambda 0.75" in p.stdout and "--stage=2 --resume=True" in p.stdout, p.stdout
 
 
 def test_stage3_without_teacher_names_it_and_the_command(tmp_path, capsys):
@@ -130,7 +142,7 @@ def test_resume_continues_from_the_saved_step(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_lr_schedule_shapes(schedule):
-    cfg = train.TrainConfig(schedule=schedule, max_iters=1000, warmup_iters=100, min_lr_frac=0.1, decay_frac=0.2)
+    cfg = config.TrainConfig(schedule=schedule, max_iters=1000, warmup_iters=100, min_lr_frac=0.1, decay_frac=0.2)
     m = [train.lr_mult(s, cfg) for s in range(1001)]
     assert m[0] == pytest.approx(1 / 101) and m[99] == pytest.approx(100 / 101)  # linear warmup
     assert m[100] == pytest.approx(1.0) and m[1000] == pytest.approx(0.1)
@@ -141,7 +153,7 @@ def test_lr_schedule_shapes(schedule):
 
 
 def test_lambda_warmup_is_linear_then_one():
-    cfg = train.TrainConfig(stage=2, lambda_warmup_steps=200)
+    cfg = config.TrainConfig(stage=2, lambda_warmup_steps=200)
     assert [train.lambda_at(s, cfg) for s in (0, 50, 200, 999)] == [0.0, 0.25, 1.0, 1.0]
 
 
@@ -150,7 +162,7 @@ def test_logged_ms_per_step_does_not_depend_on_log_interval(tmp_path, monkeypatc
     """ms and tok/s are per step, averaged over the steps since the last log line. A fake clock makes every
     step take exactly 0.25 s (and evaluation and checkpoints none), so each line must say 250 ms whatever
     --log_interval is (it once divided one step's time by log_interval)."""
-    import runtime
+    from tools import runtime
     clock = [1000.0]
     monkeypatch.setattr(runtime, "time", type("FakeTime", (), {"time": staticmethod(lambda: clock[0])}))
     real_step = train.train_step
@@ -173,15 +185,16 @@ def _spiked_run(clip, spike_step, steps=50):
     spike_step (None = no spike). Returns (loss on fixed val batches at the end, stats of the spike step)."""
     import data
     from model import GPT
-    cfg = train.TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, warmup_iters=5,
+    cfg = config.TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, warmup_iters=5,
                             max_iters=steps, zclip=clip == "zclip", grad_clip=0.0, device="cpu")
-    src = train.resolve_data(cfg)
-    loader, val = data.DataLoader(src, "train", 8, 32), data.DataLoader(src, "val", 8, 32)
+    src = plumbing.resolve_data(cfg)
+    loader = data.DataLoader(src, "train", 8, 32, order="sequential")
+    val = data.DataLoader(src, "val", 8, 32, order="sequential")
     val_batches = [val.next_batch() for _ in range(8)]
     torch.manual_seed(0)
     model = GPT(train.model_config(cfg, 257, 256))
-    opt = train.configure_optimizer(model, cfg, "cpu")
-    clipper = train.ZClip() if cfg.zclip else None
+    opt = plumbing.configure_optimizer(model, cfg, "cpu")
+    clipper = ZClip() if cfg.zclip else None
     spike_stats = None
     for step in range(steps):
         for g in opt.param_groups:
@@ -252,7 +265,7 @@ def test_stage3_teacher_of_another_width_and_depth(tmp_path):
 def test_quant_start_trains_in_full_precision_then_ramps_lambda_from_the_switch():
     """Continual QAT: lambda is 0 before --quant_start (a fraction of max_iters or a step), then ramps over
     lambda_warmup_steps from there, not from step 0."""
-    cfg = train.TrainConfig(stage=2, max_iters=1000, lambda_warmup_steps=100, quant_start=0.5)
+    cfg = config.TrainConfig(stage=2, max_iters=1000, lambda_warmup_steps=100, quant_start=0.5)
     lam = [train.lambda_at(s, cfg) for s in (0, 499, 500, 550, 600, 999)]
     assert lam == [0.0, 0.0, 0.0, 0.5, 1.0, 1.0]
     assert train.lambda_at(250, dataclasses.replace(cfg, quant_start=200)) == 0.5  # >= 1: a step
@@ -285,20 +298,20 @@ def test_quant_start_outside_stage_2_is_refused(capsys):
 def test_constant_and_moderate_schedules():
     """constant: warmup then the peak to the end; moderate: WSD ending at 1/3 of the peak (Luo et al.'s preset),
     its end movable with --min_lr_frac like any WSD."""
-    cfg = train.build_config({"schedule": "constant", "max_iters": 100, "warmup_iters": 10, "device": "cpu"})
+    cfg = config.build_config({"schedule": "constant", "max_iters": 100, "warmup_iters": 10, "device": "cpu"})
     assert [train.lr_mult(s, cfg) for s in (0, 10, 99, 100)] == [pytest.approx(1 / 11), 1.0, 1.0, 1.0]
-    cfg = train.build_config({"schedule": "moderate", "max_iters": 100, "warmup_iters": 10, "device": "cpu"})
+    cfg = config.build_config({"schedule": "moderate", "max_iters": 100, "warmup_iters": 10, "device": "cpu"})
     assert cfg.min_lr_frac == pytest.approx(1 / 3) and train.lr_mult(100, cfg) == pytest.approx(1 / 3)
     assert train.lr_mult(79, cfg) == 1.0 and train.lr_mult(90, cfg) == pytest.approx(1 - (2 / 3) / 2)
-    cfg = train.build_config({"schedule": "moderate", "min_lr_frac": 0.5, "max_iters": 100, "device": "cpu"})
+    cfg = config.build_config({"schedule": "moderate", "min_lr_frac": 0.5, "max_iters": 100, "device": "cpu"})
     assert train.lr_mult(100, cfg) == pytest.approx(0.5)
-    assert train.avg_interval(dataclasses.replace(cfg, avg_checkpoints=6, max_iters=600)) == 20  # 0.2 * 600 / 6
+    assert config.avg_interval(dataclasses.replace(cfg, avg_checkpoints=6, max_iters=600)) == 20  # 0.2 * 600 / 6
 
 
 def test_final_val_loss_is_over_the_whole_val_split_per_source_and_weighted(tmp_path):
     """Two shipped corpora mixed 3:1: every evaluation logs each source's val loss and their 3:1 total; the
-    final one reads every val window once and equals lab.py's independent whole-split scoring of the checkpoint."""
-    import lab
+    final one reads every val window once and equals lab/tables.py's independent whole-split scoring of the checkpoint."""
+    from lab import tables as lab
     out = str(tmp_path / "o")
     p = run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--eval_whole=True", "--max_iters=4",
             "--eval_interval=2", "--data=shakespeare:0.75,python:0.25")

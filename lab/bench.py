@@ -1,0 +1,265 @@
+"""
+Benchmarks. Every speed number in the results pages comes from one of these commands.
+
+  python -m lab.bench            Triton ternary matmul vs bf16 F.linear at decode and prefill shapes (CUDA only;
+                             prints a note and exits 0 without a GPU)
+  python -m lab.bench --data     tokeniser throughput on the shipped corpus (target: gpt2 >= 2M tokens/s on 2 cores)
+  python -m lab.bench --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the hidden matrices of the CPU model
+  python -m lab.bench --train    full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT, eager and
+                             compiled, with the QAT/dense ratio, Muon's share and MFU (GPU); CPU or CUDA preset
+  python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours fp vs the nanoGPT baseline
+
+Kernel timing: triton.testing.do_bench (median of many runs), with the weights rotated through enough
+copies to exceed L2, so each call streams its weights from HBM as a real decode step does. Bandwidth is
+reported against a measured device-to-device copy (read + write bytes / time).
+"""
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tools.flags import die, parse
+
+
+def bench_data():
+    from tools import prepare
+    for name in ("byte", "gpt2"):
+        prepare.tokenize_throughput(name)  # warm-up: builds the encoder, reads the corpus
+        rates = sorted(prepare.tokenize_throughput(name) for _ in range(3))
+        print(f"{name:5s} tokeniser: {rates[1] / 1e6:7.2f} M tokens/s (median of 3, encode_batch on the "
+              f"shipped corpus, {torch.get_num_threads()} threads)")
+
+
+def bench_muon():
+    from model import GPT, GPTConfig
+    from muon import split_muon_params, zeropower_via_newtonschulz5
+    model = GPT(GPTConfig())  # the CPU preset's shape
+    mats = [p.detach() for p in split_muon_params(model)[0]]
+    for dtype in (torch.bfloat16, torch.float32):
+        for _ in range(2):
+            [zeropower_via_newtonschulz5(m, dtype=dtype) for m in mats]
+        t = time.perf_counter()
+        for _ in range(5):
+            [zeropower_via_newtonschulz5(m, dtype=dtype) for m in mats]
+        ms = (time.perf_counter() - t) / 5 * 1000
+        print(f"NS5 on the {len(mats)} hidden matrices of the CPU model, {str(dtype):15s}: {ms:8.1f} ms per step")
+
+
+class NanoGPTBlock(torch.nn.Module):
+    """nanoGPT's block, written out here as the baseline: LayerNorm, fused qkv, GELU MLP 4x, biases."""
+
+    def __init__(self, C, n_head):
+        super().__init__()
+        nn = torch.nn
+        self.ln_1, self.ln_2, self.n_head = nn.LayerNorm(C), nn.LayerNorm(C), n_head
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        self.mlp = nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(torch.nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+        super().__init__()
+        nn = torch.nn
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList([NanoGPTBlock(n_embd, n_head) for _ in range(n_layer)])
+        self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return logits, torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, per GPU
+
+
+def bench_train(steps=10, warmup=3):
+    """ms/step and tokens/s of full training steps (forward, backward, clipping, optimizer) for one shape."""
+    from tools import config, plumbing
+    from model import GPT
+    from zclip import ZClip
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    base = config.build_config({"device": dev, "stage": 2})  # the device preset's model shape
+    B, T, V = base.batch_size, base.block_size, 50304 if base.tokenizer == "gpt2" else 257
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"device: {name}, torch {torch.__version__}, {torch.get_num_threads()} threads; model "
+          f"{base.n_layer}x{base.n_embd}, {base.n_head} heads, B={B}, T={T}, vocab {V}; "
+          f"{'bf16 autocast' if cuda else 'fp32'}, Muon+ZClip unless noted")
+    x = torch.randint(0, V, (B, T), device=dev)
+    y = torch.randint(0, V, (B, T), device=dev)
+
+    def run(label, quant, compile_=False, nanogpt=False, autocast=None):
+        torch.manual_seed(0)
+        cfg = config.build_config({"device": dev, "stage": 2 if quant else 1})
+        if nanogpt:
+            model = NanoGPT(V, T, cfg.n_layer, cfg.n_head, cfg.n_embd).to(dev)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
+        else:
+            model = GPT(config.model_config(cfg, V, V - 1)).to(dev)
+            opt = plumbing.configure_optimizer(model, cfg, dev)
+        clipper = None if nanogpt else ZClip()
+        step_model = torch.compile(model) if compile_ else model
+        c = ctx if autocast is None else autocast
+        muon_ms, t_total, t_first = [], 0.0, 0.0
+        for i in range(warmup + steps):
+            sync()
+            t0 = time.perf_counter()
+            with c:
+                _, loss = step_model(x, y)
+            loss.backward()
+            if clipper is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                clipper.clip(model)
+            if hasattr(opt, "muon"):
+                sync()
+                t1 = time.perf_counter()
+                opt.muon.step()
+                sync()
+                muon_ms.append(1000 * (time.perf_counter() - t1))
+                opt.adamw.step()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            if i == 0:
+                t_first = time.perf_counter() - t0  # includes compilation for compiled runs
+            if i >= warmup:
+                t_total += time.perf_counter() - t0
+        ms = 1000 * t_total / steps
+        n_params = sum(p.numel() for p in model.parameters())
+        flops = 6 * n_params + 12 * cfg.n_layer * cfg.n_embd * T  # per token, PaLM appendix B
+        mfu = ""
+        for key, peak in PEAK_BF16_FLOPS.items():
+            if cuda and key in name:
+                mfu = f"{100 * flops * B * T / (ms / 1000) / peak:5.1f}%"
+        muon = f"{100 * sum(muon_ms[warmup:]) / steps / ms:5.1f}%" if muon_ms else "    -"
+        print(f"{label:34s} {n_params / 1e6:7.2f}M {ms:9.1f} {B * T / ms * 1000:10.0f} {muon:>7s} {mfu:>6s} "
+              f"{t_first:8.1f}")
+        return ms
+
+    print(f"{'run':34s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} {'MFU':>6s} {'1st s':>8s}")
+    r = {"nanogpt": run("nanoGPT baseline (fp, AdamW)", False, nanogpt=True),
+         "dense": run("ours fp (stage 1)", False),
+         "qat": run("ours ternary QAT (stage 2)", True)}
+    if not cuda:
+        r["qat_bf16"] = run("ours ternary QAT, bf16 autocast", True, autocast=torch.autocast("cpu", torch.bfloat16))
+    r["dense_c"] = run("ours fp, compiled", False, compile_=True)
+    r["qat_c"] = run("ours ternary QAT, compiled", True, compile_=True)
+    print(f"QAT / dense step time: eager {r['qat'] / r['dense']:.3f}, compiled {r['qat_c'] / r['dense_c']:.3f}; "
+          f"ours fp / nanoGPT step time {r['dense'] / r['nanogpt']:.3f}")
+
+
+def bench_profile():
+    """Where the CPU step time goes: torch.profiler over 2 forward+backward passes, ours fp vs nanoGPT."""
+    from tools import config
+    from model import GPT
+    from torch.profiler import ProfilerActivity, profile
+    cfg = config.build_config({"device": "cpu", "stage": 1})
+    B, T = cfg.batch_size, cfg.block_size
+    x, y = torch.randint(0, 257, (B, T)), torch.randint(0, 257, (B, T))
+    for name, model in (("ours fp", GPT(config.model_config(cfg, 257, 256))),
+                        ("nanoGPT", NanoGPT(257, T, cfg.n_layer, cfg.n_head, cfg.n_embd))):
+        for _ in range(2):
+            model(x, y)[1].backward()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            for _ in range(2):
+                model(x, y)[1].backward()
+        events = prof.key_averages(group_by_input_shape=True)
+        total = sum(e.self_cpu_time_total for e in events)
+        print(f"{name}: {total / 1e3:.0f} ms of CPU time for 2 forward+backward passes; top ops:")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]:
+            print(f"  {e.key:45s} x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.0f} ms  {e.input_shapes}")
+
+
+def bench_kernels():
+    if not torch.cuda.is_available():
+        print("bench.py: no CUDA device here; the kernel benchmark needs a GPU (the kernels are tested on CPU "
+              "under TRITON_INTERPRET=1: python -m pytest tests/test_kernels.py)")
+        return
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+    from kernels.ternary_matmul import quantize_activations, ternary_matmul
+    dev = torch.device("cuda")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+
+    buf = torch.empty(2**30, dtype=torch.uint8, device=dev)  # 1 GiB device-to-device copy
+    out = torch.empty_like(buf)
+    copy_s = do_bench(lambda: out.copy_(buf)) / 1e3
+    copy_bw = 2 * buf.numel() / copy_s
+    print(f"measured device-to-device copy: {copy_bw / 1e9:.0f} GB/s")
+
+    def rotated(make, nbytes):
+        n = max(2, math.ceil(256 * 2**20 / nbytes))  # > 256 MiB in all: never resident in L2
+        return [make() for _ in range(n)]
+
+    print(f"{'M':>5} {'N':>6} {'K':>6} | {'bf16 us':>9} {'ternary us':>10} {'speedup':>7} | "
+          f"{'ternary GB/s':>12} {'% copy':>6}")
+    shapes = [(m, n, k) for m in (1, 16, 2048) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008))]
+    for M, N, K in shapes:
+        ws = rotated(lambda: torch.randn(N, K, device=dev, dtype=torch.bfloat16), N * K * 2)
+        wp = rotated(lambda: torch.randint(0, 256, (N, (K + 3) // 4), device=dev, dtype=torch.uint8),
+                     N * ((K + 3) // 4))
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        x_q, x_scale = quantize_activations(x)
+        gamma = torch.tensor(0.02, device=dev)
+        i, j = [0], [0]
+
+        def run_bf16():
+            i[0] = (i[0] + 1) % len(ws)
+            return F.linear(x, ws[i[0]])
+
+        def run_ternary():
+            j[0] = (j[0] + 1) % len(wp)
+            return ternary_matmul(x_q, x_scale, wp[j[0]], gamma, out_dtype=torch.bfloat16)
+        t_bf16, t_tern = do_bench(run_bf16), do_bench(run_ternary)  # ms, median
+        moved = N * ((K + 3) // 4) + M * K + M * N * 2 + M * 4  # packed weights, int8 x, bf16 y, scales
+        gbs = moved / (t_tern / 1e3) / 1e9
+        print(f"{M:5d} {N:6d} {K:6d} | {t_bf16 * 1e3:9.1f} {t_tern * 1e3:10.1f} {t_bf16 / t_tern:7.2f} | "
+              f"{gbs:12.0f} {100 * gbs * 1e9 / copy_bw:6.1f}")
+    for M, K in ((1, 4096), (16, 4096), (2048, 4096), (2048, 11008)):
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        t = do_bench(lambda: quantize_activations(x))
+        print(f"quantize_activations M={M:5d} K={K:6d}: {t * 1e3:8.1f} us, "
+              f"{(M * K * 3 + M * 4) / (t / 1e3) / 1e9:6.0f} GB/s")
+
+
+@dataclass
+class BenchFlags:
+    data: bool = False           # tokeniser throughput on the shipped corpus
+    muon: bool = False           # Newton-Schulz in bf16 vs fp32 on the CPU model's hidden matrices
+    train: bool = False          # full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
+    profile: bool = False        # where the CPU step time goes (torch.profiler)
+
+
+def main(argv):
+    """One benchmark per run: the one flag given, or with none the ternary kernel (CUDA)."""
+    flags = {k: v for k, v in parse(argv, BenchFlags, __doc__).items() if v}
+    if len(flags) > 1:
+        die(f"give one benchmark at a time, not {' '.join('--' + k for k in flags)}", 2)
+    run = dict(data=bench_data, muon=bench_muon, train=bench_train, profile=bench_profile)
+    (run[next(iter(flags))] if flags else bench_kernels)()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,95 @@
+"""
+End-to-end check of the GGUF export in llama.cpp itself (through llama-cpp-python, which compiles llama.cpp from
+source on install): export a checkpoint, load it in llama.cpp, score the shipped val text with both, and sample.
+
+    bash lab/check_llamacpp.sh --ckpt=out/stage2/ckpt.pt      (installs llama-cpp-python first if missing)
+    python -m lab.check_llamacpp --ckpt=out/stage2/ckpt.pt --windows=16 --out=lab/results/llamacpp.json
+
+Both score the same tokens: the first `windows` windows of block_size + 1 tokens of the val split of the shipped
+corpus in the checkpoint's tokenizer, each window a fresh context. Ours is model.py's forward (activations
+quantised per token to int8); llama.cpp's is its bitnet graph (float activations for F16 weights, 8-bit blocks
+of 256 for TQ2_0), so the two differ by about what activation quantisation costs, and the point is to measure it.
+Not in CI: it needs llama-cpp-python, whose install compiles llama.cpp (minutes on 2 cores).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import data
+from tools import export
+from tools.flags import die, parse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class CheckFlags:
+    ckpt: str = "out/stage2/ckpt.pt"  # the training checkpoint to export and compare
+    gguf: str = ""               # where the GGUF goes; "" = model.gguf beside --ckpt
+    windows: int = 16            # val windows of block_size + 1 tokens scored by both
+    out: str = ""                # write the result as JSON here; "" = print only
+    samples: int = 3             # samples drawn by llama.cpp from <|endoftext|>
+    seed: int = 0                # seeds llama.cpp's sampler (sample i uses seed + i)
+
+
+def main(argv):
+    args = dataclasses.asdict(CheckFlags(**parse(argv, CheckFlags, __doc__)))
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        die("needs llama-cpp-python (pip install llama-cpp-python; it compiles llama.cpp), "
+                 "or run bash lab/check_llamacpp.sh, which installs it")
+    model, tokenizer = export.load_training_checkpoint(args["ckpt"])
+    model.eval()
+    path = args["gguf"] or os.path.join(os.path.dirname(args["ckpt"]), "model.gguf")
+    export.export_gguf(args["ckpt"], path)
+    T, tok = model.config.block_size, data.get_tokenizer(tokenizer)
+    val = np.asarray(data.read_shard(os.path.join(ROOT, "data", f"shakespeare_{tokenizer}", "val_000.bin")), np.int64)
+    n = min(args["windows"], (len(val) - 1) // T)
+    rows = torch.from_numpy(np.stack([val[i * T:i * T + T + 1] for i in range(n)]))  # (n, T+1)
+    x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    with torch.no_grad():
+        ours = F.cross_entropy(model(x, y)[0].float().flatten(0, 1), y.flatten(), reduction="none").view(n, T)
+    llm = Llama(model_path=path, n_ctx=T, logits_all=True, n_threads=os.cpu_count(), verbose=False,
+                seed=args["seed"])
+    theirs = torch.empty(n, T)
+    t0 = time.time()
+    for i in range(n):
+        llm.reset()  # a fresh context per window, as ours
+        llm.eval(x[i].tolist())
+        logits = torch.from_numpy(np.array(llm.scores[:T], dtype=np.float32))[:, :model.config.vocab_size]
+        theirs[i] = F.cross_entropy(logits, y[i], reduction="none")
+    secs = time.time() - t0
+    ours_l, theirs_l = ours.mean().item(), theirs.mean().item()
+    agree = float((ours - theirs).abs().mean())
+    result = {"ckpt": args["ckpt"], "gguf": path, "gguf_bytes": os.path.getsize(path), "tokenizer": tokenizer,
+              "tokens": n * T, "val_loss_ours": ours_l, "val_loss_llamacpp": theirs_l,
+              "relative_difference": (theirs_l - ours_l) / ours_l, "mean_abs_token_nll_difference": agree,
+              "llamacpp_tokens_per_s": n * T / secs, "samples": []}
+    print(f"{n * T} val tokens: our val loss {ours_l:.4f}, llama.cpp {theirs_l:.4f} "
+          f"({100 * result['relative_difference']:+.2f} %); mean |per-token NLL difference| {agree:.4f}; "
+          f"llama.cpp scored {result['llamacpp_tokens_per_s']:,.0f} tokens/s")
+    for s in range(args["samples"]):  # sampled by llama.cpp from its own logits, from <|endoftext|>
+        out = llm.create_completion(prompt=[tok.eot], max_tokens=min(200, T - 1), temperature=0.8, top_k=200,
+                                    seed=args["seed"] + s)
+        result["samples"].append(out["choices"][0]["text"])
+        print(f"--- llama.cpp sample {s}\n{result['samples'][-1]}")
+    if args["out"]:
+        with open(args["out"], "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args['out']}")
+    return 0 if math.isfinite(theirs_l) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

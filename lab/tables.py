@@ -1,0 +1,621 @@
+"""
+The experiment runner: one command per comparison table, every row for N seeds, mean +- std.
+
+A table is a list of rows; a row is one train.py command line, run once per seed. Rows may start from
+other rows' checkpoints (a teacher, a student), so each seed's runs go in order, and the rows of seed k
+only ever read runs of seed k (the multi-teacher row also reads the next seed's teacher). Every run is
+then scored the same way, whatever it logged itself: the loss of its final checkpoint over the WHOLE
+validation split of the shipped corpus (every window of T+1 tokens once, no sampling), so all rows of a
+table compare the same tokens, and a row trained on a mix of sources is still scored on the real text.
+
+    python -m lab distill                  every row x 3 seeds, then the table (lab/results/distill.md)
+    python -m lab distill --seeds=1        one seed of each row (a quick look; not for README)
+    python -m lab distill --rows=teacher,student   only those rows (and what they need)
+    python -m lab distill --report         no training: the table from the runs that exist
+    python -m lab list                     the tables and their rows
+
+Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A finished run has a
+result.json beside its checkpoint and is skipped next time; a stopped one is resumed (--resume=True), so a
+long table can be finished over several sittings. The table goes to lab/results/<table>.md and .json, and
+lab/results/<table>.png (val curves) when matplotlib is installed (and <table>_logits.png, the max attention
+logit per step, for tables that log it).
+Statistics: mean and sample standard deviation (ddof=1) over seeds; "differs" needs |delta| > 2 std of the
+noisier of the two rows.
+Test: python -m pytest tests/test_lab.py
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import data
+from model import GPT, GPTConfig
+from tools import checkpoint
+from tools.flags import parse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEEDS = (0, 1, 2)
+
+
+@dataclass
+class Row:
+    name: str              # directory name and --rows key
+    label: str             # what the table calls it
+    args: str              # train.py flags; {run}, {seed}, {next_seed} are filled in per seed (see argv())
+    needs: tuple = ()      # rows of the same seed that must finish first
+    needs_next: tuple = ()  # rows of the next seed (wrapping) that must finish first
+    prepare: object = None  # optional fn(lab, seed) run before the row (e.g. writing teacher data)
+    score: str = checkpoint.LATEST  # the file of the run that is scored (avg.pt: its checkpoint average)
+    shown: bool = True     # False: a prerequisite run only (e.g. the AR model a DLM row converts), not a table row
+
+
+@dataclass
+class Table:
+    name: str
+    about: str
+    rows: list
+    baseline: str = ""     # the row every other row is compared with
+    reference: str = ""    # the row whose gap to the baseline a technique should close
+    notes: list = field(default_factory=list)
+    steps_label: str = "step"  # the x axis of the val curves
+    no_curve: tuple = ()   # rows left out of the curve plot
+    x: dict = field(default_factory=dict)  # row -> a number: also plot final val loss against it (<table>_final.png)
+    x_label: str = ""
+    also: dict = field(default_factory=dict)  # shipped corpus -> column: also scored on its whole val split
+    measures: dict = field(default_factory=dict)  # result key -> column: a per-run number, its mean over seeds
+    dlm_t: tuple = ()      # masked-diffusion rows: scored by the masked-token val loss at these mask ratios t
+    logit_rows: tuple = ()  # rows whose max-attention-logit curves are also plotted (<table>_logits.png)
+
+# -----------------------------------------------------------------------------
+# the tables
+
+
+def _distill_table():
+    teacher_steps, student_init, stage3 = 1200, 400, 200
+    # measured in sequential order, the default until 2026-11-24: pinned, so the committed table reproduces
+    seq = "--data_order=sequential"
+    s3 = (f"--stage=3 --max_iters={stage3} --eval_interval=50 --init_from={{run}}/student/ckpt.pt "
+          f"--teacher={{run}}/teacher/ckpt.pt {seq}")
+    rows = [
+        Row("teacher", f"fp teacher (stage 1, {teacher_steps} steps)",
+            f"--stage=1 --max_iters={teacher_steps} --eval_interval={student_init} --keep_last=3 {seq}"),
+        Row("student", f"stage-2 student (ternary, 600 steps from the teacher's step {student_init})",
+            f"--stage=2 --init_from={{run}}/teacher/ckpt_{student_init:06d}.pt {seq}", needs=("teacher",)),
+        Row("control", f"control: student + {stage3} steps of plain CE", s3 + " --distill_lambda=0 --distill_gamma=0",
+            needs=("teacher", "student")),
+        Row("ld", "stage 3, logits KD only (lambda 1, tau 5)", s3 + " --distill_lambda=1 --distill_gamma=0",
+            needs=("teacher", "student")),
+    ]
+    for g in ("1", "10", "100", "1000"):
+        rows.append(Row(f"ad{g}", f"stage 3, logits + relation KD, gamma {g}" +
+                        (" (the paper's preset)" if g == "1000" else ""),
+                        s3 + f" --distill_lambda=1 --distill_gamma={g}", needs=("teacher", "student")))
+    rows += [
+        Row("hidden", "stage 3, logits KD + hidden states (delta 100)",
+            s3 + " --distill_lambda=1 --distill_gamma=0 --distill_hidden=100", needs=("teacher", "student")),
+        Row("two_teachers", "stage 3, logits KD from two teachers (this seed's and the next seed's, equal weights)",
+            s3 + " --distill_lambda=1 --distill_gamma=0 --teacher={run}/teacher/ckpt.pt,{next_run}/teacher/ckpt.pt",
+            needs=("teacher", "student"), needs_next=("teacher",)),
+        Row("teacher_data", "control + teacher-written text mixed in (weight 0.2)",
+            s3 + " --distill_lambda=0 --distill_gamma=0 --data={shipped}:0.8,{run}/teacher_data:0.2",
+            needs=("teacher", "student"), prepare=_write_teacher_data),
+    ]
+    return Table("distill", "BitDistill stage 3 against plain training, equal student budget", rows,
+                 baseline="control", reference="teacher",
+                 notes=[f"teacher: {teacher_steps} fp steps of 16 x 256 tokens; student: the teacher's step-"
+                        f"{student_init} checkpoint, 600 ternary steps (stage 2), then {stage3} steps per stage-3 row"],
+                 steps_label="stage-3 step", no_curve=("teacher", "student"))
+
+
+def _write_teacher_data(lab, seed):
+    """Shards of text sampled from this seed's teacher (sample.write_corpus), once."""
+    out = os.path.join(lab.seed_dir(seed), "teacher_data")
+    if os.path.exists(os.path.join(out, "meta.json")):
+        return
+    from tools import prepare
+    import sample
+    jsonl = os.path.join(lab.seed_dir(seed), "teacher_data.jsonl")
+    torch.manual_seed(seed)
+    model, tok = sample.load_model(os.path.join(lab.seed_dir(seed), "teacher", checkpoint.LATEST), "cpu")
+    # the teacher's own distribution (temperature 1, no top-k); 256 documents of up to 256 bytes
+    sample.write_corpus(model, tok, jsonl, num_samples=256, max_new_tokens=256, temperature=1.0)
+    prepare.prepare([jsonl], tokenizer="byte", out_dir=out)
+
+
+def _switch_table():
+    """Continual QAT (Nielsen et al., arXiv 2502.11895): when should a run go from 16-bit to ternary?"""
+    # one run of 600 steps each, shuffled windows (the order table's winner)
+    common = "--init_from=scratch --schedule=wsd --lambda_warmup_steps=30 --data_order=shuffle"
+    rows = [Row("ternary", "ternary from step 0", f"--stage=2 {common}")]
+    for pct in (25, 50, 75, 90):
+        rows.append(Row(f"switch{pct}", f"16-bit, ternary from {pct}% (step {6 * pct})",
+                        f"--stage=2 {common} --quant_start={pct / 100}"))
+    rows.append(Row("fp", "16-bit throughout (stage 1, the reference)", f"--stage=1 {common}"))
+    return Table("switch", "when to go ternary: one run, 16-bit first, ternary from the switch point", rows,
+                 baseline="ternary", reference="fp",
+                 notes=["every row: 600 steps of 16 x 256 tokens from scratch, shuffled windows, WSD schedule, lambda ramping over 30 "
+                        "steps from the switch; the optimizer state carries over the switch"],
+                 x={"ternary": 0.0, "switch25": 0.25, "switch50": 0.5, "switch75": 0.75, "switch90": 0.9, "fp": 1.0},
+                 x_label="switch to ternary at (fraction of the run; 1 = never)")
+
+
+def _curriculum_table():
+    """Curriculum x schedule (Luo et al., arXiv 2511.18903) on the ternary model."""
+    schedules = [("wsd", "WSD decay to 0.1", "--schedule=wsd", checkpoint.LATEST),
+                 ("moderate", "moderate decay (WSD to 1/3)", "--schedule=moderate", checkpoint.LATEST),
+                 ("avg", "constant LR + average of the last 6 checkpoints", "--schedule=constant --avg_checkpoints=6",
+                  checkpoint.AVERAGED)]
+    rows = [Row(f"{order}_{name}", f"{'easy-to-hard' if order == 'curriculum' else 'random'} order, {label}",
+                f"--stage=2 --init_from=scratch --data_order={order} {flags}", score=score)
+            for name, label, flags, score in schedules for order in ("shuffle", "curriculum")]
+    return Table("curriculum", "curriculum (easy-to-hard by zlib ratio) x LR schedule, ternary stage 2", rows,
+                 baseline="shuffle_wsd",
+                 notes=["every row: stage 2 from scratch, 600 steps of 16 x 256 tokens; both orders read the same "
+                        "windows (the curriculum sorts the shuffled ones); the averaging rows are scored on avg.pt "
+                        "(snapshots every 20 steps over the last 100)"])
+
+
+def _order_table():
+    """Shuffled windows against the stream read in order, on the quick start (python train.py --stage=2)."""
+    rows = [Row("sequential", "sequential: each batch 16 adjacent windows of one play", "--stage=2 --init_from=scratch "
+                "--data_order=sequential"),
+            Row("shuffle", "shuffle: each batch 16 windows from anywhere (a seeded permutation per epoch)",
+                "--stage=2 --init_from=scratch --data_order=shuffle")]
+    return Table("order", "data order on the quick-start workload (stage 2 from scratch, 600 steps)", rows,
+                 baseline="sequential", notes=["every row: the quick start's flags, 600 steps of 16 x 256 tokens"])
+
+
+def _mix_table():
+    """Prose + code mixes (the source notes' mixing by weight): the per-source trade-off."""
+    rows = [Row("prose", "Shakespeare only", "--stage=2 --init_from=scratch --data=shakespeare")]
+    rows += [Row(f"code{p}", f"Shakespeare {100 - p}% + Python {p}%",
+                 f"--stage=2 --init_from=scratch --data=shakespeare:{(100 - p) / 100},python:{p / 100}")
+             for p in (10, 25, 50)]
+    return Table("mix", "mixing a second kind of text: Shakespeare and the Python standard library", rows,
+                 baseline="prose", also={"python": "Python val loss"},
+                 notes=["every row: stage 2 from scratch, 600 steps of 16 x 256 tokens, the default data order; a mix "
+                        "draws each row's source by weight, so equal tokens in all but sources"])
+
+
+def _muon_table():
+    """The Muon family (issue: NorMuon, QK-clip, 8-bit Muon) on the stage-2 workload, with their costs."""
+    common, hot = "--stage=2 --init_from=scratch --log_max_logit=True", "--lr=1e-2 --muon_lr=1e-2"
+    rows = [Row("muon", "Muon (fp32 momentum)", common),
+            Row("normuon", "NorMuon (per-neuron normalised)", f"{common} --normuon=True"),
+            Row("qkclip", "Muon + QK-clip (tau 100)", f"{common} --qk_clip_tau=100"),
+            Row("muon8_linear", "8-bit Muon, linear map", f"{common} --muon_state=linear8"),
+            Row("muon8_dynamic", "8-bit Muon, dynamic map", f"{common} --muon_state=dynamic8"),
+            Row("adamw", "AdamW for every matrix", f"{common} --optimizer=adamw"),
+            # where logits do grow: both learning rates 3.3x higher (max logit 25, against 11.6 at the default lr;
+            # lab/results/muon.md); tau = 10 caps them near where the default-lr run ends up by itself
+            Row("hot", "Muon, lr 1e-2 (logits grow)", f"{common} {hot}"),
+            Row("hot_qkclip", "Muon, lr 1e-2 + QK-clip (tau 10)", f"{common} {hot} --qk_clip_tau=10")]
+    return Table("muon", "the Muon family: NorMuon, QK-clip, 8-bit momentum, against Muon and AdamW", rows,
+                 baseline="muon", measures={"ms_per_step_median": "ms/step (median)",
+                                            "optimizer_bytes": "optimizer state, bytes",
+                                            "max_logit": "max attention logit in training"},
+                 logit_rows=("muon", "qkclip", "adamw", "hot", "hot_qkclip"),
+                 notes=["every row: stage 2 from scratch, 600 steps of 16 x 256 tokens; ms/step is a 2-core CPU's, "
+                        "measured with nothing else running"])
+
+
+
+# -----------------------------------------------------------------------------
+# scoring: the whole val split
+
+
+@torch.no_grad()
+def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
+    """Mean next-token loss of a checkpoint over every non-overlapping window of block_size + 1 tokens of
+    the val shards in shard_dir (each shard's tail shorter than a window is left out, as the loader does).
+    Returns (loss, n_tokens)."""
+    ckpt = checkpoint.load(ckpt_path)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    checkpoint.load_weights(model, ckpt["model"], ckpt_path)
+    model.to(device).eval()
+    T = model.config.block_size
+    total, count = 0.0, 0
+    for path in data._find_shards(shard_dir, "val"):
+        tokens = data.read_shard(path)
+        n = (len(tokens) - 1) // T  # windows of T+1 tokens starting at 0, T, 2T, ...
+        for i in range(0, n, batch_size):
+            rows = [np.asarray(tokens[j * T: j * T + T + 1], dtype=np.int64) for j in range(i, min(i + batch_size, n))]
+            buf = torch.from_numpy(np.stack(rows)).to(device)  # (b, T+1)
+            x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
+            logits = model(x, y)[0]
+            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    if count == 0:
+        raise ValueError(f"{shard_dir}: no val window of {T + 1} tokens")
+    return total / count, count
+
+@torch.no_grad()
+def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
+    """A masked-diffusion checkpoint's mean CE over the masked tokens of every val window of T tokens, each token
+    masked with probability t (position 0 never, with Dream's shift), the masks drawn from a generator seeded
+    the same for every checkpoint. Returns (loss, masked tokens)."""
+    from lessons import dlm
+    ckpt = checkpoint.load(ckpt_path)
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    checkpoint.load_weights(model, ckpt["model"], ckpt_path)
+    model.eval()
+    mask_id, shift, T = model.config.vocab_size - 1, ckpt["config"].get("dlm_shift", True), model.config.block_size
+    gen = torch.Generator().manual_seed(seed)
+    total, count = 0.0, 0
+    for path in data._find_shards(shard_dir, "val"):
+        tokens = data.read_shard(path)
+        n = len(tokens) // T
+        for i in range(0, n, batch_size):
+            x = torch.from_numpy(np.stack([np.asarray(tokens[j * T:(j + 1) * T], dtype=np.int64)
+                                           for j in range(i, min(i + batch_size, n))]))  # (b, T)
+            masked = torch.rand(x.shape, generator=gen) < t
+            if shift:
+                masked[:, 0] = False
+            logits = dlm.predictions(model, torch.where(masked, mask_id, x), mask_id, shift)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), x.flatten(), reduction="none").view(x.shape)
+            total, count = total + ce[masked].sum().item(), count + int(masked.sum())
+    return total / count, count
+
+
+def _dlm_table():
+    """Issue 16: converting the ternary AR model to a masked-diffusion LM; the mask token's init, lambda warm-up."""
+    src = Row("ar", "the AR source model (stage 2 from scratch)", "--stage=2 --init_from=scratch", shown=False)
+    conv = "--stage=dlm --init_from={run}/ar/ckpt.pt"
+    rows = [src,
+            Row("mean", "mask = vocabulary mean, lambda warm-up", f"{conv} --dlm_mask_init=mean", needs=("ar",)),
+            Row("random", "mask = random (N(0, 0.02)), lambda warm-up", f"{conv} --dlm_mask_init=random", needs=("ar",)),
+            Row("mean_nowarm", "mask = vocabulary mean, no lambda warm-up",
+                f"{conv} --dlm_mask_init=mean --lambda_warmup_steps=0", needs=("ar",)),
+            Row("random_nowarm", "mask = random, no lambda warm-up",
+                f"{conv} --dlm_mask_init=random --lambda_warmup_steps=0", needs=("ar",))]
+    return Table("dlm", "AR ternary model -> masked-diffusion LM: the mask token's init and lambda warm-up", rows,
+                 baseline="mean", dlm_t=(0.15, 0.5, 0.85),
+                 measures={"masked_val_t0.15": "masked val, t=0.15", "masked_val_t0.5": "masked val, t=0.5",
+                           "masked_val_t0.85": "masked val, t=0.85", "clipped_frac": "ZClip-clipped steps",
+                           "spikes": "grad-norm spikes (z > 2.5)",
+                           "ratio_mask_start": "outlier ratio, mask, steps 1-10",
+                           "ratio_other_start": "outlier ratio, others, steps 1-10",
+                           "ratio_mask": "outlier ratio, mask tokens", "ratio_other": "outlier ratio, other tokens"},
+                 notes=["every conversion: 600 steps of 16 x 256 tokens from the same seed's 600-step stage-2 model, "
+                        "ZClip on; val loss = the mean of the three masked val losses (mean CE over masked tokens of "
+                        "the whole val split, the same masks for every row); outlier ratio = max|y| / mean|y| of "
+                        "what the activation quantisers see (dlm.outlier_ratio), per token, averaged over steps "
+                        "(all 600, or the first 10)"])
+
+
+TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table,
+          "order": _order_table, "mix": _mix_table, "muon": _muon_table, "dlm": _dlm_table}
+
+
+# -----------------------------------------------------------------------------
+# running
+
+
+class Lab:
+    def __init__(self, table, seeds=SEEDS, root=None, results=None, python=sys.executable):
+        self.table, self.seeds, self.python = table, list(seeds), python
+        self.root = root or os.path.join("out", "lab", table.name)
+        self.results = results or os.path.join(ROOT, "results")  # where the table is written
+        self.rows = {r.name: r for r in table.rows}
+        self.shipped = os.path.join(ROOT, "data", "shakespeare_byte")
+
+    def seed_dir(self, seed):
+        return os.path.join(self.root, f"seed{seed}")
+
+    def run_dir(self, row, seed):
+        return os.path.join(self.seed_dir(seed), row)
+
+    def next_seed(self, seed):
+        return self.seeds[(self.seeds.index(seed) + 1) % len(self.seeds)]
+
+    def argv(self, row, seed, resume):
+        flags = row.args.format(run=self.seed_dir(seed), next_run=self.seed_dir(self.next_seed(seed)),
+                                seed=seed, shipped=self.shipped).split()
+        flags += [f"--seed={seed}", f"--out_dir={self.seed_dir(seed)}", f"--run_name={row.name}", "--device=cpu",
+                  "--resume=True" if resume else "--overwrite=True"]
+        return [self.python, os.path.join(ROOT, "train.py"), *flags]
+
+    def result(self, row, seed):
+        path = os.path.join(self.run_dir(row, seed), "result.json")
+        if not os.path.exists(path):
+            return None
+        res = json.load(open(path))
+        if "ratio_mask" in res and "ratio_mask_start" not in res:  # scored before the start columns existed
+            metrics = os.path.join(self.run_dir(row, seed), "metrics.jsonl")
+            res.update(_ratios([r for line in open(metrics) if "ms" in (r := json.loads(line))]))
+        return res
+
+    def order(self, wanted):
+        """(row, seed) pairs to run: each seed's rows in table order, with what they need before them."""
+        need = set()
+
+        def add(name, seed):
+            if (name, seed) in need:
+                return
+            row = self.rows[name]
+            for dep in row.needs:
+                add(dep, seed)
+            for dep in row.needs_next:
+                add(dep, self.next_seed(seed))
+            need.add((name, seed))
+        for seed in self.seeds:
+            for name in wanted:
+                add(name, seed)
+        names = [r.name for r in self.table.rows]
+        # prerequisites (rows others need) of every seed first, so the cross-seed rows find them
+        prereq = {d for r in self.table.rows for d in (*r.needs, *r.needs_next)}
+        key = lambda p: (p[0] not in prereq, self.seeds.index(p[1]), names.index(p[0]))
+        return sorted(need, key=key)
+
+    def run(self, wanted, log=print):
+        for name, seed in self.order(wanted):
+            if self.result(name, seed) is not None:
+                log(f"[lab] {name} seed {seed}: done, skipped")
+                continue
+            self.run_one(self.rows[name], seed, log)
+
+    def run_one(self, row, seed, log=print):
+        d = self.run_dir(row.name, seed)
+        os.makedirs(d, exist_ok=True)
+        if row.prepare is not None:
+            row.prepare(self, seed)
+        resume = os.path.exists(os.path.join(d, checkpoint.LATEST))
+        cmd = self.argv(row, seed, resume)
+        log(f"[lab] {row.name} seed {seed}: {' '.join(cmd[1:])}")
+        t0 = time.time()
+        with open(os.path.join(d, "train.log"), "a") as f:
+            code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        if code != 0:
+            tail = open(os.path.join(d, "train.log")).read().splitlines()[-5:]
+            raise RuntimeError(f"{row.name} seed {seed} failed (exit {code}); last lines of {d}/train.log:\n  " +
+                               "\n  ".join(tail))
+        recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+        steps = [r for r in recs if "ms" in r]
+        extra = {}
+        if self.table.dlm_t and row.shown:  # the masked-token val loss at each t; val_loss = their mean
+            scored = {t: dlm_val_loss(os.path.join(d, row.score), self.shipped, t) for t in self.table.dlm_t}
+            extra = {f"masked_val_t{t}": v[0] for t, v in scored.items()}
+            loss, n = statistics.mean(extra.values()), sum(v[1] for v in scored.values())
+            extra.update(clipped_frac=statistics.mean(r["clipped"] for r in steps),
+                         spikes=sum(r["z"] > 2.5 for r in steps), **_ratios(steps))
+        else:
+            loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
+        also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name))[0] for name in self.table.also}
+        res = {**extra, "row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": row.score, "argv": cmd[1:],
+               "also": also,
+               "steps": max((r["step"] for r in steps), default=0),
+               "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
+               "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
+               "optimizer_bytes": _state_bytes(checkpoint.load(os.path.join(d, checkpoint.LATEST))["optimizer"]),
+               "wall_s": time.time() - t0, "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r],
+               "logit_curve": [[r["step"], r["max_logit"]] for r in steps if "max_logit" in r]}
+        _write_json(os.path.join(d, "result.json"), res)
+        log(f"[lab] {row.name} seed {seed}: whole-val loss {loss:.4f} ({n} tokens), {res['wall_s']:.0f} s")
+
+    # -------------------------------------------------------------------------
+    # the table
+
+    def summary(self):
+        """{row: {mean, std, n, values}} over the seeds that have a result."""
+        out = {}
+        for row in (r for r in self.table.rows if r.shown):
+            vals = [r["val_loss"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
+            out[row.name] = {"label": row.label, **_stats(vals)}
+            for name in self.table.also:  # the other corpora's val loss of the same runs
+                out[row.name][name] = _stats([r["also"][name] for s in self.seeds
+                                              if (r := self.result(row.name, s)) is not None])
+        return out
+
+    def report(self):
+        """Markdown and JSON (and a PNG of the val curves, if matplotlib is there) under lab/results/."""
+        summ = self.summary()
+        base = summ.get(self.table.baseline, {})
+        ref = summ.get(self.table.reference, {})
+        also, measures = self.table.also, self.table.measures
+        lines = [f"| row | val loss, mean ± std ({len(self.seeds)} seeds) | vs {self.table.baseline} | " +
+                 "".join(f"{col} | vs {self.table.baseline} | " for col in also.values()) +
+                 "".join(f"{col} | " for col in measures.values()) +
+                 (f"gap to {self.table.reference} closed |" if self.table.reference else ""),
+                 "|---|---|---|" + "---|---|" * len(also) + "---|" * len(measures) +
+                 ("---|" if self.table.reference else "")]
+        for name, s in summ.items():
+            vals = {k: [r.get(k) for sd in self.seeds if (r := self.result(name, sd)) is not None] for k in measures}
+            lines.append(f"| {s['label']} | {fmt(s)} | {versus(s, base)} | " +
+                         "".join(f"{fmt(s[c])} | {versus(s[c], base.get(c, {}))} | " for c in also) +
+                         "".join(f"{_mean_of(vals[k])} | " for k in measures) +
+                         (f"{closed(s, base, ref)} |" if self.table.reference else ""))
+        md = "\n".join(lines)
+        os.makedirs(self.results, exist_ok=True)
+        stem = os.path.join(self.results, self.table.name)
+        with open(stem + ".md", "w") as f:
+            f.write(f"# {self.table.name}: {self.table.about}\n\n" + "\n".join(self.table.notes) +
+                    f"\n\nCommand: `python -m lab {self.table.name}`; val loss over the whole val split of the shipped "
+                    f"corpus. \"vs\": mean difference, and whether it exceeds 2 std of the noisier of that row and "
+                    f"{self.table.baseline}.\n\n{md}\n")
+        runs = [r for row in self.table.rows for s in self.seeds if (r := self.result(row.name, s)) is not None]
+        _write_json(stem + ".json", {"table": self.table.name, "seeds": self.seeds, "summary": summ, "runs": runs})
+        print(md)
+        self.plot(stem + ".png")
+        return summ
+
+    def plot(self, path):
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("[lab] matplotlib is not installed, so no curve plot (pip install matplotlib); the table is written")
+            return
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for row in self.table.rows:
+            curves = [r["curve"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
+            if not curves or row.name in self.table.no_curve:
+                continue
+            steps = [p[0] for p in curves[0]]
+            mean = [statistics.mean(c[i][1] for c in curves if i < len(c)) for i in range(len(steps))]
+            ax.plot(steps, mean, marker="o", label=row.name)
+        ax.set_xlabel(self.table.steps_label)
+        ax.set_ylabel("val loss (sampled evals, mean over seeds)")
+        ax.legend()
+        fig.savefig(path, dpi=100)
+        print(f"[lab] wrote {path}")
+        self.plot_logits(path[:-len(".png")] + "_logits.png", plt)
+        summ = self.summary()
+        pts = [(x, summ[r]) for r, x in self.table.x.items() if summ[r]["mean"] is not None]
+        if pts:  # final whole-val loss against a row's number (e.g. the switch point), with 1-std error bars
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.errorbar([x for x, _ in pts], [s["mean"] for _, s in pts], yerr=[s["std"] or 0 for _, s in pts],
+                        marker="o", capsize=4)
+            ax.set_xlabel(self.table.x_label)
+            ax.set_ylabel("final val loss, whole val split (mean ± std)")
+            fig.tight_layout()
+            final = path[:-len(".png")] + "_final.png"
+            fig.savefig(final, dpi=100)
+            print(f"[lab] wrote {final}")
+
+    def plot_logits(self, path, plt):
+        """The logged max attention logit against step, mean over seeds, for the table's logit_rows."""
+        fig, ax, drawn = *plt.subplots(figsize=(8, 5)), 0
+        for i, name in enumerate(self.table.logit_rows):
+            curves = [r["logit_curve"] for s in self.seeds if (r := self.result(name, s)) is not None and r.get("logit_curve")]
+            if curves:
+                n = min(len(c) for c in curves)
+                ax.plot([p[0] for p in curves[0][:n]], [statistics.mean(c[j][1] for c in curves) for j in range(n)],
+                        label=name, linestyle="-" if i % 2 == 0 else "--")  # dashed: an identical curve shows
+                drawn += 1
+        if drawn:
+            ax.set_xlabel(self.table.steps_label)
+            ax.set_ylabel("max attention logit of the step (mean over seeds)")
+            ax.legend()
+            fig.savefig(path, dpi=100)
+            print(f"[lab] wrote {path}")
+        plt.close(fig)
+
+
+def _stats(vals):
+    return {"values": vals, "n": len(vals), "mean": statistics.mean(vals) if vals else None,
+            "std": statistics.stdev(vals) if len(vals) > 1 else None}
+
+
+def _state_bytes(obj):
+    """Bytes of every tensor in a (nested) optimizer state dict, as saved."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _ratios(steps, start=10):
+    """A DLM run's outlier ratios (mask tokens, the others): mean over all steps and over the first `start`."""
+    first = [r for r in steps if r["step"] <= start]
+    return {f"ratio_{k}{suffix}": statistics.mean(r[f"ratio_{k}"] for r in rs)
+            for suffix, rs in (("", steps), ("_start", first)) for k in ("mask", "other")}
+
+
+def _mean_of(vals):
+    """mean ± std (ddof 1) over seeds, or the mean of one."""
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return ""
+    return f"{statistics.mean(vals):,.4g}" + (f" ± {statistics.stdev(vals):,.2g}" if len(vals) > 1 else "")
+
+
+def _shipped_dir(name):
+    """data/<name>_byte, the byte shards of a shipped corpus, prepared if missing (as train.py does)."""
+    d = os.path.join(ROOT, "data", f"{name}_byte")
+    if not os.path.exists(os.path.join(d, "meta.json")):
+        from tools import prepare
+        prepare.prepare(tokenizer="byte", out_dir=d, corpus=name)
+    return d
+
+
+def fmt(s):
+    if s["mean"] is None:
+        return "not run"
+    return f"{s['mean']:.4f} ± {s['std']:.4f}" if s["std"] is not None else f"{s['mean']:.4f} (1 seed)"
+
+
+def versus(s, base):
+    """Mean difference to the baseline row, and whether it is more than 2 std of the noisier of the two rows."""
+    if s["mean"] is None or not base or base.get("mean") is None or s is base:
+        return ""
+    d = s["mean"] - base["mean"]
+    if base["std"] is None or s.get("n", 2) < 2 or s.get("std") is None:
+        return f"{d:+.4f} (too few seeds for a verdict)"
+    noise = 2 * max(base["std"], s["std"])
+    verdict = ("better" if d < 0 else "worse") if abs(d) > noise else "no measurable difference"
+    return f"{d:+.4f} ({verdict})"
+
+
+def closed(s, base, ref):
+    """Fraction of the baseline -> reference gap that this row closes (1 = reaches the reference)."""
+    if s["mean"] is None or not base or not ref or base.get("mean") is None or ref.get("mean") is None:
+        return ""
+    gap = base["mean"] - ref["mean"]
+    return f"{(base['mean'] - s['mean']) / gap:.0%}" if gap > 0 and s is not ref and s is not base else ""
+
+
+def _write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+@dataclass
+class LabFlags:
+    seeds: int = len(SEEDS)      # seeds per row (0, 1, ...); a table's verdicts need 3
+    rows: str = ""               # comma-separated rows to run; "" = every row of the table
+    report: bool = False         # no training: write the table from the runs that exist
+    root: str = ""               # where the runs live; "" = out/lab/<table>
+
+
+def main(argv):
+    flags, names = parse(argv, LabFlags, __doc__, positional="TABLE  one of: list, " + ", ".join(TABLES))
+    args = LabFlags(**flags)
+    if not names or names[0] == "list":
+        for name, make in TABLES.items():
+            t = make()
+            print(f"{name}: {t.about}")
+            for r in t.rows:
+                print(f"  {r.name:14s} {r.label}")
+        return 0
+    if len(names) > 1 or names[0] not in TABLES:
+        print(f"error: unknown table {' '.join(names)!r}; tables: {', '.join(TABLES)} (python -m lab list)", file=sys.stderr)
+        return 2
+    table = TABLES[names[0]]()
+    if args.seeds < 1:
+        print(f"error: --seeds={args.seeds}: expected an integer >= 1", file=sys.stderr)
+        return 2
+    lab = Lab(table, seeds=range(args.seeds), root=args.root or None)
+    wanted = args.rows.split(",") if args.rows else [r.name for r in table.rows]
+    bad = [w for w in wanted if w not in lab.rows]
+    if bad:
+        print(f"error: unknown row(s) {', '.join(bad)}; rows of {table.name}: {', '.join(lab.rows)}", file=sys.stderr)
+        return 2
+    if not args.report:
+        t0 = time.time()
+        try:
+            lab.run(wanted)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            lab.report()
+            return 1
+        print(f"[lab] {table.name}: ran in {(time.time() - t0) / 60:.1f} min")
+    lab.report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

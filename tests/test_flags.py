@@ -1,0 +1,102 @@
+"""tools/flags.py: the one --key=value parser and error path of every command, and --help from field comments.
+Run: python -m pytest tests/test_flags.py"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import ENV, ROOT
+from tools import flags
+
+
+@dataclass
+class Demo:
+    steps: int = 3               # how many steps
+    rate: float = 0.5            # a rate
+    name: str = "x"              # a name; this comment goes on
+                                 # onto a second line
+    fast: bool = False           # a switch
+    # a heading, not a continuation
+    plain: int = 0
+
+
+def test_parse_types_booleans_and_the_bare_boolean_flag():
+    got = flags.parse(["--steps=7", "--rate=1e-3", "--name=y", "--fast=on"], Demo)
+    assert got == {"steps": 7, "rate": 1e-3, "name": "y", "fast": True}
+    for word, want in (("true", True), ("1", True), ("yes", True), ("ON", True), ("false", False), ("0", False),
+                       ("no", False), ("Off", False)):
+        assert flags.parse([f"--fast={word}"], Demo) == {"fast": want}
+    assert flags.parse(["--fast"], Demo) == {"fast": True}
+
+
+@pytest.mark.parametrize("argv, facts", [(["--steps=x"], ["--steps=x", "an integer"]),
+                                         (["--rate=fast"], ["--rate=fast", "a number"]),
+                                         (["--fast=maybe"], ["--fast=maybe", "true or false"]),
+                                         (["--nope=1"], ["--nope=1", "steps, rate, name, fast, plain"]),
+                                         (["steps=1"], ["steps=1"]), (["--steps"], ["--steps"])])
+def test_a_bad_flag_is_one_error_line_and_exit_2(capsys, argv, facts):
+    with pytest.raises(SystemExit) as e:
+        flags.parse(argv, Demo)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and all(f in err[0] for f in facts)
+
+
+def test_help_lists_every_field_with_its_default_and_comment_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as e:
+        flags.parse(["--help"], Demo, "demo: what it does")
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("demo: what it does")
+    assert "--steps=3" in out and "how many steps" in out and "--fast=false" in out
+    assert "a name; this comment goes on onto a second line" in out and "heading" not in out
+    assert flags.field_comments(Demo) == {"steps": "how many steps", "rate": "a rate", "fast": "a switch",
+                                          "name": "a name; this comment goes on onto a second line"}
+
+
+def test_converters_and_positional_arguments():
+    got = flags.parse(["a.txt", "--steps=2", "b.txt"], Demo, positional="FILE ...")
+    assert got == ({"steps": 2}, ["a.txt", "b.txt"])
+    with pytest.raises(SystemExit):
+        flags.parse(["a.txt"], Demo)  # a command without positional arguments refuses one
+
+
+# every command: --help exits 0 and describes every flag; a bad boolean is refused the same way everywhere
+COMMANDS = [(["train.py"], "tools.config", "TrainConfig"), (["sample.py"], "sample", "SampleConfig"),
+            (["-m", "tools.export"], "tools.export", "ExportConfig"),
+            (["-m", "tools.prepare"], "tools.prepare", "PrepareConfig"), (["-m", "lab"], "lab.tables", "LabFlags"),
+            (["-m", "lab.bench"], "lab.bench", "BenchFlags"),
+            (["-m", "lab.check_llamacpp"], "lab.check_llamacpp", "CheckFlags"),
+            (["-m", "tools.make_python_corpus"], "tools.make_python_corpus", "CorpusFlags")]
+
+
+@pytest.mark.parametrize("cmd, module, cls", COMMANDS, ids=[c[1] for c in COMMANDS])
+def test_every_command_has_help_and_the_same_error_path(cmd, module, cls):
+    import importlib
+    fields = dataclasses.fields(getattr(importlib.import_module(module), cls))
+    p = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    comments = flags.field_comments(getattr(importlib.import_module(module), cls))
+    for f in fields:
+        assert f"--{f.name}=" in p.stdout and comments.get(f.name) and comments[f.name] in p.stdout, f.name
+    p = subprocess.run([sys.executable, *cmd, "--no_such_flag=1"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=60)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1 and err[0].startswith("error: --no_such_flag=1") or \
+        err[0].startswith("error: unknown or malformed argument '--no_such_flag=1'"), p.stderr
+
+
+def test_only_tools_flags_parses_command_lines():
+    """One parser: no other module reads sys.argv as --key=value pairs by hand."""
+    hits = []
+    for d, _, files in os.walk(ROOT):
+        if any(part in d for part in (".git", "tests", "__pycache__")):
+            continue
+        for name in files:
+            if name.endswith(".py"):
+                src = open(os.path.join(d, name), encoding="utf-8").read()
+                if 'partition("=")' in src and name != "flags.py":
+                    hits.append(os.path.relpath(os.path.join(d, name), ROOT))
+    assert hits == []

@@ -1,0 +1,80 @@
+"""Every command README.md shows runs, in README's order, in one fresh directory, with tiny flags appended (a
+tiny model, a few steps, a few tokens). Commands that cannot run here are listed in SKIP with the reason, and a
+command README gains that is neither run nor skipped fails the test.
+Run: python -m pytest tests/test_readme.py"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+from conftest import ENV, ROOT, TINY
+
+SKIP = {
+    "pip install -r requirements.txt": "the test environment is that install",
+    "python -m pytest": "this is the suite",
+    "python -m lab muon": "a lab table trains 3 seeds x its rows; tests/test_lab.py runs the runner with tiny rows",
+    "bash lab/check_llamacpp.sh --ckpt=out/stage2/ckpt.pt": "downloads and compiles llama-cpp-python",
+    "bash lab/gpu_check.sh": "needs a GPU; tests/test_cross_compile.py runs it without one",
+    "torchrun": "a word in the text, not a command",
+}
+TRAIN = [*TINY, "--max_iters=4", "--eval_interval=4"]  # lambda reaches 1 at step 4 (TINY's warm-up)
+SAMPLE = ["--max_new_tokens=8", "--num_samples=1", "--device=cpu"]
+
+
+def readme_commands():
+    """The commands of README's code blocks and inline code, in order of first appearance, split at &&."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    found = []
+    for block, inline in re.findall(r"```\n(.*?)```|`([^`\n]+)`", text, flags=re.S):
+        for line in (block.splitlines() if block else [inline]):
+            for cmd in line.split("#")[0].split("&&"):
+                cmd = " ".join(cmd.split())
+                if re.match(r"(python|bash|torchrun|pip) ?", cmd) and cmd not in found:
+                    found.append(cmd)
+    return found
+
+
+def tiny(argv):
+    """argv with the tiny flags its command takes appended (later flags override earlier ones)."""
+    names = [os.path.basename(a) for a in argv]
+    if "train.py" in names:
+        return argv + TRAIN + ([] if "--resume=True" in argv else ["--overwrite=True"])
+    if "sample.py" in names:
+        return argv + SAMPLE
+    return argv
+
+
+def test_every_readme_command_runs(tmp_path):
+    cwd = tmp_path
+    os.makedirs(cwd / "corpus")
+    for i in range(40):  # for `python -m tools.prepare ... corpus/*.txt`: 40 documents, 2 of them val
+        (cwd / "corpus" / f"{i:02d}.txt").write_text(f"Document {i}. " + "Some text to train on. " * 20)
+    env = dict(ENV, PYTHONPATH=ROOT)
+    ran = []
+    for cmd in readme_commands():
+        if any(cmd == s or cmd.startswith(s + " ") and s.startswith("pip") for s in SKIP):
+            continue
+        argv = shlex.split(cmd)
+        if argv[0] == "python" and argv[1].endswith(".py"):
+            argv[1] = os.path.join(ROOT, argv[1])  # run from the fresh directory, as if it were the checkout
+        if argv[0] == "torchrun":  # 8 gloo processes on CPU; the global batch of 8 sequences split 8 ways
+            argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
+            argv[argv.index(next(a for a in argv if a.endswith("train.py")))] = os.path.join(ROOT, "train.py")
+            argv += ["--grad_accum=8", "--batch_size=1"]
+        elif argv[0] == "python":
+            argv[0] = sys.executable
+        argv = tiny(argv)
+        p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, f"{cmd}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}"
+        ran.append(cmd)
+    assert ran[0] == "python train.py --stage=2" and "python train.py --stage=3" in ran and len(ran) >= 15, ran
+    assert os.path.exists(cwd / "out" / "stage2" / "packed.pt") and os.path.exists(cwd / "out" / "stage2" / "model.gguf")
+
+
+def test_every_command_found_is_run_or_skipped_for_a_reason():
+    cmds = readme_commands()
+    assert "python train.py --stage=2" in cmds and "python -m pytest" in cmds
+    for s in SKIP:
+        assert any(c == s or c.startswith(s) for c in cmds), f"SKIP names {s!r}, which README no longer shows"

@@ -1,0 +1,361 @@
+"""
+Checkpoints for exact resume: everything the next training step depends on, written so that a crash never
+leaves a half file, and a preemption signal that ends a run cleanly at a step boundary.
+
+Exact resume means a run stopped at step k and resumed computes the same steps k+1, k+2, ... bit for bit as
+a run that never stopped (nanochat stores the loader position beside the weights for the same reason). So a
+checkpoint holds the weights AND every piece of state the next step reads:
+
+    step        int: the LR-schedule position and lambda (both are functions of the step)
+    config      dict: the TrainConfig of the run (resume takes it, command-line overrides on top)
+    model_args  dict: the GPTConfig (shape and vocabulary; checked before any weight is loaded)
+    model       state dict, plain tensors, no "module." / "_orig_mod." prefixes (also under DDP/FSDP)
+    optimizer   state dict (Muon momentum buffers, AdamW moments and step counts), whole tensors
+    zclip       ZClip statistics (or None)
+    loader      (shard, offset) per source and the mixing RNG (data.DataLoader.state_dict)
+    rng         torch (CPU and CUDA), numpy and python RNG states of rank 0
+
+FSDP2 shards (DTensors) are gathered into whole tensors before saving, so a checkpoint loads at any world
+size, with or without FSDP: shard_optimizer_state() cuts the loaded optimizer state back into shards.
+
+Layout of <dir>:  ckpt_<step>.pt for the last keep_last checkpoints, and ckpt.pt, the newest one (a hard link
+to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt).
+
+Atomic write: torch.save into <name>.tmp, flush, fsync, rename over <name>, fsync the directory. A rename is
+atomic on POSIX, so <name> is always a complete old or a complete new file; a process killed mid-write
+leaves only a stale .tmp, which the next save removes.
+
+Preemption: StopSignal turns SIGTERM/SIGINT into a flag; the training loop finishes its step, saves and
+exits with code 0. A second signal of the same kind stops at once (the last checkpoint is kept).
+
+Test:  python -m pytest tests/test_fault.py tests/test_scale.py
+This file imports only torch, numpy and the standard library.
+"""
+
+import copy
+import errno
+import os
+import random
+import re
+import shutil
+import signal
+import zipfile
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "ckpt.pt"
+AVERAGED = "avg.pt"  # the checkpoint average (lessons/averaging.py), when a run keeps one
+NUMBERED = re.compile(r"ckpt_(\d+)\.pt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not have the expected contents; the message names the file."""
+
+# -----------------------------------------------------------------------------
+# state in, state out
+
+
+def seed_all(seed):
+    """Seed python, numpy and torch (every device): the RNG states a checkpoint saves then start out the same."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    """The RNG states of this process as plain types (they load with torch.load(weights_only=True))."""
+    np_state = np.random.get_state(legacy=False)
+    np_state["state"]["key"] = np_state["state"]["key"].tolist()  # ndarray -> list: weights_only-safe
+    return {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np_state = dict(state["numpy"])
+    np_state["state"] = dict(np_state["state"], key=np.array(np_state["state"]["key"], dtype=np.uint32))
+    np.random.set_state(np_state)
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def full_state(obj, keep=None, _memo=None):
+    """A copy of a nested state dict with every tensor detached and on the CPU, and every DTensor (an FSDP2
+    shard) gathered into the whole tensor. Under FSDP this is a collective: every rank must call it; only
+    rank 0 (keep=None) gets the tensors, the others get None in their place. Tensors that are the same
+    object (the tied embedding and LM head) stay one tensor, so it is saved once."""
+    keep = (not dist.is_initialized() or dist.get_rank() == 0) if keep is None else keep
+    memo = {} if _memo is None else _memo
+    if isinstance(obj, dict):
+        return {k: full_state(v, keep, memo) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full_state(v, keep, memo) for v in obj)
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    if id(obj) not in memo:  # same object on every rank, so every rank gathers the same tensors in order
+        t = obj.full_tensor() if hasattr(obj, "full_tensor") else obj
+        memo[id(obj)] = t.detach().cpu() if keep else None
+    return memo[id(obj)]
+
+
+def shard_optimizer_state(optimizer):
+    """After optimizer.load_state_dict(whole tensors) with FSDP2 (DTensor) parameters: cut every state tensor
+    shaped like its parameter into that parameter's local shard. No communication: each rank keeps its part."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    for p, st in optimizer.state.items():
+        if isinstance(p, DTensor):
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.shape:
+                    st[k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+
+
+def training_state(step, config, model_args, model, optimizer, clipper=None, loader=None):
+    """The checkpoint dict of the format above. Collective under FSDP2 (every rank calls it)."""
+    return {"step": step, "config": config, "model_args": model_args,
+            "model": full_state(model.state_dict(keep_vars=True)),  # keep_vars: tied weights stay one object
+            "optimizer": full_state(optimizer.state_dict()),
+            "zclip": full_state(clipper.state_dict()) if clipper is not None else None,
+            "loader": loader.state_dict() if loader is not None else None, "rng": rng_state()}
+
+def averaged_state(state, model, average):
+    """avg.pt: the training checkpoint `state`'s step, config and model_args, with the weights of the checkpoint
+    average (averaging.CheckpointAverage) as its model, so every reader of ckpt.pt reads it too."""
+    with average.swapped_in(model):
+        # deepcopy: on the CPU full_state's tensors ARE the parameters, which get their own weights back
+        weights = copy.deepcopy(full_state(model.state_dict(keep_vars=True)))
+    return {**{key: state[key] for key in ("step", "config", "model_args")}, "model": weights,
+            "averaged": {"steps": average.steps()[:average.count], "alpha": average.alpha}}
+
+
+def restore(ckpt, optimizer, clipper=None):
+    """Load the optimizer (then cut it into FSDP2 shards where the parameters are DTensors), ZClip and RNG
+    states of ckpt. The lr and wd each group starts from (initial_lr, initial_wd) keep their current values,
+    so a --lr given on resume takes effect; without one they equal the saved ones."""
+    fresh = [(g["initial_lr"], g["initial_wd"]) for g in optimizer.param_groups]
+    try:
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"the saved optimizer state does not fit this optimizer ({type(e).__name__}: {e})")
+    for g, (lr, wd) in zip(optimizer.param_groups, fresh):
+        g["initial_lr"], g["initial_wd"] = lr, wd
+    shard_optimizer_state(optimizer)
+    if clipper is not None and ckpt.get("zclip") is not None:
+        clipper.load_state_dict(ckpt["zclip"])
+    if ckpt.get("rng") is not None:
+        set_rng_state(ckpt["rng"])  # rank 0's states, on every rank
+
+# -----------------------------------------------------------------------------
+# files
+
+
+def check_writable(d):
+    """Create d if needed and prove a file can be written in it; OSError otherwise."""
+    os.makedirs(d, exist_ok=True)
+    probe = os.path.join(d, f".write_test.{os.getpid()}")
+    open(probe, "w").close()
+    os.remove(probe)
+
+
+def _fsync_dir(d):
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj, path):
+    """torch.save to path.tmp, flush, fsync, rename over path, fsync the directory. A failed write (a full
+    disk: torch.save raises RuntimeError, a plain write OSError) removes the .tmp and raises OSError."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError):
+            raise
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise OSError(errno.ENOSPC if "space" in why.lower() else errno.EIO, why) from e
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _atomic_link(src, dst):
+    """Make dst name the file src (a hard link; a copy where the filesystem has none), atomically."""
+    tmp = dst + ".tmp"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    os.replace(tmp, dst)
+    _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
+def existing_run(d):
+    """The files of an earlier run in d (checkpoints, metrics), which a fresh run must not mix with its own."""
+    names = os.listdir(d) if os.path.isdir(d) else []
+    return sorted(n for n in names if n in (LATEST, AVERAGED, "metrics.jsonl") or NUMBERED.fullmatch(n))
+
+
+def remove_run(d):
+    """Delete an earlier run's files from d (asked for with --overwrite=True)."""
+    for n in existing_run(d):
+        os.remove(os.path.join(d, n))
+
+
+def lock(d):
+    """Claim d for this process: d/.lock holds our pid. Another live process's lock raises CheckpointError;
+    a dead one's (a killed run) is taken over. Returns a function that releases the lock."""
+    path = os.path.join(d, ".lock")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(open(path).read().strip() or 0)
+                os.kill(pid, 0)  # raises if no such process
+            except (ValueError, ProcessLookupError, FileNotFoundError):  # stale: its run is gone
+                if os.path.exists(path):
+                    os.remove(path)
+                continue
+            except PermissionError:  # the pid lives, under another user
+                pass
+            raise CheckpointError(f"{d}: another run (pid {pid}) is writing here; wait for it, stop it, or pass "
+                                  f"another --out_dir or --run_name") from None
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return lambda: os.path.exists(path) and os.remove(path)
+    raise CheckpointError(f"{d}: cannot take the lock file {path}; remove it if no run is using {d}")
+
+
+def all_finite(model):
+    """True when every parameter of model is finite: one fused reduction and one host read (at save time)."""
+    params = [p for p in model.parameters()]
+    norms = torch._foreach_norm([p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                                 for p in params], 2.0)
+    return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+
+def numbered(d):
+    """The ckpt_<step>.pt files in d, oldest first."""
+    names = [n for n in (os.listdir(d) if os.path.isdir(d) else []) if NUMBERED.fullmatch(n)]
+    return [os.path.join(d, n) for n in sorted(names, key=lambda n: int(NUMBERED.fullmatch(n).group(1)))]
+
+
+def save(obj, d, keep_last=1):
+    """Write obj as d/ckpt_<step>.pt, point d/ckpt.pt at it, then delete all but the newest keep_last numbered
+    checkpoints. Returns d/ckpt.pt."""
+    for n in os.listdir(d):  # leftovers of a process killed while writing
+        if n.endswith(".tmp") and (n == LATEST + ".tmp" or NUMBERED.fullmatch(n[:-4])):
+            os.remove(os.path.join(d, n))
+    path = os.path.join(d, f"ckpt_{obj['step']:06d}.pt")
+    atomic_save(obj, path)
+    latest = os.path.join(d, LATEST)
+    _atomic_link(path, latest)
+    older = [p for p in numbered(d) if _step_of(p) < obj["step"]]  # never a later step: not this run's past
+    for old in older[:max(len(older) - (keep_last - 1), 0)]:
+        os.remove(old)
+    return latest
+
+
+def _step_of(path):
+    return int(NUMBERED.fullmatch(os.path.basename(path)).group(1))
+
+
+def load(path, required=("model", "model_args")):
+    """torch.load(weights_only=True) with one clear error for a missing, truncated, corrupt or foreign file."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, random bytes, an unsafe pickle: one line, never a traceback
+        why = (f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}" if zipfile.is_zipfile(path)
+               else f"{os.path.getsize(path)} bytes, not a torch.save zip archive")
+        older = [os.path.basename(p) for p in numbered(os.path.dirname(path) or ".") if not os.path.samefile(p, path)]
+        hint = f"; older checkpoints beside it: {', '.join(older)}" if older else ""
+        raise CheckpointError(f"{path}: cannot load checkpoint, the file is corrupt or truncated ({why})"
+                              f"{hint}") from None
+    missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path}: not a training checkpoint (missing {', '.join(missing)})")
+    return ckpt
+
+def check_fits(saved_args, conf, path):
+    """Refuse, before loading anything, a checkpoint whose weights have other shapes or another vocabulary
+    than the model conf (a GPTConfig) builds."""
+    keys = ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_hidden", "tie_embeddings")
+    diff = [k for k in keys if saved_args.get(k) != getattr(conf, k)]
+    if diff:
+        raise CheckpointError(
+            f"{path}: checkpoint has {', '.join(f'{k}={saved_args.get(k)}' for k in diff)} but this run builds "
+            f"{', '.join(f'{k}={getattr(conf, k)}' for k in diff)}; use the --n_layer/--n_head/--n_embd/--tokenizer/"
+            f"--pad_vocab of the run that wrote it (the vocabulary comes from --tokenizer)")
+
+
+def load_weights(model, state, path, insert_subln=False):
+    """Load a state dict; lambda_ buffers may be missing (an fp checkpoint into a ternary model), and with
+    insert_subln the SubLN gains too: they keep their unit init (BitDistill, arXiv 2510.13998, Stage 1)."""
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a shape mismatch that check_fits did not catch
+        raise CheckpointError(f"{path}: checkpoint does not fit this model "
+                              f"({str(e).splitlines()[-1].strip()[:200]})") from None
+    missing = [k for k in missing if not k.endswith("lambda_") and not (insert_subln and ".subln." in k)]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}); check n_layer/n_embd/n_head/subln/tokenizer")
+
+# -----------------------------------------------------------------------------
+# preemption
+
+
+class StopSignal:
+    """with StopSignal() as stop: ... `stop.requested` is the name of the first SIGTERM/SIGINT received, else
+    None. The loop checks it once per step. A second signal of the same kind exits at once with code 1
+    (torchrun follows a Ctrl-C with SIGTERM to its workers: that second, different signal is not an abort).
+    StopSignal(at_once="why"): the first signal already exits, with code 1 and the line "error: SIGTERM: why"
+    (before training starts there is no step to finish)."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), at_once=None):
+        self.signals, self.requested, self.old, self.at_once = signals, None, {}, at_once
+
+    def __enter__(self):
+        self.old = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.at_once:
+            raise SystemExit(f"error: {name}: {self.at_once}")
+        if self.requested == name:
+            raise SystemExit(f"error: second {name}: stopping now, without a checkpoint; the last one is kept")
+        self.requested = self.requested or name
+
+
+if __name__ == "__main__":
+    import tempfile
+    d = tempfile.mkdtemp()
+    for step in (10, 20, 30):
+        save({"step": step, "model": {"w": torch.full((2,), float(step))}, "model_args": {}}, d, keep_last=2)
+    print(sorted(os.listdir(d)), "-> ckpt.pt is step", load(os.path.join(d, LATEST))["step"], "(expect 30)")
+    open(os.path.join(d, "bad.pt"), "wb").write(b"not a checkpoint")
+    try:
+        load(os.path.join(d, "bad.pt"))
+    except CheckpointError as e:
+        print("error:", e)

@@ -1,0 +1,330 @@
+"""
+The training run's flags: one dataclass of defaults (each field's comment is its --help line), presets as small
+dicts of overrides, and every check that needs only the flags.
+
+  defaults (TrainConfig) -> device preset (cpu | cuda) -> stage preset (1 | 2 | 3 | dlm) -> command line
+
+`python train.py --help` lists every field with its default and comment. The schedules the fields describe
+(lr, lambda, continual QAT) are in train.py, where the step uses them.
+Test: python -m pytest tests/test_train.py tests/test_flags.py
+"""
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from model import GPTConfig
+from tools import checkpoint
+from tools.flags import die, parse, to_bool
+
+@dataclass
+class TrainConfig:
+    stage: int = 2               # 1 = fp pre-training, 2 = ternary continued pre-training, 3 = distillation,
+                                 # dlm = conversion of the stage-2 model to a masked-diffusion LM (lessons/dlm.py)
+    device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset below
+    out_dir: str = "out"         # checkpoints and metrics go to <out_dir>/stage<N>/
+    resume: bool = False         # continue from <out_dir>/stage<N>/ckpt.pt
+    overwrite: bool = False      # start afresh in an out_dir that holds another run, deleting its checkpoints
+    run_name: str = ""           # output subdirectory of out_dir; "" = stage<N>
+    init_from: str = "auto"      # auto: stage 2 <- stage-1 ckpt if present, else scratch; stage 3 <- stage-2 ckpt;
+                                 # or a path (stage 1: an fp checkpoint, SubLN is inserted if it has none); or "scratch"
+    seed: int = 1337             # seeds the weights, the data order and every random draw
+    # data
+    tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
+    data: str = ""               # shard dir or shipped corpus (shakespeare, python), or "dirA:0.7,python:0.3" to mix;
+                                 # "" = shakespeare
+    data_order: str = "shuffle"  # shuffle | sequential | curriculum (easy-to-hard over this run's rows);
+                                 # shuffle beats sequential by 0.17 val loss on the quick start (python -m lab order)
+    # model
+    n_layer: int = 4             # transformer blocks
+    n_head: int = 4              # attention heads (head size = n_embd / n_head)
+    n_embd: int = 128            # model width
+    block_size: int = 256        # context length in tokens
+    subln: bool = True           # SubLN: an RMSNorm before each attention output and FFN down projection (BitDistill)
+    doc_mask: bool = False       # attend within documents only (model.document_mask)
+    pad_vocab: bool = False      # round the vocabulary up to a multiple of 64 (faster matmuls on GPU)
+    # batch and length
+    batch_size: int = 16         # sequences per micro-batch
+    grad_accum: int = 1          # micro-batches per optimizer step
+    max_iters: int = 600         # optimizer steps of the run
+    eval_interval: int = 200     # steps between evaluations (each also writes a checkpoint)
+    eval_iters: int = 20         # batches per source at each evaluation
+    eval_whole: bool = True      # the final evaluation reads every window of the val split once
+    log_interval: int = 1        # steps between log lines
+    # optimizer and schedules
+    optimizer: str = "muon"      # muon (Muon for hidden matrices, AdamW for the rest) or adamw (AdamW for all)
+    normuon: bool = False        # NorMuon: per-neuron normalised Muon updates (lessons/muon_variants.py)
+    muon_state: str = "fp32"     # Muon momentum stored as fp32, linear8 or dynamic8 (8-bit blockwise)
+    qk_clip_tau: float = 0.0     # QK-clip (MuonClip) threshold on the max attention logit; 0 = off (Kimi K2: 100)
+    log_max_logit: bool = False  # log each step's max attention logit (on whenever qk_clip_tau > 0)
+    # --stage=dlm: the masked-diffusion conversion (lessons/dlm.py)
+    dlm_mask_init: str = "mean"  # the new mask token's embedding: mean (of the vocabulary) or random
+    dlm_shift: bool = True       # Dream's shift: position i's prediction read from position i - 1's output
+    lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw)
+    muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
+    muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
+    min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
+    schedule: str = "wsd"        # cosine (nanoGPT), wsd (warmup-stable-decay, MiniCPM), constant (after warmup),
+                                 # or moderate: wsd to min_lr_frac 1/3 (Luo et al.'s "moderate decay")
+    warmup_iters: int = 50       # linear lr warmup steps
+    decay_frac: float = 0.2      # wsd: decay over the last 20% of steps
+    weight_decay: float = 0.1    # decoupled weight decay of matrices and embeddings (not of norm gains)
+    beta1: float = 0.9           # AdamW beta1
+    beta2: float = 0.95          # AdamW beta2
+    zclip: bool = True           # ZClip adaptive clipping (zclip.py); False = clip_grad_norm_ at grad_clip
+    zclip_z_thresh: float = 2.5  # ZClip: a gradient norm this many std above its EMA mean is a spike
+    grad_clip: float = 1.0       # fixed max grad norm when zclip=False; 0 = no clipping at all
+    two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight decay -> 0
+    two_phase_lr_drop: float = 0.5  # --two_phase: lr multiplier of the second half
+    lambda_warmup_steps: int = 200  # stage 2: lambda goes 0 -> 1 linearly over this many steps
+    quant_start: float = 0.0     # stage 2: full precision until this step (>= 1) or fraction of max_iters (< 1),
+                                 # then ternary, lambda ramping from there (continual QAT, arXiv 2502.11895)
+    # checkpoint averaging (lessons/averaging.py): an EMA over the last k snapshots, saved as <run>/avg.pt
+    avg_checkpoints: int = 0     # k; 0 = off (Luo et al.: 6)
+    avg_interval: int = 0        # steps between snapshots; 0 = decay_frac * max_iters / k (a WSD decay's window)
+    avg_alpha: float = 0.2       # EMA coefficient over the snapshots; 0 = their plain mean
+    # stage 3: BitDistill (distill.py), L = CE + lambda * logits KD + gamma * attention-relation KD (+ delta * hidden)
+    teacher: str = ""            # teacher checkpoint(s), "a.pt" or "a.pt,b.pt"; "" = <out_dir>/stage1/ckpt.pt
+    teacher_weights: str = ""    # several teachers: weights of their logits mixture, "0.7,0.3"; "" = equal
+    distill_preset: str = "logits"  # lambda 1, gamma 0 (measured best here); the paper's summarization:
+                                    # lambda 1, gamma 1e3; classification: lambda 10, gamma 1e5
+    distill_lambda: float = -1.0  # logits-KD weight; -1 = the preset's
+    distill_gamma: float = -1.0  # attention-relation weight; -1 = the preset's
+    distill_tau: float = 5.0     # logits-KD temperature
+    distill_layer: int = -1      # layer whose Q/K/V relations are distilled; negative counts from the end
+    distill_relation_heads: int = 4  # A_r; the paper's 32 needs H*d >= 32*d_r, too many for a 128-wide model
+    distill_hidden: float = 0.0  # delta: weight of hidden-state distillation (0 = off)
+    # system
+    compile: str = "auto"        # auto = on for cuda only; true / false (also 1/0, yes/no, on/off)
+    dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32, bfloat16, float16
+    # scale-out and fault tolerance
+    fsdp: bool = False           # under torchrun: FSDP2 shards params, grads and optimizer state (else DDP)
+    checkpoint_interval: int = 0  # also checkpoint every N steps; 0 = at evals and at the end only
+    keep_last: int = 1           # numbered checkpoints ckpt_<step>.pt kept; ckpt.pt always names the newest
+    max_bad_steps: int = 10      # this many non-finite steps in a row: save and stop
+
+
+DEVICE_PRESETS = {
+    "cpu": dict(),  # the defaults above are the CPU quick start
+    "cuda": dict(tokenizer="gpt2", n_layer=12, n_head=12, n_embd=768, block_size=1024, pad_vocab=True,
+                 batch_size=16, grad_accum=4, max_iters=5000, eval_interval=500, eval_iters=50,
+                 log_interval=10, warmup_iters=200, lambda_warmup_steps=1000, lr=1.5e-3),
+}
+SCHEDULE_PRESETS = {  # --schedule=moderate: WSD decaying only to 1/3 of the peak (Luo et al., arXiv 2511.18903:
+    "moderate": dict(min_lr_frac=1 / 3),  # 3e-3 -> 1e-3), unless --min_lr_frac is also given
+}
+STAGE_PRESETS = {
+    1: dict(schedule="cosine"),
+    2: dict(schedule="wsd"),
+    3: dict(schedule="cosine"),
+    4: dict(schedule="wsd"),  # --stage=dlm
+}
+DLM = 4
+STAGE_NAMES = {"dlm": DLM}
+
+def parse_args(argv):
+    """--key=value pairs checked against TrainConfig's field types (tools/flags.py); --stage also takes dlm, and
+    --compile auto or a boolean. --help prints every field with its default and comment, and exits 0."""
+    def stage(v):
+        if v in STAGE_NAMES or v in ("1", "2", "3"):
+            return STAGE_NAMES.get(v) or int(v)
+        raise ValueError("expected 1, 2, 3 or dlm")
+
+    def compile_(v):
+        if v.lower() == "auto":
+            return "auto"
+        try:
+            return str(to_bool(v)).lower()
+        except ValueError:
+            raise ValueError("expected auto, true or false (also 1/0, yes/no, on/off)") from None
+    return parse(argv, TrainConfig, USAGE, convert=dict(stage=stage, compile=compile_))
+
+
+USAGE = """python train.py [--key=value ...]: train a ternary (BitNet b1.58) model; stage 1 fp, 2 ternary, 3 distill.
+  python train.py --stage=2                         the CPU quick start (byte tokenizer, Shakespeare, ~4 min)
+  python train.py --stage=2 --resume=True           continue a stopped run exactly
+  torchrun --standalone --nproc_per_node=8 train.py --stage=2     (DDP; --fsdp=True shards)
+Order of defaults: TrainConfig (shown below: the CPU quick start), then the device preset, the stage preset
+(stage 1 and 3: --schedule=cosine; 2 and dlm: wsd), then the flags given. The cuda preset sets:
+  """ + " ".join(f"--{k}={v}" for k, v in DEVICE_PRESETS["cuda"].items())
+
+
+def build_config(overrides, base=None):
+    """Defaults + device preset + stage preset + overrides; or, on resume, the saved config + overrides."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = {k: v for k, v in (base or {}).items() if k in known}
+    if not base:
+        device = overrides.get("device", "auto")
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        stage = overrides.get("stage", TrainConfig.stage)
+        if stage not in STAGE_PRESETS:
+            die(f"--stage={stage}: expected 1, 2, 3 or dlm", 2)
+        cfg.update(DEVICE_PRESETS.get(device.split(":")[0], {}))
+        cfg.update(STAGE_PRESETS[stage])
+        cfg.update(SCHEDULE_PRESETS.get(overrides.get("schedule"), {}))
+        cfg["device"] = device
+    cfg.update(overrides)
+    cfg = TrainConfig(**cfg)
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg):
+    """Every field's range in one place, checked before any data is tokenised or any model built: a value
+    that would train nonsense (a negative lr, no layers, a NaN) stops here with one line naming the flag."""
+    choices = dict(stage=(1, 2, 3, DLM), dlm_mask_init=("mean", "random"), tokenizer=("byte", "gpt2"), schedule=("cosine", "wsd", "moderate", "constant"),
+                   data_order=("sequential", "shuffle", "curriculum"), optimizer=("muon", "adamw"),
+                   muon_state=("fp32", "linear8", "dynamic8"),
+                   muon_adjust_lr=("original", "match_rms_adamw"), distill_preset=("logits", "summarization", "classification"),
+                   dtype=("auto", "float32", "bfloat16", "float16"), compile=("auto", "true", "false"))
+    for key, valid in choices.items():
+        if getattr(cfg, key) not in valid:
+            die(f"--{key}={getattr(cfg, key)}: expected one of {', '.join(map(str, valid))}", 2)
+    at_least = dict(n_layer=1, n_head=1, n_embd=1, block_size=1, batch_size=1, grad_accum=1, max_iters=0,
+                    eval_interval=1, eval_iters=1, log_interval=1, warmup_iters=0, lambda_warmup_steps=0,
+                    checkpoint_interval=0, keep_last=1, max_bad_steps=1, seed=0, distill_relation_heads=1,
+                    avg_checkpoints=0, avg_interval=0)
+    for key, low in at_least.items():
+        if getattr(cfg, key) < low:
+            die(f"--{key}={getattr(cfg, key)}: expected an integer >= {low}", 2)
+    if cfg.seed >= 2**32:
+        die(f"--seed={cfg.seed}: expected an integer below 2**32 (numpy's limit)", 2)
+    ranges = dict(lr=("> 0", lambda v: v > 0), muon_lr=("> 0", lambda v: v > 0),
+                  min_lr_frac=("in [0, 1]", lambda v: 0 <= v <= 1), decay_frac=("in [0, 1]", lambda v: 0 <= v <= 1),
+                  weight_decay=(">= 0", lambda v: v >= 0), beta1=("in [0, 1)", lambda v: 0 <= v < 1),
+                  beta2=("in [0, 1)", lambda v: 0 <= v < 1), zclip_z_thresh=("> 0", lambda v: v > 0),
+                  grad_clip=(">= 0", lambda v: v >= 0), two_phase_lr_drop=("in (0, 1]", lambda v: 0 < v <= 1),
+                  distill_lambda=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
+                  distill_gamma=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
+                  distill_tau=("> 0", lambda v: v > 0), distill_hidden=(">= 0", lambda v: v >= 0),
+                  avg_alpha=("in [0, 1]", lambda v: 0 <= v <= 1), qk_clip_tau=(">= 0", lambda v: v >= 0))
+    for key, (what, ok) in ranges.items():
+        v = getattr(cfg, key)
+        if not (math.isfinite(v) and ok(v)):
+            die(f"--{key}={v}: expected a finite number {what}", 2)
+    if not (math.isfinite(cfg.quant_start) and cfg.quant_start >= 0 and (cfg.quant_start < 1 or cfg.quant_start.is_integer())):
+        die(f"--quant_start={cfg.quant_start}: expected a fraction of max_iters in [0, 1) or a whole step >= 1", 2)
+    if cfg.quant_start and cfg.stage != 2:
+        die(f"--quant_start={cfg.quant_start} switches a stage-2 run from 16-bit to ternary; stage {cfg.stage} has "
+            f"no such switch (stage 1 is full precision throughout, stage 3 ternary throughout)", 2)
+    if (cfg.normuon or cfg.muon_state != "fp32") and cfg.optimizer != "muon":
+        die(f"--normuon / --muon_state change Muon; --optimizer={cfg.optimizer} has no Muon", 2)
+    if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
+        die(f"--n_embd={cfg.n_embd} must split into --n_head={cfg.n_head} heads of even size (RoPE rotates pairs)", 2)
+    dev = cfg.device.split(":")
+    if dev[0] not in ("cpu", "cuda") or len(dev) > 2 or (len(dev) == 2 and not dev[1].isdigit()):
+        die(f"--device={cfg.device}: expected auto, cpu, cuda or cuda:<index>", 2)
+    if dev[0] == "cuda" and not torch.cuda.is_available():
+        die(f"--device={cfg.device}: no CUDA device here; use --device=cpu", 2)
+    if len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
+        die(f"--device={cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+    parse_data(cfg.data)
+
+
+def parse_data(spec):
+    """--data: "" (the shipped corpus), a shard directory, or "dirA:0.7,dirB:0.3" to mix by weight.
+    Returns {directory: weight}; every source has a finite weight > 0, or none has one (equal weights)."""
+    if not spec:
+        return {}
+    items = [item.rpartition(":") if ":" in item else ("", "", item) for item in spec.split(",")]
+    if any(not sep for _, sep, _ in items) and any(sep for _, sep, _ in items):
+        die(f"--data={spec}: give every source a weight (dirA:0.7,dirB:0.3) or none (equal weights)", 2)
+    sources = {}
+    for path, sep, w in items:
+        path, w = (path, w) if sep else (w, "1")
+        try:
+            weight = float(w)
+        except ValueError:
+            weight = float("nan")
+        if not path or not (math.isfinite(weight) and weight > 0):
+            die(f"--data={spec}: {path or '(empty)'}:{w} needs a directory and a finite weight > 0", 2)
+        sources[path] = weight
+    return sources
+
+
+def model_config(cfg, vocab_size, eot):
+    if cfg.pad_vocab:
+        vocab_size = 64 * math.ceil(vocab_size / 64)
+    dlm = cfg.stage == DLM  # one more token (the mask, id = the AR vocabulary size) and bidirectional attention
+    return GPTConfig(vocab_size=vocab_size + dlm, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask and not dlm,
+                     eot=eot, causal=not dlm, track_max_logit=cfg.qk_clip_tau > 0 or cfg.log_max_logit)
+
+
+def stage_dir(stage):
+    """out_dir's subdirectory of a stage: stage1, stage2, stage3, dlm."""
+    return "dlm" if stage == DLM else f"stage{stage}"
+
+
+def avg_interval(cfg):
+    """Steps between the snapshots checkpoint averaging takes: --avg_interval, or by default the last decay_frac
+    of the run split into avg_checkpoints intervals (averaging stands in for a WSD decay over that window)."""
+    return cfg.avg_interval or max(1, round(cfg.decay_frac * cfg.max_iters / max(cfg.avg_checkpoints, 1)))
+
+
+def teacher_paths(cfg):
+    """Stage 3's teacher checkpoints: --teacher split at commas; "" = the stage-1 run of this out_dir."""
+    return [p for p in cfg.teacher.split(",") if p] or [os.path.join(cfg.out_dir, "stage1", "ckpt.pt")]
+
+
+def parse_teacher_weights(cfg, n):
+    """--teacher_weights as n floats >= 0 with a positive sum, or None (equal weights)."""
+    if not cfg.teacher_weights:
+        return None
+    try:
+        w = [float(x) for x in cfg.teacher_weights.split(",")]
+    except ValueError:
+        w = []
+    if len(w) != n or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
+        die(f"--teacher_weights={cfg.teacher_weights}: expected {n} comma-separated numbers >= 0 with a positive "
+            f"sum, one per --teacher", 2)
+    return w
+
+
+def check_run(cfg, rt, out_dir, teachers):
+    """Refuse, before anything is loaded or written, a batch split that does not divide, a stage 3 without its
+    teachers, or an out_dir that cannot be written."""
+    world = rt.world
+    if cfg.grad_accum % world:
+        die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
+            f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
+    if world > 1 and cfg.stage == DLM:
+        die("--stage=dlm runs in one process here (its loss calls the model directly, not the DDP wrapper)", 2)
+    if world > 1 and (cfg.normuon or cfg.muon_state != "fp32" or cfg.qk_clip_tau > 0):
+        die("--normuon, --muon_state and --qk_clip_tau run in one process here (each rank would record its own "
+            "max logits, and the variants' step is not shared out); use plain Muon with torchrun", 2)
+    for path in teachers if cfg.stage == 3 else []:
+        if not os.path.exists(path):
+            die(f"stage 3 needs the full-precision teacher at {path}; make it with: python train.py --stage=1")
+    if cfg.stage == 3:
+        parse_teacher_weights(cfg, len(teachers))
+    try:
+        if rt.master:
+            checkpoint.check_writable(out_dir)
+    except OSError as e:
+        die(f"cannot write to {out_dir}: {e.strerror}; pass a writable --out_dir")
+
+
+def check_teacher(cfg, crit, s, t, path, first=True):
+    """Stage 3 settings that only fail at the first step, refused before training: another vocabulary, a
+    --distill_layer outside either model, relation heads that do not divide both widths, a context longer
+    than the teacher's. Only the first teacher gives relations and hidden states (first=False: the others)."""
+    if t.vocab_size != s.vocab_size:
+        die(f"{path}: teacher vocabulary {t.vocab_size} != student {s.vocab_size}; the same --tokenizer is needed")
+    try:
+        crit.layer_index(s.n_layer), crit.layer_index(t.n_layer) if first else None
+    except ValueError as e:  # --distill_layer outside one of the models
+        die(str(e), 2)
+    heads = crit.n_relation_heads
+    if first and crit.gamma_ad and (s.n_embd % heads or t.n_embd % heads):
+        fits = max(a for a in range(1, heads + 1) if s.n_embd % a == 0 and t.n_embd % a == 0)
+        die(f"--distill_relation_heads={heads} must divide the width of the student ({s.n_embd}) and of the "
+            f"teacher ({t.n_embd}); try --distill_relation_heads={fits}", 2)
+    if cfg.block_size > t.block_size:
+        die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
+            f"--block_size={t.block_size} or less", 2)
+
+

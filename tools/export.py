@@ -1,0 +1,319 @@
+"""
+Export a trained ternary checkpoint as packed 2-bit weights, and load such an export back.
+
+  python -m tools.export                                              (out/stage2/ckpt.pt -> out/stage2/packed.pt)
+  python -m tools.export --ckpt=out/stage3/ckpt.pt --out=out/stage3/packed.pt
+  python sample.py --ckpt=out/stage2/packed.pt                  (sample.py reads exports directly)
+  python -m tools.export --format=gguf --out=out/stage2/model.gguf    (for llama.cpp: tools/export.py; pip install gguf)
+
+The idea: a training checkpoint holds the fp32 latent hidden weights (and the optimizer state); inference
+needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma (kernels/packed_linear.py). The export is
+a plain dict that loads with torch.load(weights_only=True):
+
+    {"format": "nanobitnet-packed-v1", "model_args": asdict(GPTConfig), "tokenizer": "byte" | "gpt2",
+     "packed": {module name: {"w_packed": (N, ceil(K/4)) uint8, "w_scale": 0-d fp32 gamma,
+                              "in_features": K, "out_features": N}},
+     "fp": {every other state-dict tensor: embedding, LM head, norms; no latent weights, no lambda_}}
+
+Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 bits against 16).
+--format=gguf writes a GGUF file for llama.cpp's bitnet architecture instead (tools/export.py says what goes where).
+Test: python -m pytest tests/test_packed.py tests/test_gguf.py
+"""
+
+import contextlib
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from quant import weight_quant
+from tools import checkpoint
+from tools.flags import die, parse
+from kernels.packed_linear import PackedBitLinear, freeze_ternary
+from model import GPT, GPTConfig
+
+FORMAT = "nanobitnet-packed-v1"
+
+
+@dataclass
+class ExportConfig:
+    ckpt: str = "out/stage2/ckpt.pt"  # the training checkpoint to export (a ternary model)
+    out: str = ""                # the file to write; "" = packed.pt (or model.gguf) beside --ckpt
+    format: str = "packed"       # packed (our 2-bit export, sample.py reads it) or gguf (llama.cpp's bitnet)
+
+
+def packed_state(model, tokenizer):
+    """The export dict of a frozen model (every hidden projection a PackedBitLinear)."""
+    packed = {name: {"w_packed": m.w_packed, "w_scale": m.w_scale, "in_features": m.in_features,
+                     "out_features": m.out_features}
+              for name, m in model.named_modules() if isinstance(m, PackedBitLinear)}
+    if not packed:
+        raise ValueError("the model has no PackedBitLinear layers; run kernels.packed_linear.freeze_ternary first")
+    fp = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in packed}
+    return {"format": FORMAT, "model_args": dataclasses.asdict(model.config), "tokenizer": tokenizer, "packed": packed, "fp": fp}
+
+
+def model_from_packed(obj, source="export"):
+    """Rebuild a GPT whose hidden projections are PackedBitLinear from an export dict; ValueError if it does not fit."""
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{source}: not a packed export (format {found!r}, expected {FORMAT!r}); "
+                         "make one with: python -m tools.export --ckpt=<ckpt.pt>")
+    model = freeze_ternary(GPT(GPTConfig(**obj["model_args"])))  # the packed structure; weights come below
+    state = dict(obj["fp"])
+    for name, p in obj["packed"].items():
+        m = model.get_submodule(name)
+        if not isinstance(m, PackedBitLinear) or (m.in_features, m.out_features) != (p["in_features"], p["out_features"]):
+            raise ValueError(f"{source}: {name} ({p['in_features']} -> {p['out_features']}) does not fit the model "
+                             f"that model_args describe ({m})")
+        state[f"{name}.w_packed"], state[f"{name}.w_scale"] = p["w_packed"], p["w_scale"]
+    model.load_state_dict(state)  # strict: every tensor of the model must come from the file
+    return model.eval()
+
+
+def load_packed(path):
+    """(model, tokenizer name) from an export written by this script."""
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    return model_from_packed(obj, path), obj["tokenizer"]
+
+
+def load_training_checkpoint(ckpt_path):
+    """(model, tokenizer name) of a training checkpoint; one error line for anything else."""
+    try:
+        ckpt = checkpoint.load(ckpt_path, required=())
+    except checkpoint.CheckpointError as e:  # truncated, corrupt or foreign: one line naming the file
+        die(str(e))
+    if isinstance(ckpt, dict) and ckpt.get("format") == FORMAT:
+        die(f"{ckpt_path} is already a packed export ({FORMAT}), not a training checkpoint; sample it as it is: "
+            f"python sample.py --ckpt={ckpt_path}")
+    try:
+        model_args, tokenizer = ckpt["model_args"], ckpt["config"]["tokenizer"]
+        model = GPT(GPTConfig(**model_args))
+        model.load_state_dict(ckpt["model"])
+    except Exception as e:  # a foreign or mismatched file: name it, no traceback
+        die(f"{ckpt_path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+    return model, tokenizer
+
+
+def export(ckpt_path, out_path):
+    """Load a training checkpoint, freeze it to packed weights, write the export; returns it."""
+    model, tokenizer = load_training_checkpoint(ckpt_path)
+    try:
+        obj = packed_state(freeze_ternary(model.eval()), tokenizer)
+    except ValueError as e:
+        die(f"{ckpt_path}: {e}")
+    try:
+        checkpoint.atomic_save(obj, out_path)  # never leave a half-written export under the final name
+    except (OSError, RuntimeError) as e:  # a full disk: torch.save's zip writer raises RuntimeError, not OSError
+        with contextlib.suppress(OSError):
+            os.remove(out_path + ".tmp")
+        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
+        die(f"--out={out_path}: cannot write the export ({why}); the file there, if any, is unchanged; "
+            "free disk space or pass another --out")
+    return obj
+
+
+def main(argv):
+    args = dataclasses.asdict(ExportConfig(**parse(argv, ExportConfig, __doc__)))
+    if args["format"] not in ("packed", "gguf"):
+        die(f"--format={args['format']}: expected packed (our 2-bit export) or gguf (llama.cpp)", 2)
+    out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt" if args["format"] == "packed"
+                                           else "model.gguf")
+    _check_paths(args["ckpt"], out_path, "packed.pt" if args["format"] == "packed" else "model.gguf")
+    if args["format"] == "gguf":
+        return export_gguf(args["ckpt"], out_path)
+    obj = export(args["ckpt"], out_path)
+    packed = sum(p["w_packed"].numel() for p in obj["packed"].values())  # uint8: one byte each
+    bf16 = sum(2 * p["in_features"] * p["out_features"] for p in obj["packed"].values())
+    other = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in obj["fp"].values()}.values())
+    print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB on disk): {len(obj['packed'])} packed matrices, "
+          f"hidden-matrix bytes {packed:,} vs {bf16:,} in bf16 (1/{bf16 / packed:.3g}), plus {4 * len(obj['packed'])} "
+          f"bytes of fp32 gammas; other weights (embedding, head, norms) {other:,} bytes")
+
+
+def export_gguf(ckpt_path, out_path):
+    """--format=gguf: write, read back and compare (verify_gguf), then one line on what went out."""
+    import importlib.util
+    if importlib.util.find_spec("gguf") is None:
+        die("--format=gguf needs the gguf package (pip install gguf, or pip install -r requirements.txt)")
+    model, tokenizer = load_training_checkpoint(ckpt_path)
+    tmp = out_path + ".tmp"
+    try:
+        counts = write_gguf(model.eval(), tokenizer, tmp)
+        bad = verify_gguf(tmp, model)
+        if bad:
+            raise ValueError(f"the file read back differs from the model: {'; '.join(bad[:3])}")
+        os.replace(tmp, out_path)  # only a verified file lands under the final name
+    except (ValueError, OSError) as e:
+        die(f"{ckpt_path}: cannot export as GGUF: {getattr(e, 'strerror', None) or e}; {out_path} is unchanged")
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    types = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    hidden = "TQ2_0 (2-bit ternary)" if "TQ2_0" in counts else "F16 (rows not a multiple of 256, TQ2_0's block)"
+    print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB), llama.cpp architecture bitnet, tokenizer "
+          f"{tokenizer}: tensors {types}; hidden matrices as {hidden} with an F32 gamma each; read back and "
+          f"verified tensor by tensor")
+    if "TQ2_0" in counts and "F16" in counts:
+        print("  some hidden matrices went out as F16: their rows are not a multiple of 256")
+
+
+# -----------------------------------------------------------------------------
+# checks of --ckpt and --out, before anything is read: an export must never land on the checkpoint it is
+# made from (ckpt.pt is a hard link to ckpt_<step>.pt, so compare files, not names), nor leave a .tmp behind
+
+
+def _check_paths(ckpt, out, name="packed.pt"):
+    if os.path.isdir(ckpt):
+        die(f"--ckpt={ckpt} is a directory; pass the checkpoint file in it, e.g. "
+            f"--ckpt={os.path.join(ckpt, checkpoint.LATEST)}", 2)
+    if not os.path.exists(ckpt):
+        die(f"no checkpoint at {ckpt}; train one first: python train.py --stage=2")
+    if os.path.isdir(out):
+        die(f"--out={out} is a directory; pass a file name, e.g. --out={os.path.join(out, name)}", 2)
+    d = os.path.dirname(out) or "."
+    if not os.path.isdir(d):
+        die(f"--out={out}: directory {d} does not exist; create it (mkdir -p {d}) or pass another --out")
+    if os.path.exists(out) and os.path.samefile(out, ckpt):
+        die(f"--out={out} is the same file as --ckpt={ckpt}: the export would overwrite the checkpoint it is made "
+            "from; pass another --out (the default is packed.pt beside --ckpt)", 2)
+
+
+# -----------------------------------------------------------------------------
+# GGUF for llama.cpp's bitnet architecture: what goes where is in docs/gguf-format.md
+
+
+
+ARCH = "bitnet"
+QK_K = 256  # TQ2_0's block: a row is quantised in whole blocks
+HIDDEN = {"attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v", "attn.o_proj": "attn_output",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+NORMS = {"attn_norm": "attn_norm", "attn.subln": "attn_sub_norm", "mlp_norm": "ffn_norm", "mlp.subln": "ffn_sub_norm"}
+
+
+def gguf_tensors(model):
+    """[(GGUF name, float32 array (out, in) or (n,), GGML type name)] of a ternary GPT, in file order.
+    Hidden matrices: the codes W_q and a `.scale` of gamma (see the docstring); the rest as they are."""
+    c = model.config
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    out = [("token_embd.weight", sd["wte.weight"].numpy(), "F32")]
+    for i in range(c.n_layer):
+        for ours, theirs in HIDDEN.items():
+            w = sd[f"h.{i}.{ours}.weight"]  # (out, in)
+            if c.quant:
+                w_q, gamma = weight_quant(w)
+                kind = "TQ2_0" if w.shape[1] % QK_K == 0 else "F16"
+                out += [(f"blk.{i}.{theirs}.weight", w_q.float().numpy(), kind),
+                        (f"blk.{i}.{theirs}.scale", gamma.reshape(1).numpy(), "F32")]
+            else:  # a full-precision (stage 1) model: the weights themselves, no scale
+                out.append((f"blk.{i}.{theirs}.weight", w.numpy(), "F32"))
+        for ours, theirs in NORMS.items():
+            out.append((f"blk.{i}.{theirs}.weight", sd[f"h.{i}.{ours}.weight"].numpy(), "F32"))
+    out.append(("output_norm.weight", sd["norm_f.weight"].numpy(), "F32"))
+    return out
+
+
+def write_gguf(model, tokenizer, path):
+    """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") as a GGUF file for llama.cpp's
+    bitnet architecture. Returns {GGML type name: number of tensors}. ValueError if llama.cpp cannot hold it."""
+    import gguf  # here: only this export needs the package
+    c = model.config
+    if not c.subln:
+        raise ValueError("llama.cpp's bitnet architecture has sub-norms before attn_output and ffn_down; this model "
+                         "was trained without SubLN (--subln=False), so it has nothing to put there")
+    if not c.tie_embeddings:
+        raise ValueError("llama.cpp's bitnet architecture uses the embedding as the LM head; this model's head is its own")
+    if c.quant and any(float(m.lambda_) != 1.0 for n, m in model.named_modules() if hasattr(m, "lambda_")):
+        raise ValueError("the checkpoint is mid lambda warm-up (lambda < 1): it is not yet a ternary model; train "
+                         "past --lambda_warmup_steps first")
+    w = gguf.GGUFWriter(path, ARCH)
+    w.add_context_length(c.block_size)
+    w.add_embedding_length(c.n_embd)
+    w.add_block_count(c.n_layer)
+    w.add_feed_forward_length(c.hidden_dim())
+    w.add_head_count(c.n_head)
+    w.add_head_count_kv(c.n_head)
+    w.add_rope_dimension_count(c.n_embd // c.n_head)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_TQ2_0 if c.quant else gguf.LlamaFileType.ALL_F32)
+    _add_vocab(w, tokenizer, c.vocab_size)
+    counts = {}
+    for name, arr, kind in gguf_tensors(model):
+        t = getattr(gguf.GGMLQuantizationType, kind)
+        data = gguf.quants.quantize(arr, t) if kind == "TQ2_0" else arr.astype(np.float16 if kind == "F16" else np.float32)
+        w.add_tensor(name, data, raw_dtype=t if kind == "TQ2_0" else None)
+        counts[kind] = counts.get(kind, 0) + 1
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return counts
+
+
+def _add_vocab(w, tokenizer, n_vocab):
+    """GPT-2-style vocabulary metadata: tokens in GPT-2's byte-to-unicode spelling, types, merges, BOS/EOS."""
+    import gguf
+    import data  # the tokenizers (data.py needs tiktoken only for gpt2)
+    spell = gguf.vocab.bytes_to_unicode()  # byte -> printable character, e.g. 0x20 -> "Ġ"
+    tok = data.get_tokenizer(tokenizer)
+    if tokenizer == "byte":
+        tokens = [spell[b] for b in range(256)]
+        merges = ["ĠĠ ĠĠ"]  # never fires: no merge makes "ĠĠ"; llama.cpp needs a non-empty merges key
+    else:
+        ranks = tok.enc._mergeable_ranks  # token bytes -> rank = id
+        by_id = sorted(ranks, key=ranks.get)
+        tokens = ["".join(spell[b] for b in t) for t in by_id]
+        merges = [" ".join("".join(spell[b] for b in p) for p in _split(ranks, t)) for t in by_id if len(t) > 1]
+    tokens.append("<|endoftext|>")  # id tok.eot = len(tokens) - 1
+    types = [gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL]
+    for i in range(len(tokens), n_vocab):  # --pad_vocab rows: never produced by the tokenizer
+        tokens.append(f"[PAD{i}]")
+        types.append(gguf.TokenType.UNUSED)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tok.eot)
+    w.add_eos_token_id(tok.eot)
+    w.add_add_bos_token(True)
+
+
+def _split(ranks, token):
+    """The two tokens whose merge made `token`: byte-pair encode it with only the merges ranked before it."""
+    parts = [bytes([b]) for b in token]
+    limit = ranks[token]
+    while len(parts) > 2:
+        pairs = [(ranks.get(a + b, limit), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+        r, i = min(pairs)
+        if r >= limit:
+            break
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    assert len(parts) == 2, (token, parts)
+    return parts
+
+
+def verify_gguf(path, model):
+    """Read the file back with gguf's reader and compare every tensor with what gguf_tensors(model) says it
+    must hold (dequantised; exact, since codes, gamma and the fp tensors are all stored exactly). Returns the
+    list of mismatches, empty when the file is right."""
+    import gguf
+    want = {name: arr for name, arr, _ in gguf_tensors(model)}
+    got = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    bad = [f"{n}: missing" for n in want if n not in got] + [f"{n}: not ours" for n in got if n not in want]
+    for name, arr in want.items():
+        if name in got:
+            t = got[name]
+            x = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(arr.shape)
+            if not np.array_equal(x, arr):
+                bad.append(f"{name}: {int((x != arr).sum())} of {arr.size} values differ")
+    return bad
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

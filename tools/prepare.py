@@ -1,0 +1,441 @@
+"""
+Tokenise a corpus once into the binary shards that data.py's DataLoader streams (format: data.py, docs/shard-format.md).
+
+Documents are first cleaned (lessons/clean.py: quality rules for prose or code, exact and MinHash near-duplicate
+removal; --clean=prose|code|dedup|none, by default the shipped corpus's setting and none for your own files,
+the report printed). Document i (in source order, empty and removed documents skipped) goes to val iff
+i % val_every == val_every - 1, so the split is by document and the same corpus always gives byte-identical
+shards. Each document is written as [eot] + tokens into {train,val}_000.bin, ... of exactly shard_tokens tokens
+(the last shorter), each with its difficulty scores (<shard>.difficulty.npy, difficulty(): what
+--data_order=curriculum sorts by), plus a meta.json. The dataset is built in a temporary directory beside
+out_dir, which then replaces out_dir whole (_swap), so a failed, stopped or
+killed run leaves an older dataset intact, and a loader never sees a mix of two runs.
+
+Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to data/shakespeare_<tokenizer>/):
+    python -m tools.prepare --tokenizer=byte
+    python -m tools.prepare --corpus=python       # the shipped code corpus (data/README.md) -> data/python_byte/
+    python -m tools.prepare --tokenizer=gpt2 --out_dir=data/mine corpus/*.txt more.jsonl.gz
+Sources: .txt (the whole file is one document), .jsonl / .jsonl.gz (one {"text": ...} document per line).
+python -m tools.prepare --help lists every flag.
+Test:
+    python -m pytest tests/test_prepare.py
+"""
+
+import contextlib
+import dataclasses
+import errno
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+import data
+from lessons import clean
+from tools.flags import die, parse
+
+DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # shipped assets, default outputs
+SHAKESPEARE = os.path.join(DATA_DIR, "shakespeare.jsonl.gz")
+PYTHON = os.path.join(DATA_DIR, "python.jsonl.gz")
+# the shipped corpora (data/README.md): name -> (file, default --clean). The plays are deduplicated but not
+# quality-filtered: Gopher's repeated-lines rule, written for web text, would drop The Merry Wives of Windsor,
+# whose speaker names ("FALSTAFF.") are 32% of its lines (python -m lessons.clean data/shakespeare.jsonl.gz shows it)
+CORPORA = {"shakespeare": (SHAKESPEARE, "dedup"), "python": (PYTHON, "code")}
+CLEAN = ("prose", "code", "dedup", "none")  # quality rules (lessons/clean.py) + deduplication; dedup only; nothing
+
+
+def iter_documents(paths):
+    """Yield the text of every non-empty document, in order. A file that is not valid UTF-8 is refused with
+    the byte offset of its first bad byte: the text is never silently altered."""
+    for path in paths:
+        with _reading(path):  # a damaged .gz or an unreadable file: one line naming it
+            if path.endswith(".txt"):  # binary read: no newline translation, the same bytes on every platform
+                with open(path, "rb") as f:
+                    text = _utf8(f.read(), path, 0)
+                if text:
+                    yield text
+                continue
+            offset = 0
+            with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    line, offset = _utf8(raw, path, offset), offset + len(raw)
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)["text"]
+                    except (ValueError, KeyError, TypeError):
+                        text = None
+                    if not isinstance(text, str):
+                        raise ValueError(f"{path}:{lineno}: expected a JSON object with a string \"text\" field")
+                    if text:
+                        yield text
+
+
+def _chunks(docs, max_chars=1 << 22, max_docs=1024):
+    """Group documents so that each encode_batch call keeps every thread busy, in bounded memory."""
+    chunk, n = [], 0
+    for d in docs:
+        chunk.append(d)
+        n += len(d)
+        if n >= max_chars or len(chunk) >= max_docs:
+            yield chunk
+            chunk, n = [], 0
+    if chunk:
+        yield chunk
+
+
+def difficulty(tokens, decode_bytes, chunk=data.DIFFICULTY_CHUNK):
+    """Difficulty of each chunk of `chunk` tokens: the zlib compression ratio of its text, compressed bytes /
+    raw bytes (the eot token carries no text). Text that repeats itself (refrains, lists of names, short
+    exchanges) compresses well and scores low, 'easy'; dense, varied text scores high. It needs no model, so
+    it is computed here once, deterministically, and prints how long that took; a small reference model's
+    loss is the costlier alternative (it ranks by what one model finds hard, and must exist first).
+    decode_bytes: token ids -> bytes (the tokenizer's)."""
+    out = np.empty(-(-len(tokens) // chunk), dtype=np.float32)
+    for c in range(len(out)):
+        raw = decode_bytes(tokens[c * chunk:(c + 1) * chunk])
+        out[c] = len(zlib.compress(raw, 9)) / len(raw) if raw else 0.0
+    return out
+
+
+class _ShardWriter:
+    """Writes one split's documents as {split}_000.bin, ... of exactly shard_tokens tokens (the last shorter)."""
+
+    def __init__(self, out_dir, split, dtype, shard_tokens, decode_bytes):
+        self.out_dir, self.split, self.dtype, self.shard_tokens = out_dir, split, dtype, shard_tokens
+        self.decode_bytes = decode_bytes  # for the difficulty scores the curriculum order sorts by
+        self.buf, self.nbuf, self.nshards, self.ntok, self.ndocs, self.score_s = [], 0, 0, 0, 0, 0.0
+
+    def add(self, doc):  # doc: (1 + len(tokens),) = [eot] + tokens
+        self.buf.append(doc)
+        self.nbuf, self.ntok, self.ndocs = self.nbuf + len(doc), self.ntok + len(doc), self.ndocs + 1
+        while self.nbuf >= self.shard_tokens:  # a document may go on into the next shard, as in llm.c
+            self._flush(self.shard_tokens)
+
+    def _flush(self, n):
+        flat = np.concatenate(self.buf)
+        path = os.path.join(self.out_dir, f"{self.split}_{self.nshards:03d}.bin")
+        data.write_shard(path, flat[:n], self.dtype)
+        t0 = time.time()
+        np.save(data.difficulty_path(path), difficulty(flat[:n], self.decode_bytes))
+        self.score_s += time.time() - t0
+        self.buf, self.nbuf, self.nshards = [flat[n:]], len(flat) - n, self.nshards + 1
+
+    def close(self):
+        if self.nbuf:
+            self._flush(self.nbuf)
+        return self.nshards
+
+
+def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_tokens=100_000_000, corpus="shakespeare",
+            clean_as=None):
+    """Tokenise sources (None: the shipped corpus named `corpus`) into out_dir/{train,val}_NNN.bin and meta.json;
+    return out_dir. clean_as: prose | code (quality rules, then exact and near-duplicate removal, lessons/clean.py),
+    dedup (only the deduplication), none; None = the shipped corpus's default, or none for your own files.
+    Document i (source order, empty and removed documents skipped) goes to val iff i % val_every == val_every - 1;
+    if that picks none, the last document does. The new dataset is built in a temporary directory beside out_dir and
+    then replaces out_dir whole, so a failed run leaves an older dataset intact. A ValueError says what went
+    wrong in one line (a bad source, a full disk); out_dir is then as it was."""
+    t0 = time.time()
+    tok = data.get_tokenizer(tokenizer)
+    if val_every < 2 or shard_tokens < 1:
+        raise ValueError(f"need val_every >= 2 (got {val_every}) and shard_tokens >= 1 (got {shard_tokens})")
+    if corpus not in CORPORA:
+        raise ValueError(f"unknown corpus {corpus!r}; shipped: {', '.join(CORPORA)}")
+    paths = [CORPORA[corpus][0]] if sources is None else _expand_sources(sources)
+    clean_as = clean_as or (CORPORA[corpus][1] if sources is None else "none")
+    if clean_as not in CLEAN:
+        raise ValueError(f"unknown cleaning {clean_as!r}; expected one of {', '.join(CLEAN)}")
+    cleaner = None if clean_as == "none" else clean.Cleaner(None if clean_as == "dedup" else clean_as)
+    out_dir = out_dir or default_out_dir(sources, paths, tok.name, corpus)
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    tmp_dir = None
+    try:
+        real = _check_out_dir(out_dir)  # the directory that gets replaced (out_dir may be a symlink to it)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        _recover(real)  # what killed runs left beside it
+        tmp_dir = _make_tmp_dir(real)
+        train, val = (_ShardWriter(tmp_dir, split, dtype, shard_tokens, tok.decode_bytes) for split in ("train", "val"))
+        i, held = 0, None  # held: the latest train document, kept back in case it must be the only val one
+        docs = iter_documents(paths)
+        for chunk in _chunks(docs if cleaner is None else filter(cleaner.keep, docs)):
+            for ids in tok.encode_batch(chunk):  # batched: tiktoken encodes the chunk on all threads
+                doc = np.empty(1 + len(ids), dtype=dtype)
+                doc[0], doc[1:] = tok.eot, ids  # eot first: it marks where the document starts
+                if i % val_every == val_every - 1:
+                    val.add(doc)
+                else:
+                    if held is not None:
+                        train.add(held)
+                    held = doc
+                i += 1
+        if i < 2:  # checked before anything is written
+            what = "empty corpus: no non-empty document" if i == 0 else "only one document"
+            if cleaner is not None and cleaner.removed:
+                what += f" left after cleaning ({cleaner.report()}; --clean=none keeps them all)"
+            raise ValueError(f"{what} in {', '.join(paths)}; the train/val split is by document, so give at "
+                             f"least 2 (e.g. several .txt files or .jsonl lines)")
+        (val if val.ndocs == 0 else train).add(held)
+        n_train, n_val = train.close(), val.close()
+        meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, dtype=np.dtype(dtype).name,
+                    n_docs_train=train.ndocs, n_docs_val=val.ndocs, train_tokens=train.ntok, val_tokens=val.ntok,
+                    train_shards=n_train, val_shards=n_val, sources=paths, val_every=val_every,
+                    cleaning=cleaner.summary() if cleaner else None,
+                    difficulty=f"zlib compression ratio per {data.DIFFICULTY_CHUNK} tokens, <shard>.difficulty.npy")
+        with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+        _swap(tmp_dir, real)
+    except OSError as e:  # writing failed (a full disk, no permission): the sources were read without error
+        raise ValueError(f"{out_dir}: cannot write the new dataset ({e.strerror or e}); free disk space or pass "
+                         f"another --out_dir; nothing in {out_dir} was changed") from None
+    finally:  # also on KeyboardInterrupt or a signal turned into an exception: no half dataset stays behind
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    seconds = time.time() - t0
+    print(f"{cleaner.report() if cleaner else 'cleaning: none (--clean=prose|code|dedup to filter)'}\n"
+          f"{tok.name} tokens of {len(paths)} file(s) -> {out_dir} in {seconds:.1f}s, "
+          f"{(train.ntok + val.ntok) / seconds:,.0f} tokens/s\n"
+          f"  train: {train.ndocs:,} docs, {train.ntok:,} tokens, {n_train} shard(s)\n"
+          f"  val:   {val.ndocs:,} docs, {val.ntok:,} tokens, {n_val} shard(s)\n"
+          f"  difficulty scores (zlib ratio per {data.DIFFICULTY_CHUNK} tokens): {train.score_s + val.score_s:.1f}s")
+    return out_dir
+
+
+def default_out_dir(sources, paths, tokenizer_name, corpus="shakespeare"):
+    """data/<corpus>_<tokenizer> for a shipped corpus, else data/<first source's stem>_<tokenizer>."""
+    stem = re.sub(r"\.(txt|jsonl|jsonl\.gz)$", "", os.path.basename(paths[0]))
+    return os.path.join(DATA_DIR, f"{corpus if sources is None else stem}_{tokenizer_name}")
+
+
+def tokenize_throughput(tokenizer_name):
+    """Tokens per second of encode_batch on the shipped Shakespeare corpus (reading the file is not timed)."""
+    tok = data.get_tokenizer(tokenizer_name)
+    texts = list(iter_documents([SHAKESPEARE]))
+    tok.encode_batch(texts[:1])  # warm-up
+    t0 = time.perf_counter()
+    n = sum(len(ids) for ids in tok.encode_batch(texts))
+    return n / (time.perf_counter() - t0)
+
+# -----------------------------------------------------------------------------
+# validation: a bad source is refused in one line that names the file and says what to do
+
+
+def _expand_sources(sources):
+    paths = []
+    for s in [sources] if isinstance(sources, str) else sources:
+        if os.path.isdir(s):
+            raise ValueError(f"{s}: is a directory; pass its files, e.g. '{os.path.join(s, '*.txt')}'")
+        matches = sorted(glob.glob(s)) if glob.has_magic(s) else [s] if os.path.isfile(s) else []
+        if not matches:
+            raise ValueError(f"{s}: {'the pattern matches no file' if glob.has_magic(s) else 'no such file'}")
+        paths += matches
+    for p in paths:
+        if not p.endswith((".txt", ".jsonl", ".jsonl.gz")):
+            raise ValueError(f"{p}: unsupported file type; expected .txt, .jsonl or .jsonl.gz")
+    if not paths:
+        raise ValueError("no sources given")
+    return paths
+
+
+@contextlib.contextmanager
+def _reading(p):
+    """Reading source p: a damaged gzip stream or an unreadable file becomes one ValueError naming it."""
+    try:
+        yield
+    except gzip.BadGzipFile as e:
+        raise ValueError(f"{p}: not a gzip file ({e}); compress it with gzip, or if it is plain text, "
+                         f"rename it to {p[:-3]}") from None
+    except (EOFError, zlib.error) as e:
+        raise ValueError(f"{p}: the gzip stream ends early or is corrupt ({e}; a truncated download?); "
+                         f"get the file again, or check it with: gzip -t {p}") from None
+    except OSError as e:
+        raise ValueError(f"{p}: cannot be read ({e.strerror or e}); check the file and its permissions") from None
+
+
+def _utf8(raw, path, offset):
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = " of the decompressed text" if path.endswith(".gz") else ""
+        raise ValueError(f"{path}: not UTF-8: byte 0x{raw[e.start]:02x} at byte offset {offset + e.start}{where}; "
+                         f"convert the file to UTF-8 first (e.g. iconv -f latin1 -t utf-8)") from None
+
+# -----------------------------------------------------------------------------
+# replacing out_dir: one directory swap, and recovery from a run killed in the middle of it
+# The temporary directories are named .<name>.tmp_<host>_<pid>_<random> (the new dataset being built) and
+# .<name>.old_<host>_<pid>_<random> (the dataset being replaced), so that a later run can tell whether the
+# process that owns one is gone: only then (or after a day, for another machine's) is it removed.
+
+STALE_AFTER_S = 86400  # a temporary directory whose owner cannot be checked (another host) is stale after a day
+
+
+def _check_out_dir(out_dir):
+    """The real path of out_dir after refusing what the swap would destroy: a regular file, or a directory
+    holding files that tools/prepare.py did not write (they would be deleted with the old dataset)."""
+    real = os.path.realpath(out_dir)
+    if os.path.exists(real) and not os.path.isdir(real):
+        raise ValueError(f"{out_dir}: exists and is not a directory; pass a new directory, or an earlier "
+                         f"tools/prepare.py output, as --out_dir")
+    ours = re.compile(r"meta\.json|(train|val)_\d+\.(bin|difficulty\.npy)")
+    other = sorted(n for n in (os.listdir(real) if os.path.isdir(real) else []) if not ours.fullmatch(n))
+    if other:
+        raise ValueError(f"{out_dir}: also holds {', '.join(other[:3])}{' ...' if len(other) > 3 else ''}, which "
+                         f"re-preparing would delete (the whole directory is replaced); move them out, or pass "
+                         f"another --out_dir")
+    return real
+
+
+def _swap(new, out):
+    """Replace directory out by directory new (same parent) with two renames. A kill between the two leaves
+    out missing, the old dataset complete at .<name>.old_* and the new one at .<name>.tmp_*: the next run's
+    _recover renames the old one back; the loader meanwhile names it (data._check_not_mid_swap)."""
+    old = os.path.join(os.path.dirname(out), os.path.basename(new).replace(".tmp_", ".old_", 1))
+    for _ in range(10):  # retried only when another tools/prepare.py swaps the same out (nodes sharing a disk)
+        try:
+            if not os.path.lexists(out):
+                os.rename(new, out)
+                return
+            os.rename(out, old)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST) and os.path.isdir(new):
+                continue
+            raise
+        try:
+            os.rename(new, out)
+        finally:
+            if os.path.lexists(out):  # swapped: the old dataset goes (a loader reading it keeps its open files)
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # the second rename failed or was interrupted: put the old dataset back
+                os.rename(old, out)
+        return
+    raise OSError(errno.EBUSY, f"{out} kept changing while tools/prepare.py tried to replace it")
+
+
+def _make_tmp_dir(out):
+    """An empty .<name>.tmp_<host>_<pid>_<random> beside out, with out's permissions (or the umask's for a new
+    one; not mkdtemp's 0700, which would hide the dataset from other users once it is swapped in)."""
+    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp_{_owner()}_{os.urandom(4).hex()}")
+    os.mkdir(path)
+    if os.path.isdir(out):
+        os.chmod(path, stat.S_IMODE(os.stat(out).st_mode))
+    return path
+
+
+def _host():
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def _owner():
+    return f"{_host()}_{os.getpid()}"
+
+
+def _is_stale(parent, name, owner):
+    """Whether temporary directory parent/name, owner = the part of its name after .tmp_ or .old_, is left over
+    from a run that is gone."""
+    m = re.match(r"([A-Za-z0-9-]+)_(\d+)_", owner)
+    if m and m.group(1) == _host():
+        pid = int(m.group(2))
+        if os.name == "posix":
+            try:
+                os.kill(pid, 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # it exists, as another user's process
+                return False
+            return False
+    try:  # another host's, or an older tools/prepare.py's .<out>.tmp_<random>: by age
+        return time.time() - os.stat(os.path.join(parent, name)).st_mtime > STALE_AFTER_S
+    except FileNotFoundError:
+        return False
+
+
+def _recover(out):
+    """Before a run: if a kill between _swap's renames left no out, rename the old dataset back; then remove
+    every temporary directory of out whose run is gone."""
+    parent, name = os.path.split(out)
+    prefixes = (f".{name}.tmp_", f".{name}.old_")  # the same length
+    stale = [n for n in os.listdir(parent) if n.startswith(prefixes) and _is_stale(parent, n, n[len(prefixes[0]):])]
+    old = sorted((n for n in stale if n.startswith(f".{name}.old_")),
+                 key=lambda n: os.stat(os.path.join(parent, n)).st_mtime)
+    if old and not os.path.lexists(out):
+        os.rename(os.path.join(parent, old[-1]), out)
+        print(f"restored {out} from {old[-1]}, left by a tools/prepare.py killed while replacing it")
+        stale.remove(old[-1])
+    for n in stale:
+        shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+
+# -----------------------------------------------------------------------------
+
+
+class _Stopped(BaseException):
+    """SIGTERM, turned into an exception by main() so that prepare()'s clean-up runs (see _on_sigterm)."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Stopped
+
+
+def _default_for(sources, tokenizer, corpus):
+    try:
+        return default_out_dir(sources or None, _expand_sources(sources) if sources else [SHAKESPEARE], tokenizer,
+                               corpus)
+    except ValueError:
+        return "--out_dir"
+
+
+@dataclass
+class PrepareConfig:
+    tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
+    out_dir: str = ""            # where the shards go; "" = data/<corpus>_<tokenizer> (or data/<first source>_...)
+    val_every: int = 20          # every val_every-th document goes to the val split
+    shard_tokens: int = 100_000_000  # tokens per shard file
+    corpus: str = "shakespeare"  # a shipped corpus, used when no source files are given: shakespeare or python
+    clean: str = ""              # prose, code, dedup or none; "" = the shipped corpus's setting, none for your files
+
+
+def main(argv):
+    flags, sources = parse(argv, PrepareConfig, __doc__, positional="FILE ...  .txt, .jsonl or .jsonl.gz sources")
+    opts = dataclasses.asdict(PrepareConfig(**flags))
+    opts["out_dir"], opts["clean"] = opts["out_dir"] or None, opts["clean"] or None
+    for key in ("val_every", "shard_tokens"):
+        if opts[key] < 1:
+            die(f"--{key}={opts[key]}: expected an integer >= 1", 2)
+    for key, valid in (("tokenizer", data.TOKENIZERS), ("corpus", CORPORA), ("clean", CLEAN)):
+        if opts[key] is not None and opts[key] not in valid:
+            die(f"--{key}={opts[key]}: expected one of {', '.join(valid)}", 2)
+    # only here, not in prepare(): train.py calls prepare() and has its own signal handling
+    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        kw = {k: v for k, v in opts.items() if k != "clean"}
+        out_dir = prepare(sources or None, clean_as=opts["clean"], **kw)
+    except ValueError as e:  # a bad corpus, a full disk: one line that says what to fix, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (_Stopped, KeyboardInterrupt) as e:
+        how, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, _Stopped) else ("Ctrl-C", 128 + signal.SIGINT)
+        where = opts["out_dir"] or _default_for(sources, opts["tokenizer"], opts["corpus"])
+        print(f"error: stopped by {how} before it finished; {where} keeps its previous dataset, if it had "
+              f"one; run the same command again to prepare it", file=sys.stderr)
+        return code
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    sample = data.read_shard(os.path.join(out_dir, "train_000.bin"))[:48].tolist()
+    print(f"first train tokens: {sample}\ndecoded: {data.get_tokenizer(opts['tokenizer']).decode(sample)!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,149 @@
+"""
+Where a run runs: one process, or one of W processes started by torchrun; its device; how the model is spread
+over the processes (DDP or FSDP2, and torch.compile); how a run stops on an error.
+
+torchrun starts one process per GPU and tells each where it stands through three environment variables:
+RANK (0 .. W-1 over all nodes), LOCAL_RANK (0 .. 7 on a node: which GPU it drives) and WORLD_SIZE (W). A plain
+`python train.py` has none of them and is rank 0 of 1. Processes talk through a process group: NCCL between
+GPUs, gloo between CPU processes. Only rank 0 prints and writes files; every rank computes.
+
+    rt = Runtime.from_env("cuda")   # reads RANK / LOCAL_RANK / WORLD_SIZE, picks cuda:<LOCAL_RANK>
+    rt.start()                      # joins the process group (nothing to do for one process)
+    rt.log("only rank 0 prints")    # and rt.log_json(out_dir, record) appends to out_dir/metrics.jsonl
+    rt.barrier()                    # wait for every rank
+    train_model = rt.wrap(model, fsdp=False, compile=False)   # what the training step calls
+    rt.close()
+
+DDP keeps a whole model per rank and all-reduces gradients; FSDP2 (fsdp=True) shards parameters, gradients and
+optimizer state by rows and gathers each block's weights just before it runs. Both reduce gradients only on the
+last micro-batch of a step (grad_sync).
+
+Used by train.py; tested by tests/test_scale.py (2 gloo processes on CPU).
+"""
+
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int = 0          # this process among all processes
+    local_rank: int = 0    # this process on its node: which GPU
+    world: int = 1         # number of processes
+    device: str = "cpu"    # e.g. "cuda:3" under torchrun, "cuda" or "cpu" alone
+
+    @classmethod
+    def from_env(cls, device):
+        rank, local_rank, world = (int(os.environ.get(k, 1 if k == "WORLD_SIZE" else 0))
+                                   for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        if device.startswith("cuda") and world > 1:
+            device = f"cuda:{local_rank}"
+        return cls(rank, local_rank, world, device)
+
+    @property
+    def device_type(self):
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def start(self):
+        if self.world > 1:
+            if self.device_type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(backend="nccl" if self.device_type == "cuda" else "gloo")
+
+    def log(self, *args, **kwargs):
+        if self.master:
+            print(*args, **kwargs)
+
+    def log_json(self, out_dir, rec):
+        """Append rec as one JSON line to out_dir/metrics.jsonl (rank 0 only)."""
+        if self.master:
+            with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def barrier(self):
+        if self.world > 1:
+            dist.barrier()
+
+    def all_reduce_(self, t):
+        """Sum t over the ranks, in place (nothing to do for one process)."""
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def close(self):
+        if self.world > 1:
+            dist.destroy_process_group()
+
+    def wrap(self, model, fsdp, compile):
+        """The module the training step calls: model (a GPT) behind WithStates, compiled if asked, in DDP
+        (world > 1) or sharded by FSDP2 (fsdp=True: fully_shard each block, then the root)."""
+        if fsdp and self.world > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+            mesh = init_device_mesh(self.device_type, (self.world,))
+            for block in model.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            register_fsdp_forward_method(model, "forward_with_states")  # gathers the weights for it too
+        elif fsdp:
+            self.log("--fsdp=True in one process: nothing to shard, training unsharded")
+        train_model = WithStates(model)
+        train_model = torch.compile(train_model) if compile else train_model
+        if self.world > 1 and not fsdp:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            # lambda buffers are set identically on every rank, so they need no broadcast each forward
+            train_model = DDP(train_model, device_ids=[self.local_rank] if self.device_type == "cuda" else None,
+                              broadcast_buffers=False)
+        return train_model
+
+    def grad_sync(self, train_model, model, last):
+        """Reduce gradients on the last micro-batch of a step only: DDP's no_sync(), FSDP2's switch."""
+        if hasattr(train_model, "no_sync"):
+            return contextlib.nullcontext() if last else train_model.no_sync()
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def replica_group(self, fsdp):
+        """DDP's process group (Muon shares out its Newton-Schulz work over it); None for one process or FSDP2,
+        whose parameters bring their own mesh."""
+        return dist.group.WORLD if self.world > 1 and not fsdp else None
+
+
+class StepTimer:
+    """Wall time per step, averaged over the steps since the last lap (a log line) or reset (after an eval or a
+    checkpoint, whose time is not step time). The loop counts steps with timer.steps += 1."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.t0, self.steps = time.time(), 0
+
+    def lap(self):
+        dt = (time.time() - self.t0) / max(self.steps, 1)
+        self.reset()
+        return dt
+
+
+class WithStates(torch.nn.Module):
+    """Calls model(x, y) -> (logits, loss), or with keywords model.forward_with_states(x, y, **kw) -> (logits,
+    loss, states). DDP and torch.compile wrap a module's forward only, so the distillation states must come
+    through a forward: this one."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y, **kw):
+        return self.model.forward_with_states(x, y, **kw) if kw else self.model(x, y)
