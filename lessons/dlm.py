@@ -168,7 +168,7 @@ def outlier_ratio(model, idx, mask_id):
 @contextlib.contextmanager
 def _recording(model, on=True):
     """Collects, during a forward pass, each QuantRMSNorm's per-token max|y| / mean|y| (B, L) into a list."""
-    from quant import QuantRMSNorm
+    from model import QuantRMSNorm  # quant.py's, as model.py uses it
     ratios = []
 
     def hook(mod, inputs, out):

@@ -1,0 +1,56 @@
+"""The repository as a learner opens it: the lessons at the root, each concept file passing the first-screen test
+(docstring about 30 lines, the algorithm within the first 50), and importing only what it may.
+Run: python -m pytest tests/test_layout.py"""
+
+import ast
+import os
+
+from conftest import ROOT
+
+CONCEPTS = ["quant.py", "model.py", "muon.py", "zclip.py", "distill.py", "data.py"]
+LESSONS = {"lessons/dlm.py": "model", "lessons/muon_variants.py": "muon", "lessons/averaging.py": None,
+           "lessons/clean.py": None}  # an extra lesson imports at most the core file it builds on
+ALLOWED = {"torch", "numpy", "tiktoken", "triton"}
+
+
+def _tree(path):
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
+def _imports(tree):
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_root_shows_the_lessons():
+    py = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert py == sorted(CONCEPTS + ["train.py", "sample.py"])
+    folders = {d for d in os.listdir(ROOT) if os.path.isdir(os.path.join(ROOT, d)) and not d.startswith((".", "_"))}
+    assert folders - {"data", "docs", "kernels", "tests", "out"} == {"lessons", "tools", "lab"}
+
+
+def test_each_lesson_passes_the_first_screen_test():
+    for path in CONCEPTS + list(LESSONS):
+        tree = _tree(path)
+        doc = ast.get_docstring(tree, clean=False)
+        assert doc and doc.count("\n") <= 32, (path, doc.count("\n"))
+        first_def = min(n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+        assert first_def <= 50, (path, first_def)
+        assert "Test:" in doc or "Run:" in doc or "test" in doc.lower(), path  # says how to run or test it
+
+
+def test_concept_files_import_only_the_standard_library_and_their_core_file():
+    import sys
+    stdlib = set(sys.stdlib_module_names)
+    for path in CONCEPTS:
+        extra = _imports(_tree(path)) - stdlib - ALLOWED - ({"quant"} if path == "model.py" else set())
+        assert not extra, (path, extra)
+    for path, core in LESSONS.items():
+        extra = _imports(_tree(path)) - stdlib - ALLOWED - ({core} if core else set())
+        assert not extra, (path, extra)
