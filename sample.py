@@ -49,6 +49,7 @@ class SampleConfig:
     device: str = "auto"         # auto = cuda if available, else cpu; or cpu, cuda, cuda:<index>
     packed: bool = False         # freeze every BitLinear to 2-bit codes + gamma and run the integer path
     jsonl: str = ""              # write num_samples documents to this .jsonl (a teacher-written corpus) instead
+    overwrite: bool = False      # --jsonl: replace an existing file there
     dlm: bool = False            # the checkpoint is a masked-diffusion model (--stage=dlm): fill masks, not next tokens
     steps: int = 64              # --dlm: denoising steps
     remasking: str = "random"    # --dlm: which predictions to keep each step: random or low_confidence
@@ -177,9 +178,26 @@ def _check_args(args):
         die(f"--device={device}: no CUDA device here; use --device=cpu", 2)
     if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
         die(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+    if args["jsonl"]:
+        _check_jsonl(args["jsonl"], args["overwrite"])
     if os.path.isdir(args["ckpt"]):
         die(f"--ckpt={args['ckpt']} is a directory; pass the checkpoint file in it, e.g. "
             f"--ckpt={os.path.join(args['ckpt'], checkpoint.LATEST)}", 2)
+
+
+def _check_jsonl(path, overwrite):
+    """--jsonl must name a new file (or, with --overwrite=True, a text file) in a directory that exists and can
+    be written: checked before any checkpoint is read, so nothing is sampled for a file that cannot be kept."""
+    d = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        die(f"--jsonl={path} is a directory; pass a file name, e.g. --jsonl={os.path.join(path, 'teacher.jsonl')}", 2)
+    if not os.path.isdir(d):
+        die(f"--jsonl={path}: directory {d} does not exist; create it (mkdir -p {d}) or pass another --jsonl", 2)
+    if not os.access(d, os.W_OK):
+        die(f"--jsonl={path}: directory {d} is not writable; pass another --jsonl", 2)
+    why = checkpoint.check_output(path, "text", overwrite=overwrite)
+    if why:
+        die(f"--jsonl={path} {why}; pass another --jsonl, or --overwrite=True to replace it", 2)
 
 
 def _check_tokenizer(path, name, vocab_size):

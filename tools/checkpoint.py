@@ -209,6 +209,58 @@ def existing_run(d):
     return sorted(n for n in names if n in (LATEST, AVERAGED, "metrics.jsonl") or NUMBERED.fullmatch(n))
 
 
+def file_kind(path):
+    """What a file on disk is, for output checks: "checkpoint" (a training checkpoint), "average" (avg.pt),
+    "packed" (a packed export, with the checkpoint it came from as its source), "gguf", "text", or "other".
+    Returns (kind, source); reads only a torch file's top-level keys (memory-mapped)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return "other", None
+    if head == b"GGUF":
+        return "gguf", None
+    if head == b"PK\x03\x04":  # torch.save's zip format
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:
+            return "other", None
+        if isinstance(obj, dict) and obj.get("format", "").startswith("nanobitnet-packed"):
+            return "packed", obj.get("source")
+        if isinstance(obj, dict) and "averaged" in obj:
+            return "average", None
+        if isinstance(obj, dict) and "model" in obj:
+            return "checkpoint", None
+        return "other", None
+    try:
+        with open(path, "rb") as f:
+            f.read(1 << 16).decode("utf-8")
+        return "text", None
+    except (OSError, UnicodeDecodeError):
+        return "other", None
+
+
+def check_output(path, kind, source=None, overwrite=False):
+    """None if writing a file of `kind` (made from `source`) at path loses nothing; else why not, in words.
+    Never over a checkpoint or average of this project, nor over a file of another kind, nor over an export
+    of another checkpoint, unless overwrite=True (the user asked to replace it)."""
+    if not os.path.exists(path):
+        return None
+    have, have_source = file_kind(path)
+    if have in ("checkpoint", "average"):
+        what = "a training checkpoint" if have == "checkpoint" else "a checkpoint average"
+        return None if overwrite else f"is {what}; writing there would destroy it"
+    if overwrite:
+        return None
+    if have != kind:
+        return f"holds a file of another kind ({have}), not a {kind} file this command writes"
+    if kind == "packed" and source and have_source and os.path.abspath(have_source) != os.path.abspath(source):
+        return f"holds the export of another checkpoint ({have_source})"
+    if kind == "text":
+        return "already exists"
+    return None
+
+
 def remove_run(d):
     """Delete an earlier run's files from d (asked for with --overwrite=True)."""
     for n in existing_run(d):

@@ -43,6 +43,7 @@ class ExportConfig:
     ckpt: str = "out/stage2/ckpt.pt"  # the training checkpoint to export (a ternary model)
     out: str = ""                # the file to write; "" = packed.pt (or model.gguf) beside --ckpt
     format: str = "packed"       # packed (our 2-bit export, sample.py reads it) or gguf (llama.cpp's bitnet)
+    overwrite: bool = False      # replace what --out holds even if it is a checkpoint or another run's file
 
 
 def packed_state(model, tokenizer):
@@ -71,6 +72,7 @@ def model_from_packed(obj, source="export"):
                              f"that model_args describe ({m})")
         state[f"{name}.w_packed"], state[f"{name}.w_scale"] = p["w_packed"], p["w_scale"]
     model.load_state_dict(state)  # strict: every tensor of the model must come from the file
+    model.dlm_shift = obj.get("dlm_shift", True)  # a masked-diffusion export: how it reads its predictions
     return model.eval()
 
 
@@ -93,6 +95,7 @@ def load_training_checkpoint(ckpt_path):
         model_args, tokenizer = ckpt["model_args"], ckpt["config"]["tokenizer"]
         model = GPT(GPTConfig(**model_args))
         model.load_state_dict(ckpt["model"])
+        model.dlm_shift = ckpt["config"].get("dlm_shift", True)
     except Exception as e:  # a foreign or mismatched file: name it, no traceback
         die(f"{ckpt_path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     return model, tokenizer
@@ -105,6 +108,9 @@ def export(ckpt_path, out_path):
         obj = packed_state(freeze_ternary(model.eval()), tokenizer)
     except ValueError as e:
         die(f"{ckpt_path}: {e}")
+    obj["source"] = os.path.abspath(ckpt_path)  # which checkpoint it came from: a re-export may replace it
+    if not model.config.causal:
+        obj["dlm_shift"] = model.dlm_shift  # how --stage=dlm trained it; sample.py --dlm=True needs it
     try:
         checkpoint.atomic_save(obj, out_path)  # never leave a half-written export under the final name
     except (OSError, RuntimeError) as e:  # a full disk: torch.save's zip writer raises RuntimeError, not OSError
@@ -123,6 +129,9 @@ def main(argv):
     out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt" if args["format"] == "packed"
                                            else "model.gguf")
     _check_paths(args["ckpt"], out_path, "packed.pt" if args["format"] == "packed" else "model.gguf")
+    why = checkpoint.check_output(out_path, args["format"], os.path.abspath(args["ckpt"]), args["overwrite"])
+    if why:
+        die(f"--out={out_path} {why}; pass another --out, or --overwrite=True to replace it", 2)
     if args["format"] == "gguf":
         return export_gguf(args["ckpt"], out_path)
     obj = export(args["ckpt"], out_path)
@@ -153,10 +162,13 @@ def export_gguf(ckpt_path, out_path):
         with contextlib.suppress(OSError):
             os.remove(tmp)
     types = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-    hidden = "TQ2_0 (2-bit ternary)" if "TQ2_0" in counts else "F16 (rows not a multiple of 256, TQ2_0's block)"
+    if not model.config.quant:  # a full-precision (stage-1) model: every tensor as it is, no gamma
+        hidden = "F32 (a full-precision model: no ternary codes, no gamma)"
+    else:
+        hidden = ("TQ2_0 (2-bit ternary)" if "TQ2_0" in counts else "F16 ternary codes (rows not a multiple of 256, "
+                  "TQ2_0's block)") + " with an F32 gamma each"
     print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB), llama.cpp architecture bitnet, tokenizer "
-          f"{tokenizer}: tensors {types}; hidden matrices as {hidden} with an F32 gamma each; read back and "
-          f"verified tensor by tensor")
+          f"{tokenizer}: tensors {types}; hidden matrices as {hidden}; read back and verified tensor by tensor")
     if "TQ2_0" in counts and "F16" in counts:
         print("  some hidden matrices went out as F16: their rows are not a multiple of 256")
 
@@ -226,6 +238,10 @@ def write_gguf(model, tokenizer, path):
                          "was trained without SubLN (--subln=False), so it has nothing to put there")
     if not c.tie_embeddings:
         raise ValueError("llama.cpp's bitnet architecture uses the embedding as the LM head; this model's head is its own")
+    if not c.causal:
+        raise ValueError("it is a masked-diffusion model (--stage=dlm): bidirectional attention and a mask token, "
+                         "which llama.cpp's bitnet architecture would run as a causal next-token model; export "
+                         "its stage-2 checkpoint instead, or the packed format (python -m tools.export)")
     if c.quant and any(float(m.lambda_) != 1.0 for n, m in model.named_modules() if hasattr(m, "lambda_")):
         raise ValueError("the checkpoint is mid lambda warm-up (lambda < 1): it is not yet a ternary model; train "
                          "past --lambda_warmup_steps first")

@@ -1,0 +1,101 @@
+"""No output path eats a checkpoint: tools/export.py --out and sample.py --jsonl refuse a file that is a checkpoint,
+an average, another kind of file or another checkpoint's export unless --overwrite=True; what the exports write
+for a masked-diffusion or a full-precision model. Run: python -m pytest tests/test_outputs.py"""
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import sample
+from conftest import TINY, fails, run
+from tools import checkpoint, export
+
+
+def _sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """out/stage1 (fp), out/stage2 (ternary, lambda 1), out/dlm (a masked-diffusion conversion of stage 2)."""
+    out = str(tmp_path_factory.mktemp("outputs"))
+    run("--stage=1", "--max_iters=2", "--eval_interval=2", f"--out_dir={out}", *TINY)
+    run("--stage=2", "--max_iters=4", "--eval_interval=4", "--checkpoint_interval=2", "--keep_last=3",
+        f"--out_dir={out}", *TINY)
+    run("--stage=dlm", "--max_iters=4", "--eval_interval=4", f"--out_dir={out}", *TINY)
+    return out
+
+
+def test_an_export_never_lands_on_a_checkpoint_or_an_average(runs, capsys):
+    s1, s2 = os.path.join(runs, "stage1", "ckpt.pt"), os.path.join(runs, "stage2", "ckpt.pt")
+    avg = os.path.join(runs, "stage2", "avg.pt")  # an average as averaging writes it: {"averaged": ..., "model": ...}
+    torch.save({"model": torch.load(s2, weights_only=True)["model"], "averaged": {"steps": [2, 4]}}, avg)
+    before = {p: _sha(p) for p in (s1, avg)}
+    for argv, victim in ([f"--ckpt={s2}", f"--out={s1}"], s1), ([f"--ckpt={s2}", "--format=gguf", f"--out={avg}"], avg):
+        msg = fails(capsys, *argv, code=2, main=export.main)
+        assert victim in msg and "--overwrite=True" in msg and ("checkpoint" in msg or "average" in msg), msg
+    assert {p: _sha(p) for p in (s1, avg)} == before  # nothing changed
+    assert checkpoint.file_kind(s1)[0] == "checkpoint" and checkpoint.file_kind(avg)[0] == "average"
+    os.remove(avg)
+
+
+def test_a_re_export_replaces_its_own_export_but_not_another_checkpoints(runs, capsys, tmp_path):
+    s2 = os.path.join(runs, "stage2", "ckpt.pt")
+    out = str(tmp_path / "packed.pt")
+    export.main([f"--ckpt={s2}", f"--out={out}"])
+    export.main([f"--ckpt={s2}", f"--out={out}"])  # the same checkpoint again: fine
+    assert checkpoint.file_kind(out) == ("packed", os.path.abspath(s2))
+    other = str(tmp_path / "other.pt")
+    shutil.copy(s2, other)
+    first = _sha(out)
+    msg = fails(capsys, f"--ckpt={other}", f"--out={out}", code=2, main=export.main)
+    assert "export of another checkpoint" in msg and s2 in msg and _sha(out) == first
+    gguf = str(tmp_path / "m.gguf")
+    export.main([f"--ckpt={s2}", "--format=gguf", f"--out={gguf}"])
+    msg = fails(capsys, f"--ckpt={s2}", f"--out={gguf}", code=2, main=export.main)  # a packed export over a GGUF
+    assert "another kind (gguf)" in msg
+    export.main([f"--ckpt={other}", f"--out={out}", "--overwrite=True"])  # asked for: replaced
+    assert checkpoint.file_kind(out) == ("packed", os.path.abspath(other))
+
+
+def test_sample_jsonl_refuses_a_checkpoint_an_existing_file_and_a_missing_directory(runs, capsys, tmp_path):
+    numbered = os.path.join(runs, "stage2", "ckpt_000002.pt")
+    before = _sha(numbered)
+    ckpt = f"--ckpt={os.path.join(runs, 'stage2', 'ckpt.pt')}"
+    small = ["--num_samples=1", "--max_new_tokens=4", "--device=cpu"]
+    msg = fails(capsys, ckpt, f"--jsonl={numbered}", *small, code=2, main=sample.main)
+    assert numbered in msg and "training checkpoint" in msg and _sha(numbered) == before
+    missing = str(tmp_path / "no" / "such" / "t.jsonl")
+    msg = fails(capsys, ckpt, f"--jsonl={missing}", *small, code=2, main=sample.main)
+    assert "does not exist" in msg and "mkdir -p" in msg
+    mine = tmp_path / "t.jsonl"
+    mine.write_text('{"text": "keep me"}\n')
+    msg = fails(capsys, ckpt, f"--jsonl={mine}", *small, code=2, main=sample.main)
+    assert "already exists" in msg and mine.read_text() == '{"text": "keep me"}\n'
+    sample.main([ckpt, f"--jsonl={mine}", *small, "--overwrite=True"])
+    assert len(mine.read_text().splitlines()) == 1 and "keep me" not in mine.read_text()
+    json.loads(mine.read_text())
+
+
+def test_a_diffusion_model_is_refused_as_gguf_and_its_packed_export_samples(runs, capsys, tmp_path):
+    d = os.path.join(runs, "dlm", "ckpt.pt")
+    msg = fails(capsys, f"--ckpt={d}", "--format=gguf", f"--out={tmp_path / 'd.gguf'}", main=export.main)
+    assert "masked-diffusion" in msg and not os.path.exists(tmp_path / "d.gguf")
+    packed = str(tmp_path / "dlm_packed.pt")
+    export.main([f"--ckpt={d}", f"--out={packed}"])
+    assert torch.load(packed, weights_only=True)["dlm_shift"] is True
+    capsys.readouterr()
+    sample.main([f"--ckpt={packed}", "--dlm=True", "--num_samples=1", "--max_new_tokens=4", "--steps=2",
+                 "--device=cpu"])
+    assert "---------------" in capsys.readouterr().out
+
+
+def test_a_full_precision_gguf_says_what_it_wrote(runs, capsys, tmp_path):
+    export.main([f"--ckpt={os.path.join(runs, 'stage1', 'ckpt.pt')}", "--format=gguf", f"--out={tmp_path / 'f.gguf'}"])
+    out = capsys.readouterr().out
+    assert "F32 (a full-precision model: no ternary codes, no gamma)" in out and "F16" not in out and "TQ2_0" not in out
