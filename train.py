@@ -39,7 +39,8 @@ from lessons.muon_variants import max_logit, qk_clip, reset_max_logit
 from model import GPT, GPTConfig
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tools import checkpoint, plumbing
-from tools.config import DLM, TrainConfig, build_config, check_run, model_config, parse_args, stage_dir, teacher_paths
+from tools.config import (DLM, TrainConfig, build_config, check_resume, check_run, model_config, parse_args,
+                          stage_dir, teacher_paths)
 from tools.flags import die
 from tools.plumbing import estimate_val_loss, log_eval, log_step, optimizer_step, read_step, save
 from tools.runtime import Runtime, StepTimer
@@ -368,7 +369,10 @@ def setup(argv):
         if not os.path.exists(run.ckpt_path):
             die(f"--resume=True but there is no checkpoint at {run.ckpt_path}; start without --resume")
         resume = checkpoint.load(run.ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
+        note = check_resume(cfg, overrides, resume["config"], run.ckpt_path)
         run.cfg = cfg = build_config(overrides, base=resume["config"])  # the saved run, flags given now on top
+        if note:
+            run.rt.log(note)
     teachers = teacher_paths(cfg)
     check_run(cfg, run.rt, run.out_dir, teachers)
     if run.rt.master:

@@ -216,6 +216,30 @@ def test_resume_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path
     assert digest(ck) == before and os.listdir(os.path.dirname(ck)) == ["ckpt.pt"]
 
 
+@pytest.mark.parametrize("flags,facts", [
+    (["--seed=7"], ("--seed=7", "--seed=1337", "--run_name")),
+    (["--muon_state=linear8"], ("--muon_state=linear8", "fp32")),
+    (["--avg_checkpoints=2"], ("--avg_checkpoints=2", "=0")),
+    (["--dlm_shift=False"], ("--dlm_shift=False", "True")),
+    (["--dlm_mask_init=random"], ("--dlm_mask_init=random", "mean")),
+    (["--overwrite=True"], ("--overwrite=True", "--resume=True", "one of them")),
+    (["--stage=2", "--run_name=stage1"], ("stage 1", "--stage=2", "--stage=1")),  # a stage-1 run continued as 2
+])
+def test_resume_refuses_what_it_cannot_honour_and_keeps_the_checkpoint(saved, tmp_path, capsys, flags, facts):
+    out, ck = copy_run(saved, tmp_path)
+    before = digest(ck)
+    stage = [] if any(f.startswith("--stage=") for f in flags) else ["--stage=1"]
+    msg = fails(capsys, *stage, "--resume=True", f"--out_dir={out}", *flags, code=2)
+    assert all(f in msg for f in facts), msg
+    assert digest(ck) == before and os.listdir(os.path.dirname(ck)) == ["ckpt.pt"]
+
+
+def test_resume_with_a_new_max_iters_says_the_schedule_changed(saved, tmp_path):
+    out, ck = copy_run(saved, tmp_path)
+    p = run("--stage=1", "--resume=True", f"--out_dir={out}", "--max_iters=2")
+    assert "--max_iters changed from 1 to 2" in p.stdout and "LR schedule" in p.stdout
+
+
 @pytest.mark.parametrize("flag,facts", [("--n_layer=2", ("n_layer=1", "n_layer=2")),
                                         ("--tokenizer=gpt2", ("vocab_size=257", "vocab_size=50257"))])
 def test_init_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path, capsys, flag, facts):

@@ -328,3 +328,30 @@ def check_teacher(cfg, crit, s, t, path, first=True):
             f"--block_size={t.block_size} or less", 2)
 
 
+# What a resumed run cannot change: the state it saved was made under these, and continuing under others would
+# silently be another run (the seed orders the data; the 8-bit codes need their own map; the average holds
+# snapshots taken at its own steps; the diffusion objective is fixed by its mask token and shift).
+FIXED_ON_RESUME = ("seed", "muon_state", "normuon", "avg_checkpoints", "avg_interval", "avg_alpha", "dlm_mask_init",
+                   "dlm_shift")  # the tokenizer and the model shape: checkpoint.check_fits
+
+
+def check_resume(cfg, overrides, saved, path):
+    """Refuse (one line) a resume that cannot be honoured; return a note for what it changes on purpose.
+    cfg is this command's config before the saved one is applied (its stage names the directory it resumes)."""
+    if cfg.overwrite:
+        die("--resume=True continues the run in its directory and --overwrite=True would delete it; pass one of "
+            "them", 2)
+    if saved.get("stage") != cfg.stage:
+        was, now = (("dlm" if st == DLM else st) for st in (saved.get("stage"), cfg.stage))
+        die(f"{path} is a checkpoint of stage {was}, but this is --stage={now}; resume it with --stage={was} (and "
+            f"its --run_name), or start stage {now} without --resume", 2)
+    for key in FIXED_ON_RESUME:
+        if key in overrides and overrides[key] != saved.get(key, getattr(TrainConfig, key)):
+            die(f"--{key}={overrides[key]} differs from the run's --{key}={saved.get(key)} saved in {path}, and a "
+                f"resumed run cannot change it; drop the flag to continue the run, or start a new run with "
+                f"--run_name=<name>", 2)
+    if "max_iters" in overrides and overrides["max_iters"] != saved.get("max_iters"):
+        return (f"--max_iters changed from {saved.get('max_iters')} to {overrides['max_iters']}: the LR schedule "
+                f"(and a fractional --quant_start) now follow the new length, so this is not the run it would "
+                f"have been")
+    return ""
