@@ -196,3 +196,22 @@ def test_zclip_on_fsdp_shards_uses_the_global_norm(spawned):
             for a, b in zip(grads, ref_grads):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
     assert ref[-1][0]["was_clipped"] == 1.0 and ref[-1][0]["clipped_norm"] < ref[-1][0]["raw_norm"] / 10
+
+
+def test_the_cuda_preset_global_batch_runs_unchanged_on_1_2_4_and_8_gpus(tmp_path, capsys):
+    """grad_accum counts micro-batches over all ranks: the preset's must divide by 1, 2, 4 and 8 (what README's
+    torchrun commands use); other world sizes are refused with a --grad_accum that fits."""
+    import types
+    from tools.config import DEVICE_PRESETS, TrainConfig, check_run
+    cfg = TrainConfig(**DEVICE_PRESETS["cuda"], out_dir=str(tmp_path))
+    assert cfg.batch_size * cfg.grad_accum * cfg.block_size == 65536
+    for world in range(1, 9):
+        rt = types.SimpleNamespace(world=world, master=True)
+        if world in (1, 2, 4, 8):
+            check_run(cfg, rt, str(tmp_path / "run"), [])
+            assert cfg.grad_accum // world * world == cfg.grad_accum
+        else:
+            with pytest.raises(SystemExit) as e:
+                check_run(cfg, rt, str(tmp_path / "run"), [])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"multiple of {world}" in err and "--grad_accum=" in err

@@ -109,8 +109,9 @@ class TrainConfig:
 
 DEVICE_PRESETS = {
     "cpu": dict(),  # the defaults above are the CPU quick start
+    # 8 x 8 sequences of 1024 = 65,536 tokens a step on 1, 2, 4 or 8 GPUs alike (grad_accum counts all ranks)
     "cuda": dict(tokenizer="gpt2", n_layer=12, n_head=12, n_embd=768, block_size=1024, pad_vocab=True,
-                 batch_size=16, grad_accum=4, max_iters=5000, eval_interval=500, eval_iters=50,
+                 batch_size=8, grad_accum=8, max_iters=5000, eval_interval=500, eval_iters=50,
                  log_interval=10, warmup_iters=200, lambda_warmup_steps=1000, lr=1.5e-3),
 }
 SCHEDULE_PRESETS = {  # --schedule=moderate: WSD decaying only to 1/3 of the peak (Luo et al., arXiv 2511.18903:
