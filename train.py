@@ -263,6 +263,9 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
             f"python train.py --stage={max(cfg.stage - 1, 1)}")
     ckpt = checkpoint.load(path)
     checkpoint.check_fits(ckpt["model_args"], conf, path)
+    if cfg.stage == 3 and not ckpt["model_args"].get("quant"):
+        die(f"{path} is a full-precision model (quant=False), and stage 3 distils a ternary student; make the "
+            f"student first: python train.py --stage=2 (it starts from stage 1), then run stage 3", 2)
     insert = cfg.stage == 1 and not ckpt["model_args"].get("subln", True) and conf.subln
     src = f"stage-{cfg.stage - 1} weights" if cfg.init_from == "auto" else "weights"
     note = f"stage {cfg.stage}: starting from the {src} in {path}" + (" (SubLN inserted with unit gain)" if insert else "")
@@ -287,6 +290,9 @@ def dlm_start(cfg, conf):
         die(f"--stage=dlm converts a trained ternary model; no checkpoint at {path}; make one with: python train.py "
             f"--stage=2, or pass --init_from=<its ckpt.pt>")
     ckpt = checkpoint.load(path)
+    if not ckpt["model_args"].get("quant"):
+        die(f"{path} is a full-precision model (quant=False); --stage=dlm converts the ternary stage-2 model: "
+            f"python train.py --stage=2, then --stage=dlm", 2)
     checkpoint.check_fits(ckpt["model_args"], dataclasses.replace(conf, vocab_size=conf.vocab_size - 1,
                                                                   causal=True, doc_mask=ckpt["model_args"].get(
                                                                       "doc_mask", False)), path)
@@ -323,7 +329,7 @@ def make_loss_fn(run, teachers):
         s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (runtime.WithStates)
         with torch.no_grad():
             t_logits, _, t = first.forward_with_states(x, y, **kw)
-            t_logits = [t_logits] + [m(x, y)[0] for m in others]
+            t_logits = [m(x, y)[0] for m in others] + [t_logits]
         t_hiddens = [t["hiddens"][i] for i in layers] if t["hiddens"] else None
         parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t_hiddens)
         return parts["loss"], parts

@@ -234,6 +234,20 @@ def test_resume_refuses_what_it_cannot_honour_and_keeps_the_checkpoint(saved, tm
     assert digest(ck) == before and os.listdir(os.path.dirname(ck)) == ["ckpt.pt"]
 
 
+@pytest.mark.parametrize("case", ["stage3_fp_student", "dlm_from_fp", "data_twice", "quant_start_past_the_end"])
+def test_runs_that_would_silently_be_something_else_are_refused(saved, tmp_path, capsys, case):
+    argv, facts = {
+        "stage3_fp_student": (["--stage=3", f"--init_from={saved}", f"--teacher={saved}"], ["full-precision", "--stage=2"]),
+        "dlm_from_fp": (["--stage=dlm", f"--init_from={saved}"], ["full-precision", "--stage=2"]),
+        "data_twice": (["--data=shakespeare,shakespeare"], ["shakespeare is named twice"]),
+        "quant_start_past_the_end": (["--quant_start=8", "--max_iters=8"], ["--quant_start=8", "never go ternary"]),
+    }[case]
+    before = digest(saved)
+    msg = fails(capsys, *argv, *TINY, f"--out_dir={tmp_path}", code=2)
+    assert all(f in msg for f in facts), msg
+    assert digest(saved) == before and not [f for _, _, files in os.walk(tmp_path) for f in files]  # nothing written
+
+
 def test_resume_with_a_new_max_iters_says_the_schedule_changed(saved, tmp_path):
     out, ck = copy_run(saved, tmp_path)
     p = run("--stage=1", "--resume=True", f"--out_dir={out}", "--max_iters=2")

@@ -208,6 +208,10 @@ def check_config(cfg):
             die(f"--{key}={v}: expected a finite number {what}", 2)
     if not (math.isfinite(cfg.quant_start) and cfg.quant_start >= 0 and (cfg.quant_start < 1 or cfg.quant_start.is_integer())):
         die(f"--quant_start={cfg.quant_start}: expected a fraction of max_iters in [0, 1) or a whole step >= 1", 2)
+    q = round(cfg.quant_start * cfg.max_iters) if cfg.quant_start < 1 else int(cfg.quant_start)
+    if cfg.quant_start and q >= cfg.max_iters:
+        die(f"--quant_start={cfg.quant_start} is step {q}, not before --max_iters={cfg.max_iters}: the run would "
+            f"never go ternary and its stage-2 checkpoint would be full precision; pass a smaller --quant_start", 2)
     if cfg.quant_start and cfg.stage != 2:
         die(f"--quant_start={cfg.quant_start} switches a stage-2 run from 16-bit to ternary; stage {cfg.stage} has "
             f"no such switch (stage 1 is full precision throughout, stage 3 ternary throughout)", 2)
@@ -242,6 +246,8 @@ def parse_data(spec):
             weight = float("nan")
         if not path or not (math.isfinite(weight) and weight > 0):
             die(f"--data={spec}: {path or '(empty)'}:{w} needs a directory and a finite weight > 0", 2)
+        if path in sources:
+            die(f"--data={spec}: {path} is named twice; give each source once, with its whole weight", 2)
         sources[path] = weight
     return sources
 
