@@ -8,6 +8,7 @@ tests/test_data.py already cover are not repeated: unknown flag, wrong type, bad
 checkpoint, stage 3 without its teacher.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -248,6 +249,30 @@ def test_runs_that_would_silently_be_something_else_are_refused(saved, tmp_path,
     assert digest(saved) == before and not [f for _, _, files in os.walk(tmp_path) for f in files]  # nothing written
 
 
+def test_a_diffusion_checkpoint_as_teacher_is_named_as_such(saved, tmp_path, capsys):
+    ckpt = torch.load(saved, weights_only=False)
+    ckpt["model_args"] = dict(ckpt["model_args"], causal=False, vocab_size=ckpt["model_args"]["vocab_size"] + 1)
+    teacher = str(tmp_path / "dlm_ckpt.pt")
+    torch.save(ckpt, teacher)
+    msg = fails(capsys, "--stage=3", f"--init_from=scratch", f"--teacher={teacher}", *TINY,
+                f"--out_dir={tmp_path / 'o'}", code=2)
+    assert teacher in msg and "masked-diffusion" in msg and "--tokenizer" not in msg, msg
+
+
+def test_a_full_disk_while_writing_the_average_says_the_checkpoint_was_saved(tmp_path, capsys, monkeypatch):
+    real = checkpoint.atomic_save
+
+    def full_disk_for_the_average(obj, path):
+        if path.endswith(checkpoint.AVERAGED):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, path)
+    monkeypatch.setattr(checkpoint, "atomic_save", full_disk_for_the_average)
+    msg = fails(capsys, "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=4",
+                "--avg_checkpoints=2", "--avg_interval=1", f"--out_dir={tmp_path}")
+    assert "avg.pt" in msg and "checkpoint of step 4 was saved" in msg and "No space left" in msg, msg
+    assert checkpoint.load(str(tmp_path / "stage2" / "ckpt.pt"))["step"] == 4
+
+
 def test_resume_with_a_new_max_iters_says_the_schedule_changed(saved, tmp_path):
     out, ck = copy_run(saved, tmp_path)
     p = run("--stage=1", "--resume=True", f"--out_dir={out}", "--max_iters=2")
@@ -373,7 +398,7 @@ def test_a_second_run_into_the_same_out_dir_is_refused_while_the_first_lives(tmp
     try:
         (d / ".lock").write_text(str(other.pid))
         msg = fails(capsys, f"--out_dir={tmp_path}", "--stage=1", *TINY, "--max_iters=1")
-        assert str(d) in msg and f"pid {other.pid}" in msg and "--out_dir" in msg
+        assert str(d) in msg and f"pid {other.pid}" in msg and "--out_dir" in msg and str(d / ".lock") in msg
         assert (d / ".lock").read_text() == str(other.pid)  # the live run's lock is left alone
     finally:
         other.kill()

@@ -284,8 +284,8 @@ def lock(d):
                 continue
             except PermissionError:  # the pid lives, under another user
                 pass
-            raise CheckpointError(f"{d}: another run (pid {pid}) is writing here; wait for it, stop it, or pass "
-                                  f"another --out_dir or --run_name") from None
+            raise CheckpointError(f"{d}: another run (pid {pid}, in its lock file {path}) is writing here; wait "
+                                  f"for it, stop it, or pass another --out_dir or --run_name") from None
         os.write(fd, str(os.getpid()).encode())
         os.close(fd)
         return lambda: os.path.exists(path) and os.remove(path)

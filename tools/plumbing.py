@@ -103,6 +103,9 @@ def make_teachers(cfg, paths, student_conf, device):
 
 def _load_teacher(cfg, crit, path, student_conf, device, first):
     ckpt = checkpoint.load(path)
+    if not ckpt["model_args"].get("causal", True):
+        die(f"{path}: a masked-diffusion model (--stage=dlm) cannot be a teacher: stage 3 distils next-token "
+            f"predictions; pass a stage-1 (or any autoregressive) checkpoint as --teacher", 2)
     tconf = GPTConfig(**ckpt["model_args"])
     check_teacher(cfg, crit, student_conf, tconf, path, first)  # shapes that would only fail at the first step
     teacher = GPT(tconf)
@@ -203,14 +206,19 @@ def save(run, step):
     if run.average is not None:
         state["average"] = run.average.state_dict()
         averaged = checkpoint.averaged_state(state, run.model, run.average) if run.average.count else None
+    wrote = None
     try:
         if run.rt.master:
-            checkpoint.save(state, run.out_dir, run.cfg.keep_last)
+            wrote = checkpoint.save(state, run.out_dir, run.cfg.keep_last)
             if averaged is not None:
                 checkpoint.atomic_save(averaged, os.path.join(run.out_dir, checkpoint.AVERAGED))
-    except OSError as e:  # e.g. a full disk: the atomic write left the previous checkpoint as it was
-        die(f"cannot write a checkpoint to {run.out_dir}: {e.strerror}; the previous one is kept, free space "
-            f"and continue with --resume=True")
+    except OSError as e:  # e.g. a full disk: the atomic write left the file it was writing as it was
+        if wrote is None:
+            die(f"cannot write a checkpoint to {run.out_dir}: {e.strerror}; the previous one is kept, free space "
+                f"and continue with --resume=True")
+        die(f"cannot write {os.path.join(run.out_dir, checkpoint.AVERAGED)}: {e.strerror}; the checkpoint of step "
+            f"{step} was saved, the previous average is kept (it does not include step {step}); free space and "
+            f"continue with --resume=True")
     run.rt.barrier()
 
 
