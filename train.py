@@ -329,7 +329,7 @@ def make_loss_fn(run, teachers):
         s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (runtime.WithStates)
         with torch.no_grad():
             t_logits, _, t = first.forward_with_states(x, y, **kw)
-            t_logits = [m(x, y)[0] for m in others] + [t_logits]
+            t_logits = [t_logits] + [m(x, y)[0] for m in others]
         t_hiddens = [t["hiddens"][i] for i in layers] if t["hiddens"] else None
         parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t_hiddens)
         return parts["loss"], parts
