@@ -11,8 +11,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
+PYTHON=${PYTHON:-python}  # the interpreter with this project's packages: PYTHON=/path/to/venv/bin/python bash ...
 STEPS=${STEPS:-300}
-if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False); run it on a machine with one" >&2
   exit 2
 fi
@@ -25,12 +26,12 @@ step() {  # step NAME COMMAND...: run it, keep its output, record its exit statu
   "$@" 2>&1 | tee "$OUT/$name.log"
   echo "$name ${PIPESTATUS[0]} $((SECONDS - t0))" >> "$OUT/status"
 }
-step kernels python -m pytest -q -rA tests/test_kernels.py tests/test_packed.py
-step bench python -m lab.bench
-step bench_train python -m lab.bench --train
-step train python train.py --stage=2 --device=cuda --init_from=scratch --max_iters="$STEPS" \
+step kernels "$PYTHON" -m pytest -q -rA tests/test_kernels.py tests/test_packed.py
+step bench "$PYTHON" -m lab.bench
+step bench_train "$PYTHON" -m lab.bench --train
+step train "$PYTHON" train.py --stage=2 --device=cuda --init_from=scratch --max_iters="$STEPS" \
   --eval_interval="$STEPS" --out_dir="$OUT/run" --overwrite=True
-python - "$OUT" <<'PY'
+"$PYTHON" - "$OUT" <<'PY'
 import json, os, statistics, sys, torch, triton
 out = sys.argv[1]
 print(f"\n==== GPU check: {torch.cuda.get_device_name(0)} (torch {torch.__version__}, triton {triton.__version__}, "

@@ -303,7 +303,7 @@ class Lab:
     def __init__(self, table, seeds=SEEDS, root=None, results=None, python=sys.executable):
         self.table, self.seeds, self.python = table, list(seeds), python
         self.root = root or os.path.join("out", "lab", table.name)
-        self.results = results or os.path.join(ROOT, "results")  # where the table is written
+        self.results = results or os.path.join(ROOT, "lab", "results")  # where the table is written
         self.rows = {r.name: r for r in table.rows}
         self.shipped = os.path.join(ROOT, "data", "shakespeare_byte")
 

@@ -48,6 +48,12 @@ def test_gpu_check_script_refuses_a_machine_without_cuda_in_one_line():
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: run bash lab/gpu_check.sh itself")  # never on the CPU CI
-    p = subprocess.run(["bash", os.path.join(ROOT, "lab", "gpu_check.sh")], env=ENV, capture_output=True,
+    fake = os.path.join(ROOT, "out", "fake_python_bin")  # a `python` on PATH that is not the test interpreter
+    os.makedirs(fake, exist_ok=True)
+    with open(os.path.join(fake, "python"), "w") as f:
+        f.write("#!/bin/sh\necho wrong interpreter >&2\nexit 9\n")
+    os.chmod(os.path.join(fake, "python"), 0o755)
+    env = dict(ENV, PATH=fake + os.pathsep + ENV.get("PATH", ""), PYTHON=sys.executable)
+    p = subprocess.run(["bash", os.path.join(ROOT, "lab", "gpu_check.sh")], env=env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and "no CUDA GPU" in p.stderr
