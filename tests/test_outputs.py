@@ -99,3 +99,25 @@ def test_a_full_precision_gguf_says_what_it_wrote(runs, capsys, tmp_path):
     export.main([f"--ckpt={os.path.join(runs, 'stage1', 'ckpt.pt')}", "--format=gguf", f"--out={tmp_path / 'f.gguf'}"])
     out = capsys.readouterr().out
     assert "F32 (a full-precision model: no ternary codes, no gamma)" in out and "F16" not in out and "TQ2_0" not in out
+
+
+@pytest.mark.parametrize("stop", ["ctrl_c", "sigterm"])
+def test_an_export_stopped_midway_leaves_no_tmp_and_the_old_export(runs, capsys, tmp_path, monkeypatch, stop):
+    import signal
+    s2 = os.path.join(runs, "stage2", "ckpt.pt")
+    out = str(tmp_path / "packed.pt")
+    export.main([f"--ckpt={s2}", f"--out={out}"])
+    before = _sha(out)
+    real = torch.save
+
+    def interrupted(obj, f, *args, **kwargs):
+        real({"half": torch.zeros(3)}, f)  # a half-written .tmp
+        if stop == "ctrl_c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(torch, "save", interrupted)
+    code = 128 + (signal.SIGINT if stop == "ctrl_c" else signal.SIGTERM)
+    msg = fails(capsys, f"--ckpt={s2}", f"--out={out}", code=code, main=export.main)
+    assert ("Ctrl-C" if stop == "ctrl_c" else "SIGTERM") in msg and "unchanged" in msg
+    assert _sha(out) == before and not os.path.exists(out + ".tmp")
+    assert signal.getsignal(signal.SIGTERM) is not None  # the handler was put back

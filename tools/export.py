@@ -23,6 +23,7 @@ Test: python -m pytest tests/test_packed.py tests/test_gguf.py
 import contextlib
 import dataclasses
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -132,15 +133,38 @@ def main(argv):
     why = checkpoint.check_output(out_path, args["format"], os.path.abspath(args["ckpt"]), args["overwrite"])
     if why:
         die(f"--out={out_path} {why}; pass another --out, or --overwrite=True to replace it", 2)
-    if args["format"] == "gguf":
-        return export_gguf(args["ckpt"], out_path)
-    obj = export(args["ckpt"], out_path)
+    with _stoppable(out_path):
+        if args["format"] == "gguf":
+            return export_gguf(args["ckpt"], out_path)
+        obj = export(args["ckpt"], out_path)
     packed = sum(p["w_packed"].numel() for p in obj["packed"].values())  # uint8: one byte each
     bf16 = sum(2 * p["in_features"] * p["out_features"] for p in obj["packed"].values())
     other = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in obj["fp"].values()}.values())
     print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB on disk): {len(obj['packed'])} packed matrices, "
           f"hidden-matrix bytes {packed:,} vs {bf16:,} in bf16 (1/{bf16 / packed:.3g}), plus {4 * len(obj['packed'])} "
           f"bytes of fp32 gammas; other weights (embedding, head, norms) {other:,} bytes")
+
+
+class _Stopped(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _stoppable(out_path):
+    """Ctrl-C or SIGTERM mid-export: remove the half-written .tmp, say that --out is unchanged, exit 128 + signal."""
+    def on_term(signum, frame):
+        raise _Stopped
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except (KeyboardInterrupt, _Stopped) as e:
+        with contextlib.suppress(OSError):
+            os.remove(out_path + ".tmp")
+        how, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, _Stopped) else ("Ctrl-C", 128 + signal.SIGINT)
+        die(f"stopped by {how} before the export was written; {out_path} is unchanged (if it existed); run the same "
+            f"command again", code)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def export_gguf(ckpt_path, out_path):
