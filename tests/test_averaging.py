@@ -84,3 +84,29 @@ def test_train_saves_the_average_of_its_own_checkpoints_resumes_it_exactly_and_s
                         "--max_new_tokens=8", "--num_samples=1", "--device=cpu"], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
+
+
+def test_a_resumed_running_mean_equals_the_uninterrupted_one():
+    """alpha = 0 is the plain mean, whose next weight 1/(count + 1) needs the count of snapshots so far: an average
+    saved after 2 of 4 snapshots and loaded into a fresh CheckpointAverage ends on the same mean (1/4 each), not on
+    one that weighs the resumed snapshots as if they were the first."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    thetas = [{n: torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(4)]
+
+    def step_to(avg, i):  # the weights after step 2 * (i + 1): snapshot i of 4
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(thetas[i][n])
+        avg.update(model, 2 * (i + 1))
+
+    first = CheckpointAverage(k=4, interval=2, alpha=0.0, last_step=8)
+    for i in range(2):
+        step_to(first, i)
+    resumed = CheckpointAverage(k=4, interval=2, alpha=0.0, last_step=8)
+    resumed.load_state_dict(first.state_dict())
+    for i in range(2, 4):
+        step_to(resumed, i)
+    for n, _ in model.named_parameters():
+        torch.testing.assert_close(resumed.avg[n], sum(t[n] for t in thetas) / 4, rtol=1e-6, atol=1e-6)
+    assert resumed.count == 4

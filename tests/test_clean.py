@@ -79,6 +79,36 @@ def test_near_duplicate_threshold_is_the_exact_jaccard():
         assert [c.keep(" ".join(base)), c.keep(" ".join(near))] == [True, second_kept]
 
 
+def _pair(shared_words, seed, n=400):
+    """Two n-word documents sharing their first shared_words words, then made-up words of their own: they share
+    shared_words - 4 of their n - 4 word 5-grams each."""
+    a = _words(n, seed)
+    return a, a[:shared_words] + _words(n - shared_words, seed + 10_000)
+
+
+def test_a_pair_at_exactly_the_threshold_is_a_near_duplicate():
+    """The rule is J >= threshold: a pair sharing 352 of its 396 5-grams each has J = 352 / 440 = 0.8, the default
+    threshold exactly, and is removed (LSH makes it a candidate with probability 1 - (1 - 0.8^4)^32 = 0.99999995)."""
+    a, b = _pair(356, seed=2)
+    assert _set_jaccard(a, b) == 0.8
+    c = clean.Cleaner(kind=None)
+    assert c.threshold == 0.8 and [c.keep(" ".join(a)), c.keep(" ".join(b))] == [True, False]
+
+
+def test_lsh_candidates_follow_the_banding_s_curve_of_32_bands_of_4_rows():
+    """A pair of Jaccard J becomes a candidate with probability 1 - (1 - J^r)^b: 0.873 at J = 0.5 for b = 32 bands
+    of r = 4 rows (1e-9 for 4 bands of 32). With the threshold below J every candidate is confirmed, so the share
+    of 40 independent J = 0.5 pairs removed is that probability, within 4 binomial standard deviations."""
+    removed = 0
+    for seed in range(40):
+        a, b = _pair(268, seed=100 + seed)  # 264 of 396 5-grams shared: J = 264 / 528
+        assert _set_jaccard(a, b) == 0.5
+        c = clean.Cleaner(kind=None, threshold=0.4)
+        removed += [c.keep(" ".join(a)), c.keep(" ".join(b))] == [True, False]
+    p = 1 - (1 - 0.5 ** 4) ** 32
+    assert abs(removed / 40 - p) < 4 * math.sqrt(p * (1 - p) / 40), (removed, p)
+
+
 PROSE_JUNK = {
     "too few words": "Click here to subscribe now!",
     "symbols": " ".join(["#tag #more #trend ... words"] * 30),

@@ -444,10 +444,10 @@ def test_data_py_with_the_old_tokenising_flags_points_to_prepare_py():
 # data orders: shuffled and curriculum (easy-to-hard)
 
 
-def _scored(tmp_path, *shards, T=8):
+def _scored(tmp_path, *shards, T=8, name="c"):
     """Shards whose windows of T have known difficulty scores: window w of the whole source scores
     score_of(first token of w) = a fixed pseudo-random number, written as tools/prepare.py writes them."""
-    d = _shards(tmp_path / "c", *shards)
+    d = _shards(tmp_path / name, *shards)
     for k, a in enumerate(shards):
         a = np.asarray(a)
         per_chunk = (a[::data.DIFFICULTY_CHUNK] * 7919 % 1000).astype(np.float32)  # one score per chunk
@@ -485,6 +485,31 @@ def test_curriculum_reads_the_shuffled_windows_easy_to_hard(tmp_path):
     whole = _row_starts(data.DataLoader(d, "train", B=4, T=T, order="curriculum", seed=1), 17)
     starts = [*range(0, 39 * C, C), *range(40 * C, 69 * C, C)]
     assert sorted(whole) == starts and [score[t] for t in whole] == sorted(score[t] for t in starts)
+
+
+def test_curriculum_blocks_of_weighted_sources_are_their_share_of_span(tmp_path):
+    """Two sources mixed 1:3 and span = 24 rows: each source's curriculum block is its share of the span, 6 and 18
+    windows, so block by block it reads the windows the shuffled loader reads from that source, sorted
+    easy-to-hard (a block of 24 from each would read a's 6 easiest of 24 where the shuffled run reads 6 others)."""
+    C = data.DIFFICULTY_CHUNK
+    a = _scored(tmp_path, np.arange(60 * C), name="a")
+    b = _scored(tmp_path, np.arange(100 * C, 160 * C), name="b")  # tokens >= 100 C: rows of b are told apart
+
+    def score(t):  # _scored's difficulty of the window starting at token t
+        return float(t * 7919 % 1000)
+    streams = {}
+    for order in ("curriculum", "shuffle"):
+        loader = data.DataLoader({a: 1.0, b: 3.0}, "train", B=4, T=C, order=order, span=24, seed=2)
+        rows = _row_starts(loader, 24)  # 96 rows: 4 blocks of 24
+        streams[order] = {src: [t for t in rows if (t >= 100 * C) == (src == "b")] for src in "ab"}
+    for src, block in (("a", 6), ("b", 18)):
+        cur, shuf = streams["curriculum"][src], streams["shuffle"][src]
+        n = len(cur) // block * block  # whole blocks only
+        assert n >= 2 * block and len(shuf) == len(cur)
+        for i in range(0, n, block):
+            got = cur[i:i + block]
+            assert sorted(got) == sorted(shuf[i:i + block]), (src, i)
+            assert [score(t) for t in got] == sorted(score(t) for t in got), (src, i)
 
 
 @pytest.mark.parametrize("order", ["shuffle", "curriculum"])

@@ -152,6 +152,39 @@ def test_top_k_keeps_sampling_to_the_k_likeliest_tokens():
     assert picks[1] == [2] * 20 and len(set(picks[None])) > 1
 
 
+def _flat(gen_len, hot=None):
+    """A _Recording of 1 + gen_len positions over tokens 0..3 (4 is the mask): all logits 0, or token `hot` at +1."""
+    logits = torch.zeros(1, 1 + gen_len, 5)
+    if hot is not None:
+        logits[..., hot] = 1.0
+    fake = _Recording(logits)
+    fake.config.block_size = 1 + gen_len
+    return fake
+
+
+@pytest.mark.parametrize("gen_len, steps, masks_seen", [(7, 3, [7, 4, 2]), (10, 4, [10, 7, 4, 2]), (2, 4, [2, 1])])
+def test_sampler_commits_the_ceiling_of_masks_left_over_steps_left(gen_len, steps, masks_seen):
+    """k = ceil(left / (steps - s)): 7 masks in 3 steps go 3, 2, 2 (the model sees 7, 4, 2 masks); 2 masks in 4 steps
+    take 2 calls, one token each, and the sampler stops when none is left (a floor commits 2, 2, 3 and 0, 0, 1, 1)."""
+    fake = _flat(gen_len)
+    out = dlm.generate(fake, torch.tensor([[1]]), gen_len=gen_len, steps=steps, mask_id=4)
+    assert [draft.count(4) for draft in fake.seen] == masks_seen and not (out == 4).any()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_sampling_follows_the_softmax_of_logits_over_temperature(temperature):
+    """Logits (0, 1, 0, 0) at every position: token 1 is drawn with probability e^(1/T) / (e^(1/T) + 3), 0.711 at
+    T = 0.5 and 0.355 at T = 2 (0.475 if T were ignored); 1000 draws (20 seeds x 50 positions) land within 4
+    binomial standard deviations (about 0.06)."""
+    picks = []
+    for seed in range(20):
+        out = dlm.generate(_flat(50, hot=1), torch.tensor([[1]]), gen_len=50, steps=1, mask_id=4,
+                           temperature=temperature, generator=torch.Generator().manual_seed(seed))
+        picks += out[0, 1:].tolist()
+    p = math.exp(1 / temperature) / (math.exp(1 / temperature) + 3)
+    assert abs(picks.count(1) / len(picks) - p) < 4 * math.sqrt(p * (1 - p) / len(picks)), (picks.count(1), p)
+
+
 def test_outlier_ratio_sees_a_random_mask_row_as_an_outlier_after_rmsnorm():
     """The diagnostic splits mask tokens from the others, and flags a spiky row: a one-hot mask embedding has, after
     the first RMSNorm, max|y| / mean|y| = n_embd, far above a dense row's."""

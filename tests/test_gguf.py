@@ -87,6 +87,39 @@ def test_rows_of_whole_256_blocks_go_out_as_tq2_0_decoded_by_hand(tmp_path):
     assert np.array_equal(_decode_tq2_0(t.data, 512, 256), w_q.numpy().astype(np.float32))  # d = 1: exact
 
 
+def test_tq2_0_is_chosen_by_the_row_length_k_the_input_dim(tmp_path):
+    """TQ2_0 quantises each row (K = in_features values) in blocks of 256, so a hidden matrix goes out as TQ2_0
+    exactly when K is a multiple of 256: with n_embd 64 and mlp_hidden 256, ffn_down (K = 256, 64 rows) does, and
+    ffn_gate / ffn_up (256 rows of K = 64) and the attention matrices (K = 64) go out as F16."""
+    m = _model(mlp_hidden=256)
+    path = str(tmp_path / "m.gguf")
+    assert gguf_export.write_gguf(m, "byte", path) == {"F32": 1 + 2 * (7 + 4) + 1, "TQ2_0": 2, "F16": 2 * 6}
+    t = _tensors(path)
+    for i in range(2):
+        for theirs, ours in {"attn_q": "attn.q_proj", "attn_output": "attn.o_proj", "ffn_gate": "mlp.gate_proj",
+                             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}.items():
+            k = m.get_submodule(f"h.{i}.{ours}").in_features
+            want = gguf.GGMLQuantizationType.TQ2_0 if k % 256 == 0 else gguf.GGMLQuantizationType.F16
+            assert t[f"blk.{i}.{theirs}.weight"].tensor_type == want, (theirs, k)
+    assert gguf_export.verify_gguf(path, m) == []
+
+
+def test_hyperparameters_are_what_llama_cpp_builds_the_model_from(tmp_path):
+    """bitnet.* keys: a RoPE dimension count of the head size n_embd / n_head (32 here, not n_embd 64), as many
+    KV heads as heads, the feed-forward width, the RMSNorm eps and the RoPE base of the model."""
+    m = _model()
+    c = m.config
+    path = str(tmp_path / "m.gguf")
+    gguf_export.write_gguf(m, "byte", path)
+    f = gguf.GGUFReader(path).fields
+    want = {"rope.dimension_count": c.n_embd // c.n_head, "embedding_length": c.n_embd, "block_count": c.n_layer,
+            "feed_forward_length": c.hidden_dim(), "attention.head_count": c.n_head,
+            "attention.head_count_kv": c.n_head, "context_length": c.block_size}
+    assert {k: f[f"bitnet.{k}"].contents() for k in want} == want and want["rope.dimension_count"] == 32
+    assert f["bitnet.rope.freq_base"].contents() == c.rope_theta
+    assert f["bitnet.attention.layer_norm_rms_epsilon"].contents() == pytest.approx(c.norm_eps)
+
+
 def test_vocabulary_metadata_byte_and_gpt2(tmp_path):
     path = str(tmp_path / "b.gguf")
     gguf_export.write_gguf(_model(vocab_size=320), "byte", path)  # padded past 257 as --pad_vocab does

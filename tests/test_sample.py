@@ -137,3 +137,46 @@ def test_teacher_written_corpus_shards_and_mixes_into_the_loader(files, tmp_path
     rows = torch.cat([loader.next_batch()[0] for _ in range(10)])  # (80, 8)
     teacher_rows = (rows != 7).any(1).float().mean().item()
     assert 0.3 < teacher_rows < 0.7  # about half the rows come from the teacher's text
+
+
+def _greedy(model, ids, n):
+    """n tokens of greedy decoding, computed here with full forwards (no KV cache): ids + continuation, a list."""
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            idx = torch.cat([idx, model(idx)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx[0].tolist()
+
+
+def test_temperature_near_zero_samples_the_greedy_continuation(files, tmp_path, capsys):
+    """--temperature divides the logits before sampling, so at 1e-6 every draw is the argmax: what sample.py prints,
+    and each document --jsonl writes (cut at its first end-of-text), is the greedy continuation computed here. (At
+    temperature 1 this random model's near-flat logits give other text.)"""
+    model, tok = sample.load_model(str(files / "ckpt.pt"), "cpu")
+    row = _greedy(model, [tok.eot] + tok.encode("\n"), 10)[1:]  # what sample.py decodes: the prompt's eot dropped
+    flags = [f"--ckpt={files / 'ckpt.pt'}", "--max_new_tokens=10", "--device=cpu", "--temperature=1e-6", "--top_k=257"]
+    sample.main([*flags, "--num_samples=1"])
+    assert capsys.readouterr().out == tok.decode(row) + "\n---------------\n"
+    sample.main([*flags, "--num_samples=2", f"--jsonl={tmp_path / 't.jsonl'}"])
+    text = tok.decode(row[:row.index(tok.eot)] if tok.eot in row else row)
+    assert [json.loads(line)["text"] for line in open(tmp_path / "t.jsonl")] == [text, text]
+
+
+def test_dlm_sampling_temperature_goes_from_greedy_to_near_uniform(files, tmp_path, capsys):
+    """sample.py --dlm=True in one step (every mask committed at once): at --temperature=1e-6 it fills in the
+    per-position argmax, dlm.generate's greedy fill; at 100 the draws are nearly uniform over 257 tokens, and 10 of
+    them matching the argmax would happen with probability about 257^-10."""
+    from lessons import dlm
+    model, tok = sample.load_model(str(files / "ckpt.pt"), "cpu")
+    m, mask_id = dlm.add_mask_token(model)
+    torch.save({"step": 0, "model_args": dataclasses.asdict(m.config), "model": m.state_dict(),
+                "config": {"tokenizer": "byte", "dlm_shift": True}}, tmp_path / "dlm.pt")
+    prompt = torch.tensor([[tok.eot] + tok.encode("\n")])
+    greedy = tok.decode(dlm.generate(m.eval(), prompt, 10, 1, mask_id, shift=True)[0, 1:].tolist())
+    outs = {}
+    for t in ("1e-6", "100"):
+        sample.main([f"--ckpt={tmp_path / 'dlm.pt'}", "--dlm=True", "--steps=1", "--max_new_tokens=10",
+                     "--num_samples=1", "--device=cpu", f"--temperature={t}", "--top_k=258"])
+        outs[t] = capsys.readouterr().out
+    assert outs["1e-6"] == greedy + "\n---------------\n"
+    assert outs["100"] != outs["1e-6"]

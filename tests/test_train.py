@@ -326,3 +326,87 @@ def test_final_val_loss_is_over_the_whole_val_split_per_source_and_weighted(tmp_
         want, _ = lab.full_val_loss(ckpt, os.path.join(ROOT, "data", name))
         assert by == pytest.approx(want, abs=1e-5), name
     assert "python_byte" in p.stdout and "over the whole val split" in p.stdout
+
+
+# ----------------------------------------------------------------------------- in-process runs (train.setup)
+
+
+@pytest.fixture
+def setup_run(tmp_path):
+    """setup_run(*flags): train.setup of a TINY stage-2 run (flags on top; out_dir under tmp_path) in this process,
+    the Run that train_step and estimate_val_loss take; its out_dir lock is released at teardown."""
+    made = []
+
+    def make(*flags):
+        out = tmp_path / f"run{len(made)}"
+        made.append(train.setup(["--stage=2", "--init_from=scratch", *TINY, "--max_iters=10", f"--out_dir={out}",
+                                 *flags]))
+        return made[-1]
+    yield make
+    for r in made:
+        r.unlock()
+
+
+def test_two_phase_drops_lr_and_weight_decay_from_step_max_iters_over_2_on(setup_run):
+    """--two_phase=True (BitNet b1.58's recipe): the second half, steps max_iters // 2 = 5 .. 9 inclusive, trains
+    at lr x two_phase_lr_drop with weight decay 0; steps 0 .. 4 at the peak lr (constant schedule, no warmup) and
+    the configured decay."""
+    run = setup_run("--two_phase=True", "--two_phase_lr_drop=0.5", "--schedule=constant", "--warmup_iters=0")
+    assert any(g["initial_wd"] > 0 for g in run.optimizer.param_groups)
+    for step, mult, decay in ((0, 1.0, True), (4, 1.0, True), (5, 0.5, False), (9, 0.5, False)):
+        assert train.lr_mult(step, run.cfg) == mult, step
+        out = train.train_step(run, step, False)
+        assert out["lr"] == run.cfg.lr * mult, step
+        for g in run.optimizer.param_groups:
+            assert g["lr"] == g["initial_lr"] * mult and g["weight_decay"] == (g["initial_wd"] if decay else 0.0), step
+
+
+def test_quant_start_1_is_step_1_not_a_fraction_of_the_run():
+    """--quant_start below 1 is a fraction of max_iters, from 1 on a step: 1 means step 1 (not max_iters), so
+    lambda is 0 at steps 0 and 1 and then ramps over lambda_warmup_steps."""
+    cfg = config.build_config({"stage": 2, "max_iters": 1000, "lambda_warmup_steps": 100, "quant_start": 1.0,
+                               "device": "cpu"})
+    assert train.quant_start_step(cfg) == 1
+    assert [train.lambda_at(s, cfg) for s in (0, 1, 51, 101, 999)] == [0.0, 0.0, 0.5, 1.0, 1.0]
+
+
+def test_evaluations_of_the_same_weights_read_the_same_val_rows_and_agree(setup_run):
+    """Every evaluation starts each val loader from its first window: two evaluations of the same weights give the
+    same number, the mean token loss over the first eval_iters batches of a fresh sequential val loader."""
+    run = setup_run("--eval_iters=2")
+    for step in range(2):
+        train.train_step(run, step, False)
+    first, second = plumbing.estimate_val_loss(run), plumbing.estimate_val_loss(run)
+    assert first == second
+    import data
+    (name, (loader, _)), = run.val_loaders.items()
+    fresh = data.DataLoader(loader.dirs[0], "val", run.cfg.batch_size, run.cfg.block_size, order="sequential")
+    run.model.eval()
+    with torch.no_grad():
+        want = sum(run.model(*fresh.next_batch())[1].item() for _ in range(2)) / 2
+    run.model.train()
+    assert first[1][name] == pytest.approx(want, rel=1e-6)
+
+
+def test_teacher_weights_apply_to_the_teachers_in_the_order_given(setup_run, tmp_path):
+    """--teacher=a,b --teacher_weights=1,0 distils from a alone and 0,1 from b alone: stage 3's logged ld equals
+    logits_kd_loss (distill.py) of the student's logits against that teacher's logits, computed here."""
+    from distill import logits_kd_loss
+    from model import GPT, GPTConfig
+    conf = GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32, quant=False)
+    teachers, paths = [], []
+    for seed in (1, 2):  # two different full-precision teachers, saved as train.py saves a checkpoint's weights
+        torch.manual_seed(seed)
+        teachers.append(GPT(conf).eval())
+        paths.append(str(tmp_path / f"teacher{seed}.pt"))
+        torch.save({"model": teachers[-1].state_dict(), "model_args": dataclasses.asdict(conf)}, paths[-1])
+    for weights, which in (("1,0", 0), ("0,1", 1)):
+        run = setup_run("--stage=3", f"--teacher={','.join(paths)}", f"--teacher_weights={weights}",
+                        "--distill_gamma=0")
+        x, y = run.train_loader.next_batch()
+        _, parts = run.loss_fn(x, y)
+        with torch.no_grad():
+            s_logits = run.model(x, y)[0]
+            want = [logits_kd_loss(s_logits, t(x, y)[0], run.cfg.distill_tau, mask=y != -1).item() for t in teachers]
+        assert parts["ld"].item() == pytest.approx(want[which], rel=1e-5), (weights, want)
+        assert want[which] != pytest.approx(want[1 - which], rel=1e-3)  # the teachers do differ
