@@ -414,3 +414,78 @@ def test_prepare_py_stopped_by_sigterm_says_so_and_keeps_the_old_dataset(tmp_pat
     err = stderr.strip().splitlines()
     assert p.returncode != 0 and len(err) == 1 and "SIGTERM" in err[0] and str(out) in err[0], stderr
     assert _files(out) == before and _hidden(tmp_path) == []
+
+
+# -----------------------------------------------------------------------------
+# real pre-training data: parquet shards with a text column, and llm.c-format shards adopted as they are
+
+
+def _shard_files(d):
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d)) if n != "meta.json"}
+
+
+def test_a_parquet_file_gives_the_same_shards_as_the_jsonl_of_the_same_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    docs = [f"Document {i}: " + "naïve text, some words " * (i % 7 + 1) for i in range(60)] + [""]  # one empty
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in docs) + "\n", encoding="utf-8")
+    table = pa.table({"id": list(range(len(docs))), "text": docs})
+    pq.write_table(table, tmp_path / "docs.parquet", row_group_size=16)  # 4 row groups, streamed one at a time
+    assert pq.ParquetFile(tmp_path / "docs.parquet").num_row_groups == 4
+    for tokenizer in ("byte", "gpt2"):
+        a, b = (prepare.prepare([str(tmp_path / f"docs.{ext}")], tokenizer=tokenizer, out_dir=str(tmp_path / f"{ext}_{tokenizer}"),
+                                val_every=5, shard_tokens=3000) for ext in ("jsonl", "parquet"))
+        assert _shard_files(a) == _shard_files(b) and len(_shard_files(a)) >= 4
+
+
+def test_a_parquet_file_without_a_text_column_is_one_line(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"content": ["a", "b"]}), tmp_path / "x.parquet")
+    assert prepare.main([f"--out_dir={tmp_path / 'o'}", str(tmp_path / "x.parquet")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no \"text\" column" in err[0] and "content" in err[0]
+    (tmp_path / "y.parquet").write_bytes(b"PAR1 not really")
+    assert prepare.main([f"--out_dir={tmp_path / 'o'}", str(tmp_path / "y.parquet")]) == 1
+    assert "not a readable parquet file" in capsys.readouterr().err
+
+
+def test_progress_reports_the_fraction_tokens_per_second_and_time_left(tmp_path, capsys, monkeypatch):
+    p = prepare.Progress([__file__], every=0.0)
+    p.file(0)
+    p.within(os.path.getsize(__file__) // 4)
+    p.tokens_added(1000)
+    line = capsys.readouterr().out
+    assert "25.0% of the sources" in line and "1,000 tokens" in line and "tokens/s" in line and "left" in line
+
+
+def test_llmc_shards_are_adopted_without_re_tokenising_and_train(tmp_path, capsys):
+    src = tmp_path / "fineweb10B"
+    src.mkdir()
+    tok = data.get_tokenizer("gpt2")
+    text = open(os.path.join(ROOT, "data", "README.md"), encoding="utf-8").read()
+    doc = [tok.eot] + tok.encode(text)
+    ids = np.array(doc * (9000 // len(doc) + 1), dtype=np.uint16)  # llm.c writes uint16 GPT-2 ids
+    data.write_shard(str(src / "fineweb_val_000000.bin"), ids[:3000])
+    data.write_shard(str(src / "fineweb_train_000001.bin"), ids[3000:6000])
+    data.write_shard(str(src / "fineweb_train_000002.bin"), ids[6000:])
+    out = str(tmp_path / "adopted")
+    assert prepare.main(["--tokenizer=gpt2", f"--adopt={src}", f"--out_dir={out}"]) == 0
+    assert "not re-tokenised" in capsys.readouterr().out
+    for ours, theirs in (("val_000.bin", "fineweb_val_000000.bin"), ("train_000.bin", "fineweb_train_000001.bin"),
+                         ("train_001.bin", "fineweb_train_000002.bin")):
+        assert open(os.path.join(out, ours), "rb").read() == open(src / theirs, "rb").read()
+    meta = data.read_meta(out)
+    assert meta["tokenizer"] == "gpt2" and meta["train_tokens"] == len(ids) - 3000 and meta["val_tokens"] == 3000
+    from conftest import TINY, run
+    p = run("--stage=2", *TINY, "--tokenizer=gpt2", f"--data={out}", "--max_iters=2", "--eval_interval=2",
+            f"--out_dir={tmp_path / 'run'}")
+    assert "final val loss" in p.stdout
+    # the wrong tokenizer and a damaged header are refused in one line, and nothing is written
+    assert prepare.main(["--tokenizer=byte", f"--adopt={src}", f"--out_dir={tmp_path / 'b'}"]) == 1
+    assert "--tokenizer" in capsys.readouterr().err and not os.path.exists(tmp_path / "b")
+    raw = bytearray((src / "fineweb_train_000002.bin").read_bytes())
+    raw[:4] = bytes(4)
+    (src / "fineweb_train_000002.bin").write_bytes(bytes(raw))
+    assert prepare.main(["--tokenizer=gpt2", f"--adopt={src}", f"--out_dir={tmp_path / 'c'}"]) == 1
+    assert "magic" in capsys.readouterr().err and not os.path.exists(tmp_path / "c")

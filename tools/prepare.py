@@ -15,7 +15,10 @@ Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to dat
     python -m tools.prepare --tokenizer=byte
     python -m tools.prepare --corpus=python       # the shipped code corpus (data/README.md) -> data/python_byte/
     python -m tools.prepare --tokenizer=gpt2 --out_dir=data/mine corpus/*.txt more.jsonl.gz
-Sources: .txt (the whole file is one document), .jsonl / .jsonl.gz (one {"text": ...} document per line).
+    python -m tools.prepare --tokenizer=gpt2 --out_dir=data/fineweb_edu fineweb-edu/sample/10BT/*.parquet
+    python -m tools.prepare --tokenizer=gpt2 --adopt=llm.c/dev/data/fineweb10B --out_dir=data/fineweb10B
+Sources: .txt (the whole file is one document), .jsonl / .jsonl.gz (one {"text": ...} document per line),
+.parquet (the "text" column, read one row group at a time). --adopt uses llm.c-format shards as they are.
 python -m tools.prepare --help lists every flag.
 Test:
     python -m pytest tests/test_prepare.py
@@ -55,11 +58,17 @@ CORPORA = {"shakespeare": (SHAKESPEARE, "dedup"), "python": (PYTHON, "code")}
 CLEAN = ("prose", "code", "dedup", "none")  # quality rules (lessons/clean.py) + deduplication; dedup only; nothing
 
 
-def iter_documents(paths):
+def iter_documents(paths, progress=None):
     """Yield the text of every non-empty document, in order. A file that is not valid UTF-8 is refused with
-    the byte offset of its first bad byte: the text is never silently altered."""
-    for path in paths:
+    the byte offset of its first bad byte: the text is never silently altered. progress (a Progress) is told
+    how far through the sources' bytes the reading is."""
+    for i, path in enumerate(paths):
         with _reading(path):  # a damaged .gz or an unreadable file: one line naming it
+            if progress is not None:
+                progress.file(i)
+            if path.endswith(".parquet"):
+                yield from _parquet_documents(path, progress)
+                continue
             if path.endswith(".txt"):  # binary read: no newline translation, the same bytes on every platform
                 with open(path, "rb") as f:
                     text = _utf8(f.read(), path, 0)
@@ -68,8 +77,11 @@ def iter_documents(paths):
                 continue
             offset = 0
             with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
+                raw_file = f.fileobj if path.endswith(".gz") else f  # compressed position: the fraction read
                 for lineno, raw in enumerate(f, 1):
                     line, offset = _utf8(raw, path, offset), offset + len(raw)
+                    if progress is not None and lineno % 1024 == 0:
+                        progress.within(raw_file.tell())
                     if not line.strip():
                         continue
                     try:
@@ -80,6 +92,56 @@ def iter_documents(paths):
                         raise ValueError(f"{path}:{lineno}: expected a JSON object with a string \"text\" field")
                     if text:
                         yield text
+
+
+def _parquet_documents(path, progress=None):
+    """The "text" column of a parquet file (FineWeb-Edu, DCLM and nanochat's shards), one row group at a time, so
+    memory holds one row group, not the file."""
+    try:
+        import pyarrow.parquet as pq  # only parquet sources need it
+    except ImportError:
+        raise ValueError(f"{path}: reading parquet needs pyarrow: pip install -r requirements.txt") from None
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow's own errors: not a parquet file, a truncated footer
+        raise ValueError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:200]})") from None
+    if "text" not in f.schema_arrow.names:
+        raise ValueError(f"{path}: no \"text\" column (it has {', '.join(f.schema_arrow.names[:8])}); the documents "
+                         f"must be in a string column named text")
+    for g in range(f.num_row_groups):
+        for row, text in enumerate(f.read_row_group(g, columns=["text"]).column("text").to_pylist()):
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{path}: row group {g}, row {row}: text is {type(text).__name__}, not a string")
+            if text:
+                yield text
+        if progress is not None:
+            progress.within((g + 1) / f.num_row_groups * os.path.getsize(path))
+
+
+class Progress:
+    """A progress line every `every` seconds (never in the first `every`): the fraction of the sources' bytes
+    read, tokens so far, tokens/s and the time left at that rate."""
+
+    def __init__(self, paths, every=2.0):
+        self.sizes = [os.path.getsize(p) for p in paths]
+        self.total, self.done, self.pos, self.i = max(sum(self.sizes), 1), 0, 0, 0
+        self.every, self.t0, self.last, self.tokens = every, time.time(), time.time(), 0
+
+    def file(self, i):
+        self.done, self.pos, self.i = sum(self.sizes[:i]), 0, i
+
+    def within(self, pos):
+        self.pos = min(pos, self.sizes[self.i])
+
+    def tokens_added(self, n):
+        self.tokens += n
+        now = time.time()
+        if now - self.last >= self.every:
+            self.last = now
+            frac, rate = (self.done + self.pos) / self.total, self.tokens / (now - self.t0)
+            left = (now - self.t0) * (1 - frac) / frac if frac > 0 else float("nan")
+            eta = f"{int(left // 60)}:{int(left % 60):02d}" if left == left else "?"
+            print(f"  {frac:5.1%} of the sources, {self.tokens:,} tokens, {rate:,.0f} tokens/s, {eta} left", flush=True)
 
 
 def _chunks(docs, max_chars=1 << 22, max_docs=1024):
@@ -168,9 +230,12 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
         tmp_dir = _make_tmp_dir(real)
         train, val = (_ShardWriter(tmp_dir, split, dtype, shard_tokens, tok.decode_bytes) for split in ("train", "val"))
         i, held = 0, None  # held: the latest train document, kept back in case it must be the only val one
-        docs = iter_documents(paths)
+        progress = Progress(paths)
+        docs = iter_documents(paths, progress)
         for chunk in _chunks(docs if cleaner is None else filter(cleaner.keep, docs)):
-            for ids in tok.encode_batch(chunk):  # batched: tiktoken encodes the chunk on all threads
+            encoded = tok.encode_batch(chunk)  # batched: tiktoken encodes the chunk on all threads
+            progress.tokens_added(sum(len(ids) + 1 for ids in encoded))
+            for ids in encoded:
                 doc = np.empty(1 + len(ids), dtype=dtype)
                 doc[0], doc[1:] = tok.eot, ids  # eot first: it marks where the document starts
                 if i % val_every == val_every - 1:
@@ -212,9 +277,71 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     return out_dir
 
 
+LLMC_SHARD = re.compile(r"(?:.*_)?(train|val)_?(\d+)\.bin")  # llm.c: fineweb_train_000001.bin; ours: train_000.bin
+
+
+def adopt(src, out_dir, tokenizer):
+    """Make out_dir a dataset of the llm.c-format shards in src (llm.c's and modded-nanogpt's fineweb_train_*.bin,
+    fineweb_val_*.bin: the header format is ours) without re-tokenising: each shard's header and size checked,
+    its ids checked against the tokenizer's vocabulary, then hard-linked (copied across file systems) in order
+    as train_000.bin, ... and val_000.bin, ..., with a meta.json. No difficulty scores: not for --data_order=curriculum."""
+    tok = data.get_tokenizer(tokenizer)
+    if not os.path.isdir(src):
+        raise ValueError(f"--adopt={src}: not a directory; pass the directory that holds the .bin shards")
+    found = {"train": [], "val": []}
+    for name in sorted(os.listdir(src)):
+        m = LLMC_SHARD.fullmatch(name)
+        if m:
+            found[m.group(1)].append((int(m.group(2)), os.path.join(src, name)))
+    for split in found:
+        if not found[split]:
+            raise ValueError(f"--adopt={src}: no {split} shards (names like fineweb_{split}_000001.bin or "
+                             f"{split}_000.bin)")
+    meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, adopted_from=os.path.abspath(src),
+                sources=[], cleaning=None, difficulty=None)
+    for split, shards in found.items():
+        ntok = ndocs = 0
+        for _, path in sorted(shards):
+            tokens = data.read_shard(path)  # ValueError naming the file: bad magic, version or size
+            top = int(tokens.max()) if tokens.size else 0
+            if top >= tok.vocab_size:
+                raise ValueError(f"{path}: token id {top} is outside the {tok.name} vocabulary ({tok.vocab_size}); "
+                                 f"pass the --tokenizer these shards were made with (llm.c's: --tokenizer=gpt2)")
+            ntok, ndocs = ntok + tokens.size, ndocs + int((tokens == tok.eot).sum())
+            meta["dtype"] = tokens.dtype.name
+            meta["sources"].append(os.path.abspath(path))
+        meta.update({f"{split}_tokens": ntok, f"{split}_shards": len(shards), f"n_docs_{split}": ndocs})
+    tmp_dir = None
+    try:
+        real = _check_out_dir(out_dir)
+        os.makedirs(os.path.dirname(real), exist_ok=True)
+        _recover(real)
+        tmp_dir = _make_tmp_dir(real)
+        for split, shards in found.items():
+            for k, (_, path) in enumerate(sorted(shards)):
+                dst = os.path.join(tmp_dir, f"{split}_{k:03d}.bin")
+                try:
+                    os.link(path, dst)
+                except OSError:  # another file system (or no hard links there): a copy
+                    shutil.copyfile(path, dst)
+        with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2)
+        _swap(tmp_dir, real)
+    except OSError as e:
+        raise ValueError(f"{out_dir}: cannot write the dataset ({e.strerror or e}); nothing in {out_dir} was "
+                         f"changed") from None
+    finally:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    print(f"adopted {len(found['train'])} train and {len(found['val'])} val shard(s) from {src} -> {out_dir} "
+          f"({meta['train_tokens']:,} + {meta['val_tokens']:,} {tok.name} tokens, not re-tokenised; no difficulty "
+          f"scores, so not for --data_order=curriculum)")
+    return out_dir
+
+
 def default_out_dir(sources, paths, tokenizer_name, corpus="shakespeare"):
     """data/<corpus>_<tokenizer> for a shipped corpus, else data/<first source's stem>_<tokenizer>."""
-    stem = re.sub(r"\.(txt|jsonl|jsonl\.gz)$", "", os.path.basename(paths[0]))
+    stem = re.sub(r"\.(txt|jsonl|jsonl\.gz|parquet)$", "", os.path.basename(paths[0]))
     return os.path.join(DATA_DIR, f"{corpus if sources is None else stem}_{tokenizer_name}")
 
 
@@ -241,8 +368,8 @@ def _expand_sources(sources):
             raise ValueError(f"{s}: {'the pattern matches no file' if glob.has_magic(s) else 'no such file'}")
         paths += matches
     for p in paths:
-        if not p.endswith((".txt", ".jsonl", ".jsonl.gz")):
-            raise ValueError(f"{p}: unsupported file type; expected .txt, .jsonl or .jsonl.gz")
+        if not p.endswith((".txt", ".jsonl", ".jsonl.gz", ".parquet")):
+            raise ValueError(f"{p}: unsupported file type; expected .txt, .jsonl, .jsonl.gz or .parquet")
     if not paths:
         raise ValueError("no sources given")
     return paths
@@ -402,6 +529,7 @@ class PrepareConfig:
     shard_tokens: int = 100_000_000  # tokens per shard file
     corpus: str = "shakespeare"  # a shipped corpus, used when no source files are given: shakespeare or python
     clean: str = ""              # prose, code, dedup or none; "" = the shipped corpus's setting, none for your files
+    adopt: str = ""              # a directory of llm.c-format .bin shards (llm.c, modded-nanogpt) to use as they are
 
 
 def main(argv):
@@ -418,7 +546,12 @@ def main(argv):
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        kw = {k: v for k, v in opts.items() if k != "clean"}
+        if opts["adopt"]:
+            if sources or opts["out_dir"] is None:
+                die("--adopt takes the shard directory and an --out_dir, and no source files", 2)
+            out_dir = adopt(opts["adopt"], opts["out_dir"], opts["tokenizer"])
+            return 0
+        kw = {k: v for k, v in opts.items() if k not in ("clean", "adopt")}
         out_dir = prepare(sources or None, clean_as=opts["clean"], **kw)
     except ValueError as e:  # a bad corpus, a full disk: one line that says what to fix, not a traceback
         print(f"error: {e}", file=sys.stderr)
