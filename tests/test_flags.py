@@ -69,7 +69,8 @@ COMMANDS = [(["train.py"], "tools.config", "TrainConfig"), (["sample.py"], "samp
             (["-m", "tools.prepare"], "tools.prepare", "PrepareConfig"), (["-m", "lab"], "lab.tables", "LabFlags"),
             (["-m", "lab.bench"], "lab.bench", "BenchFlags"),
             (["-m", "lab.check_llamacpp"], "lab.check_llamacpp", "CheckFlags"),
-            (["-m", "tools.make_python_corpus"], "tools.make_python_corpus", "CorpusFlags")]
+            (["-m", "tools.make_python_corpus"], "tools.make_python_corpus", "CorpusFlags"),
+            (["-m", "tools.plot"], "tools.plot", "PlotFlags")]
 
 
 @pytest.mark.parametrize("cmd, module, cls", COMMANDS, ids=[c[1] for c in COMMANDS])

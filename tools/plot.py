@@ -1,0 +1,102 @@
+"""
+Draw a training run's curves from its metrics.jsonl: train and val loss, lambda and the learning rate, the
+gradient norm before and after clipping (clipped steps marked), to one PNG beside the log.
+
+    python -m tools.plot out/stage2                  -> out/stage2/curves.png
+    python -m tools.plot out/stage2 --out=run.png
+
+matplotlib is needed here only (pip install -r requirements.txt has it); training never imports it.
+Test: python -m pytest tests/test_plot.py
+"""
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from tools.flags import die, parse
+
+
+@dataclass
+class PlotFlags:
+    out: str = ""                # the PNG to write; "" = curves.png in the run directory
+
+
+def read_metrics(run_dir):
+    """(step records, evaluation records) of <run_dir>/metrics.jsonl; a torn last line (a killed run) is skipped."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such file; pass a run directory such as out/stage2")
+    steps, evals = [], []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            if i == len(lines):
+                continue  # the line a killed run was writing
+            raise ValueError(f"{path}:{i}: not a JSON record") from None
+        if "val_loss" in rec:
+            evals.append(rec)
+        elif rec.get("loss") is not None:
+            steps.append(rec)
+    if not steps:
+        raise ValueError(f"{path}: no training steps logged yet")
+    return steps, evals
+
+
+def plot(run_dir, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps, evals = read_metrics(run_dir)
+    x = [r["step"] for r in steps]
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    a.plot(x, [r["loss"] for r in steps], lw=0.8, label="train loss")
+    if evals:
+        a.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val loss")
+    a.set_ylabel("loss")
+    a.legend()
+    b.plot(x, [r["lambda"] for r in steps], label="lambda (0 fp, 1 ternary)")
+    b.set_ylabel("lambda")
+    b2 = b.twinx()
+    b2.plot(x, [r["lr"] for r in steps], color="tab:orange", label="lr")
+    b2.set_ylabel("lr")
+    b.legend(loc="upper left")
+    b2.legend(loc="lower right")
+    c.plot(x, [r["grad_norm_raw"] for r in steps], lw=0.8, label="grad norm")
+    c.plot(x, [r["grad_norm"] for r in steps], lw=0.8, label="after clipping")
+    clipped = [r for r in steps if r.get("clipped")]
+    c.plot([r["step"] for r in clipped], [r["grad_norm_raw"] for r in clipped], "rx", label=f"clipped ({len(clipped)})")
+    c.set_yscale("log")
+    c.set_xlabel("step")
+    c.legend()
+    fig.suptitle(os.path.abspath(run_dir))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return len(steps), len(evals), len(clipped)
+
+
+def main(argv):
+    flags, dirs = parse(argv, PlotFlags, __doc__, positional="RUN_DIR  a run directory holding metrics.jsonl")
+    if len(dirs) != 1:
+        die("give one run directory, e.g. python -m tools.plot out/stage2", 2)
+    out = flags.get("out") or os.path.join(dirs[0], "curves.png")
+    if not out.endswith(".png"):
+        die(f"--out={out}: expected a .png file name", 2)
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        die("plotting needs matplotlib: pip install -r requirements.txt (or pip install matplotlib)")
+    try:
+        n, n_eval, n_clip = plot(dirs[0], out)
+    except ValueError as e:
+        die(str(e))
+    except OSError as e:
+        die(f"--out={out}: cannot write it ({e.strerror}); pass another --out")
+    print(f"wrote {out}: {n} steps, {n_eval} evaluations, {n_clip} clipped steps")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
