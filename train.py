@@ -403,6 +403,7 @@ def build(run, resume, teachers):
     run.start = starting_weights(cfg, conf, resume, run.ckpt_path)
 
     rt.start()
+    rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir), dataclasses.asdict(cfg))
     checkpoint.seed_all(cfg.seed)  # the same on every rank: identical initial weights
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = rt.device_type == "cuda"
     dtype = ("bfloat16" if rt.device_type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype

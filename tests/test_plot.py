@@ -1,4 +1,5 @@
-"""tools/plot.py: a run's curves from metrics.jsonl. Run: python -m pytest tests/test_plot.py"""
+"""tools/plot.py: a run's curves from metrics.jsonl; --wandb_project logs the same records.
+Run: python -m pytest tests/test_plot.py"""
 
 import json
 import os
@@ -30,3 +31,27 @@ def test_plot_refuses_a_missing_run_and_a_torn_middle_line_in_one_line(tmp_path,
     msg = fails(capsys, str(d), main=plot.main)
     assert "metrics.jsonl:2" in msg
     assert "--out" in fails(capsys, str(d), "--out=x.jpg", code=2, main=plot.main)
+
+
+def test_wandb_gets_every_logged_record_and_a_missing_wandb_is_said(tmp_path, monkeypatch, capsys):
+    import importlib.machinery
+    import importlib.util
+    import sys
+    import types
+    import train
+    logged, finished = [], []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda project, name, config: types.SimpleNamespace(
+        log=lambda rec, step: logged.append((step, rec)), finish=lambda: finished.append(project))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    train.main(["--stage=2", *TINY, "--max_iters=3", "--eval_interval=3", f"--out_dir={tmp_path / 'a'}",
+                "--wandb_project=demo"])
+    steps, evals = plot.read_metrics(str(tmp_path / "a" / "stage2"))
+    assert [s for s, r in logged if "loss" in r] == [1, 2, 3] and [s for s, r in logged if "val_loss" in r] == [3]
+    assert logged[0][1]["loss"] == steps[0]["loss"] and finished == ["demo"]
+    monkeypatch.delitem(sys.modules, "wandb")
+    assert importlib.util.find_spec("wandb") is None  # requirements.txt does not install it
+    p = run("--stage=2", *TINY, "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path / 'b'}",
+            "--wandb_project=demo")
+    assert "wandb is not installed" in p.stdout and "metrics.jsonl only" in p.stdout

@@ -105,6 +105,7 @@ class TrainConfig:
     checkpoint_interval: int = 0  # also checkpoint every N steps; 0 = at evals and at the end only
     keep_last: int = 1           # numbered checkpoints ckpt_<step>.pt kept; ckpt.pt always names the newest
     max_bad_steps: int = 10      # this many non-finite steps in a row: save and stop
+    wandb_project: str = ""      # also log every metrics.jsonl record to this Weights & Biases project (rank 0)
 
 
 DEVICE_PRESETS = {

@@ -37,6 +37,7 @@ class Runtime:
     local_rank: int = 0    # this process on its node: which GPU
     world: int = 1         # number of processes
     device: str = "cpu"    # e.g. "cuda:3" under torchrun, "cuda" or "cpu" alone
+    wandb: object = None   # a wandb run (--wandb_project) that gets every metrics.jsonl record too, rank 0 only
 
     @classmethod
     def from_env(cls, device):
@@ -69,6 +70,20 @@ class Runtime:
         if self.master:
             with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if self.wandb is not None:
+                self.wandb.log({k: v for k, v in rec.items() if k != "step" and v is not None}, step=rec["step"])
+
+    def start_wandb(self, project, name, config):
+        """--wandb_project: log to Weights & Biases on rank 0 when wandb is installed; say so when it is not."""
+        if not project or not self.master:
+            return
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            self.log(f"--wandb_project={project}: wandb is not installed (pip install wandb), so this run logs to "
+                     f"metrics.jsonl only")
+            return
+        import wandb
+        self.wandb = wandb.init(project=project, name=name, config=config)
 
     def barrier(self):
         if self.world > 1:
@@ -81,6 +96,8 @@ class Runtime:
         return t
 
     def close(self):
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.world > 1:
             dist.destroy_process_group()
 
