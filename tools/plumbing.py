@@ -42,11 +42,23 @@ def shipped_dir(name, cfg):
     return root
 
 
+FINEWEB_EDU = "fineweb_edu_gpt2"  # data/<this>: where docs/gpu-node.md prepares FineWeb-Edu for the CUDA preset
+
+
+def default_data(cfg):
+    """--data="": FineWeb-Edu when it has been prepared (docs/gpu-node.md) and the run uses the GPT-2 tokenizer
+    (the CUDA preset), else the shipped Shakespeare corpus."""
+    fineweb = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", FINEWEB_EDU)
+    if cfg.tokenizer == "gpt2" and os.path.exists(os.path.join(fineweb, "meta.json")):
+        return {fineweb: 1.0}
+    return {"shakespeare": 1.0}
+
+
 def resolve_data(cfg):
     """The shard directories and mixing weights. A shipped corpus may be named instead of a directory
-    (--data=shakespeare:0.75,python:0.25) and is prepared the first time; "" = shakespeare."""
+    (--data=shakespeare:0.75,python:0.25) and is prepared the first time; "" = default_data(cfg)."""
     sources = {shipped_dir(p, cfg) if p in SHIPPED and not os.path.isdir(p) else p: w
-               for p, w in (parse_data(cfg.data) or {"shakespeare": 1.0}).items()}
+               for p, w in (parse_data(cfg.data) or default_data(cfg)).items()}
     for path in sources:
         if not os.path.exists(os.path.join(path, "meta.json")):
             die(f"{path}: no meta.json; make shards with: python -m tools.prepare --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
@@ -82,6 +94,12 @@ def make_loaders(cfg, rt, resume):
             train_loader.load_state_dict(resume["loader"])
     except ValueError as e:
         die(str(e))
+    have = [data.read_meta(d).get("train_tokens") for d in sources]
+    epochs = span * cfg.block_size / sum(have) if None not in have and sum(have) > 0 else 0
+    if epochs > 10:  # a 124M model on Shakespeare: hundreds of passes over 1.5M tokens
+        rt.log(f"note: this run reads its training data {epochs:.0f} times over ({span * cfg.block_size:,} tokens); "
+               f"a model of this size will memorise it. For the CUDA preset prepare FineWeb-Edu (docs/gpu-node.md), "
+               f"which --data='' then uses, or pass a larger --data")
     return train_loader, val_loaders
 
 
