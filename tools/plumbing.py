@@ -42,15 +42,15 @@ def shipped_dir(name, cfg):
     return root
 
 
-FINEWEB_EDU = "fineweb_edu_gpt2"  # data/<this>: where docs/gpu-node.md prepares FineWeb-Edu for the CUDA preset
+# where docs/gpu-node.md prepares FineWeb-Edu for the CUDA preset
+FINEWEB_EDU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "fineweb_edu_gpt2")
 
 
 def default_data(cfg):
     """--data="": FineWeb-Edu when it has been prepared (docs/gpu-node.md) and the run uses the GPT-2 tokenizer
     (the CUDA preset), else the shipped Shakespeare corpus."""
-    fineweb = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", FINEWEB_EDU)
-    if cfg.tokenizer == "gpt2" and os.path.exists(os.path.join(fineweb, "meta.json")):
-        return {fineweb: 1.0}
+    if cfg.tokenizer == "gpt2" and os.path.exists(os.path.join(FINEWEB_EDU, "meta.json")):
+        return {FINEWEB_EDU: 1.0}
     return {"shakespeare": 1.0}
 
 
