@@ -55,3 +55,14 @@ def test_wandb_gets_every_logged_record_and_a_missing_wandb_is_said(tmp_path, mo
     p = run("--stage=2", *TINY, "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path / 'b'}",
             "--wandb_project=demo")
     assert "wandb is not installed" in p.stdout and "metrics.jsonl only" in p.stdout
+
+
+def test_a_long_whole_split_evaluation_shows_its_progress(tmp_path, monkeypatch, capsys):
+    import train
+    from tools import plumbing
+    monkeypatch.setattr(plumbing, "EVAL_PROGRESS_S", 0.0)  # every batch counts as long
+    args = [a for a in TINY if a != "--eval_whole=False"]
+    train.main(["--stage=1", *args, "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path}"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "evaluating shakespeare_byte" in line]
+    n = int(lines[0].split(" of ")[1].split(",")[0])
+    assert n == -(-((218305 - 1) // 32) // 4) and len(lines) == n - 1  # windows of T+1 = 33 tokens, 4 a batch and lines[-1].startswith(f"  evaluating shakespeare_byte: batch {n - 1} of {n}")

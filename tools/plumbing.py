@@ -244,6 +244,7 @@ def save(run, step):
 # evaluation and the log lines
 
 DLM_EVAL_SEED = 1234  # the masks of every DLM evaluation
+EVAL_PROGRESS_S = 10.0  # a whole-split evaluation prints a progress line this often
 
 STAT_KEYS = ("grad_norm_raw", "grad_norm", "clipped", "z")  # as logged, from ZClip's raw_norm, clipped_norm, ...
 
@@ -264,7 +265,12 @@ def estimate_val_loss(run, whole=False):
         iters = -(-run.cfg.eval_iters // loader.world_size)
         batches = loader.sweep() if whole else (loader.next_batch() for _ in range(iters))
         sums = torch.zeros(2, device=rt.device)  # (sum of token losses, tokens)
-        for x, y in batches:
+        total = -(-len(loader.windows[0][0]) // (loader.B * loader.world_size)) if whole else iters
+        t0 = last = time.time()
+        for i, (x, y) in enumerate(batches):
+            if whole and i and time.time() - last >= EVAL_PROGRESS_S:  # a long whole-split evaluation shows progress
+                last = time.time()
+                rt.log(f"  evaluating {name}: batch {i} of {total}, {(last - t0) * (total - i) / i:.0f}s left")
             x, y = x.to(rt.device), y.to(rt.device)
             n = (y != -1).sum()
             with run.autocast:
