@@ -14,21 +14,30 @@ table compare the same tokens, and a row trained on a mix of sources is still sc
     python -m lab distill --report         no training: the table from the runs that exist
     python -m lab list                     the tables and their rows
 
-Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A finished run has a
-result.json beside its checkpoint and is skipped next time; a stopped one is resumed (--resume=True), so a
-long table can be finished over several sittings. The table goes to lab/results/<table>.md and .json, and
+Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A run counts once its checkpoint
+reaches the row's max_iters: then it is scored (result.json beside the checkpoint) and skipped next time; a
+stopped one is resumed (--resume=True), so a long table can be finished over several sittings. SIGTERM or
+Ctrl-C to lab goes on to the running train.py, which saves at the end of its step; lab then writes no table
+and says to run the same command again. The table goes to lab/results/<table>.md and .json, and
 lab/results/<table>.png (val curves) when matplotlib is installed (and <table>_logits.png, the max attention
-logit per step, for tables that log it).
+logit per step, for tables that log it). A report never replaces a row's committed runs with fewer (a fresh
+clone, --seeds=1, another --root): that row keeps them, and one line says so.
 Statistics: mean and sample standard deviation (ddof=1) over seeds; "differs" needs |delta| > 2 std of the
 noisier of the two rows.
 Test: python -m pytest tests/test_lab.py
 """
 
+import contextlib
+import io
 import json
 import os
+import shlex
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -73,6 +82,15 @@ class Table:
     measures: dict = field(default_factory=dict)  # result key -> column: a per-run number, its mean over seeds
     dlm_t: tuple = ()      # masked-diffusion rows: scored by the masked-token val loss at these mask ratios t
     logit_rows: tuple = ()  # rows whose max-attention-logit curves are also plotted (<table>_logits.png)
+
+
+class LabError(RuntimeError):
+    """What lab reports as one line, `error: ...`: the file or run, what was found, what to do."""
+
+
+class Stopped(LabError):
+    """A run ended before its max_iters (a signal to lab, or to train.py): its checkpoint is kept for resume."""
+
 
 # -----------------------------------------------------------------------------
 # the tables
@@ -306,6 +324,8 @@ class Lab:
         self.results = results or os.path.join(ROOT, "lab", "results")  # where the table is written
         self.rows = {r.name: r for r in table.rows}
         self.shipped = os.path.join(ROOT, "data", "shakespeare_byte")
+        self.child, self.stop = None, None  # the train.py running now; the name of a signal lab received
+        self._max_iters = {}
 
     def seed_dir(self, seed):
         return os.path.join(self.root, f"seed{seed}")
@@ -323,14 +343,31 @@ class Lab:
                   "--resume=True" if resume else "--overwrite=True"]
         return [self.python, os.path.join(ROOT, "train.py"), *flags]
 
+    def max_iters(self, name):
+        """The step a run of this row must reach to count: its flags' max_iters, train.py's defaults beneath."""
+        if name not in self._max_iters:
+            from tools.config import build_config, parse_args
+            flags, err = self.argv(self.rows[name], self.seeds[0], resume=False)[2:], io.StringIO()
+            try:
+                with contextlib.redirect_stderr(err):  # train.py's one error line, for ours
+                    self._max_iters[name] = build_config(parse_args(flags)).max_iters
+            except SystemExit:
+                raise LabError(f"row {name}: train.py refuses its flags: "
+                               f"{err.getvalue().strip().removeprefix('error: ')}") from None
+        return self._max_iters[name]
+
     def result(self, row, seed):
+        """The run's result.json; None while it has none, or when it scored a run stopped short of max_iters
+        (an older lab did that after a preemption): that run is resumed, not counted."""
         path = os.path.join(self.run_dir(row, seed), "result.json")
         if not os.path.exists(path):
             return None
-        res = json.load(open(path))
+        res = _read_result(path, row, seed)
+        if res["steps"] < self.max_iters(row):
+            return None
         if "ratio_mask" in res and "ratio_mask_start" not in res:  # scored before the start columns existed
             metrics = os.path.join(self.run_dir(row, seed), "metrics.jsonl")
-            res.update(_ratios([r for line in open(metrics) if "ms" in (r := json.loads(line))]))
+            res.update(_ratios([r for r in _records(metrics) if "ms" in r]))
         return res
 
     def order(self, wanted):
@@ -356,28 +393,55 @@ class Lab:
         return sorted(need, key=key)
 
     def run(self, wanted, log=print):
-        for name, seed in self.order(wanted):
-            if self.result(name, seed) is not None:
-                log(f"[lab] {name} seed {seed}: done, skipped")
-                continue
-            self.run_one(self.rows[name], seed, log)
+        """Train and score every (row, seed) that has no result yet. A SIGTERM or SIGINT (Ctrl-C) meanwhile is
+        passed on to the train.py that is running, which saves at the end of its step; then Stopped is raised
+        and nothing more is trained or scored."""
+        self.stop = None
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for name, seed in self.order(wanted):
+                if self.stop:
+                    raise Stopped(f"{self.stop}: stopped before {name} seed {seed}")
+                if self.result(name, seed) is not None:
+                    log(f"[lab] {name} seed {seed}: done, skipped")
+                    continue
+                self.run_one(self.rows[name], seed, log)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+
+    def _on_signal(self, signum, frame):
+        if self.child is not None:  # it finishes its step and saves; a second signal of the kind stops it at once
+            self.child.send_signal(signum)
+        elif self.stop:  # a second signal while scoring: stop now (a result.json is written whole or not at all)
+            raise KeyboardInterrupt
+        self.stop = self.stop or signal.Signals(signum).name
 
     def run_one(self, row, seed, log=print):
+        """Train the run to the row's max_iters (resuming its checkpoint if it has one), then score it."""
         d = self.run_dir(row.name, seed)
         os.makedirs(d, exist_ok=True)
-        if row.prepare is not None:
-            row.prepare(self, seed)
-        resume = os.path.exists(os.path.join(d, checkpoint.LATEST))
-        cmd = self.argv(row, seed, resume)
-        log(f"[lab] {row.name} seed {seed}: {' '.join(cmd[1:])}")
-        t0 = time.time()
-        with open(os.path.join(d, "train.log"), "a") as f:
-            code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-        if code != 0:
-            tail = open(os.path.join(d, "train.log")).read().splitlines()[-5:]
-            raise RuntimeError(f"{row.name} seed {seed} failed (exit {code}); last lines of {d}/train.log:\n  " +
-                               "\n  ".join(tail))
-        recs = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+        step, t0 = _saved_step(d), time.time()
+        cmd = self.argv(row, seed, resume=step is not None)
+        if step is None or step < self.max_iters(row.name):
+            if row.prepare is not None:
+                row.prepare(self, seed)
+            if _drop_torn_line(os.path.join(d, "metrics.jsonl")):
+                log(f"[lab] {row.name} seed {seed}: cut the torn last line off {d}/metrics.jsonl before resuming")
+            log(f"[lab] {row.name} seed {seed}: {' '.join(cmd[1:])}")
+            code, step, where = self._train(cmd, d), _saved_step(d), f"{row.name} seed {seed}"
+            if code != 0 and not self.stop:
+                raise LabError(f"{where} failed (exit {code}): {_last_line(os.path.join(d, 'train.log'))} "
+                               f"(its log: {d}/train.log)")
+            want = self.max_iters(row.name)
+            if self.stop:
+                raise Stopped(f"{self.stop}: {where} stopped (train.py exit {code}); " +
+                              (f"its checkpoint is at step {step} of {want}" if step is not None
+                               else "it had saved no checkpoint yet"))
+            if step is None or step < want:
+                raise Stopped(f"{where}: train.py ended without an error at step {step} of {want} (was it sent "
+                              f"SIGTERM?); its checkpoint is kept and nothing was scored")
+        recs = _records(os.path.join(d, "metrics.jsonl"))
         steps = [r for r in recs if "ms" in r]
         extra = {}
         if self.table.dlm_t and row.shown:  # the masked-token val loss at each t; val_loss = their mean
@@ -390,8 +454,7 @@ class Lab:
             loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
         also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name))[0] for name in self.table.also}
         res = {**extra, "row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": row.score, "argv": cmd[1:],
-               "also": also,
-               "steps": max((r["step"] for r in steps), default=0),
+               "also": also, "steps": step,
                "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
                "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
                "optimizer_bytes": _state_bytes(checkpoint.load(os.path.join(d, checkpoint.LATEST))["optimizer"]),
@@ -400,53 +463,116 @@ class Lab:
         _write_json(os.path.join(d, "result.json"), res)
         log(f"[lab] {row.name} seed {seed}: whole-val loss {loss:.4f} ({n} tokens), {res['wall_s']:.0f} s")
 
+    def _train(self, cmd, d):
+        """train.py in a process group of its own: a Ctrl-C in the terminal reaches lab only, which passes it on
+        once (twice would stop train.py without a checkpoint). Returns its exit code."""
+        with open(os.path.join(d, "train.log"), "a") as f:
+            self.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, process_group=0)
+        try:
+            if self.stop:  # the signal came between the last check and the start
+                self.child.send_signal(signal.Signals[self.stop])
+            return self.child.wait()
+        finally:
+            self.child = None
+
     # -------------------------------------------------------------------------
     # the table
 
-    def summary(self):
-        """{row: {mean, std, n, values}} over the seeds that have a result."""
+    def found(self):
+        """{row: [result, ...]} of the runs under root that count."""
+        return {r.name: [res for s in self.seeds if (res := self.result(r.name, s)) is not None] for r in self.table.rows}
+
+    def summary(self, runs=None):
+        """{row: {mean, std, n, values}} over the runs (default: those found under root)."""
+        runs = self.found() if runs is None else runs
         out = {}
         for row in (r for r in self.table.rows if r.shown):
-            vals = [r["val_loss"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
-            out[row.name] = {"label": row.label, **_stats(vals)}
+            rs = runs.get(row.name, [])
+            out[row.name] = {"label": row.label, **_stats([r["val_loss"] for r in rs])}
             for name in self.table.also:  # the other corpora's val loss of the same runs
-                out[row.name][name] = _stats([r["also"][name] for s in self.seeds
-                                              if (r := self.result(row.name, s)) is not None])
+                out[row.name][name] = _stats([v for r in rs if (v := r.get("also", {}).get(name)) is not None])
         return out
 
-    def report(self):
-        """Markdown and JSON (and a PNG of the val curves, if matplotlib is there) under lab/results/."""
-        summ = self.summary()
+    def markdown(self, runs):
+        summ = self.summary(runs)
         base = summ.get(self.table.baseline, {})
         ref = summ.get(self.table.reference, {})
         also, measures = self.table.also, self.table.measures
-        lines = [f"| row | val loss, mean ± std ({len(self.seeds)} seeds) | vs {self.table.baseline} | " +
+        n_seeds = max((s["n"] for s in summ.values()), default=0)
+        lines = [f"| row | val loss, mean ± std ({n_seeds} seeds) | vs {self.table.baseline} | " +
                  "".join(f"{col} | vs {self.table.baseline} | " for col in also.values()) +
                  "".join(f"{col} | " for col in measures.values()) +
                  (f"gap to {self.table.reference} closed |" if self.table.reference else ""),
                  "|---|---|---|" + "---|---|" * len(also) + "---|" * len(measures) +
                  ("---|" if self.table.reference else "")]
         for name, s in summ.items():
-            vals = {k: [r.get(k) for sd in self.seeds if (r := self.result(name, sd)) is not None] for k in measures}
+            vals = {k: [r.get(k) for r in runs.get(name, [])] for k in measures}
             lines.append(f"| {s['label']} | {fmt(s)} | {versus(s, base)} | " +
                          "".join(f"{fmt(s[c])} | {versus(s[c], base.get(c, {}))} | " for c in also) +
                          "".join(f"{_mean_of(vals[k])} | " for k in measures) +
                          (f"{closed(s, base, ref)} |" if self.table.reference else ""))
-        md = "\n".join(lines)
-        os.makedirs(self.results, exist_ok=True)
-        stem = os.path.join(self.results, self.table.name)
-        with open(stem + ".md", "w") as f:
-            f.write(f"# {self.table.name}: {self.table.about}\n\n" + "\n".join(self.table.notes) +
-                    f"\n\nCommand: `python -m lab {self.table.name}`; val loss over the whole val split of the shipped "
-                    f"corpus. \"vs\": mean difference, and whether it exceeds 2 std of the noisier of that row and "
-                    f"{self.table.baseline}.\n\n{md}\n")
-        runs = [r for row in self.table.rows for s in self.seeds if (r := self.result(row.name, s)) is not None]
-        _write_json(stem + ".json", {"table": self.table.name, "seeds": self.seeds, "summary": summ, "runs": runs})
-        print(md)
-        self.plot(stem + ".png")
-        return summ
+        return "\n".join(lines)
 
-    def plot(self, path):
+    def report(self, log=print):
+        """Markdown and JSON (and a PNG of the val curves, if matplotlib is there) under lab/results/. A row the
+        committed <table>.json holds more runs of than this report finds (a fresh clone, fewer --seeds, another
+        --root) keeps its committed runs; with no row to update, no file is written. Returns the summary."""
+        stem = os.path.join(self.results, self.table.name)
+        committed, found = _committed_runs(stem + ".json"), self.found()
+        kept = [n for n, rs in found.items() if len(committed.get(n, ())) > len(rs)]
+        runs = {n: committed[n] if n in kept else rs for n, rs in found.items()}
+        print(self.markdown(found))
+        new = any(rs for n, rs in found.items() if n not in kept)
+        if kept:
+            counts = ", ".join(f"{n} ({len(committed[n])} committed, {len(found[n])} found)" for n in kept)
+            log(f"[lab] {self.table.name}: kept the runs of {counts} from {stem}.json (a report never replaces runs "
+                f"with fewer); `python -m lab {self.table.name}` trains what is missing; " +
+                ("the other rows are updated" if new else "nothing was written"))
+        elif not new:
+            log(f"[lab] {self.table.name}: no finished run under {self.root}; nothing was written")
+        if new:
+            self._write(stem, runs)
+        return self.summary(runs)
+
+    def _write(self, stem, runs):
+        """The page, its JSON and plots, written beside the old ones first, then moved over them: a full disk or
+        a read-only directory leaves the committed pages as they were."""
+        name = self.table.name
+        self.check_writable()
+        staged = tempfile.mkdtemp(prefix=f".{name}-", dir=self.results)
+        try:
+            try:
+                with open(os.path.join(staged, name + ".md"), "w") as f:
+                    f.write(f"# {name}: {self.table.about}\n\n" + "\n".join(self.table.notes) +
+                            f"\n\nCommand: `python -m lab {name}`; val loss over the whole val split of the shipped "
+                            f"corpus. \"vs\": mean difference, and whether it exceeds 2 std of the noisier of that row "
+                            f"and {self.table.baseline}.\n\n{self.markdown(runs)}\n")
+                _write_json(os.path.join(staged, name + ".json"), {
+                    "table": name, "seeds": sorted({r["seed"] for rs in runs.values() for r in rs}),
+                    "summary": self.summary(runs), "runs": [r for row in self.table.rows for r in runs[row.name]]})
+                self.plot(os.path.join(staged, name + ".png"), runs)
+            except OSError as e:  # a full disk: the staged files go, the committed ones stay
+                raise LabError(self._unwritable(e)) from None
+            written = sorted(os.listdir(staged))
+            for n in written:
+                os.replace(os.path.join(staged, n), os.path.join(self.results, n))
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+        print(f"[lab] wrote {', '.join(written)} in {self.results}")
+
+    def check_writable(self):
+        try:
+            os.makedirs(self.results, exist_ok=True)
+            os.rmdir(tempfile.mkdtemp(prefix=".check-", dir=self.results))
+        except OSError as e:
+            raise LabError(self._unwritable(e)) from None
+
+    def _unwritable(self, e):
+        return (f"{self.results}: cannot write the table there ({e.strerror or e}: {e.filename}); nothing was "
+                f"changed, the runs under {self.root} are kept; make it writable and "
+                f"run: python -m lab {self.table.name} --report")
+
+    def plot(self, path, runs):
         try:
             import matplotlib
             matplotlib.use("Agg")
@@ -456,7 +582,7 @@ class Lab:
             return
         fig, ax = plt.subplots(figsize=(8, 5))
         for row in self.table.rows:
-            curves = [r["curve"] for s in self.seeds if (r := self.result(row.name, s)) is not None]
+            curves = [r["curve"] for r in runs.get(row.name, [])]
             if not curves or row.name in self.table.no_curve:
                 continue
             steps = [p[0] for p in curves[0]]
@@ -466,9 +592,9 @@ class Lab:
         ax.set_ylabel("val loss (sampled evals, mean over seeds)")
         ax.legend()
         fig.savefig(path, dpi=100)
-        print(f"[lab] wrote {path}")
-        self.plot_logits(path[:-len(".png")] + "_logits.png", plt)
-        summ = self.summary()
+        plt.close(fig)
+        self.plot_logits(path[:-len(".png")] + "_logits.png", plt, runs)
+        summ = self.summary(runs)
         pts = [(x, summ[r]) for r, x in self.table.x.items() if summ[r]["mean"] is not None]
         if pts:  # final whole-val loss against a row's number (e.g. the switch point), with 1-std error bars
             fig, ax = plt.subplots(figsize=(6, 4))
@@ -477,15 +603,14 @@ class Lab:
             ax.set_xlabel(self.table.x_label)
             ax.set_ylabel("final val loss, whole val split (mean ± std)")
             fig.tight_layout()
-            final = path[:-len(".png")] + "_final.png"
-            fig.savefig(final, dpi=100)
-            print(f"[lab] wrote {final}")
+            fig.savefig(path[:-len(".png")] + "_final.png", dpi=100)
+            plt.close(fig)
 
-    def plot_logits(self, path, plt):
+    def plot_logits(self, path, plt, runs):
         """The logged max attention logit against step, mean over seeds, for the table's logit_rows."""
         fig, ax, drawn = *plt.subplots(figsize=(8, 5)), 0
         for i, name in enumerate(self.table.logit_rows):
-            curves = [r["logit_curve"] for s in self.seeds if (r := self.result(name, s)) is not None and r.get("logit_curve")]
+            curves = [r["logit_curve"] for r in runs.get(name, []) if r.get("logit_curve")]
             if curves:
                 n = min(len(c) for c in curves)
                 ax.plot([p[0] for p in curves[0][:n]], [statistics.mean(c[j][1] for c in curves) for j in range(n)],
@@ -496,7 +621,6 @@ class Lab:
             ax.set_ylabel("max attention logit of the step (mean over seeds)")
             ax.legend()
             fig.savefig(path, dpi=100)
-            print(f"[lab] wrote {path}")
         plt.close(fig)
 
 
@@ -566,6 +690,91 @@ def closed(s, base, ref):
     return f"{(base['mean'] - s['mean']) / gap:.0%}" if gap > 0 and s is not ref and s is not base else ""
 
 
+def _read_result(path, row, seed):
+    """A run's result.json, checked to be lab's JSON object for this row and seed."""
+    fix = "move it away and lab scores the run again from its checkpoint"
+    try:
+        with open(path, errors="replace") as f:
+            res = json.load(f)
+    except ValueError as e:
+        raise LabError(f"{path}: not JSON ({e}); {fix}") from None
+    shape = {"row": str, "seed": int, "val_loss": (int, float), "steps": int, "curve": list}
+    if (not isinstance(res, dict) or any(not isinstance(res.get(k), t) for k, t in shape.items())
+            or (res["row"], res["seed"]) != (row, seed)):
+        raise LabError(f"{path}: not lab's result of {row} seed {seed} (expected a JSON object with "
+                       f"{', '.join(shape)}); {fix}")
+    return res
+
+
+def _committed_runs(path):
+    """{row: [run, ...]} of a table's committed JSON; {} when there is none."""
+    if not os.path.exists(path):
+        return {}
+    out = {}
+    try:
+        with open(path, errors="replace") as f:
+            for r in json.load(f)["runs"]:
+                if not isinstance(r["val_loss"], (int, float)):
+                    raise TypeError(f"val_loss {r['val_loss']!r}")
+                out.setdefault(r["row"], []).append(r)
+    except (ValueError, KeyError, TypeError) as e:
+        raise LabError(f"{path}: not a lab table ({type(e).__name__}: {e}); nothing was written; restore it (git "
+                       f"checkout {path}) or move it away, then run the same command again") from None
+    return out
+
+
+def _records(path):
+    """The records of a run's metrics.jsonl. A torn last line (train.py killed while writing it) is left out;
+    a line before it that is not a JSON object is an error naming the file and the line."""
+    with open(path, errors="replace") as f:
+        lines = f.read().split("\n")  # a complete file ends with "\n": its last item is ""
+    recs = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            rec = e
+        if isinstance(rec, dict):
+            recs.append(rec)
+        elif i < len(lines):
+            raise LabError(f"{path}, line {i}: not a JSON object ({rec}); repair or delete that line, then run the "
+                           f"same command again")
+    return recs
+
+
+def _drop_torn_line(path):
+    """Cut a torn last line off metrics.jsonl, so that train.py resuming does not glue its next record onto it."""
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb") as f:
+        text = f.read()
+    if not text or text.endswith(b"\n"):
+        return False
+    with open(path, "r+b") as f:
+        f.truncate(text.rfind(b"\n") + 1)
+    return True
+
+
+def _saved_step(d):
+    """The step of the run's latest checkpoint; None before its first."""
+    path = os.path.join(d, checkpoint.LATEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        return checkpoint.load(path, ("step",))["step"]
+    except checkpoint.CheckpointError as e:
+        raise LabError(str(e)) from None
+
+
+def _last_line(path):
+    """The last line train.py wrote (its `error: ...` line when it refused to run), without the prefix."""
+    with open(path, errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip()]
+    return (lines or ["(an empty log)"])[-1].removeprefix("error: ")
+
+
 def _write_json(path, obj):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -604,16 +813,25 @@ def main(argv):
     if bad:
         print(f"error: unknown row(s) {', '.join(bad)}; rows of {table.name}: {', '.join(lab.rows)}", file=sys.stderr)
         return 2
-    if not args.report:
-        t0 = time.time()
-        try:
+    again = "python -m lab " + shlex.join(argv)
+    try:
+        if not args.report:
+            lab.check_writable()  # before hours of training, not after
+            t0 = time.time()
             lab.run(wanted)
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            lab.report()
-            return 1
-        print(f"[lab] {table.name}: ran in {(time.time() - t0) / 60:.1f} min")
-    lab.report()
+            print(f"[lab] {table.name}: ran in {(time.time() - t0) / 60:.1f} min")
+        lab.report()
+    except (Stopped, KeyboardInterrupt) as e:  # every checkpoint and result.json so far is kept
+        why = e if isinstance(e, Stopped) else "interrupted (Ctrl-C)"
+        print(f"error: {why}; nothing was written to {lab.results}; to resume, run the same command again: {again}",
+              file=sys.stderr)
+        return 1
+    except LabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a run directory that cannot be made, a disk that filled up: the table is not written
+        print(f"error: {e.filename}: {e.strerror or e}; the table was not written", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -5,7 +5,9 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -69,7 +71,7 @@ def test_order_puts_what_rows_need_first_and_reads_the_next_seeds_teacher():
     assert "seed0/a/ckpt.pt" in " ".join(t.argv(t.rows["c"], 1, resume=False))  # wraps around
 
 
-def test_runs_every_row_and_seed_then_skips_them_and_resumes_a_stopped_one(tmp_path, monkeypatch):
+def test_runs_every_row_and_seed_then_skips_them_and_rescores_a_lost_result(tmp_path, monkeypatch):
     _shards(str(tmp_path / "shards"), 1000)
     t = lab.Lab(_table(), seeds=(0, 1), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
     t.shipped = str(tmp_path / "shards")
@@ -88,11 +90,12 @@ def test_runs_every_row_and_seed_then_skips_them_and_resumes_a_stopped_one(tmp_p
     logs.clear()
     t.run(["a", "b", "c"], log=logs.append)
     assert len(logs) == 6 and all("skipped" in line for line in logs)
-    # a stopped run (checkpoint, no result.json) is resumed, not restarted
+    # a finished run that lost its result.json (lab stopped while scoring) is scored again, not trained again
+    first = t.result("c", 1)
     os.remove(os.path.join(t.run_dir("c", 1), "result.json"))
     logs.clear()
     t.run(["c"], log=logs.append)
-    assert any("--resume=True" in line for line in logs)
+    assert not any("train.py" in line for line in logs) and t.result("c", 1)["val_loss"] == first["val_loss"]
     summ = t.report()
     assert summ["a"]["n"] == 2 and summ["a"]["mean"] == pytest.approx(
         statistics.mean([t.result("a", s)["val_loss"] for s in (0, 1)]))
@@ -165,3 +168,230 @@ def test_dlm_ratios_average_all_steps_and_the_first_ten():
     steps = [{"step": s, "ratio_mask": float(s), "ratio_other": 2.0 * s} for s in range(1, 13)]
     assert lab._ratios(steps) == {"ratio_mask": 6.5, "ratio_other": 13.0, "ratio_mask_start": 5.5,
                                   "ratio_other_start": 11.0}
+
+# -----------------------------------------------------------------------------
+# nothing lost: committed tables, preempted runs, signals, damaged files
+
+
+def _fake_result(t, row, seed, val_loss, steps=3):
+    """A result.json as lab writes it, without training (the rows of _table() run 3 steps)."""
+    os.makedirs(t.run_dir(row, seed), exist_ok=True)
+    res = {"row": row, "seed": seed, "val_loss": val_loss, "val_tokens": 992, "scored": "ckpt.pt", "argv": [],
+           "also": {}, "steps": steps, "ms_per_step_median": 1.0, "max_logit": None, "optimizer_bytes": 0,
+           "wall_s": 0.0, "curve": [[steps, val_loss]], "logit_curve": []}
+    with open(os.path.join(t.run_dir(row, seed), "result.json"), "w") as f:
+        json.dump(res, f)
+    return res
+
+
+def _finished_ckpt(t, row, seed, step, records=None):
+    """A real tiny checkpoint at `step` and its metrics.jsonl, as train.py leaves them, without training."""
+    d = t.run_dir(row, seed)
+    os.makedirs(d, exist_ok=True)
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32))
+    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "step": step,
+                "config": {"max_iters": 3}, "optimizer": {}}, os.path.join(d, "ckpt.pt"))
+    lines = records if records is not None else [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in range(1, step + 1)]
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        f.write("".join(lines))
+
+
+def _snapshot(d):
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))} if os.path.isdir(d) else {}
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+_LAB_INIT = lab.Lab.__init__
+
+
+def _results_in(monkeypatch, d):
+    """Every Lab, lab.main's too, writes its table to d (never to the committed lab/results)."""
+    monkeypatch.setattr(lab.Lab, "__init__", lambda self, *a, **k: _LAB_INIT(self, *a, **{**k, "results": str(d)}))
+
+
+@pytest.fixture
+def tiny_main(tmp_path, monkeypatch):
+    """lab.main on _table() (as table "t"), its results under tmp_path/results: returns the results dir."""
+    monkeypatch.setattr(lab, "TABLES", {"t": _table})
+    _results_in(monkeypatch, tmp_path / "results")
+    return str(tmp_path / "results")
+
+
+def test_a_report_never_replaces_committed_rows_with_fewer_runs(tmp_path, capsys):
+    results = str(tmp_path / "results")
+    full = lab.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "full"), results=results)
+    for row in "abc":
+        for s in (0, 1, 2):
+            _fake_result(full, row, s, 1.0 + 0.1 * s)
+    full.report()
+    committed = _snapshot(results)
+    assert json.loads(committed["t.json"])["summary"]["a"]["n"] == 3
+    capsys.readouterr()
+    # an empty root (a fresh clone), and one seed of every row: the 3-run rows stay, with one line saying so
+    empty = lab.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "empty"), results=results)
+    one = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "one"), results=results)
+    for row in "abc":
+        _fake_result(one, row, 0, 2.0)
+    for t in (empty, one):
+        t.report()
+        assert _snapshot(results) == committed
+        kept = [line for line in capsys.readouterr().out.splitlines() if "kept" in line]
+        assert len(kept) == 1 and all(row in kept[0] for row in "abc"), kept
+    # a row with as many runs replaces its committed one; the others keep theirs
+    for s in (0, 1, 2):
+        _fake_result(one, "a", s, 3.0)
+    lab.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "one"), results=results).report()
+    table = json.load(open(os.path.join(results, "t.json")))
+    assert table["summary"]["a"]["mean"] == 3.0 and table["summary"]["b"]["mean"] == pytest.approx(1.1)
+    assert sorted((r["row"], r["seed"], r["val_loss"]) for r in table["runs"] if r["row"] == "b") == [
+        ("b", 0, 1.0), ("b", 1, 1.1), ("b", 2, 1.2)]
+
+
+def test_report_in_a_fresh_clone_keeps_the_committed_muon_table(tmp_path, monkeypatch, capsys):
+    assert lab.Lab(lab.TABLES["muon"]()).results == os.path.join(lab.ROOT, "lab", "results")  # the committed pages
+    results = tmp_path / "results"
+    results.mkdir()
+    for ext in ("json", "md"):
+        (results / f"muon.{ext}").write_bytes(open(os.path.join(lab.ROOT, "lab", "results", f"muon.{ext}"), "rb").read())
+    _results_in(monkeypatch, results)
+    before = _snapshot(str(results))
+    for extra in ([], ["--seeds=1"]):
+        assert lab.main(["muon", "--report", f"--root={tmp_path / 'empty'}", *extra]) == 0
+        assert _snapshot(str(results)) == before
+
+
+def test_a_run_refused_by_the_lock_writes_nothing_to_the_table(tmp_path, tiny_main, capsys):
+    root = tmp_path / "runs"
+    os.makedirs(root / "seed0" / "a")
+    (root / "seed0" / "a" / ".lock").write_text(str(os.getpid()))  # a live process holds the run directory
+    os.makedirs(tiny_main)
+    (tmp_path / "results" / "t.md").write_text("committed page\n")
+    assert lab.main(["t", "--seeds=1", "--rows=a", f"--root={root}"]) == 1
+    line = _one_error_line(capsys)
+    assert "a seed 0 failed" in line and "another run" in line
+    assert _snapshot(tiny_main) == {"t.md": b"committed page\n"}
+
+
+def test_a_run_that_stopped_before_max_iters_is_not_scored_and_is_resumed(tmp_path):
+    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                python=shutil.which("true"))  # "train.py" exits 0 at once, as one sent SIGTERM does after saving
+    good = [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in (1, 2)]
+    _finished_ckpt(t, "a", 0, step=2, records=good + ['{"step": 3, "ms'])  # 2 of the row's 3 steps, a torn line
+    logs = []
+    with pytest.raises(lab.LabError) as e:
+        t.run(["a"], log=logs.append)
+    assert "step 2 of 3" in str(e.value) and any("--resume=True" in line for line in logs)
+    assert open(os.path.join(t.run_dir("a", 0), "metrics.jsonl")).read() == "".join(good)  # train.py appends after it
+    assert not os.path.exists(os.path.join(t.run_dir("a", 0), "result.json"))
+    # a result.json that an older lab wrote for a stopped run does not count: the run is resumed, not skipped
+    _fake_result(t, "a", 0, 1.0, steps=2)
+    assert t.result("a", 0) is None
+    logs.clear()
+    with pytest.raises(lab.LabError):
+        t.run(["a"], log=logs.append)
+    assert not any("skipped" in line for line in logs) and any("--resume=True" in line for line in logs)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_lab_reaches_train_py_which_saves_and_nothing_is_written(tmp_path, sig):
+    """SIGTERM to the lab process alone; SIGINT to its whole process group, as Ctrl-C in a terminal sends it."""
+    import signal
+    import subprocess
+    import sys
+    _shards(str(tmp_path / "shards"), 1000)
+    root, results = tmp_path / "runs", tmp_path / "results"
+    args = " ".join(TINY) + f" --max_iters=100000 --eval_interval=100000 --data={tmp_path / 'shards'}"
+    driver = (f"import sys\nfrom lab import tables as lab\n"
+              f"lab.TABLES = {{'t': lambda: lab.Table('t', 'tiny', [lab.Row('a', 'row a', '--stage=1 {args}')])}}\n"
+              f"init = lab.Lab.__init__\nlab.Lab.__init__ = lambda self, *a, **k: init(self, *a, **{{**k, 'results': {str(results)!r}}})\n"
+              f"sys.exit(lab.main(['t', '--seeds=1', '--root={root}']))\n")
+    p = subprocess.Popen([sys.executable, "-c", driver], cwd=lab.ROOT, env=dict(ENV, PYTHONPATH=lab.ROOT),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = root / "seed0" / "a" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.05)
+    if sig == "SIGTERM":
+        p.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(p.pid, signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=120)
+    finally:  # a train.py that lab left behind would train on for minutes: its pid is in its lock file
+        lock = root / "seed0" / "a" / ".lock"
+        if lock.exists():
+            os.kill(int(lock.read_text()), signal.SIGKILL)
+    lines = err.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and sig in lines[0], err
+    assert "python -m lab t --seeds=1" in lines[0]  # how to resume: the same command
+    step = torch.load(root / "seed0" / "a" / "ckpt.pt", weights_only=True)["step"]
+    assert 2 <= step < 100000
+    assert not (root / "seed0" / "a" / ".lock").exists()  # train.py ended (not orphaned, not killed)
+    assert not (root / "seed0" / "a" / "result.json").exists() and _snapshot(str(results)) == {}
+
+
+def test_a_corrupt_or_foreign_result_json_is_one_line_naming_it(tmp_path, tiny_main, capsys):
+    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
+    _fake_result(t, "a", 0, 1.0)
+    path = os.path.join(t.run_dir("a", 0), "result.json")
+    for text in ('{"row": "a", "val_lo', "[1, 2, 3]", '{"hello": "world"}', '{"row": "b", "seed": 0, "val_loss": 1.0}'):
+        with open(path, "w") as f:
+            f.write(text)
+        assert lab.main(["t", "--seeds=1", "--report", f"--root={t.root}"]) == 1
+        assert path in _one_error_line(capsys)
+        assert open(path).read() == text and _snapshot(tiny_main) == {}
+
+
+def test_a_torn_last_metrics_line_is_tolerated_and_a_corrupt_one_is_named(tmp_path):
+    _shards(str(tmp_path / "shards"), 1000)
+    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                python=shutil.which("false"))  # the run is finished: scored without starting train.py
+    t.shipped = str(tmp_path / "shards")
+    good = [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in (1, 2, 3)]
+    _finished_ckpt(t, "a", 0, step=3, records=good + ['{"step": 4, "ms'])  # killed while writing a line
+    t.run(["a"], log=lambda line: None)
+    assert t.result("a", 0)["steps"] == 3
+    os.remove(os.path.join(t.run_dir("a", 0), "result.json"))
+    metrics = os.path.join(t.run_dir("a", 0), "metrics.jsonl")
+    with open(metrics, "w") as f:
+        f.write(good[0] + '{"step": 2, "ms\n' + good[2])
+    with pytest.raises(lab.LabError) as e:
+        t.run(["a"], log=lambda line: None)
+    assert metrics in str(e.value) and "line 2" in str(e.value)
+    assert not os.path.exists(os.path.join(t.run_dir("a", 0), "result.json"))
+
+
+def test_an_unwritable_results_dir_is_one_line_and_changes_nothing(tmp_path, tiny_main, monkeypatch, capsys):
+    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
+    for row in "abc":
+        _fake_result(t, row, 0, 1.0)
+    (tmp_path / "afile").write_text("not a directory\n")
+    bad = str(tmp_path / "afile" / "results")  # root may write anywhere: a file in the path stops everyone
+    _results_in(monkeypatch, bad)
+    assert lab.main(["t", "--seeds=1", "--report", f"--root={t.root}"]) == 1
+    line = _one_error_line(capsys)
+    assert bad in line and "nothing was changed" in line
+    assert (tmp_path / "afile").read_text() == "not a directory\n"
+    assert lab.main(["t", "--seeds=1", f"--root={t.root}"]) == 1  # checked before any training
+    assert bad in _one_error_line(capsys)
+
+
+def test_ctrl_c_while_scoring_is_one_line_and_loses_nothing(tmp_path, tiny_main, monkeypatch, capsys):
+    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
+    _finished_ckpt(t, "a", 0, step=3)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(lab, "full_val_loss", interrupted)
+    assert lab.main(["t", "--seeds=1", "--rows=a", f"--root={t.root}"]) == 1
+    line = _one_error_line(capsys)
+    assert "python -m lab t" in line
+    assert os.path.exists(os.path.join(t.run_dir("a", 0), "ckpt.pt"))
+    assert not os.path.exists(os.path.join(t.run_dir("a", 0), "result.json")) and _snapshot(tiny_main) == {}
