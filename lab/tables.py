@@ -399,13 +399,19 @@ class Lab:
         self.stop = None
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            for name, seed in self.order(wanted):
+            todo = list(self.order(wanted))
+            left = [(n, s) for n, s in todo if self.result(n, s) is None]
+            t0, ran = time.time(), 0
+            for i, (name, seed) in enumerate(todo, 1):
                 if self.stop:
                     raise Stopped(f"{self.stop}: stopped before {name} seed {seed}")
                 if self.result(name, seed) is not None:
-                    log(f"[lab] {name} seed {seed}: done, skipped")
+                    log(f"[lab] run {i} of {len(todo)}: {name} seed {seed}: done, skipped")
                     continue
+                eta = f", about {(time.time() - t0) / ran * (len(left) - ran) / 60:.0f} min left" if ran else ""
+                log(f"[lab] run {i} of {len(todo)} ({len(left) - ran} to train{eta}): {name} seed {seed}")
                 self.run_one(self.rows[name], seed, log)
+                ran += 1
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)

@@ -86,6 +86,9 @@ def test_runs_every_row_and_seed_then_skips_them_and_rescores_a_lost_result(tmp_
             res = t.result(row, seed)
             assert res["steps"] == 3 and math.isfinite(res["val_loss"]) and res["val_tokens"] == 31 * 32
     assert t.result("a", 0)["val_loss"] != t.result("a", 1)["val_loss"]  # the seed reaches the model's init
+    progress = [line for line in logs if line.startswith("[lab] run ")]  # run i of n, what is left, the time left
+    assert len(progress) == 6 and "run 1 of 6 (6 to train)" in progress[0] and "min left" not in progress[0]
+    assert "run 6 of 6 (1 to train, about" in progress[-1] and "min left" in progress[-1]
     # everything done: a second call trains nothing
     logs.clear()
     t.run(["a", "b", "c"], log=logs.append)
