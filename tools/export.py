@@ -5,6 +5,7 @@ Export a trained ternary checkpoint as packed 2-bit weights, and load such an ex
   python -m tools.export --ckpt=out/stage3/ckpt.pt --out=out/stage3/packed.pt
   python sample.py --ckpt=out/stage2/packed.pt                  (sample.py reads exports directly)
   python -m tools.export --format=gguf --out=out/stage2/model.gguf    (for llama.cpp: tools/export.py; pip install gguf)
+  python -m tools.export --format=hf --out=out/stage2/hf              (a directory for transformers' BitNetForCausalLM)
 
 The idea: a training checkpoint holds the fp32 latent hidden weights (and the optimizer state); inference
 needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma (kernels/packed_linear.py). The export is
@@ -16,15 +17,19 @@ a plain dict that loads with torch.load(weights_only=True):
      "fp": {every other state-dict tensor: embedding, LM head, norms; no latent weights, no lambda_}}
 
 Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 bits against 16).
---format=gguf writes a GGUF file for llama.cpp's bitnet architecture instead (tools/export.py says what goes where).
-Test: python -m pytest tests/test_packed.py tests/test_gguf.py
+--format=gguf writes a GGUF file for llama.cpp's bitnet architecture instead (tools/export.py says what goes where);
+--format=hf a directory that transformers.AutoModelForCausalLM.from_pretrained loads (docs/hf-format.md).
+Test: python -m pytest tests/test_packed.py tests/test_gguf.py tests/test_hf.py
 """
 
 import contextlib
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +47,9 @@ FORMAT = "nanobitnet-packed-v1"
 @dataclass
 class ExportConfig:
     ckpt: str = "out/stage2/ckpt.pt"  # the training checkpoint to export (a ternary model)
-    out: str = ""                # the file to write; "" = packed.pt (or model.gguf) beside --ckpt
-    format: str = "packed"       # packed (our 2-bit export, sample.py reads it) or gguf (llama.cpp's bitnet)
+    out: str = ""                # the file to write; "" = packed.pt (or model.gguf, or the directory hf) beside --ckpt
+    format: str = "packed"       # packed (our 2-bit export, sample.py reads it), gguf (llama.cpp's bitnet) or hf
+                                 # (a directory for transformers' BitNetForCausalLM)
     overwrite: bool = False      # replace what --out holds even if it is a checkpoint or another run's file
 
 
@@ -125,8 +131,11 @@ def export(ckpt_path, out_path):
 
 def main(argv):
     args = dataclasses.asdict(ExportConfig(**parse(argv, ExportConfig, __doc__)))
-    if args["format"] not in ("packed", "gguf"):
-        die(f"--format={args['format']}: expected packed (our 2-bit export) or gguf (llama.cpp)", 2)
+    if args["format"] not in ("packed", "gguf", "hf"):
+        die(f"--format={args['format']}: expected packed (our 2-bit export), gguf (llama.cpp) or hf (transformers)", 2)
+    if args["format"] == "hf":  # a directory, not a file: its own checks (_check_hf_out)
+        return export_hf(args["ckpt"], args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "hf"),
+                         args["overwrite"])
     out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt" if args["format"] == "packed"
                                            else "model.gguf")
     _check_paths(args["ckpt"], out_path, "packed.pt" if args["format"] == "packed" else "model.gguf")
@@ -353,6 +362,234 @@ def verify_gguf(path, model):
             if not np.array_equal(x, arr):
                 bad.append(f"{name}: {int((x != arr).sum())} of {arr.size} values differ")
     return bad
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face transformers' bitnet architecture: a directory that AutoModelForCausalLM.from_pretrained loads as
+# BitNetForCausalLM, its hidden matrices as transformers' BitLinear (integrations/bitnet.py). Checked against
+# transformers 5.24's source; the mapping, the packing and the scale convention are in docs/hf-format.md.
+#
+#   transformers' BitLinear:  y = (x_q @ W_q^T) / (s * weight_scale)    s = 127 / max|x| per token, as ours
+#   ours (quant.py):          y = (x_q @ W_q^T) * gamma / s             so weight_scale = 1 / gamma
+
+
+HF_FORMAT = "nanobitnet-hf-v1"  # in <out>/nanobitnet.json: the directory is an export of ours, and of which checkpoint
+HF_HIDDEN = {"attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
+             "attn.o_proj": "self_attn.o_proj", "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
+             "mlp.down_proj": "mlp.down_proj"}
+HF_NORMS = {"attn_norm": "input_layernorm", "attn.subln": "self_attn.attn_sub_norm",
+            "mlp_norm": "post_attention_layernorm", "mlp.subln": "mlp.ffn_sub_norm"}
+
+
+def pack_hf(w_q):
+    """(N, K) int8 in {-1,0,1} -> (N/4, K) uint8 in transformers' layout (integrations/bitnet.py pack_weights):
+    along the output dim N, in four blocks of N/4 rows; byte (r, k) holds W_q[r + j*N/4, k] at bits 2j..2j+1 as the
+    code W_q + 1. Ours (quant.pack_ternary) packs four consecutive k of one row instead."""
+    N, K = w_q.shape
+    codes = (w_q.to(torch.int16) + 1).to(torch.uint8).view(4, N // 4, K)  # codes[j]: rows j*N/4 .. (j+1)*N/4 - 1
+    return (codes[0] | codes[1] << 2 | codes[2] << 4 | codes[3] << 6).contiguous()  # (N/4, K)
+
+
+def hf_refusal(model):
+    """None if transformers' bitnet architecture computes what the model computes, else why not (one sentence)."""
+    c = model.config
+    if not c.quant:
+        return ("it is a full-precision model (quant=False, stage 1), and transformers' bitnet loads only ternary "
+                "weights; export a stage-2 checkpoint")
+    if any(float(m.lambda_) != 1.0 for m in model.modules() if hasattr(m, "lambda_")):
+        return ("the checkpoint is mid lambda warm-up (lambda < 1): it is not yet a ternary model; train past "
+                "--lambda_warmup_steps first")
+    if not c.causal:
+        return ("it is a masked-diffusion model (--stage=dlm): bidirectional attention and a mask token, which "
+                "transformers' bitnet would run as a causal next-token model; export its stage-2 checkpoint instead")
+    if not c.subln:
+        return ("transformers' bitnet has sub-norms before o_proj and down_proj (attn_sub_norm, ffn_sub_norm); this "
+                "model was trained without SubLN (--subln=False), so it has nothing to put there")
+    if c.n_embd % 4 or c.hidden_dim() % 4:
+        return (f"transformers packs four rows of a hidden matrix into each byte, so every output width must be a "
+                f"multiple of 4; this model has n_embd {c.n_embd} and MLP hidden {c.hidden_dim()}: train one with "
+                f"widths that are")
+    return None
+
+
+def hf_config(c):
+    """config.json of BitNetConfig (transformers/models/bitnet/configuration_bitnet.py) for our GPTConfig c."""
+    return {
+        "architectures": ["BitNetForCausalLM"],
+        "model_type": "bitnet",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.hidden_dim(),
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_head,       # no grouped-query attention
+        "head_dim": c.n_embd // c.n_head,
+        "hidden_act": "silu",                  # silu(gate) * up: our SwiGLU (BitNet 2B4T uses relu2)
+        "max_position_embeddings": c.block_size,
+        "rms_norm_eps": c.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},  # transformers >= 5 reads this
+        "rope_theta": c.rope_theta,            # transformers 4.x reads this; both would default to 500000
+        "attention_bias": False,
+        "tie_word_embeddings": c.tie_embeddings,
+        "bos_token_id": c.eot,                 # every training document starts with eot
+        "eos_token_id": c.eot,
+        "pad_token_id": None,
+        "dtype": "float32",                    # the embedding and norms as trained (dtype="auto" loads this)
+        "quantization_config": {
+            "quant_method": "bitnet",
+            "linear_class": "bitlinear",       # packed uint8 weights, y / (s * weight_scale); not autobitlinear
+            "quantization_mode": "offline",
+            "use_rms_norm": False,             # our norms are the model's own RMSNorm modules
+            "modules_to_not_convert": ["lm_head"],  # the head is the full-precision embedding (or its own fp matrix)
+        },
+    }
+
+
+def hf_tensors(model):
+    """{name in BitNetForCausalLM's state dict: tensor} for model.safetensors: each hidden matrix as pack_hf(W_q)
+    with weight_scale = 1/gamma (fp32, shape (1,)); the embedding, the norms (and an untied head) in fp32."""
+    c = model.config
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["norm_f.weight"]}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    for i in range(c.n_layer):
+        for ours, theirs in HF_HIDDEN.items():
+            w_q, gamma = weight_quant(sd[f"h.{i}.{ours}.weight"])
+            out[f"model.layers.{i}.{theirs}.weight"] = pack_hf(w_q)
+            out[f"model.layers.{i}.{theirs}.weight_scale"] = (1.0 / gamma).reshape(1)
+        for ours, theirs in HF_NORMS.items():
+            out[f"model.layers.{i}.{theirs}.weight"] = sd[f"h.{i}.{ours}.weight"]
+    return {k: v.contiguous().clone() for k, v in out.items()}  # clone: safetensors refuses shared storage
+
+
+def hf_tokenizer(tokenizer, block_size):
+    """{file name: text} of a GPT-2 tokenizer that AutoTokenizer loads offline (tokenizer.json, built from the shipped
+    data/gpt2.tiktoken ranks, merges recovered as for GGUF), or {} for the byte tokenizer (use token ids)."""
+    if tokenizer == "byte":
+        return {}
+    import gguf  # its bytes_to_unicode: GPT-2's byte -> printable character spelling, as in _add_vocab
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    import data
+    tok = data.get_tokenizer(tokenizer)
+    spell = gguf.vocab.bytes_to_unicode()
+    ranks = tok.enc._mergeable_ranks  # token bytes -> rank = id
+    by_id = sorted(ranks, key=ranks.get)
+    vocab = {"".join(spell[b] for b in t): i for i, t in enumerate(by_id)}
+    merges = [tuple("".join(spell[b] for b in p) for p in _split(ranks, t)) for t in by_id if len(t) > 1]
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split regex, then bytes
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens([AddedToken("<|endoftext|>", special=True)])  # id tok.eot = len(vocab)
+    assert bpe.token_to_id("<|endoftext|>") == tok.eot
+    eot = "<|endoftext|>"
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot, "eos_token": eot, "unk_token": eot,
+              "model_max_length": block_size, "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": bpe.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+def write_hf(model, tokenizer, out_dir, source=None):
+    """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") into the directory out_dir (made if
+    missing), replacing the files of those names; returns their names. ValueError if the format cannot hold it."""
+    from safetensors.torch import save_file
+    why = hf_refusal(model)
+    if why:
+        raise ValueError(why)
+    os.makedirs(out_dir, exist_ok=True)
+    texts = {"config.json": json.dumps(hf_config(model.config), indent=2) + "\n",
+             **hf_tokenizer(tokenizer, model.config.block_size)}
+    names = ["model.safetensors", *texts, "nanobitnet.json"]
+    marker = {"format": HF_FORMAT, "source": source, "tokenizer": tokenizer,
+              "model_args": dataclasses.asdict(model.config), "files": names}
+    texts["nanobitnet.json"] = json.dumps(marker, indent=2) + "\n"
+    path = os.path.join(out_dir, "model.safetensors")
+    save_file(hf_tensors(model), path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600; the other files get the usual permissions
+    for name, text in texts.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)
+    return names
+
+
+def read_hf_marker(out_dir):
+    """The nanobitnet.json of an earlier export of ours in out_dir, or None."""
+    try:
+        with open(os.path.join(out_dir, "nanobitnet.json")) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and marker.get("format") == HF_FORMAT else None
+
+
+def export_hf(ckpt_path, out_dir, overwrite=False):
+    """--format=hf: write into a fresh directory beside out_dir, then move each file into out_dir (so a failed
+    export leaves out_dir as it was), remove what an earlier export of ours there had and this one does not."""
+    import importlib.util
+    missing = [p for p in ("transformers", "safetensors", "tokenizers") if importlib.util.find_spec(p) is None]
+    if missing:
+        die(f"--format=hf needs {', '.join(missing)} (pip install -r requirements.txt)")
+    _check_hf_out(ckpt_path, out_dir, overwrite)
+    model, tokenizer = load_training_checkpoint(ckpt_path)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    earlier = read_hf_marker(out_dir)
+    tmp = None
+    with _stoppable(out_dir):
+        try:
+            tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
+            names = write_hf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
+            os.makedirs(out_dir, exist_ok=True)
+            for name in names:  # nanobitnet.json last: the directory is marked ours once the rest is in place
+                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+            for name in set(earlier["files"] if earlier else ()) - set(names):  # e.g. tokenizer.json of a gpt2 export
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(out_dir, os.path.basename(name)))
+        except ValueError as e:
+            die(f"{ckpt_path}: cannot export for transformers' bitnet: {e}")
+        except OSError as e:
+            die(f"--out={out_dir}: cannot write the export ({e.strerror or e}); free disk space or pass another --out")
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+    c = model.config
+    size = os.path.getsize(os.path.join(out_dir, "model.safetensors"))
+    print(f"wrote {out_dir}/ ({', '.join(names)}; model.safetensors {size / 1e6:.2f} MB): transformers' bitnet "
+          f"architecture, {7 * c.n_layer} hidden matrices packed 4 to a byte with weight_scale = 1/gamma, tokenizer "
+          f"{tokenizer}" + (" (token ids: no tokenizer files)" if tokenizer == "byte" else " (tokenizer.json)"))
+    print(f"  load: transformers.AutoModelForCausalLM.from_pretrained({out_dir!r})  (needs accelerate)")
+
+
+def _check_hf_out(ckpt, out, overwrite):
+    """--out of --format=hf is a directory: never a file; an existing non-empty one only if it is an earlier export
+    of ours from the same checkpoint, or with --overwrite=True (which replaces our file names and nothing else)."""
+    if os.path.isdir(ckpt):
+        die(f"--ckpt={ckpt} is a directory; pass the checkpoint file in it, e.g. "
+            f"--ckpt={os.path.join(ckpt, checkpoint.LATEST)}", 2)
+    if not os.path.exists(ckpt):
+        die(f"no checkpoint at {ckpt}; train one first: python train.py --stage=2")
+    if os.path.exists(out) and not os.path.isdir(out):
+        die(f"--out={out} is a file; --format=hf writes a directory (config.json, model.safetensors, ...): pass a "
+            f"new or empty directory, e.g. --out={os.path.join(os.path.dirname(ckpt), 'hf')}", 2)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        die(f"--out={out}: directory {parent} does not exist; create it (mkdir -p {parent}) or pass another --out")
+    if not os.path.isdir(out) or not os.listdir(out):
+        return
+    if os.path.samefile(out, os.path.dirname(os.path.abspath(ckpt))):
+        die(f"--out={out} is the directory of --ckpt={ckpt}; the export needs a directory of its own, e.g. "
+            f"--out={os.path.join(out, 'hf')}", 2)
+    marker = read_hf_marker(out)
+    if overwrite:
+        return
+    if marker is None:
+        found = sorted(os.listdir(out))
+        die(f"--out={out} is a directory with other files in it ({', '.join(found[:3])}{', ...' * (len(found) > 3)}), "
+            f"not an HF export of ours; pass a new or empty directory, or --overwrite=True to write our files into it "
+            f"(files of other names stay)", 2)
+    if marker.get("source") and os.path.abspath(marker["source"]) != os.path.abspath(ckpt):
+        die(f"--out={out} holds the HF export of another checkpoint ({marker['source']}); pass another --out, or "
+            f"--overwrite=True to replace it", 2)
 
 
 if __name__ == "__main__":
