@@ -135,13 +135,15 @@ class Progress:
 
     def tokens_added(self, n):
         self.tokens += n
-        now = time.time()
-        if now - self.last >= self.every:
-            self.last = now
-            frac, rate = (self.done + self.pos) / self.total, self.tokens / (now - self.t0)
-            left = (now - self.t0) * (1 - frac) / frac if frac > 0 else float("nan")
-            eta = f"{int(left // 60)}:{int(left % 60):02d}" if left == left else "?"
-            print(f"  {frac:5.1%} of the sources, {self.tokens:,} tokens, {rate:,.0f} tokens/s, {eta} left", flush=True)
+        if time.time() - self.last >= self.every:
+            self.show()
+
+    def show(self, done=False):
+        now = self.last = time.time()
+        frac, rate = 1.0 if done else (self.done + self.pos) / self.total, self.tokens / max(now - self.t0, 1e-9)
+        left = (now - self.t0) * (1 - frac) / frac if frac > 0 else float("nan")
+        eta = f"{int(left // 60)}:{int(left % 60):02d}" if left == left else "?"
+        print(f"  {frac:5.1%} of the sources, {self.tokens:,} tokens, {rate:,.0f} tokens/s, {eta} left", flush=True)
 
 
 def _chunks(docs, max_chars=1 << 22, max_docs=1024):
@@ -245,6 +247,7 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
                         train.add(held)
                     held = doc
                 i += 1
+        progress.show(done=True)
         if i < 2:  # checked before anything is written
             what = "empty corpus: no non-empty document" if i == 0 else "only one document"
             if cleaner is not None and cleaner.removed:
