@@ -450,6 +450,11 @@ def main(argv):
         return training_loop(run)
     except data.DataChanged as e:  # tools/prepare.py re-ran under us: stop; the last checkpoint resumes exactly
         die(str(e))
+    except RuntimeError as e:  # under torchrun: another rank died (a lost node), so a collective failed here
+        if run.rt.world == 1 or not isinstance(e, getattr(torch.distributed, "DistError", ())) and not any(
+                w in str(e) for w in ("gloo", "NCCL", "Connection", "connection")):
+            raise
+        plumbing.lost_rank(run, e)
     finally:
         if run.unlock:
             run.unlock()

@@ -10,6 +10,7 @@ Faults (separate several with ";"):
     hang_at=16          after the checkpoint of step 16 is written, print "hanging until killed" and sleep
     hang_in_setup=1     before the data loaders are built, print "setting up" and sleep (a signal test)
     slow_write=0.3      every write() into a checkpoint's .tmp file flushes, then sleeps this many seconds
+    die_rank=1@3        under torchrun, rank 1 exits at once (os._exit) when it starts step 3, as a lost node would
 """
 
 import builtins
@@ -28,7 +29,7 @@ def parse(spec):
     faults = {}
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         key, _, value = item.partition("=")
-        if key not in ("nan_steps", "nan_weights_after", "hang_at", "hang_in_setup", "slow_write"):
+        if key not in ("nan_steps", "nan_weights_after", "hang_at", "hang_in_setup", "slow_write", "die_rank"):
             sys.exit(f"tests/faults.py: unknown fault {key!r} in NANOBITNET_FAULTS={spec!r}")
         faults[key] = value
     return faults
@@ -111,6 +112,16 @@ def inject_slow_write(delay):
     checkpoint.open = slow_open  # found before the builtin by checkpoint.atomic_save's `open`
 
 
+def inject_die_rank(rank, at):
+    real_step = train.train_step
+
+    def train_step(run, step, *args, **kwargs):
+        if run.rt.rank == rank and step + 1 == at:
+            os._exit(1)
+        return real_step(run, step, *args, **kwargs)
+    train.train_step = train_step
+
+
 if __name__ == "__main__":
     faults = parse(os.environ.get("NANOBITNET_FAULTS", ""))
     if "nan_steps" in faults:
@@ -123,4 +134,7 @@ if __name__ == "__main__":
         inject_hang(int(faults["hang_at"]))
     if "slow_write" in faults:
         inject_slow_write(float(faults["slow_write"]))
+    if "die_rank" in faults:
+        rank, _, at = faults["die_rank"].partition("@")
+        inject_die_rank(int(rank), int(at))
     train.main(sys.argv[1:])

@@ -215,3 +215,16 @@ def test_the_cuda_preset_global_batch_runs_unchanged_on_1_2_4_and_8_gpus(tmp_pat
                 check_run(cfg, rt, str(tmp_path / "run"), [])
             err = capsys.readouterr().err
             assert e.value.code == 2 and f"multiple of {world}" in err and "--grad_accum=" in err
+
+
+def test_a_lost_rank_is_one_line_on_rank_0_naming_the_checkpoint_to_resume(tmp_path):
+    """Rank 1 exits at once at step 3 (tests/faults.py die_rank), as a lost node would: rank 0's collective fails,
+    and it says so in one line with the checkpoint of step 2 to resume from, not a gloo traceback."""
+    out = str(tmp_path)
+    p = run_train(f"--out_dir={out}", "--stage=2", *TINY, "--max_iters=6", "--eval_interval=2", "--grad_accum=2",
+                  faults="die_rank=1@3", launch=[*TORCHRUN, "--nproc_per_node=2"], rc=None)
+    assert p.returncode != 0
+    rank0 = [line for line in p.stderr.splitlines() if line.startswith(("[rank0]", "error: "))]
+    assert len(rank0) == 1 and rank0[0].startswith("error: lost contact with another rank"), p.stderr[-3000:]
+    assert os.path.join(out, "stage2", "ckpt.pt") in rank0[0] and "(step 2)" in rank0[0] and "--resume=True" in rank0[0]
+    assert torch.load(os.path.join(out, "stage2", "ckpt.pt"), weights_only=True)["step"] == 2

@@ -240,6 +240,17 @@ def save(run, step):
     run.rt.barrier()
 
 
+def lost_rank(run, e):
+    """A collective failed because another rank stopped: one line per rank instead of a traceback, naming the
+    checkpoint the whole job resumes from (torchrun's own summary names the rank that exited first)."""
+    why = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:160]
+    step = checkpoint.load(run.ckpt_path, ("step",))["step"] if os.path.exists(run.ckpt_path) else None
+    resume = (f"restart all {run.rt.world} ranks with the same torchrun command and --resume=True to continue from "
+              f"{run.ckpt_path} (step {step})") if step is not None else "no checkpoint was written yet; start again"
+    die(f"lost contact with another rank of this {run.rt.world}-process run ({why}); torchrun's summary names the "
+        f"rank that stopped; {resume}")
+
+
 # -----------------------------------------------------------------------------
 # evaluation and the log lines
 
