@@ -195,9 +195,15 @@ def report(path, kind):
             cleaner.keep(f.read())
         return cleaner.report()
     with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             if line.strip():
-                cleaner.keep(json.loads(line)["text"])
+                try:
+                    text = json.loads(line)["text"]
+                except (ValueError, KeyError, TypeError):
+                    text = None
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a string \"text\" field")
+                cleaner.keep(text)
     return cleaner.report()
 
 
