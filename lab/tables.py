@@ -192,7 +192,7 @@ def _order_table():
 
 
 def _mix_table():
-    """Prose + code mixes (the source notes' mixing by weight): the per-source trade-off."""
+    """Prose + code mixes (mixing sources by weight): the per-source trade-off."""
     rows = [Row("prose", "Shakespeare only", "--stage=2 --init_from=scratch --data=shakespeare")]
     rows += [Row(f"code{p}", f"Shakespeare {100 - p}% + Python {p}%",
                  f"--stage=2 --init_from=scratch --data=shakespeare:{(100 - p) / 100},python:{p / 100}")

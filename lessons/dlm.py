@@ -8,7 +8,7 @@ from an AR one instead of training from scratch. Three pieces, each a function b
 
 1. The mask token (add_mask_token). The trained model gets one more embedding row (the tied head gets it too),
    id = the old vocabulary size, initialised to the MEAN of the existing rows (init="mean") or at random
-   (init="random"; the source notes' failure case, which at our scale converts no worse: see add_mask_token).
+   (init="random", which converts no worse than the mean at our scale: see add_mask_token).
    The mask id is never a prediction: its logit is set to -inf in the loss and in the sampler.
 2. The objective (masked_diffusion_loss), LLaDA's estimator of the negative ELBO:
        t ~ U(0, 1) per sequence,  p = (1 - eps)·t + eps  (eps = 1e-3),  each token masked independently with p

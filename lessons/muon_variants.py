@@ -1,5 +1,5 @@
 """
-Three additions to Muon from the source notes: NorMuon, 8-bit momentum, and QK-clip (MuonClip). muon.py is the
+Three additions to Muon: NorMuon, 8-bit momentum, and QK-clip (MuonClip). muon.py is the
 optimizer they build on (NS5, the momentum update, the lr adjustment); this file imports it, as model.py imports
 quant.py, and adds only what differs.
 
