@@ -13,9 +13,8 @@ Version 1 is llm.c's GPT-2 shard byte for byte; version 2 is ours (llm.c marks i
 Every document is stored as [eot] + tokens: the end-of-text token is PREPENDED, as in llm.c's fineweb.py, so it
 marks where a document starts, and the document ids of a packed row are doc_id = cumsum(tokens == eot).
 
-Tokenisers: "byte" (UTF-8 bytes 0..255, eot 256, vocab 257) and "gpt2" (tiktoken, built from the shipped
-data/gpt2.tiktoken since tiktoken cannot download it offline; eot 50256, vocab 50257). Copied alone into another
-project, this file needs only numpy and torch; gpt2 also needs tiktoken and data/gpt2.tiktoken beside it.
+The tokenisers that make the ids are in tokenizer.py. Copied alone into another project, this file needs only
+numpy and torch.
 
 Run:
     python -m tools.prepare --tokenizer=byte    # writes data/shakespeare_byte/ (see tools/prepare.py for your own corpus)
@@ -35,6 +34,7 @@ import torch
 MAGIC = 20240520
 HEADER_BYTES = 256 * 4
 VERSION_DTYPE = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
+DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # the shipped corpora, default shards
 
 # -----------------------------------------------------------------------------
 # shards
@@ -242,83 +242,13 @@ def window_difficulty(shards, lengths, T):
     return np.concatenate(out)
 
 # -----------------------------------------------------------------------------
-# tokenisers
-
-TOKENIZERS = ("byte", "gpt2")
-GPT2_RANKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")  # shipped
-GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens; 256 is the end-of-text token."""
-    name, eot, vocab_size = "byte", 256, 257
-
-    def encode(self, text):
-        return list(text.encode("utf-8"))
-
-    def encode_batch(self, texts):
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).tolist() for t in texts]
-
-    def decode(self, ids):
-        # eot (or any id >= 256) is not a byte: drop it rather than fail in the middle of a sample
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-    def decode_bytes(self, ids):
-        ids = np.asarray(ids)
-        return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()
-
-
-class GPT2Tokenizer:
-    """GPT-2 byte-level BPE via tiktoken; encodes exactly as tiktoken.get_encoding("gpt2")."""
-    name, eot, vocab_size = "gpt2", 50256, 50257
-
-    def __init__(self):
-        try:  # here, not at the top: the byte tokenizer, shards and loader work without tiktoken
-            import tiktoken
-            import tiktoken.load
-        except ImportError:
-            raise ImportError("the gpt2 tokenizer needs tiktoken: pip install tiktoken (or use the byte "
-                              "tokenizer, which needs nothing)") from None
-        if not os.path.isfile(GPT2_RANKS):
-            raise FileNotFoundError(
-                f"{GPT2_RANKS}: missing. The GPT-2 vocabulary is the file data/gpt2.tiktoken that ships with "
-                f"nanoBitNet (tiktoken cannot download it offline), read from the data/ folder beside data.py; "
-                f"copy it there, or use the byte tokenizer")
-        ranks = tiktoken.load.load_tiktoken_bpe(GPT2_RANKS)
-        self.enc = tiktoken.Encoding("gpt2", pat_str=GPT2_PAT, mergeable_ranks=ranks,
-                                     special_tokens={"<|endoftext|>": self.eot}, explicit_n_vocab=self.vocab_size)
-
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)  # "<|endoftext|>" in a text is plain text, never 50256
-
-    def encode_batch(self, texts):
-        return self.enc.encode_ordinary_batch(list(texts), num_threads=os.cpu_count())
-
-    def decode(self, ids):
-        return self.enc.decode(list(ids), errors="replace")
-
-    def decode_bytes(self, ids):
-        return self.enc.decode_bytes([int(i) for i in ids if i != self.eot])
-
-
-_tokenizers = {}  # loading the gpt2 ranks takes a moment: build each tokenizer once
-
-
-def get_tokenizer(name):
-    if name not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {name!r}; valid: {', '.join(TOKENIZERS)}")
-    if name not in _tokenizers:
-        _tokenizers[name] = ByteTokenizer() if name == "byte" else GPT2Tokenizer()
-    return _tokenizers[name]
-
-# -----------------------------------------------------------------------------
 # validation: every check that turns a bad file or argument into one line saying what to do
 
 
 def _remake_hint(path):
     """The command that re-creates the shard at path, from the meta.json beside it when there is one."""
     d = os.path.dirname(path) or "."
-    shipped = os.path.join(os.path.dirname(GPT2_RANKS), "shakespeare.jsonl.gz")  # tools/prepare.py's default source
+    shipped = os.path.join(DATA_DIR, "shakespeare.jsonl.gz")  # tools/prepare.py's default source
     try:
         with open(os.path.join(d, "meta.json")) as f:
             meta = json.load(f)
@@ -516,7 +446,7 @@ if __name__ == "__main__":
         print(f"error: data.py takes no flags; tokenising is: python -m tools.prepare {' '.join(sys.argv[1:])}",
               file=sys.stderr)
         sys.exit(2)
-    d = os.path.join(os.path.dirname(GPT2_RANKS), "shakespeare_byte")
+    d = os.path.join(DATA_DIR, "shakespeare_byte")
     if not os.path.exists(os.path.join(d, "meta.json")):
         print(f"error: no shards in {d}; make them first: python -m tools.prepare --tokenizer=byte", file=sys.stderr)
         sys.exit(1)
@@ -525,4 +455,4 @@ if __name__ == "__main__":
     x, y = DataLoader(d, "train", B=2, T=48, order="sequential").next_batch()  # (2, 48) each; y = x shifted by one
     for b in range(2):
         print(f"row {b}: x[:8] = {x[b, :8].tolist()}, y[:8] = {y[b, :8].tolist()}\n"
-              f"       decoded: {get_tokenizer('byte').decode(x[b].tolist())!r}")
+              f"       decoded: {bytes(t for t in x[b].tolist() if t < 256).decode('utf-8', 'replace')!r}")

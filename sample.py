@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from tools import checkpoint
-import data
+from tokenizer import get_tokenizer
 from lessons import dlm
 from tools.export import FORMAT, model_from_packed
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
@@ -204,7 +204,7 @@ def _check_tokenizer(path, name, vocab_size):
     """The tokenizer a file names, if the model's vocabulary is its vocabulary (or that padded up to a multiple
     of 64, --pad_vocab); otherwise sampled ids would decode to wrong text, or the prompt index past the embedding."""
     try:
-        tok = data.get_tokenizer(name)
+        tok = get_tokenizer(name)
     except ValueError as e:
         die(f"{path}: {e}; the file was not written by train.py or tools/export.py")
     if not tok.vocab_size <= vocab_size <= 64 * math.ceil(tok.vocab_size / 64):

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 import data
+from tokenizer import get_tokenizer
 from distill import match_layers
 from lessons import dlm
 from lessons.averaging import CheckpointAverage
@@ -398,7 +399,7 @@ def build(run, resume, teachers):
     if earlier and not cfg.overwrite:
         die(f"{run.out_dir} already holds a run ({', '.join(earlier[:3])}); continue it with --resume=True, "
             f"replace it with --overwrite=True, or keep it and pass another --run_name")
-    tok = data.get_tokenizer(cfg.tokenizer)
+    tok = get_tokenizer(cfg.tokenizer)
     conf = model_config(cfg, tok.vocab_size, tok.eot)
     run.start = starting_weights(cfg, conf, resume, run.ckpt_path)
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import data
+from tokenizer import get_tokenizer
 from tools import export
 from tools.flags import die, parse
 
@@ -52,7 +53,7 @@ def main(argv):
     model.eval()
     path = args["gguf"] or os.path.join(os.path.dirname(args["ckpt"]), "model.gguf")
     export.export_gguf(args["ckpt"], path)
-    T, tok = model.config.block_size, data.get_tokenizer(tokenizer)
+    T, tok = model.config.block_size, get_tokenizer(tokenizer)
     val = np.asarray(data.read_shard(os.path.join(ROOT, "data", f"shakespeare_{tokenizer}", "val_000.bin")), np.int64)
     n = min(args["windows"], (len(val) - 1) // T)
     rows = torch.from_numpy(np.stack([val[i * T:i * T + T + 1] for i in range(n)]))  # (n, T+1)

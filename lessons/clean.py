@@ -187,27 +187,11 @@ class Cleaner:
                     chars_out=self.chars_out, seconds=round(self.seconds, 3))
 
 
-def report(path, kind):
-    """Clean the documents of a .txt (one document) or .jsonl(.gz) file ({"text": ...} per line); the report."""
-    cleaner = Cleaner(kind)
-    if path.endswith(".txt"):
-        with open(path, encoding="utf-8") as f:
-            cleaner.keep(f.read())
-        return cleaner.report()
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    text = json.loads(line)["text"]
-                except (ValueError, KeyError, TypeError):
-                    text = None
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a string \"text\" field")
-                cleaner.keep(text)
-    return cleaner.report()
-
-
-if __name__ == "__main__":  # the demo: the shipped code corpus, cleaned as code; nothing is written
+if __name__ == "__main__":  # the demo: the shipped code corpus ({"text": ...} per line), cleaned as code; nothing written
     import os
-    print(report(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "python.jsonl.gz"),
-                 "code"))
+    cleaner = Cleaner("code")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "python.jsonl.gz")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            cleaner.keep(json.loads(line)["text"])
+    print(cleaner.report())

@@ -175,9 +175,3 @@ def test_clean_and_prepare_command_lines_print_the_report(tmp_path):
                          text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "prose, code, dedup, none" in bad.stderr
 
-
-def test_report_names_the_line_of_a_bad_jsonl_document(tmp_path):
-    path = tmp_path / "docs.jsonl"
-    path.write_text('{"text": "a fine document of words"}\n\n{"text": 3}\n')
-    with pytest.raises(ValueError, match=r"docs\.jsonl:3: expected a JSON object"):
-        clean.report(str(path), "prose")

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import data
+from tokenizer import GPT2_RANKS, get_tokenizer
 from conftest import ENV, ROOT
 
 SHIPPED_CORPUS = os.path.join(ROOT, "data", "shakespeare.jsonl.gz")
@@ -327,14 +328,14 @@ def test_shipped_assets_are_the_documented_files_inside_the_repo():
     expected = {"gpt2.tiktoken": "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930",
                 "shakespeare.jsonl.gz": "9341b58f5b2795fe9e17259d9cba5c0fe5d7f9d8eab2e2db796c81d586903aeb",
                 "python.jsonl.gz": "29456fd35da3476c7975cf5433899412ef7e5ce6bdd078a004b2a039bac44399"}
-    assert data.GPT2_RANKS == os.path.join(ROOT, "data", "gpt2.tiktoken")
+    assert GPT2_RANKS == os.path.join(ROOT, "data", "gpt2.tiktoken")
     for name, sha in expected.items():
         with open(os.path.join(ROOT, "data", name), "rb") as f:
             assert hashlib.sha256(f.read()).hexdigest() == sha, name
 
 
 def test_gpt2_known_token_ids():
-    tok = data.get_tokenizer("gpt2")
+    tok = get_tokenizer("gpt2")
     assert (tok.name, tok.eot, tok.vocab_size) == ("gpt2", 50256, 50257)
     assert tok.encode("Hello world") == [15496, 995]
     assert tok.encode("hello world") == [31373, 995]  # tiktoken's documented example
@@ -361,24 +362,24 @@ def _pure_python_gpt2(text, ranks):
 
 
 def test_gpt2_matches_pure_python_bpe_on_shakespeare():
-    with open(data.GPT2_RANKS, "rb") as f:
+    with open(GPT2_RANKS, "rb") as f:
         ranks = {base64.b64decode(tok): int(r) for tok, r in (line.split() for line in f if line.strip())}
     assert len(ranks) == 50256
     with gzip.open(SHIPPED_CORPUS, "rt", encoding="utf-8") as f:
         text = json.loads(f.readline())["text"][:4000]
     assert text.isascii()
-    assert data.get_tokenizer("gpt2").encode(text) == _pure_python_gpt2(text, ranks)
+    assert get_tokenizer("gpt2").encode(text) == _pure_python_gpt2(text, ranks)
 
 
 def test_gpt2_round_trips_unicode_and_batches_like_single_calls():
-    tok = data.get_tokenizer("gpt2")
+    tok = get_tokenizer("gpt2")
     texts = ["naïve café — Tōkyō 東京 🙂\n\ttabs  and   spaces ", "Hello world", ""]
     assert [tok.decode(tok.encode(s)) for s in texts] == texts
     assert tok.encode_batch(texts) == [tok.encode(s) for s in texts]
 
 
 def test_byte_tokenizer_round_trip_eot_and_vocab():
-    tok = data.get_tokenizer("byte")
+    tok = get_tokenizer("byte")
     assert (tok.name, tok.eot, tok.vocab_size) == ("byte", 256, 257)
     s = "naïve 東京 🙂\n"
     assert tok.encode(s) == list(s.encode("utf-8"))
@@ -390,7 +391,7 @@ def test_byte_tokenizer_round_trip_eot_and_vocab():
 
 def test_get_tokenizer_rejects_unknown_name_and_lists_valid_ones():
     with pytest.raises(ValueError, match="byte, gpt2"):
-        data.get_tokenizer("sentencepiece")
+        get_tokenizer("sentencepiece")
 
 # -----------------------------------------------------------------------------
 # the module as a file to copy
@@ -400,39 +401,47 @@ def _python(*args):
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=120)
 
 
-def _data_py_alone(tmp_path, script, tiktoken=True):
-    """Run script beside a copy of data.py alone in an empty directory, as when it is copied into another
-    project (no data/ folder, no other repository file importable); tiktoken=False makes importing it fail."""
+def _copied_alone(tmp_path, script, tiktoken=True, files=("data.py", "tokenizer.py")):
+    """Run script beside copies of data.py and tokenizer.py alone in an empty directory, as when they are copied
+    into another project (no data/ folder, no other repository file importable); tiktoken=False makes importing
+    it fail."""
     alone = tmp_path / "project"
-    alone.mkdir(exist_ok=True)
-    shutil.copy(os.path.join(ROOT, "data.py"), alone)
+    shutil.rmtree(alone, ignore_errors=True)
+    alone.mkdir()
+    for name in files:
+        shutil.copy(os.path.join(ROOT, name), alone)
     prelude = "import sys\n" + ("" if tiktoken else 'sys.modules["tiktoken"] = None  # import tiktoken now fails\n')
     env = {k: v for k, v in ENV.items() if k != "PYTHONPATH"}
     return subprocess.run([sys.executable, "-c", prelude + script], cwd=alone, capture_output=True, text=True,
                           env=env, timeout=120), alone
 
 
-def test_data_py_copied_alone_works_without_tiktoken_until_gpt2_is_asked_for(tmp_path):
+def test_data_and_tokenizer_copied_alone_work_without_tiktoken_until_gpt2_is_asked_for(tmp_path):
     shards = tmp_path / "shards"
     shards.mkdir()
-    script = f"""import data
+    script = f"""import data, tokenizer
 print(data.__file__)
-data.write_shard({str(shards / "train_000.bin")!r}, [256] + data.get_tokenizer("byte").encode("hello"))
+data.write_shard({str(shards / "train_000.bin")!r}, [256] + tokenizer.get_tokenizer("byte").encode("hello"))
 x, y = data.DataLoader({str(shards)!r}, "train", B=1, T=5).next_batch()
-print(data.get_tokenizer("byte").decode(x[0].tolist() + y[0, -1:].tolist()))
+print(tokenizer.get_tokenizer("byte").decode(x[0].tolist() + y[0, -1:].tolist()))
 try:
-    data.get_tokenizer("gpt2")
+    tokenizer.get_tokenizer("gpt2")
 except (ImportError, FileNotFoundError) as e:
     print(type(e).__name__, e)"""
-    p, alone = _data_py_alone(tmp_path, script, tiktoken=False)
+    p, alone = _copied_alone(tmp_path, script, tiktoken=False)
     out = p.stdout.split("\n")
     assert p.returncode == 0 and out[:2] == [str(alone / "data.py"), "hello"], p.stdout + p.stderr
     assert out[2].startswith("ImportError") and "pip install tiktoken" in out[2], out[2]
     # with tiktoken, the missing vocabulary file: where it comes from, and that tiktoken cannot fetch it offline
-    p, _ = _data_py_alone(tmp_path, script)
+    p, _ = _copied_alone(tmp_path, script)
     err = p.stdout.split("\n")[2]
     assert err.startswith("FileNotFoundError") and str(alone / "data" / "gpt2.tiktoken") in err, p.stdout + p.stderr
     assert "data/gpt2.tiktoken" in err and "ships with nanoBitNet" in err and "offline" in err and "byte" in err, err
+    # data.py needs no tokenizer at all: shards and the loader work with it alone
+    p, _ = _copied_alone(tmp_path, f"""import data
+data.write_shard({str(shards / "train_000.bin")!r}, [256, 104, 105, 33, 10, 256, 104, 105])
+print(data.DataLoader({str(shards)!r}, "train", B=1, T=5).next_batch()[0].tolist())""", files=("data.py",))
+    assert p.returncode == 0 and p.stdout.strip() == "[[256, 104, 105, 33, 10]]", p.stdout + p.stderr
 
 
 def test_data_py_with_the_old_tokenising_flags_points_to_prepare_py():
@@ -559,7 +568,7 @@ def test_difficulty_is_the_zlib_ratio_of_each_chunk_and_prepare_writes_it(tmp_pa
     import zlib
 
     from tools import prepare
-    tok = data.get_tokenizer("byte")
+    tok = get_tokenizer("byte")
     rep, varied = b"ab" * 128, bytes(np.random.default_rng(0).integers(32, 127, 256, dtype=np.uint8))
     scores = prepare.difficulty(np.frombuffer(rep + varied, dtype=np.uint8).astype(np.int64), tok.decode_bytes)
     assert scores.tolist() == pytest.approx([len(zlib.compress(rep, 9)) / 256, len(zlib.compress(varied, 9)) / 256])

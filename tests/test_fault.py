@@ -254,7 +254,7 @@ def test_a_diffusion_checkpoint_as_teacher_is_named_as_such(saved, tmp_path, cap
     ckpt["model_args"] = dict(ckpt["model_args"], causal=False, vocab_size=ckpt["model_args"]["vocab_size"] + 1)
     teacher = str(tmp_path / "dlm_ckpt.pt")
     torch.save(ckpt, teacher)
-    msg = fails(capsys, "--stage=3", f"--init_from=scratch", f"--teacher={teacher}", *TINY,
+    msg = fails(capsys, "--stage=3", "--init_from=scratch", f"--teacher={teacher}", *TINY,
                 f"--out_dir={tmp_path / 'o'}", code=2)
     assert teacher in msg and "masked-diffusion" in msg and "--tokenizer" not in msg, msg
 

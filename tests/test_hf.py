@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitNetForCausalLM 
 from transformers.integrations.bitnet import BitLinear as HfBitLinear, pack_weights  # noqa: E402
 
 import data
+from tokenizer import ByteTokenizer, get_tokenizer
 import quant
 from conftest import ROOT, TINY, fails, run
 from model import GPT, GPTConfig
@@ -120,8 +121,8 @@ def test_gpt2_tokenizer_encodes_as_ours_in_a_padded_vocabulary(tmp_path):
     out = str(tmp_path / "hf")
     export.write_hf(m, "gpt2", out)
     tok = AutoTokenizer.from_pretrained(out)
-    ours = data.get_tokenizer("gpt2")
-    text = data.ByteTokenizer().decode(data.read_shard(VAL)[:20000])  # real text, with its newlines and spaces
+    ours = get_tokenizer("gpt2")
+    text = ByteTokenizer().decode(data.read_shard(VAL)[:20000])  # real text, with its newlines and spaces
     text += " Ünïcödé, 'll 've  tabs\t\tand 12345 digits  \n\n  "
     ids = tok(text)["input_ids"]
     assert ids == ours.encode(text) and tok.decode(ids) == text

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import data
+from tokenizer import get_tokenizer
 from tools import prepare
 from conftest import ENV, ROOT
 
@@ -81,7 +82,7 @@ def test_read_shard_error_says_how_to_remake_a_prepared_dataset(tmp_path):
 @pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
 def test_prepare_splits_by_document_with_eot_prepended(tmp_path, tokenizer):
     d = _write_corpus(tmp_path)
-    tok = data.get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer)
     sources = [str(d / "a.txt"), str(d / "b.jsonl"), str(d / "c.*")]  # a glob too
     out = prepare.prepare(sources, tokenizer=tokenizer, out_dir=str(tmp_path / "out"), val_every=3, shard_tokens=16)
     val_idx = [2, 5]  # i % 3 == 2
@@ -110,8 +111,8 @@ def test_prepare_is_deterministic_and_expands_globs_in_sorted_order(tmp_path):
         (d / name).write_text(name)
     outs = [prepare.prepare([str(d / "doc*.txt")], out_dir=str(tmp_path / f"o{k}"), val_every=2) for k in range(2)]
     train, val = (bytes(np.concatenate(_read_split(outs[0], s))) for s in ("train", "val"))
-    assert data.get_tokenizer("byte").decode(np.frombuffer(val, np.uint16).tolist()) == "doc10.txt"
-    assert data.get_tokenizer("byte").decode(np.frombuffer(train, np.uint16).tolist()) == "doc1.txtdoc2.txt"
+    assert get_tokenizer("byte").decode(np.frombuffer(val, np.uint16).tolist()) == "doc10.txt"
+    assert get_tokenizer("byte").decode(np.frombuffer(train, np.uint16).tolist()) == "doc1.txtdoc2.txt"
     for name in os.listdir(outs[0]):
         if name.endswith(".bin"):
             assert (tmp_path / "o0" / name).read_bytes() == (tmp_path / "o1" / name).read_bytes()
@@ -120,7 +121,7 @@ def test_prepare_is_deterministic_and_expands_globs_in_sorted_order(tmp_path):
 def test_prepare_puts_last_document_in_val_when_val_every_exceeds_the_corpus(tmp_path):
     d = _write_corpus(tmp_path)
     out = prepare.prepare([str(d / "b.jsonl")], out_dir=str(tmp_path / "o"), val_every=20)
-    tok = data.get_tokenizer("byte")
+    tok = get_tokenizer("byte")
     np.testing.assert_array_equal(np.concatenate(_read_split(out, "val")), [256] + tok.encode("Fourth."))
     assert (np.concatenate(_read_split(out, "train")) == 256).sum() == 2
 
@@ -462,7 +463,7 @@ def test_progress_reports_the_fraction_tokens_per_second_and_time_left(tmp_path,
 def test_llmc_shards_are_adopted_without_re_tokenising_and_train(tmp_path, capsys):
     src = tmp_path / "fineweb10B"
     src.mkdir()
-    tok = data.get_tokenizer("gpt2")
+    tok = get_tokenizer("gpt2")
     text = open(os.path.join(ROOT, "data", "README.md"), encoding="utf-8").read()
     doc = [tok.eot] + tok.encode(text)
     ids = np.array(doc * (9000 // len(doc) + 1), dtype=np.uint16)  # llm.c writes uint16 GPT-2 ids

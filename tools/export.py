@@ -307,9 +307,9 @@ def write_gguf(model, tokenizer, path):
 def _add_vocab(w, tokenizer, n_vocab):
     """GPT-2-style vocabulary metadata: tokens in GPT-2's byte-to-unicode spelling, types, merges, BOS/EOS."""
     import gguf
-    import data  # the tokenizers (data.py needs tiktoken only for gpt2)
+    from tokenizer import get_tokenizer  # tiktoken only for gpt2
     spell = gguf.vocab.bytes_to_unicode()  # byte -> printable character, e.g. 0x20 -> "Ġ"
-    tok = data.get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer)
     if tokenizer == "byte":
         tokens = [spell[b] for b in range(256)]
         merges = ["ĠĠ ĠĠ"]  # never fires: no merge makes "ĠĠ"; llama.cpp needs a non-empty merges key
@@ -470,8 +470,8 @@ def hf_tokenizer(tokenizer, block_size):
         return {}
     import gguf  # its bytes_to_unicode: GPT-2's byte -> printable character spelling, as in _add_vocab
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    import data
-    tok = data.get_tokenizer(tokenizer)
+    from tokenizer import get_tokenizer
+    tok = get_tokenizer(tokenizer)
     spell = gguf.vocab.bytes_to_unicode()
     ranks = tok.enc._mergeable_ranks  # token bytes -> rank = id
     by_id = sorted(ranks, key=ranks.get)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import data
+from tokenizer import TOKENIZERS, get_tokenizer
 from lessons import clean
 from tools.flags import die, parse
 
@@ -212,7 +213,7 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     then replaces out_dir whole, so a failed run leaves an older dataset intact. A ValueError says what went
     wrong in one line (a bad source, a full disk); out_dir is then as it was."""
     t0 = time.time()
-    tok = data.get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer)
     if val_every < 2 or shard_tokens < 1:
         raise ValueError(f"need val_every >= 2 (got {val_every}) and shard_tokens >= 1 (got {shard_tokens})")
     if corpus not in CORPORA:
@@ -288,7 +289,7 @@ def adopt(src, out_dir, tokenizer):
     fineweb_val_*.bin: the header format is ours) without re-tokenising: each shard's header and size checked,
     its ids checked against the tokenizer's vocabulary, then hard-linked (copied across file systems) in order
     as train_000.bin, ... and val_000.bin, ..., with a meta.json. No difficulty scores: not for --data_order=curriculum."""
-    tok = data.get_tokenizer(tokenizer)
+    tok = get_tokenizer(tokenizer)
     if not os.path.isdir(src):
         raise ValueError(f"--adopt={src}: not a directory; pass the directory that holds the .bin shards")
     found = {"train": [], "val": []}
@@ -350,7 +351,7 @@ def default_out_dir(sources, paths, tokenizer_name, corpus="shakespeare"):
 
 def tokenize_throughput(tokenizer_name):
     """Tokens per second of encode_batch on the shipped Shakespeare corpus (reading the file is not timed)."""
-    tok = data.get_tokenizer(tokenizer_name)
+    tok = get_tokenizer(tokenizer_name)
     texts = list(iter_documents([SHAKESPEARE]))
     tok.encode_batch(texts[:1])  # warm-up
     t0 = time.perf_counter()
@@ -542,7 +543,7 @@ def main(argv):
     for key in ("val_every", "shard_tokens"):
         if opts[key] < 1:
             die(f"--{key}={opts[key]}: expected an integer >= 1", 2)
-    for key, valid in (("tokenizer", data.TOKENIZERS), ("corpus", CORPORA), ("clean", CLEAN)):
+    for key, valid in (("tokenizer", TOKENIZERS), ("corpus", CORPORA), ("clean", CLEAN)):
         if opts[key] is not None and opts[key] not in valid:
             die(f"--{key}={opts[key]}: expected one of {', '.join(valid)}", 2)
     # only here, not in prepare(): train.py calls prepare() and has its own signal handling
@@ -569,7 +570,7 @@ def main(argv):
         if main_thread:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     sample = data.read_shard(os.path.join(out_dir, "train_000.bin"))[:48].tolist()
-    print(f"first train tokens: {sample}\ndecoded: {data.get_tokenizer(opts['tokenizer']).decode(sample)!r}")
+    print(f"first train tokens: {sample}\ndecoded: {get_tokenizer(opts['tokenizer']).decode(sample)!r}")
     return 0
 
 
