@@ -27,23 +27,20 @@ import dataclasses
 import math
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
 
 import data
 from tokenizer import get_tokenizer
 from distill import match_layers
-from lessons import dlm
-from lessons.averaging import CheckpointAverage
 from lessons.muon_variants import max_logit, qk_clip, reset_max_logit
-from model import GPT, GPTConfig
+from model import GPT
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tools import checkpoint, plumbing
-from tools.config import (DLM, TrainConfig, build_config, check_resume, check_run, model_config, parse_args,
+from tools.config import (DLM, build_config, check_resume, check_run, model_config, parse_args,
                           stage_dir, teacher_paths)
 from tools.flags import die
-from tools.plumbing import estimate_val_loss, log_eval, log_step, optimizer_step, read_step, save
+from tools.plumbing import Run, Start, estimate_val_loss, log_eval, log_step, optimizer_step, read_step, save
 from tools.runtime import Runtime, StepTimer
 from zclip import ZClip
 
@@ -229,15 +226,6 @@ def unfinished_warmup(run, step):
 # where each run starts (the three-stage recipe), and each stage's loss
 
 
-@dataclass
-class Start:
-    step: int = 0              # > 0 when resuming
-    ckpt: dict = None          # the checkpoint whose weights the model loads (None: from scratch)
-    path: str = ""             # where that checkpoint is
-    insert_subln: bool = False  # load fp weights without SubLN; the SubLN gains keep their unit init
-    note: str = ""             # what the run says about it
-
-
 def starting_weights(cfg, conf, resume_ckpt, resume_path):
     """The three-stage recipe (after BitDistill, arXiv 2510.13998: SubLN refinement, continued pre-training,
     distillation) decides where a run starts:
@@ -253,7 +241,7 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
         return Start(resume_ckpt["step"], resume_ckpt, resume_path,
                      note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
     if cfg.stage == DLM:
-        return dlm_start(cfg, conf)
+        return plumbing.dlm_start(cfg, conf)
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
         return Start(note=f"stage {cfg.stage}: training from scratch")
     path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
@@ -270,7 +258,7 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
     insert = cfg.stage == 1 and not ckpt["model_args"].get("subln", True) and conf.subln
     src = f"stage-{cfg.stage - 1} weights" if cfg.init_from == "auto" else "weights"
     note = f"stage {cfg.stage}: starting from the {src} in {path}" + (" (SubLN inserted with unit gain)" if insert else "")
-    lam = saved_lambda(ckpt)
+    lam = checkpoint.saved_lambda(ckpt)
     if cfg.stage == 3 and lam is not None and lam < 1:
         note += (f"; NOTE: that student ended mid lambda warm-up (lambda {lam:.2f}); stage 3 trains it at lambda 1 "
                  f"from its first step. To finish the warm-up first: python train.py --stage=2 --resume=True "
@@ -278,43 +266,12 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
     return Start(0, ckpt, path, insert, note)
 
 
-def saved_lambda(ckpt):
-    """The lambda a checkpoint's BitLinear buffers hold (their smallest), or None for a full-precision model."""
-    lams = [float(v.min()) for k, v in ckpt["model"].items() if k.endswith("lambda_")]
-    return min(lams) if lams else None
-
-
-def dlm_start(cfg, conf):
-    """--stage=dlm: the stage-2 model (or --init_from) with the mask token added (dlm.add_mask_token)."""
-    path = os.path.join(cfg.out_dir, "stage2", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
-    if cfg.init_from == "scratch" or not os.path.exists(path):
-        die(f"--stage=dlm converts a trained ternary model; no checkpoint at {path}; make one with: python train.py "
-            f"--stage=2, or pass --init_from=<its ckpt.pt>")
-    ckpt = checkpoint.load(path)
-    if not ckpt["model_args"].get("quant"):
-        die(f"{path} is a full-precision model (quant=False); --stage=dlm converts the ternary stage-2 model: "
-            f"python train.py --stage=2, then --stage=dlm", 2)
-    checkpoint.check_fits(ckpt["model_args"], dataclasses.replace(conf, vocab_size=conf.vocab_size - 1,
-                                                                  causal=True, doc_mask=ckpt["model_args"].get(
-                                                                      "doc_mask", False)), path)
-    ar = GPT(GPTConfig(**ckpt["model_args"]))
-    checkpoint.load_weights(ar, ckpt["model"], path)
-    model, mask_id = dlm.add_mask_token(ar, cfg.dlm_mask_init, seed=cfg.seed)
-    return Start(0, {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, path,
-                 note=f"stage dlm: the AR model in {path} with a mask token (id {mask_id}, {cfg.dlm_mask_init} init), "
-                      f"bidirectional attention{', Dream shift' if cfg.dlm_shift else ''}")
-
-
 def make_loss_fn(run, teachers):
     """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher(s), or
     plain CE when every distillation weight is 0 (the control run). Stage dlm: the masked-diffusion loss, with the
     outlier ratios of mask and other tokens (lessons/dlm.py). Picked once; returns loss_fn(x, y)."""
     if run.cfg.stage == DLM:
-        mask_id = run.model.config.vocab_size - 1
-        def dlm_loss(x, y):
-            loss, info = dlm.masked_diffusion_loss(run.model, x, mask_id, run.cfg.dlm_shift, diagnostics=True)
-            return loss, {k: info[k] for k in ("ratio_mask", "ratio_other")}
-        return dlm_loss
+        return plumbing.dlm_loss_fn(run)
     if run.cfg.stage < 3:
         return lambda x, y: (run.train_model(x, y)[1], None)
     models, crit = plumbing.make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
@@ -339,30 +296,6 @@ def make_loss_fn(run, teachers):
 
 # -----------------------------------------------------------------------------
 # set-up: every input is checked before anything is written (the pieces are in tools/)
-
-
-@dataclass
-class Run:
-    """Everything the loop touches, built once by setup()."""
-    cfg: TrainConfig
-    rt: Runtime
-    out_dir: str
-    model: GPT = None            # the model itself: its weights are what checkpoints hold
-    train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
-    optimizer: object = None
-    clipper: ZClip = None
-    loss_fn: object = None
-    train_loader: data.DataLoader = None
-    val_loaders: dict = None     # source name -> (its val DataLoader, its mixing weight)
-    autocast: object = None
-    accum: int = 1               # micro-batches per step on this rank
-    start: Start = None
-    average: CheckpointAverage = None  # --avg_checkpoints: the average of the last checkpoints
-    unlock: object = None        # releases out_dir's lock (rank 0)
-
-    @property
-    def ckpt_path(self):
-        return os.path.join(self.out_dir, checkpoint.LATEST)
 
 
 def setup(argv):

@@ -344,6 +344,13 @@ def load(path, required=("model", "model_args")):
         raise CheckpointError(f"{path}: not a training checkpoint (missing {', '.join(missing)})")
     return ckpt
 
+def saved_lambda(ckpt):
+    """The lambda a checkpoint's BitLinear buffers hold (their smallest), or None for a full-precision model."""
+    lams = [float(v.min()) for k, v in ckpt["model"].items() if k.endswith("lambda_")]
+    return min(lams) if lams else None
+
+
+
 def check_fits(saved_args, conf, path):
     """Refuse, before loading anything, a checkpoint whose weights have other shapes or another vocabulary
     than the model conf (a GPTConfig) builds."""

@@ -1,7 +1,7 @@
 """
-The plumbing of train.py, fenced off from the lesson: where the data comes from and its loaders, stage 3's frozen
-teachers, the optimizer groups, the checkpoint average, the one host read of a step, saving, and evaluation with
-the log lines.
+The plumbing of train.py, fenced off from the lesson: what a run holds (Run, Start) and the --stage=dlm
+conversion's start and loss, where the data comes from and its loaders, stage 3's frozen teachers, the optimizer
+groups, the checkpoint average, the one host read of a step, saving, and evaluation with the log lines.
 
 Evaluation: each val source's mean token loss and their mixing-weighted total, logged and written to
 metrics.jsonl. Every evaluation reads the first eval_iters batches of each source, the same rows every time; the
@@ -14,6 +14,7 @@ Test: python -m pytest tests/test_train.py
 import dataclasses
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -24,8 +25,10 @@ from lessons.averaging import CheckpointAverage
 from model import GPT, GPTConfig, precompute_rope
 from muon import configure_muon
 from tools import checkpoint
-from tools.config import avg_interval, check_teacher, parse_data, parse_teacher_weights
+from tools.config import TrainConfig, avg_interval, check_teacher, parse_data, parse_teacher_weights
 from tools.flags import die
+from tools.runtime import Runtime
+from zclip import ZClip
 
 SHIPPED = ("shakespeare", "python")  # --data names of the corpora in data/ (prepare.CORPORA)
 
@@ -40,6 +43,78 @@ def shipped_dir(name, cfg):
               f"shipped corpus {name} (once)")
         prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root, corpus=name)
     return root
+
+
+# -----------------------------------------------------------------------------
+# what train.py's set-up builds: where a run starts, the run itself, and the --stage=dlm conversion
+
+
+@dataclass
+class Start:
+    step: int = 0              # > 0 when resuming
+    ckpt: dict = None          # the checkpoint whose weights the model loads (None: from scratch)
+    path: str = ""             # where that checkpoint is
+    insert_subln: bool = False  # load fp weights without SubLN; the SubLN gains keep their unit init
+    note: str = ""             # what the run says about it
+
+
+
+@dataclass
+class Run:
+    """Everything the loop touches, built once by setup()."""
+    cfg: TrainConfig
+    rt: Runtime
+    out_dir: str
+    model: GPT = None            # the model itself: its weights are what checkpoints hold
+    train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
+    optimizer: object = None
+    clipper: ZClip = None
+    loss_fn: object = None
+    train_loader: data.DataLoader = None
+    val_loaders: dict = None     # source name -> (its val DataLoader, its mixing weight)
+    autocast: object = None
+    accum: int = 1               # micro-batches per step on this rank
+    start: Start = None
+    average: CheckpointAverage = None  # --avg_checkpoints: the average of the last checkpoints
+    unlock: object = None        # releases out_dir's lock (rank 0)
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.out_dir, checkpoint.LATEST)
+
+
+
+def dlm_start(cfg, conf):
+    """--stage=dlm: the stage-2 model (or --init_from) with the mask token added (dlm.add_mask_token)."""
+    path = os.path.join(cfg.out_dir, "stage2", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
+    if cfg.init_from == "scratch" or not os.path.exists(path):
+        die(f"--stage=dlm converts a trained ternary model; no checkpoint at {path}; make one with: python train.py "
+            f"--stage=2, or pass --init_from=<its ckpt.pt>")
+    ckpt = checkpoint.load(path)
+    if not ckpt["model_args"].get("quant"):
+        die(f"{path} is a full-precision model (quant=False); --stage=dlm converts the ternary stage-2 model: "
+            f"python train.py --stage=2, then --stage=dlm", 2)
+    checkpoint.check_fits(ckpt["model_args"], dataclasses.replace(conf, vocab_size=conf.vocab_size - 1,
+                                                                  causal=True, doc_mask=ckpt["model_args"].get(
+                                                                      "doc_mask", False)), path)
+    ar = GPT(GPTConfig(**ckpt["model_args"]))
+    checkpoint.load_weights(ar, ckpt["model"], path)
+    model, mask_id = dlm.add_mask_token(ar, cfg.dlm_mask_init, seed=cfg.seed)
+    return Start(0, {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, path,
+                 note=f"stage dlm: the AR model in {path} with a mask token (id {mask_id}, {cfg.dlm_mask_init} init), "
+                      f"bidirectional attention{', Dream shift' if cfg.dlm_shift else ''}")
+
+
+
+def dlm_loss_fn(run):
+    """--stage=dlm's loss: the masked-diffusion loss (lessons/dlm.py), with the outlier ratios of the mask token and
+    of the other tokens at the quantisers' inputs logged beside it."""
+    mask_id = run.model.config.vocab_size - 1
+
+    def dlm_loss(x, y):
+        loss, info = dlm.masked_diffusion_loss(run.model, x, mask_id, run.cfg.dlm_shift, diagnostics=True)
+        return loss, {k: info[k] for k in ("ratio_mask", "ratio_other")}
+    return dlm_loss
 
 
 # where docs/gpu-node.md prepares FineWeb-Edu for the CUDA preset
