@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 import data
 from model import GPT, GPTConfig
-from tools import checkpoint
+from tools import checkpoint, runtime
 from tools.flags import parse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -730,24 +730,11 @@ def _committed_runs(path):
 
 
 def _records(path):
-    """The records of a run's metrics.jsonl. A torn last line (train.py killed while writing it) is left out;
-    a line before it that is not a JSON object is an error naming the file and the line."""
-    with open(path, errors="replace") as f:
-        lines = f.read().split("\n")  # a complete file ends with "\n": its last item is ""
-    recs = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError as e:
-            rec = e
-        if isinstance(rec, dict):
-            recs.append(rec)
-        elif i < len(lines):
-            raise LabError(f"{path}, line {i}: not a JSON object ({rec}); repair or delete that line, then run the "
-                           f"same command again")
-    return recs
+    """The records of a run's metrics.jsonl (runtime.read_metrics), a corrupt line as a LabError."""
+    try:
+        return runtime.read_metrics(path)
+    except ValueError as e:
+        raise LabError(f"{e}, then run the same command again") from None
 
 
 def _drop_torn_line(path):

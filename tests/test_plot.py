@@ -29,7 +29,7 @@ def test_plot_refuses_a_missing_run_and_a_torn_middle_line_in_one_line(tmp_path,
     d.mkdir()
     (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n{torn\n" + json.dumps({"step": 2}) + "\n")
     msg = fails(capsys, str(d), main=plot.main)
-    assert "metrics.jsonl:2" in msg
+    assert "metrics.jsonl, line 2" in msg
     assert "--out" in fails(capsys, str(d), "--out=x.jpg", code=2, main=plot.main)
 
 

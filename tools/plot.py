@@ -9,11 +9,11 @@ matplotlib is needed here only (pip install -r requirements.txt has it); trainin
 Test: python -m pytest tests/test_plot.py
 """
 
-import json
 import os
 import sys
 from dataclasses import dataclass
 
+from tools import runtime
 from tools.flags import die, parse
 
 
@@ -27,20 +27,9 @@ def read_metrics(run_dir):
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such file; pass a run directory such as out/stage2")
-    steps, evals = [], []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines, 1):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            if i == len(lines):
-                continue  # the line a killed run was writing
-            raise ValueError(f"{path}:{i}: not a JSON record") from None
-        if "val_loss" in rec:
-            evals.append(rec)
-        elif rec.get("loss") is not None:
-            steps.append(rec)
+    recs = runtime.read_metrics(path)
+    steps = [r for r in recs if "val_loss" not in r and r.get("loss") is not None]
+    evals = [r for r in recs if "val_loss" in r]
     if not steps:
         raise ValueError(f"{path}: no training steps logged yet")
     return steps, evals

@@ -164,3 +164,23 @@ class WithStates(torch.nn.Module):
 
     def forward(self, x, y, **kw):
         return self.model.forward_with_states(x, y, **kw) if kw else self.model(x, y)
+
+
+def read_metrics(path):
+    """The records of a metrics.jsonl as log_json writes them. A torn last line (a run killed while writing it) is
+    left out; an earlier line that is not a JSON object raises ValueError naming the file and the line."""
+    with open(path, errors="replace") as f:
+        lines = f.read().split("\n")  # a complete file ends with "\n": its last item is ""
+    recs = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            rec = e
+        if isinstance(rec, dict):
+            recs.append(rec)
+        elif i < len(lines):
+            raise ValueError(f"{path}, line {i}: not a JSON object ({rec}); repair or delete that line")
+    return recs
