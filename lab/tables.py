@@ -78,6 +78,7 @@ class Table:
     no_curve: tuple = ()   # rows left out of the curve plot
     x: dict = field(default_factory=dict)  # row -> a number: also plot final val loss against it (<table>_final.png)
     x_label: str = ""
+    x_log: bool = False    # that plot's x axis on a log scale (e.g. learning rates)
     also: dict = field(default_factory=dict)  # shipped corpus -> column: also scored on its whole val split
     measures: dict = field(default_factory=dict)  # result key -> column: a per-run number, its mean over seeds
     dlm_t: tuple = ()      # masked-diffusion rows: scored by the masked-token val loss at these mask ratios t
@@ -226,6 +227,22 @@ def _muon_table():
 
 
 
+LRS = ("2e-3", "3e-3", "6e-3", "1e-2", "2e-2")
+
+
+def _lr_table():
+    """Issue 29: the peak learning rate of the quick start, swept (Muon and AdamW share it via match_rms_adamw)."""
+    # every flag that the sweep holds fixed is pinned, so the table reproduces whatever the defaults become
+    common = "--stage=2 --init_from=scratch --lambda_warmup_steps=200"
+    rows = [Row(f"lr{lr}", f"peak lr {lr}",
+                f"{common} --lr={lr} --muon_lr={lr}") for lr in LRS]
+    return Table("lr", "the peak learning rate (AdamW and Muon alike), stage 2 from scratch", rows,
+                 baseline="lr3e-3", x={f"lr{lr}": float(lr) for lr in LRS}, x_label="peak learning rate", x_log=True,
+                 notes=["every row: the quick start (stage 2 from scratch, 600 steps of 16 x 256 tokens, WSD, "
+                        "50 steps of lr warm-up, lambda warm-up 200 steps), --lr and --muon_lr both set to the row's "
+                        "value (Muon's update scaled by match_rms_adamw, so one number serves both)"])
+
+
 # -----------------------------------------------------------------------------
 # scoring: the whole val split
 
@@ -310,7 +327,8 @@ def _dlm_table():
 
 
 TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table,
-          "order": _order_table, "mix": _mix_table, "muon": _muon_table, "dlm": _dlm_table}
+          "order": _order_table, "mix": _mix_table, "muon": _muon_table, "dlm": _dlm_table,
+          "lr": _lr_table}
 
 
 # -----------------------------------------------------------------------------
@@ -607,6 +625,8 @@ class Lab:
             ax.errorbar([x for x, _ in pts], [s["mean"] for _, s in pts], yerr=[s["std"] or 0 for _, s in pts],
                         marker="o", capsize=4)
             ax.set_xlabel(self.table.x_label)
+            if self.table.x_log:
+                ax.set_xscale("log")
             ax.set_ylabel("final val loss, whole val split (mean ± std)")
             fig.tight_layout()
             fig.savefig(path[:-len(".png")] + "_final.png", dpi=100)
