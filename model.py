@@ -2,8 +2,9 @@
 A Llama-style decoder whose hidden matrices can be BitNet b1.58 ternary layers.
 
 The idea: pre-norm transformer blocks (RMSNorm, rotary positions, gated MLP, no biases) in which every
-hidden projection (q, k, v, o, gate, up, down) is a separate `BitLinear` when `quant=True`. Separate
-projections matter because gamma is per tensor: a fused qkv matrix would share one scale. The token
+hidden projection (q, k, v, o, gate, up, down) is a separate `BitLinear` when `quant=True`, each with its own
+gamma (one scale for a fused qkv matrix would be another quantiser). q, k, v still run as ONE matmul, and gate
+and up as one, over the stacked weights, each quantised by its own gamma first (`project`). The token
 embedding, the LM head and the norms stay full precision. SubLN adds one more RMSNorm right before
 o_proj and right before down_proj, which keeps the inputs of those two quantised matrices well scaled.
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quant import BitLinear, QuantRMSNorm
+from quant import BitLinear, QuantRMSNorm, stacked_linear
 
 
 def precompute_rope(head_dim, length, theta):
@@ -67,6 +68,22 @@ def make_norm(config, dim):
     return QuantRMSNorm(dim, eps=config.norm_eps) if config.quant else nn.RMSNorm(dim, eps=config.norm_eps)
 
 
+def project(x, layers, fused=True):
+    """Projections of the same input: q, k, v (or gate, up). fused: one matmul over the stacked weights, each
+    matrix keeping its own gamma (quant.stacked_linear): the same numbers in one GEMM instead of three (two). A
+    layer type that is neither nn.Linear nor BitLinear (e.g. the packed inference layer) may stack itself with
+    a `stacked_forward(x, layers)`; otherwise each layer runs alone. The parameters stay separate either way,
+    so checkpoints, Muon (one orthogonalisation per matrix) and every export see q, k, v as three matrices.
+    (Fused, the layers' own forward is not called: a forward hook on q_proj does not fire; set fused=False.)"""
+    if not fused:
+        return [m(x) for m in layers]
+    if all(isinstance(m, nn.Linear) for m in layers):  # BitLinear is an nn.Linear too
+        return stacked_linear(x, layers)
+    if hasattr(layers[0], "stacked_forward"):
+        return layers[0].stacked_forward(x, layers)
+    return [m(x) for m in layers]
+
+
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -79,6 +96,7 @@ class Attention(nn.Module):
         self.o_proj = make_linear(config, C, C, input_quantized=config.subln)
         self.subln = make_norm(config, C) if config.subln else nn.Identity()
         self.causal = config.causal
+        self.fused = config.fused
         self.track_rows = config.max_logit_rows if config.track_max_logit else 0
         if self.track_rows:  # the running max since qk_clip last read it (muon_variants.qk_clip)
             self.register_buffer("max_logit", torch.zeros(config.n_head), persistent=False)
@@ -86,9 +104,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, want_qkv=False, cache=None):
         B, T, C = x.size()
         nh, hd = self.n_head, C // self.n_head
-        q = self.q_proj(x).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, nh, hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, nh, hd).transpose(1, 2)
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.fused)  # (B, T, C) each
+        q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))        # (B, nh, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.track_rows and cache is None and self.training:
             self._record_max_logit(q, k, mask)
@@ -121,9 +138,11 @@ class MLP(nn.Module):
         self.up_proj = make_linear(config, C, H, input_quantized=True)
         self.down_proj = make_linear(config, H, C, input_quantized=config.subln)
         self.subln = make_norm(config, H) if config.subln else nn.Identity()
+        self.fused = config.fused
 
     def forward(self, x):
-        h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # (B, T, H)
+        gate, up = project(x, (self.gate_proj, self.up_proj), self.fused)
+        h = F.silu(gate) * up  # (B, T, H)
         return self.down_proj(self.subln(h))
 
 
@@ -160,6 +179,7 @@ class GPTConfig:
     causal: bool = True        # False: every position attends to every other (the masked-diffusion LM, lessons/dlm.py)
     track_max_logit: bool = False  # record each head's largest q.k/sqrt(d) (Attention.max_logit; QK-clip)
     max_logit_rows: int = 1    # ... over the first rows of each batch (cost: rows/batch_size of the q.k work)
+    fused: bool = True         # q/k/v and gate/up as one matmul each, every matrix with its own gamma (project)
 
     def hidden_dim(self):
         return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)

@@ -100,14 +100,31 @@ class BitLinear(nn.Linear):
         self.w_delta = None  # stopgrad(Q(w) - w), cached once per step by cache_weight_quant (speed section)
 
     def forward(self, x):
-        lam = self.lambda_
         if self.quantize_input:
-            x = ste(x, activation_fake_quant(x), lam)                 # (..., in)
+            x = ste(x, activation_fake_quant(x), self.lambda_)         # (..., in)
+        return F.linear(x, self.quantized_weight(), self.bias)          # (..., out)
+
+    def quantized_weight(self):
+        """The weight F.linear sees: the lambda blend of W and W_q * gamma, gamma this matrix's own (out, in)."""
         if self.w_delta is None:
-            w = ste(self.weight, weight_fake_quant(self.weight), lam)  # (out, in)
-        else:  # same value and gradient as above, without re-quantising the weight
-            w = self.weight + lam.to(self.weight.dtype) * self.w_delta
-        return F.linear(x, w, self.bias)                           # (..., out)
+            return ste(self.weight, weight_fake_quant(self.weight), self.lambda_)
+        return self.weight + self.lambda_.to(self.weight.dtype) * self.w_delta  # same value and gradient, cached
+
+
+def stacked_linear(x, layers):
+    """Several projections of one input (q, k, v; gate, up) as ONE matmul: the layers' weights, each quantised
+    with its own gamma (a BitLinear) or as it is (an nn.Linear), stacked along the output dim. Every output
+    column is the same dot product as in the layer's own forward, so the result equals calling the layers one
+    by one up to fp32 rounding, in one larger GEMM; the gradient flows back into each layer's own weight.
+    Returns one output (..., out_i) per layer (views of the one product)."""
+    if len({(isinstance(m, BitLinear) and m.quantize_input) for m in layers}) > 1:
+        raise ValueError("stacked_linear: the layers must all quantise their input, or none")
+    if isinstance(layers[0], BitLinear) and layers[0].quantize_input:  # once for all (one shared lambda)
+        x = ste(x, activation_fake_quant(x), layers[0].lambda_)
+    w = torch.cat([m.quantized_weight() if isinstance(m, BitLinear) else m.weight for m in layers])  # (sum out, in)
+    bias = None if all(m.bias is None for m in layers) else torch.cat(
+        [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
+    return F.linear(x, w, bias).split([m.out_features for m in layers], dim=-1)
 
 
 def set_lambda(model, lam):

@@ -25,7 +25,7 @@ from kernels import ternary_matmul as tm  # noqa: E402
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
 MATMUL_ARGS = dict(x_ptr="*i8", xs_ptr="*fp32", w_ptr="*u8", ws_ptr="*fp32", out_ptr="*fp32", acc_ptr="*i32",
-                   M="i32", N="i32", K="i32", M_BUCKET="i32", stride_xm="i32", stride_wn="i32", stride_om="i32")
+                   M="i32", N="i32", K="i32", M_BUCKET="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ws="i32")
 MATMUL_CONSTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "ATOMIC_ACC", "WRITE_ACC")
 
 
@@ -47,7 +47,7 @@ def jobs():
     out.append(("prefill[0] int32 acc", *_matmul(cfg, out="*i32", ATOMIC_ACC=False, WRITE_ACC=True)))
     for dt in ("fp32", "bf16"):
         sig = dict(acc_ptr="*i32", xs_ptr="*fp32", ws_ptr="*fp32", out_ptr=f"*{dt}", N="i32", stride_om="i32",
-                   BLOCK_N="constexpr")
+                   stride_ws="i32", BLOCK_N="constexpr")
         out.append((f"scale {dt}", tm._scale_kernel, sig, dict(BLOCK_N=1024), dict(num_warps=4)))
     for dt, block, one_pass in (("fp32", 1024, True), ("bf16", 8192, False), ("fp16", 4096, True)):
         sig = dict(x_ptr=f"*{dt}", xq_ptr="*i8", xs_ptr="*fp32", K="i32", stride_x="i32", BLOCK_K="constexpr",

@@ -74,6 +74,27 @@ class PackedBitLinear(nn.Module):
             y = tm.ternary_matmul_reference(x_q, x_scale, self.w_packed, self.w_scale)
         return y.to(x.dtype)
 
+    def stacked_forward(self, x, layers):
+        """Several packed layers of one input (q, k, v; gate, up; self among them) in ONE kernel call: x quantised
+        once, their codes stacked along N with one gamma per row (each matrix its own). The same numbers as
+        calling each layer (the int32 sums are exact; the scaling is per element). The stack is built on the
+        first call and kept beside the layers' own buffers (more packed bytes in memory, never in a file)."""
+        key = tuple(id(m) for m in layers)
+        stack = getattr(self, "_stack", None)
+        if stack is None or stack[0] != key or stack[1].device != self.w_packed.device:
+            w = torch.cat([m.w_packed for m in layers])  # (sum N_i, ceil(K/4))
+            ws = torch.cat([m.w_scale.reshape(1).expand(m.out_features) for m in layers])  # (sum N_i,) per row
+            self._stack = stack = (key, w, ws)
+        use_triton = x.is_cuda if self.use_triton is None else self.use_triton
+        if use_triton:
+            x_q, x_scale = tm.quantize_activations(x)
+            out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+            y = tm.ternary_matmul(x_q, x_scale, stack[1], stack[2], out_dtype=out_dtype)
+        else:
+            x_q, x_scale = quant.activation_quant(x)
+            y = tm.ternary_matmul_reference(x_q, x_scale, stack[1], stack[2])
+        return y.to(x.dtype).split([m.out_features for m in layers], dim=-1)
+
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed 2-bit, use_triton={self.use_triton}"
 

@@ -15,7 +15,8 @@ Packed weight layout (same as quant.pack_ternary):
 Arithmetic, per output element:
     acc[m, n] = sum_k x_q[m, k] * W_q[n, k]                int32, exact, order-independent
     y[m, n]   = (float32(acc[m, n]) * x_scale[m]) * gamma   fp32, in this order, then cast to out_dtype
-x_scale = 1/s is the per-row scale from activation_quant, gamma the per-tensor weight scale.
+x_scale = 1/s is the per-row scale from activation_quant, gamma the per-tensor weight scale; with several
+matrices stacked along N (q, k, v of one input, one launch), w_scale holds each row's own matrix's gamma.
 
 Why int8 tensor cores: tl.dot(int8, int8) -> int32 runs on the integer MMA units of Ampere (mma.s8)
 and Hopper (wgmma .s8), which is exact, twice the fp16 rate, and half the operand bytes. Each program
@@ -64,7 +65,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def _ternary_matmul_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, acc_ptr,  # x_q (M, K) int8, x_scale (M,), w (N, K/4) uint8, gamma, y, acc
     M, N, K, M_BUCKET,  # M_BUCKET is only an autotuning key (a power of two), unused in the body
-    stride_xm, stride_wn, stride_om,
+    stride_xm, stride_wn, stride_om, stride_ws,  # stride_ws: 0 = one gamma, 1 = one per output row (stacked layers)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,     # programs along K per output tile (needs ATOMIC_ACC when > 1)
     ATOMIC_ACC: tl.constexpr,  # atomically add the int32 partial sums into acc_ptr (zeroed by the host)
@@ -105,20 +106,20 @@ def _ternary_matmul_kernel(
         tl.store(acc_ptr + out_offs, acc, mask=out_mask)
     else:
         xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)  # (BM,) fp32
-        gamma = tl.load(ws_ptr)
-        y = acc.to(tl.float32) * xs[:, None] * gamma  # same order as the reference: (acc * x_scale) * gamma
+        gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
+        y = acc.to(tl.float32) * xs[:, None] * gamma[None, :]  # same order as the reference: (acc * x_scale) * gamma
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _scale_kernel(acc_ptr, xs_ptr, ws_ptr, out_ptr, N, stride_om, BLOCK_N: tl.constexpr):
-    """Epilogue of the split-K path: y[m, :] = (float(acc[m, :]) * x_scale[m]) * gamma."""
+def _scale_kernel(acc_ptr, xs_ptr, ws_ptr, out_ptr, N, stride_om, stride_ws, BLOCK_N: tl.constexpr):
+    """Epilogue of the split-K path: y[m, :] = (float(acc[m, :]) * x_scale[m]) * gamma[:] (one, or per row n)."""
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = offs_n < N
     offs = row.to(tl.int64) * stride_om + offs_n
     acc = tl.load(acc_ptr + offs, mask=mask, other=0)
-    y = acc.to(tl.float32) * tl.load(xs_ptr + row) * tl.load(ws_ptr)
+    y = acc.to(tl.float32) * tl.load(xs_ptr + row) * tl.load(ws_ptr + offs_n * stride_ws, mask=mask, other=0.0)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -248,7 +249,8 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
                    return_acc=False):
     """y = (x_q @ W_q^T) * x_scale * gamma with W_q unpacked on the fly from w_packed.
 
-    x_q (..., K) int8, x_scale (..., 1) fp32, w_packed (N, ceil(K/4)) uint8, w_scale fp32 with one element.
+    x_q (..., K) int8, x_scale (..., 1) fp32, w_packed (N, ceil(K/4)) uint8, w_scale fp32 with one element
+    (gamma), or N: one gamma per output row, for several matrices stacked along N (q, k, v in one call).
     Returns y (..., N) in out_dtype (float32 or bfloat16), or with return_acc=True the exact int32
     accumulator x_q @ W_q^T instead. out= writes into a given contiguous (..., N) tensor.
     config: "decode", "prefill" or None (decode when the row count is <= DECODE_MAX_M).
@@ -264,8 +266,9 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
         raise ValueError(f"w_packed has {w_packed.shape[1]} bytes per row, expected ceil(K/4) = {(K + 3) // 4} for K = {K}")
     if x_scale.dtype != torch.float32 or x_scale.numel() != M:
         raise ValueError(f"x_scale: expected float32 with {M} elements (one per row), got {x_scale.dtype} {tuple(x_scale.shape)}")
-    if w_scale.dtype != torch.float32 or w_scale.numel() != 1:
-        raise ValueError(f"w_scale: expected a float32 tensor with one element (gamma), got {w_scale.dtype} {tuple(w_scale.shape)}")
+    if w_scale.dtype != torch.float32 or w_scale.numel() not in (1, N):
+        raise ValueError(f"w_scale: expected float32 with one element (gamma) or N = {N} (one per row), got "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
     if config not in (None, "decode", "prefill"):
@@ -274,7 +277,8 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     x2 = x_q.reshape(M, K).contiguous()  # (M, K)
     w = w_packed.contiguous()  # (N, ceil(K/4))
     xs = x_scale.reshape(M).contiguous()
-    ws = w_scale.reshape(1).contiguous()
+    ws = w_scale.reshape(-1).contiguous()  # (1,) or (N,)
+    stride_ws = 0 if ws.numel() == 1 else 1
     res_dtype = torch.int32 if return_acc else out_dtype
     if out is None:
         out = torch.empty((*lead, N), dtype=res_dtype, device=x_q.device)
@@ -290,12 +294,12 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     m_bucket = min(triton.next_power_of_2(M), 4096)
     if decode:  # split-K partial sums meet in an int32 buffer, then one pass applies the scales
         acc = y.zero_() if return_acc else torch.zeros((M, N), dtype=torch.int32, device=x_q.device)
-        _decode_kernel[grid](x2, xs, w, ws, acc, acc, M, N, K, m_bucket, x2.stride(0), w.stride(0), N,
+        _decode_kernel[grid](x2, xs, w, ws, acc, acc, M, N, K, m_bucket, x2.stride(0), w.stride(0), N, stride_ws,
                              ATOMIC_ACC=True, WRITE_ACC=False, **fixed)
         if not return_acc:
-            _scale_kernel[(M, triton.cdiv(N, 1024))](acc, xs, ws, y, N, N, BLOCK_N=1024)
+            _scale_kernel[(M, triton.cdiv(N, 1024))](acc, xs, ws, y, N, N, stride_ws, BLOCK_N=1024)
     else:
-        _prefill_kernel[grid](x2, xs, w, ws, y, y, M, N, K, m_bucket, x2.stride(0), w.stride(0), N,
+        _prefill_kernel[grid](x2, xs, w, ws, y, y, M, N, K, m_bucket, x2.stride(0), w.stride(0), N, stride_ws,
                               ATOMIC_ACC=False, WRITE_ACC=return_acc, **fixed)
     return out
 
@@ -348,7 +352,8 @@ def ternary_matmul_reference(x_q, x_scale, w_packed, w_scale, out_dtype=torch.fl
     acc = (x_q.double() @ w.double().T).to(torch.int32)  # (..., N), exact
     if return_acc:
         return acc
-    y = acc.float() * x_scale.float().reshape(*x_q.shape[:-1], 1) * w_scale.float().reshape(())
+    gamma = w_scale.float().reshape(()) if w_scale.numel() == 1 else w_scale.float().reshape(-1)  # () or (N,)
+    y = acc.float() * x_scale.float().reshape(*x_q.shape[:-1], 1) * gamma
     return y.to(out_dtype)
 
 

@@ -14,6 +14,7 @@ copies to exceed L2, so each call streams its weights from HBM as a real decode 
 reported against a measured device-to-device copy (read + write bytes / time).
 """
 
+import dataclasses
 import math
 import sys
 import time
@@ -108,14 +109,14 @@ def bench_train(steps=10, warmup=3):
     x = torch.randint(0, V, (B, T), device=dev)
     y = torch.randint(0, V, (B, T), device=dev)
 
-    def run(label, quant, compile_=False, nanogpt=False, autocast=None):
+    def run(label, quant, compile_=False, nanogpt=False, autocast=None, fused=True):
         torch.manual_seed(0)
         cfg = config.build_config({"device": dev, "stage": 2 if quant else 1})
         if nanogpt:
             model = NanoGPT(V, T, cfg.n_layer, cfg.n_head, cfg.n_embd).to(dev)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
         else:
-            model = GPT(config.model_config(cfg, V, V - 1)).to(dev)
+            model = GPT(dataclasses.replace(config.model_config(cfg, V, V - 1), fused=fused)).to(dev)
             opt = plumbing.configure_optimizer(model, cfg, dev)
         clipper = None if nanogpt else ZClip()
         step_model = torch.compile(model) if compile_ else model
@@ -161,13 +162,15 @@ def bench_train(steps=10, warmup=3):
     print(f"{'run':34s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} {'MFU':>6s} {'1st s':>8s}")
     r = {"nanogpt": run("nanoGPT baseline (fp, AdamW)", False, nanogpt=True),
          "dense": run("ours fp (stage 1)", False),
-         "qat": run("ours ternary QAT (stage 2)", True)}
+         "qat": run("ours ternary QAT (stage 2)", True),
+         "qat_sep": run("ours ternary QAT, q/k/v gate/up unfused", True, fused=False)}
     if not cuda:
         r["qat_bf16"] = run("ours ternary QAT, bf16 autocast", True, autocast=torch.autocast("cpu", torch.bfloat16))
     r["dense_c"] = run("ours fp, compiled", False, compile_=True)
     r["qat_c"] = run("ours ternary QAT, compiled", True, compile_=True)
     print(f"QAT / dense step time: eager {r['qat'] / r['dense']:.3f}, compiled {r['qat_c'] / r['dense_c']:.3f}; "
-          f"ours fp / nanoGPT step time {r['dense'] / r['nanogpt']:.3f}")
+          f"ours fp / nanoGPT step time {r['dense'] / r['nanogpt']:.3f}; QAT fused / unfused projections "
+          f"{r['qat'] / r['qat_sep']:.3f}")
 
 
 def bench_profile():

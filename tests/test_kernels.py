@@ -77,6 +77,22 @@ def test_ternary_matmul_integer_part_exact_and_scaled_within_1e6(M, K, N, config
 
 
 @pytest.mark.parametrize("config", CONFIGS)
+def test_ternary_matmul_one_gamma_per_row_for_stacked_matrices(config):
+    """w_scale with N elements (q, k, v stacked along N, each its own gamma): row n scaled by w_scale[n]."""
+    x_q, w_q, x_scale, _ = _case_data(17, 60, 37, seed=7)
+    w_scale = torch.rand(37, generator=torch.Generator().manual_seed(8)) + 0.01
+    x_q, x_scale, w_scale = x_q.to(DEVICE), x_scale.to(DEVICE), w_scale.to(DEVICE)
+    w_packed = quant.pack_ternary(w_q).to(DEVICE)
+    expected = (x_q.cpu().long() @ w_q.long().T).float() * x_scale.cpu() * w_scale.cpu()  # (17, 37)
+    y_ref = tm.ternary_matmul_reference(x_q, x_scale, w_packed, w_scale)
+    y = tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, config=config)
+    assert torch.equal(y_ref.cpu(), expected)
+    assert ((y.cpu() - expected).abs() <= 1e-6 * expected.abs()).all()
+    with pytest.raises(ValueError, match="one per row"):
+        tm.ternary_matmul(x_q, x_scale, w_packed, w_scale[:5], config=config)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 def test_ternary_matmul_extreme_accumulator_and_leading_dims(config):
     """All x_q = -128 against all-(+1) or all-(-1) rows: |acc| = 128 * K, the largest possible."""
     K, N = 256, 2

@@ -226,3 +226,55 @@ def test_changing_lambda_does_not_recompile(doc_mask):
     assert counter.frame_count == 1  # one graph for every lambda: it is read from a buffer, not baked in
     set_lambda(model, 0.0)
     assert torch.equal(outs[0], model(idx, idx)[0]) and not torch.allclose(outs[0], outs[2])
+
+
+# -----------------------------------------------------------------------------
+# fused projections: q/k/v and gate/up as one matmul each, every matrix with its own gamma
+
+
+def _unfused(model):
+    import copy
+    other = copy.deepcopy(model)
+    for m in other.modules():
+        if hasattr(m, "fused"):
+            m.fused = False
+    return other
+
+
+@pytest.mark.parametrize("quant,lam", [(True, 1.0), (True, 0.3), (False, 0.0)])
+def test_fused_projections_equal_separate_ones_forward_and_backward(quant, lam):
+    fused = make(quant=quant)
+    set_lambda(fused, lam)
+    sep = _unfused(fused)
+    with torch.no_grad():  # very different scales per matrix: one shared gamma would quantise them differently
+        for block in fused.h:
+            block.attn.k_proj.weight.mul_(5.0)
+            block.mlp.up_proj.weight.mul_(0.2)
+    sep.load_state_dict(fused.state_dict())
+    idx = torch.randint(0, 60, (3, 32), generator=torch.Generator().manual_seed(1))
+    lf, loss_f = fused(idx, idx)
+    ls, loss_s = sep(idx, idx)
+    torch.testing.assert_close(lf, ls, rtol=1e-5, atol=1e-5)
+    loss_f.backward()
+    loss_s.backward()
+    for (name, a), b in zip(fused.named_parameters(), sep.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # the state dict keeps q, k, v (gate, up) as separate matrices: checkpoints and exports are unchanged
+    assert {"h.0.attn.q_proj.weight", "h.0.attn.k_proj.weight", "h.0.mlp.gate_proj.weight"} <= set(fused.state_dict())
+
+
+def test_stacked_linear_keeps_one_gamma_per_matrix_and_quantises_its_input_once():
+    from quant import activation_fake_quant, stacked_linear, weight_fake_quant
+    torch.manual_seed(0)
+    layers = [BitLinear(16, n) for n in (8, 4, 12)]
+    with torch.no_grad():
+        layers[1].weight.mul_(10.0)  # gamma 10x the others'
+    x = torch.randn(2, 5, 16)
+    outs = stacked_linear(x, layers)
+    xq = activation_fake_quant(x)
+    for m, y in zip(layers, outs):  # the closed form, matrix by matrix, each with its own absmean
+        torch.testing.assert_close(y, xq @ weight_fake_quant(m.weight).T, rtol=1e-5, atol=1e-6)
+    one_gamma = weight_fake_quant(torch.cat([m.weight for m in layers]))  # what a shared scale would compute
+    assert (torch.cat(outs, -1) - xq @ one_gamma.T).abs().max() > 0.1
+    with pytest.raises(ValueError, match="quantise their input"):
+        stacked_linear(x, [BitLinear(16, 4), BitLinear(16, 4, quantize_input=False)])

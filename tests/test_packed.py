@@ -111,6 +111,9 @@ def test_freeze_ternary_every_layer_matches_bitlinear_on_the_models_own_activati
     it again gives the same codes, because x_q / s * s' is within a few ulps of the integer x_q.)"""
     model = _tiny_model()
     frozen = freeze_ternary(copy.deepcopy(model))
+    for m in model.modules():  # each layer's own forward, so its hook sees it (fused q/k/v skip the hooks)
+        if hasattr(m, "fused"):
+            m.fused = False
     seen = {}
     hooks = [m.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, (i[0], o)))
              for name, m in model.named_modules() if isinstance(m, quant.BitLinear)]
@@ -366,3 +369,32 @@ def test_export_on_a_full_disk_keeps_the_previous_export_and_leaves_no_tmp(error
     err = fails(capsys, f"--ckpt={run_dir / 'ckpt.pt'}", f"--out={out}", code=1, main=export.main)
     assert all(f in err for f in (f"--out={out}", "unchanged", "free disk space")), err
     assert _snapshot(run_dir) == before  # the previous export as it was, no out.pt.tmp
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch-reference", "triton"])
+def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton, monkeypatch):
+    """q, k, v of a frozen model: one kernel call on the stacked codes, w_scale one gamma per row, the same
+    numbers as the three layers alone (the int32 sums are exact, the scaling per element)."""
+    device = DEVICE if use_triton else "cpu"
+    torch.manual_seed(0)
+    bl = [quant.BitLinear(32, n).to(device) for n in (32, 16, 48)]
+    with torch.no_grad():
+        bl[1].weight.mul_(7.0)
+    packed = [PackedBitLinear.from_bitlinear(m, use_triton) for m in bl]
+    x = torch.randn(5, 32, device=device)
+    calls = []
+    fn = tm.ternary_matmul if use_triton else tm.ternary_matmul_reference
+    monkeypatch.setattr(tm, fn.__name__, lambda *a, **k: calls.append(a[2].shape) or fn(*a, **k))
+    outs = packed[0].stacked_forward(x, packed)
+    assert calls == [torch.Size([96, 8])]  # one call, fed the stacked matrix (96 rows, 32/4 bytes each)
+    monkeypatch.undo()
+    for p, y in zip(packed, outs):
+        assert torch.equal(y, p(x))
+    model = freeze_ternary(GPT(TINY).eval())  # the model's own path: the same logits stacked or not
+    idx = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        a = model(idx)[0]
+        for m in model.modules():
+            if hasattr(m, "fused"):
+                m.fused = False
+        assert torch.equal(a, model(idx)[0])
