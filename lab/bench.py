@@ -8,6 +8,8 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
   python -m lab.bench --train    full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT, eager and
                              compiled, with the QAT/dense ratio, Muon's share and MFU (GPU); CPU or CUDA preset
   python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours fp vs the nanoGPT baseline
+  python -m lab.bench --quality  time to quality: wall time for the quick start (python train.py --stage=2) and a
+                             nanoGPT-shaped fp baseline to reach the same val loss, as a ratio from one run
 
 Kernel timing: triton.testing.do_bench (median of many runs), with the weights rotated through enough
 copies to exceed L2, so each call streams its weights from HBM as a real decode step does. Bandwidth is
@@ -50,14 +52,14 @@ def bench_muon():
 
 
 class NanoGPTBlock(torch.nn.Module):
-    """nanoGPT's block, written out here as the baseline: LayerNorm, fused qkv, GELU MLP 4x, biases."""
+    """nanoGPT's block, written out here as the baseline: LayerNorm, fused qkv, GELU MLP 4x, biases (bias=True)."""
 
-    def __init__(self, C, n_head):
+    def __init__(self, C, n_head, bias=True):
         super().__init__()
         nn = torch.nn
-        self.ln_1, self.ln_2, self.n_head = nn.LayerNorm(C), nn.LayerNorm(C), n_head
-        self.c_attn, self.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
-        self.mlp = nn.Sequential(nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C))
+        self.ln_1, self.ln_2, self.n_head = nn.LayerNorm(C, bias=bias), nn.LayerNorm(C, bias=bias), n_head
+        self.c_attn, self.c_proj = nn.Linear(C, 3 * C, bias=bias), nn.Linear(C, C, bias=bias)
+        self.mlp = nn.Sequential(nn.Linear(C, 4 * C, bias=bias), nn.GELU(), nn.Linear(4 * C, C, bias=bias))
 
     def forward(self, x):
         B, T, C = x.size()
@@ -69,13 +71,21 @@ class NanoGPTBlock(torch.nn.Module):
 
 
 class NanoGPT(torch.nn.Module):
-    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+    """nanoGPT's GPT with its initialisation: N(0, 0.02), zero biases, residual projections 0.02 / sqrt(2 n_layer)."""
+
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, bias=True):
         super().__init__()
         nn = torch.nn
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-        self.h = nn.ModuleList([NanoGPTBlock(n_embd, n_head) for _ in range(n_layer)])
-        self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab_size, bias=False)
+        self.h = nn.ModuleList([NanoGPTBlock(n_embd, n_head, bias) for _ in range(n_layer)])
+        self.ln_f, self.lm_head = nn.LayerNorm(n_embd, bias=bias), nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 2:  # Linear and Embedding weights
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("c_proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx, targets):
         x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
@@ -173,6 +183,118 @@ def bench_train(steps=10, warmup=3):
           f"{r['qat'] / r['qat_sep']:.3f}")
 
 
+def val_windows(shard_dir, T, n):
+    """n windows of T+1 tokens spread evenly over the val split (the same ones for every model): (n, T+1) int64."""
+    import data
+    import numpy as np
+    tokens = np.concatenate([data.read_shard(p) for p in data._find_shards(shard_dir, "val")])
+    starts = np.linspace(0, len(tokens) - T - 1, n).astype(np.int64)
+    return torch.from_numpy(np.stack([tokens[i:i + T + 1].astype(np.int64) for i in starts]))
+
+
+@torch.no_grad()
+def window_loss(model, windows, batch=16):
+    """Mean next-token cross-entropy over the windows, in eval mode (then back to train mode)."""
+    model.eval()
+    total = 0.0
+    for i in range(0, len(windows), batch):
+        w = windows[i:i + batch]
+        total += model(w[:, :-1].contiguous(), w[:, 1:].contiguous())[1].item() * len(w)
+    model.train()
+    return total / len(windows)
+
+
+def time_to(points, target):
+    """Seconds of training when the val loss first reaches target, linear between evaluations: points are
+    (step, seconds, loss). Returns (seconds, step) as floats, or None if it never does."""
+    for (s0, t0, l0), (s1, t1, l1) in zip(points, points[1:]):
+        if l1 <= target:
+            f = (l0 - target) / (l0 - l1) if l0 > target else 0.0
+            return t0 + f * (t1 - t0), s0 + f * (s1 - s0)
+    return None
+
+
+def bench_quality(train_args="", target=0.0, every=20, windows=64):
+    """Time to quality on the CPU quick start's workload. Both runs read the same batches of the same shards
+    (one copy of our train loader), with the same shape (n_layer, n_head, n_embd, B, T) and steps, and are
+    evaluated on the same val windows every `every` steps; only the training steps are timed. The baseline is
+    nanoGPT's recipe in fp32 (no bias, AdamW lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on matrices, 100
+    warm-up steps, cosine to 1e-4, clip 1.0; shakespeare_char's optimizer with train.py's bias=False and
+    dropout 0). The target is the baseline's final val loss unless --target is given."""
+    import copy
+    import shlex
+    import tempfile
+    import train
+    from tools import plumbing
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = ["--stage=2", "--device=cpu", f"--out_dir={tmp}"] + shlex.split(train_args)
+        run = train.setup(argv)
+        try:
+            cfg = run.cfg
+            B, T, V = cfg.batch_size * cfg.grad_accum, cfg.block_size, run.model.config.vocab_size
+            val = val_windows(next(iter(plumbing.resolve_data(cfg))), T, windows)
+            print(f"time to quality: {cfg.max_iters} steps of {B} x {T} tokens, {cfg.n_layer} x {cfg.n_embd}, "
+                  f"{cfg.n_head} heads, {torch.get_num_threads()} threads; val loss on {len(val)} fixed val windows "
+                  f"every {every} steps (not timed)", flush=True)
+            loader = copy.deepcopy(run.train_loader)  # the baseline reads exactly our batches
+            torch.manual_seed(cfg.seed)
+            base = NanoGPT(V, T, cfg.n_layer, cfg.n_head, cfg.n_embd, bias=False)
+            decay = [p for p in base.parameters() if p.dim() >= 2]
+            other = [p for p in base.parameters() if p.dim() < 2]
+            opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                                    lr=1e-3, betas=(0.9, 0.99))
+
+            def base_step(step):
+                warm, total = 100, cfg.max_iters
+                lr = 1e-3 * (step + 1) / (warm + 1) if step < warm else 1e-4 + 0.5 * (1e-3 - 1e-4) * (
+                    1 + math.cos(math.pi * min((step - warm) / max(total - warm, 1), 1.0)))
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                for _ in range(cfg.grad_accum):
+                    x, y = loader.next_batch()
+                    (base(x, y)[1] / cfg.grad_accum).backward()
+                torch.nn.utils.clip_grad_norm_(base.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            def ours_step(step):
+                train.train_step(run, step, False)
+
+            def ours_eval(step):
+                train.set_step_lambda(run, step)  # the model step `step` trains, as the training loop evaluates it
+                return window_loss(run.model, val)
+
+            curves = {}
+            for name, step_fn, eval_fn, stop_at in (("nanoGPT", base_step, lambda s: window_loss(base, val), None),
+                                                    ("ours", ours_step, ours_eval, "target")):
+                points, t = [(0, 0.0, eval_fn(0))], 0.0
+                goal = target or curves.get("nanoGPT", [(0, 0, 0.0)])[-1][2]
+                for step in range(cfg.max_iters):
+                    t0 = time.perf_counter()
+                    step_fn(step)
+                    t += time.perf_counter() - t0
+                    if (step + 1) % every == 0 or step + 1 == cfg.max_iters:
+                        points.append((step + 1, t, eval_fn(step + 1)))
+                        if stop_at and points[-1][2] <= goal:
+                            break
+                curves[name] = points
+                s, _, loss = points[-1]
+                print(f"{name:8s}: val {loss:.4f} at step {s} after {points[-1][1]:.1f} s "
+                      f"({1000 * points[-1][1] / s:.0f} ms/step)", flush=True)
+        finally:
+            if run.unlock:
+                run.unlock()
+            run.rt.close()
+    goal = target or curves["nanoGPT"][-1][2]
+    got = {name: time_to(points, goal) for name, points in curves.items()}
+    print(f"target val loss {goal:.4f} ({'--target' if target else 'the baseline’s final'}):")
+    for name, g in got.items():
+        print(f"  {name:8s}: " + (f"{g[0]:.3g} s, at step {g[1]:.0f}" if g else "not reached"))
+    if got["nanoGPT"] and got["ours"]:
+        print(f"time to quality, ours / nanoGPT: {got['ours'][0] / got['nanoGPT'][0]:.3f}")
+    return got
+
+
 def bench_profile():
     """Where the CPU step time goes: torch.profiler over 2 forward+backward passes, ours fp vs nanoGPT."""
     from tools import config
@@ -253,14 +375,22 @@ class BenchFlags:
     muon: bool = False           # Newton-Schulz in bf16 vs fp32 on the CPU model's hidden matrices
     train: bool = False          # full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
     profile: bool = False        # where the CPU step time goes (torch.profiler)
+    quality: bool = False        # time to quality: ours vs a nanoGPT-shaped fp baseline, to the same val loss
+    target: float = 0.0          # --quality: the val loss to reach; 0 = the baseline's final val loss
+    train_args: str = ""         # --quality: more train.py flags for our run and the shape of both, e.g. "--lr=3e-3"
 
 
 def main(argv):
     """One benchmark per run: the one flag given, or with none the ternary kernel (CUDA)."""
-    flags = {k: v for k, v in parse(argv, BenchFlags, __doc__).items() if v}
+    given = parse(argv, BenchFlags, __doc__)
+    opts = {k: given.pop(k) for k in ("target", "train_args") if k in given}
+    flags = {k: v for k, v in given.items() if v}
     if len(flags) > 1:
         die(f"give one benchmark at a time, not {' '.join('--' + k for k in flags)}", 2)
-    run = dict(data=bench_data, muon=bench_muon, train=bench_train, profile=bench_profile)
+    if opts and "quality" not in flags:
+        die(f"--{next(iter(opts))} is an option of --quality; add --quality", 2)
+    run = dict(data=bench_data, muon=bench_muon, train=bench_train, profile=bench_profile,
+               quality=lambda: bench_quality(**opts))
     (run[next(iter(flags))] if flags else bench_kernels)()
 
 
