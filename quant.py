@@ -15,6 +15,7 @@ HF transformers integrations/bitnet.py; lambda-warmup from the HF blog "Fine-tun
                                     x_q   = clamp(round(x * s), -128, 127)           fake-quant: x_q / s
     STE with lambda-warmup:         v_lam = v + lam * stopgrad(Q(v) - v)             lam: 0 = fp, 1 = ternary
     inference:                      y = (x_q @ W_q^T) * gamma / s                    (int32 accumulation, exact)
+    q, k, v of one input:           [q k v] = x @ [W_q,i * gamma_i]^T stacked, one matmul, gamma per matrix
 
 torch.round rounds half to even (0.5 -> 0, 1.5 -> 2 -> clamped to 1), computed in fp32.
 lambda lives in a 0-d buffer of every BitLinear (and QuantRMSNorm), and its default is 1: ternary. Loading

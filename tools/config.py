@@ -63,7 +63,8 @@ class TrainConfig:
     # --stage=dlm: the masked-diffusion conversion (lessons/dlm.py)
     dlm_mask_init: str = "mean"  # the new mask token's embedding: mean (of the vocabulary) or random
     dlm_shift: bool = True       # Dream's shift: position i's prediction read from position i - 1's output
-    lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw)
+    lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw);
+                                 # stage 2 on CPU: 2e-2 (the cpu-stage2 preset, measured in lab/results/lr.md)
     muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
     muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
     min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
@@ -118,6 +119,9 @@ DEVICE_PRESETS = {
 SCHEDULE_PRESETS = {  # --schedule=moderate: WSD decaying only to 1/3 of the peak (Luo et al., arXiv 2511.18903:
     "moderate": dict(min_lr_frac=1 / 3),  # 3e-3 -> 1e-3), unless --min_lr_frac is also given
 }
+# the CPU quick start (stage 2): the lr the lr table chose over 2e-3..4e-2 (3 seeds, lab/results/lr.md); the
+# other stages and the CUDA preset keep theirs (not swept)
+DEVICE_STAGE_PRESETS = {("cpu", 2): dict(lr=2e-2, muon_lr=2e-2)}
 STAGE_PRESETS = {
     1: dict(schedule="cosine"),
     2: dict(schedule="wsd"),
@@ -149,8 +153,9 @@ USAGE = """python train.py [--key=value ...]: train a ternary (BitNet b1.58) mod
   python train.py --stage=2                         the CPU quick start (byte tokenizer, Shakespeare, ~4 min)
   python train.py --stage=2 --resume=True           continue a stopped run exactly
   torchrun --standalone --nproc_per_node=8 train.py --stage=2     (DDP; --fsdp=True shards)
-Order of defaults: TrainConfig (shown below: the CPU quick start), then the device preset, the stage preset
-(stage 1 and 3: --schedule=cosine; 2 and dlm: wsd), then the flags given. The cuda preset sets:
+Order of defaults: TrainConfig (shown below), then the device preset, the stage preset
+(stage 1 and 3: --schedule=cosine; 2 and dlm: wsd; stage 2 on cpu: --lr=2e-2 --muon_lr=2e-2), then the flags
+given. The cuda preset sets:
   """ + " ".join(f"--{k}={v}" for k, v in DEVICE_PRESETS["cuda"].items())
 
 
@@ -166,6 +171,7 @@ def build_config(overrides, base=None):
             die(f"--stage={stage}: expected 1, 2, 3 or dlm", 2)
         cfg.update(DEVICE_PRESETS.get(device.split(":")[0], {}))
         cfg.update(STAGE_PRESETS[stage])
+        cfg.update(DEVICE_STAGE_PRESETS.get((device.split(":")[0], stage), {}))
         cfg.update(SCHEDULE_PRESETS.get(overrides.get("schedule"), {}))
         cfg["device"] = device
     cfg.update(overrides)
