@@ -80,7 +80,7 @@ class TrainConfig:
     grad_clip: float = 1.0       # fixed max grad norm when zclip=False; 0 = no clipping at all
     two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight decay -> 0
     two_phase_lr_drop: float = 0.5  # --two_phase: lr multiplier of the second half
-    lambda_warmup_steps: int = 200  # stage 2: lambda goes 0 -> 1 linearly over this many steps
+    lambda_warmup_steps: int = 200  # stage 2: lambda goes 0 -> 1 linearly over this many steps (cpu: 600)
     quant_start: float = 0.0     # stage 2: full precision until this step (>= 1) or fraction of max_iters (< 1),
                                  # then ternary, lambda ramping from there (continual QAT, arXiv 2502.11895)
     # checkpoint averaging (lessons/averaging.py): an EMA over the last k snapshots, saved as <run>/avg.pt
@@ -119,9 +119,10 @@ DEVICE_PRESETS = {
 SCHEDULE_PRESETS = {  # --schedule=moderate: WSD decaying only to 1/3 of the peak (Luo et al., arXiv 2511.18903:
     "moderate": dict(min_lr_frac=1 / 3),  # 3e-3 -> 1e-3), unless --min_lr_frac is also given
 }
-# the CPU quick start (stage 2): the lr the lr table chose over 2e-3..4e-2 (3 seeds, lab/results/lr.md); the
-# other stages and the CUDA preset keep theirs (not swept)
-DEVICE_STAGE_PRESETS = {("cpu", 2): dict(lr=2e-2, muon_lr=2e-2)}
+# the CPU quick start (stage 2): the lr the lr table chose over 2e-3..4e-2, and the lambda warm-up the warmup table
+# chose over 0..600 steps at that lr (3 seeds each, lab/results/lr.md, warmup.md): lambda reaches 1 at step 600,
+# the run's last; the other stages and the CUDA preset keep theirs (not swept)
+DEVICE_STAGE_PRESETS = {("cpu", 2): dict(lr=2e-2, muon_lr=2e-2, lambda_warmup_steps=600)}
 STAGE_PRESETS = {
     1: dict(schedule="cosine"),
     2: dict(schedule="wsd"),
@@ -154,8 +155,8 @@ USAGE = """python train.py [--key=value ...]: train a ternary (BitNet b1.58) mod
   python train.py --stage=2 --resume=True           continue a stopped run exactly
   torchrun --standalone --nproc_per_node=8 train.py --stage=2     (DDP; --fsdp=True shards)
 Order of defaults: TrainConfig (shown below), then the device preset, the stage preset
-(stage 1 and 3: --schedule=cosine; 2 and dlm: wsd; stage 2 on cpu: --lr=2e-2 --muon_lr=2e-2), then the flags
-given. The cuda preset sets:
+(stage 1 and 3: --schedule=cosine; 2 and dlm: wsd; stage 2 on cpu: --lr=2e-2 --muon_lr=2e-2
+--lambda_warmup_steps=600), then the flags given. The cuda preset sets:
   """ + " ".join(f"--{k}={v}" for k, v in DEVICE_PRESETS["cuda"].items())
 
 
