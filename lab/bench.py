@@ -206,7 +206,10 @@ def window_loss(model, windows, batch=16):
 
 def time_to(points, target):
     """Seconds of training when the val loss first reaches target, linear between evaluations: points are
-    (step, seconds, loss). Returns (seconds, step) as floats, or None if it never does."""
+    (step, seconds, loss). Returns (seconds, step) as floats, or None if it never does. A first point already at
+    the target counts at its own time (our points start where lambda reaches 1: nothing to interpolate from)."""
+    if points and points[0][2] <= target:
+        return points[0][1], points[0][0]
     for (s0, t0, l0), (s1, t1, l1) in zip(points, points[1:]):
         if l1 <= target:
             f = (l0 - target) / (l0 - l1) if l0 > target else 0.0
@@ -220,7 +223,9 @@ def bench_quality(train_args="", target=0.0, every=20, windows=64):
     evaluated on the same val windows every `every` steps; only the training steps are timed. The baseline is
     nanoGPT's recipe in fp32 (no bias, AdamW lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on matrices, 100
     warm-up steps, cosine to 1e-4, clip 1.0; shakespeare_char's optimizer with train.py's bias=False and
-    dropout 0). The target is the baseline's final val loss unless --target is given."""
+    dropout 0). The target is the baseline's final val loss unless --target is given. Ours counts only as a
+    ternary model: from the step where lambda reaches 1 (the end of --lambda_warmup_steps) on, since before that
+    the run trains a blend of fp and ternary weights, which is not what it exports."""
     import copy
     import shlex
     import tempfile
@@ -260,22 +265,28 @@ def bench_quality(train_args="", target=0.0, every=20, windows=64):
             def ours_step(step):
                 train.train_step(run, step, False)
 
-            def ours_eval(step):
-                train.set_step_lambda(run, step)  # the model step `step` trains, as the training loop evaluates it
+            def ours_eval(step):  # None until lambda reaches 1: before that the model is not ternary yet
+                if train.lambda_at(step, cfg) < 1:
+                    return None
+                train.set_step_lambda(run, step)
                 return window_loss(run.model, val)
 
             curves = {}
             for name, step_fn, eval_fn, stop_at in (("nanoGPT", base_step, lambda s: window_loss(base, val), None),
                                                     ("ours", ours_step, ours_eval, "target")):
                 points, t = [(0, 0.0, eval_fn(0))], 0.0
+                points = [p for p in points if p[2] is not None]
                 goal = target or curves.get("nanoGPT", [(0, 0, 0.0)])[-1][2]
                 for step in range(cfg.max_iters):
                     t0 = time.perf_counter()
                     step_fn(step)
                     t += time.perf_counter() - t0
-                    if (step + 1) % every == 0 or step + 1 == cfg.max_iters:
-                        points.append((step + 1, t, eval_fn(step + 1)))
-                        if stop_at and points[-1][2] <= goal:
+                    if (step + 1) % every == 0 or step + 1 == cfg.max_iters or (
+                            name == "ours" and not points and train.lambda_at(step + 1, cfg) >= 1):
+                        loss = eval_fn(step + 1)  # ours: from the first step at lambda 1 on
+                        if loss is not None:
+                            points.append((step + 1, t, loss))
+                        if stop_at and points and points[-1][2] <= goal:
                             break
                 curves[name] = points
                 s, _, loss = points[-1]

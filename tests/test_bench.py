@@ -19,6 +19,7 @@ def test_time_to_interpolates_between_evaluations_at_the_first_crossing():
     assert bench.time_to(points, 2.0) == (20.0, 40.0)
     assert bench.time_to(points, 5.0) == (0.0, 0.0)
     assert bench.time_to(points, 1.0) is None
+    assert bench.time_to(points[2:], 2.5) == (20.0, 40.0)  # the first point (lambda reaching 1) already below
 
 
 def test_val_windows_are_evenly_spread_and_the_same_each_time(tmp_path):
