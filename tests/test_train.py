@@ -276,7 +276,8 @@ def test_quant_start_run_is_the_fp_run_until_the_switch(tmp_path):
     """Before the switch a stage-2 run computes what stage 1 (full precision, same seed and schedule)
     computes, step for step; from the switch on it departs, and lambda ramps 0 -> 1 as logged."""
     out = str(tmp_path)
-    common = [*TINY, "--max_iters=12", "--eval_interval=12", "--schedule=wsd", "--init_from=scratch", f"--out_dir={out}"]
+    common = [*TINY, "--max_iters=12", "--eval_interval=12", "--schedule=wsd", "--init_from=scratch", f"--out_dir={out}",
+              "--lr=3e-3", "--muon_lr=3e-3"]  # one lr for both (the CPU stage-2 preset's is 2e-2)
     run("--stage=1", *common)
     run("--stage=2", "--quant_start=6", *common)
     fp = [r for r in records(out, stage=1) if "loss" in r]
