@@ -398,3 +398,12 @@ def test_ctrl_c_while_scoring_is_one_line_and_loses_nothing(tmp_path, tiny_main,
     assert "python -m lab t" in line
     assert os.path.exists(os.path.join(t.run_dir("a", 0), "ckpt.pt"))
     assert not os.path.exists(os.path.join(t.run_dir("a", 0), "result.json")) and _snapshot(tiny_main) == {}
+
+
+def test_tables_measured_before_the_lr_table_pin_its_old_defaults():
+    """The CPU stage-2 preset changed (lr 2e-2, lambda warm-up 600); earlier tables must still run at 3e-3 / 200."""
+    for r in lab.TABLES["order"]().rows + lab.TABLES["muon"]().rows:
+        assert "--lambda_warmup_steps=200" in r.args and "--muon_lr=" in r.args
+    assert lab.TABLES["order"]().rows[0].args.endswith("--lr=3e-3 --muon_lr=3e-3 --lambda_warmup_steps=200")
+    assert "--lr=1e-2" in lab.TABLES["muon"]().rows[-1].args and "--lr=3e-3" not in lab.TABLES["muon"]().rows[-1].args
+    assert all("--lr=3e-3 --muon_lr=3e-3 --lambda" not in r.args for r in lab.TABLES["warmup"]().rows)
