@@ -1,17 +1,18 @@
 """
-Binary token shards and the loader that streams (B, T) batches from them.
+Binary token shards in llm.c's format, and the loader that streams (B, T) batches from them.
 
 A corpus is tokenised once (tools/prepare.py) into shards; training reads windows of T+1 consecutive tokens straight
-from np.memmap, so loading costs nothing and the loader's position is one window counter per source that a
-checkpoint saves. The windows come shuffled (the default), in shard order, or easy-to-hard (a curriculum, after
-Luo et al., arXiv 2511.18903: sort the data by a score, here each chunk's zlib compression ratio,
-prepare.difficulty, and read it in ascending order). The format is llm.c's (dev/data/data_common.py), in full
-in docs/shard-format.md:
-    header: 256 little-endian int32 = [20240520 (magic), version, n_tokens, 0, ..., 0]
-    tokens: n_tokens little-endian uint16 (version 1, vocabulary <= 65536) or uint32 (version 2)
+from np.memmap, so loading costs nothing and the loader's position is a few integers that a checkpoint saves.
+One shard file, as llm.c's dev/data/data_common.py writes it (in full in docs/shard-format.md):
+    header  256 little-endian int32 = [20240520 (magic), version, n_tokens, 0, ..., 0]    (1024 bytes)
+    tokens  n_tokens little-endian uint16 (version 1, vocabulary <= 65536) or uint32 (version 2)
+    size    exactly 1024 + n_tokens * 2 (or * 4) bytes: a file cut short is refused, never read
 Version 1 is llm.c's GPT-2 shard byte for byte; version 2 is ours (llm.c marks its uint32 shards with another magic).
-Every document is stored as [eot] + tokens: the end-of-text token is PREPENDED, as in llm.c's fineweb.py, so it
-marks where a document starts, and the document ids of a packed row are doc_id = cumsum(tokens == eot).
+A directory holds train_000.bin, train_001.bin, ..., val_000.bin, ... and the meta.json that made them. Every
+document is stored as [eot] + tokens: the end-of-text token is PREPENDED, as in llm.c's fineweb.py, so it marks
+where a document starts, and the document ids of a packed row are doc_id = cumsum(tokens == eot).
+The windows come shuffled (the default), in shard order, or easy-to-hard (a curriculum, after Luo et al.,
+arXiv 2511.18903: each chunk's zlib compression ratio, prepare.difficulty, read in ascending order).
 
 The tokenisers that make the ids are in tokenizer.py. Copied alone into another project, this file needs only
 numpy and torch.
@@ -31,36 +32,29 @@ import sys
 import numpy as np
 import torch
 
-MAGIC = 20240520
-HEADER_BYTES = 256 * 4
-VERSION_DTYPE = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
-DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # the shipped corpora, default shards
-
-# -----------------------------------------------------------------------------
-# shards
+MAGIC = 20240520                                          # header[0]
+VERSION_DTYPE = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # header[1] -> the type of the tokens
+HEADER_BYTES = 256 * 4                                    # header[2] = n_tokens, header[3:] = 0
 
 
 def write_shard(path, tokens, dtype=None):
-    """Write a 1-D array of token ids as one shard. dtype None: uint16 when every id fits, else uint32."""
+    """Write a 1-D array of token ids as one shard. dtype None: uint16 when every id fits, else uint32.
+    A write cut short leaves a file that read_shard refuses (its size disagrees with its header); tools/prepare.py
+    writes a whole dataset into a new directory and renames that into place."""
     tokens = np.asarray(tokens).reshape(-1)
     dtype = _check_tokens(path, tokens, dtype)
     header = np.zeros(256, dtype="<i4")
     header[:3] = MAGIC, 1 if dtype.itemsize == 2 else 2, tokens.size
-    # write beside the target, then rename: a crash never leaves a half shard under the real name
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.astype(dtype, copy=False).tobytes())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    if os.path.lexists(path):  # a new file, never the old one rewritten: a loader may have the old one mapped
+        os.remove(path)
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.astype(dtype, copy=False).tobytes())
 
 
 def read_shard(path, identity=None):
-    """Check a shard's header and size against each other; return its tokens as a read-only np.memmap.
-    identity: shard_identity(path) as seen earlier; if the file is another one now, raise DataChanged."""
+    """The tokens of a shard as a read-only np.memmap, after checking its magic, version and size (a bad shard is
+    one ValueError naming the file). identity: shard_identity(path) as seen earlier; another file now: DataChanged."""
     with _open_shard(path, identity) as f:  # one open file: the header checked is the one of the file mapped
         version, ntok = _check_header(path, f)
         if ntok == 0:
@@ -78,23 +72,23 @@ def read_meta(d):
 
 
 class DataLoader:
-    """Streams (x, y) batches of shape (B, T) from the {split}_*.bin shards of one or more directories.
+    """Streams (x, y) batches of shape (B, T) from the {split}_NNN.bin shards of one or more directories.
 
     sources: a directory, or a dict {directory: weight} with weights > 0 (normalised).
-    A source is cut into windows of T+1 tokens starting at 0, T, 2T, ... of each shard (a shard's tail too
-    short for a window is dropped), numbered in shard order. Each call, one seeded np.random.Generator, the same
-    on every rank, draws the source of each of the B * world_size global rows; the source's next window in its
-    `order` fills the row (x = the first T tokens, y = the last T); rank r keeps global rows r*B .. (r+1)*B - 1.
-    order:
+    A source is cut into windows of T+1 tokens starting at 0, T, 2T, ... of each shard (a shard's tail too short
+    for a window is dropped), numbered 0, 1, 2, ... in shard order; a row is one window, x its first T tokens and
+    y its last T. The position, like llm.c's (shard, offset), is integers: cursor[s], how many rows source s has
+    given (its next row is window(s, cursor[s])), and the state of one seeded np.random.Generator that draws the
+    source of each of the B * world_size global rows of a batch. Every rank draws the same sources and advances
+    every cursor, keeping global rows r*B .. (r+1)*B - 1 for rank r, so one rank's state_dict() resumes them all.
+    order (which window the j-th row of a source is):
       shuffle     (default, the measured best) each epoch a seeded permutation of the windows (nanoGPT samples
                   random offsets instead)
-      sequential  windows in shard order, wrapping: a row's neighbours are the text that follows it; what an
+      sequential  window j mod n_windows, wrapping: a row's neighbours are the text that follows it; what an
                   evaluation on val reads with next_batch() (sweep() reads every window in shard order anyway)
       curriculum  the shuffled windows, each consecutive block of `span` of them sorted easy-to-hard by the
                   difficulty scores tools/prepare.py wrote (prepare.difficulty); span = the rows a run draws, so a
                   curriculum run reads exactly the windows a shuffled run reads, only in another order
-    The state, one window counter per source plus the RNG, is the same on every rank, so one rank's
-    state_dict() resumes them all exactly.
     """
 
     def __init__(self, sources, split, B, T, rank=0, world_size=1, seed=1337, order="shuffle", span=0):
@@ -104,7 +98,7 @@ class DataLoader:
         self.dirs = list(sources)
         self.weights = np.array([float(w) for w in sources.values()]) / sum(sources.values())
         self.split, self.B, self.T, self.rank, self.world_size, self.seed = split, B, T, rank, world_size, seed
-        self.shards = [_find_shards(d, split) for d in self.dirs]  # per source: its shard paths, in order
+        self.shards = [find_shards(d, split) for d in self.dirs]  # per source: its shard paths, in order
         self.identities = [[shard_identity(p) for p in paths] for paths in self.shards]  # to notice a re-prepare
         self.lengths = [[len(read_shard(p, i)) for p, i in zip(ps, ids)]  # validates every header
                         for ps, ids in zip(self.shards, self.identities)]
@@ -196,7 +190,7 @@ class DataLoader:
                 "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, sd):
-        sd = _check_state(self, sd)
+        _check_state(self, sd)
         self.reset()
         self.span = sd["span"]  # a resumed run keeps its curriculum blocks, even with another --max_iters
         self.cursor = [int(j) for j in sd["cursor"]]
@@ -211,6 +205,31 @@ def _windows(lengths, T):
     ks = [np.full((n - 1) // T, k) for k, n in enumerate(lengths)]
     offs = [np.arange((n - 1) // T) * T for n in lengths]
     return np.concatenate(ks).astype(np.int64), np.concatenate(offs).astype(np.int64)
+
+
+def find_shards(d, split):
+    """The {split}_NNN.bin paths of directory d in numeric order: train_1000.bin comes after train_999.bin.
+    Refuses a set with a gap (000, 001, 003) or two files of one number: a copy or a run that did not finish."""
+    names = [n for n in (os.listdir(d) if os.path.isdir(d) else []) if _shard_index(n, split) is not None]
+    if not names:
+        raise ValueError(f"{d}: no {split}_*.bin shards; create them: python -m tools.prepare --out_dir={d} [sources]")
+    names.sort(key=lambda n: _shard_index(n, split))
+    idx = [_shard_index(n, split) for n in names]
+    for k in range(1, len(idx)):
+        if idx[k] == idx[k - 1]:
+            raise ValueError(f"{d}: {names[k - 1]} and {names[k]} are both {split} shard {idx[k]}; keep the one "
+                             f"that belongs (tools/prepare.py names it {split}_{idx[k]:03d}.bin)")
+    missing = min(set(range(len(idx) + 1)) - set(idx))
+    if missing < len(idx):
+        path = os.path.join(d, f"{split}_{missing:03d}.bin")
+        raise ValueError(f"{path}: missing, but {d} has {split} shards numbered up to {idx[-1]} "
+                         f"(an incomplete dataset); {_fix(path)}")
+    return [os.path.join(d, n) for n in names]
+
+
+def _shard_index(name, split):
+    m = re.fullmatch(rf"{split}_(\d+)\.bin", name)
+    return int(m.group(1)) if m else None
 
 # -----------------------------------------------------------------------------
 # difficulty: what the curriculum sorts by
@@ -231,10 +250,10 @@ def window_difficulty(shards, lengths, T):
             chunks = np.load(difficulty_path(path))
         except (OSError, ValueError):
             raise ValueError(f"{difficulty_path(path)}: missing or unreadable, and the curriculum order needs it "
-                             f"(shards prepared before difficulty scores existed?); {_remake_hint(path)}") from None
+                             f"(shards prepared before difficulty scores existed?); {_fix(path)}") from None
         if len(chunks) != -(-n // DIFFICULTY_CHUNK):
             raise ValueError(f"{difficulty_path(path)}: {len(chunks)} scores for {n} tokens in chunks of "
-                             f"{DIFFICULTY_CHUNK}: not this shard's; {_remake_hint(path)}")
+                             f"{DIFFICULTY_CHUNK}: not this shard's; {_fix(path)}")
         csum = np.concatenate([[0.0], np.cumsum(chunks, dtype=np.float64)])
         off = np.arange((n - 1) // T) * T
         first, last = off // DIFFICULTY_CHUNK, (off + T - 1) // DIFFICULTY_CHUNK  # chunks of its inputs x
@@ -242,20 +261,13 @@ def window_difficulty(shards, lengths, T):
     return np.concatenate(out)
 
 # -----------------------------------------------------------------------------
-# validation: every check that turns a bad file or argument into one line saying what to do
+# checks: a bad file or argument is one ValueError that names it and says what to do
 
 
-def _remake_hint(path):
-    """The command that re-creates the shard at path, from the meta.json beside it when there is one."""
+def _fix(path):
+    """What to do about a damaged file of the shard directory that holds path."""
     d = os.path.dirname(path) or "."
-    shipped = os.path.join(DATA_DIR, "shakespeare.jsonl.gz")  # tools/prepare.py's default source
-    try:
-        with open(os.path.join(d, "meta.json")) as f:
-            meta = json.load(f)
-        srcs = "".join(" " + s for s in meta["sources"] if s != shipped)
-        return f"re-run: python -m tools.prepare --tokenizer={meta['tokenizer']} --out_dir={d}{srcs}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "re-create it with tools/prepare.py (python -m tools.prepare --help)"
+    return f"re-create the directory: python -m tools.prepare --out_dir={d} <the sources listed in its meta.json>"
 
 
 def _check_tokens(path, tokens, dtype):
@@ -275,44 +287,18 @@ def _check_header(path, f):
     """(version, n_tokens) of the shard at path, open as f, after checking its magic, version and size."""
     size = os.fstat(f.fileno()).st_size
     if size < HEADER_BYTES:
-        raise ValueError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; {_remake_hint(path)}")
+        raise ValueError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte header; {_fix(path)}")
     f.seek(0)
     magic, version, ntok = (int(v) for v in np.frombuffer(f.read(12), dtype="<i4"))
     if magic != MAGIC:
-        raise ValueError(f"{path}: bad magic {magic} (expected {MAGIC}); {_remake_hint(path)}")
+        raise ValueError(f"{path}: bad magic {magic} (expected {MAGIC}); {_fix(path)}")
     if version not in VERSION_DTYPE:
-        raise ValueError(f"{path}: unsupported version {version} (expected 1 or 2); {_remake_hint(path)}")
+        raise ValueError(f"{path}: unsupported version {version} (expected 1 or 2); {_fix(path)}")
     expected = HEADER_BYTES + ntok * VERSION_DTYPE[version].itemsize
     if ntok < 0 or size != expected:
         raise ValueError(f"{path}: {size} bytes, but its header says {ntok} tokens = {expected} bytes "
-                         f"(truncated or corrupt); {_remake_hint(path)}")
+                         f"(truncated or corrupt); {_fix(path)}")
     return version, ntok
-
-
-def _shard_index(name, split):
-    m = re.fullmatch(rf"{split}_(\d+)\.bin", name)
-    return int(m.group(1)) if m else None
-
-
-def _find_shards(d, split):
-    """The {split}_NNN.bin paths of directory d in numeric order: train_1000.bin comes after train_999.bin.
-    Refuses a set with a gap (000, 001, 003): a copy or a tools/prepare.py run that did not finish."""
-    _check_not_mid_swap(d)
-    names = [n for n in (os.listdir(d) if os.path.isdir(d) else []) if _shard_index(n, split) is not None]
-    if not names:
-        raise ValueError(f"{d}: no {split}_*.bin shards; create them: python -m tools.prepare --out_dir={d} [sources]")
-    names.sort(key=lambda n: _shard_index(n, split))
-    idx = [_shard_index(n, split) for n in names]
-    for k in range(1, len(idx)):
-        if idx[k] == idx[k - 1]:
-            raise ValueError(f"{d}: {names[k - 1]} and {names[k]} are both {split} shard {idx[k]}; keep the one "
-                             f"that belongs (tools/prepare.py names it {split}_{idx[k]:03d}.bin)")
-    missing = min(set(range(len(idx) + 1)) - set(idx))
-    if missing < len(idx):
-        path = os.path.join(d, f"{split}_{missing:03d}.bin")
-        raise ValueError(f"{path}: missing, but {d} has {split} shards numbered up to {idx[-1]} "
-                         f"(an incomplete dataset); {_remake_hint(path)}")
-    return [os.path.join(d, n) for n in names]
 
 
 def _check_sources(sources, rank, world_size):
@@ -345,7 +331,7 @@ def _check_meta(dirs, split, lengths):
             path = os.path.join(d, "meta.json")
             raise ValueError(f"{path}: records {want[0]} {split} tokens in {want[1]} {split} shards, but {d} holds "
                              f"{sum(ns)} tokens in {len(ns)} shards (a partial copy, or shards of another run); "
-                             f"{_remake_hint(path)}")
+                             f"{_fix(path)}")
     if len(set(tokenizers.values())) > 1:
         raise ValueError(f"sources were made by different tokenizers {tokenizers}; mix only one tokenizer")
 
@@ -366,6 +352,25 @@ def _check_meta_json(path):
     if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), str):
         raise ValueError(f"{path}: no \"tokenizer\" field (a JSON object written by tools/prepare.py is expected); {fix}")
     return meta
+
+
+def _check_state(loader, sd):
+    """A state_dict() of a loader reading the same sources in the same order."""
+    if "pos" in sd:  # (shard, offset) per source, written before data orders existed
+        raise ValueError("loader state from before data orders existed (it holds \"pos\"); convert it first: "
+                         "loader.load_state_dict(tools.prepare.upgrade_loader_state(state, loader))")
+    names = [os.path.basename(os.path.normpath(d)) for d in loader.dirs]
+    if sd["dirs"] != names or sd["split"] != loader.split:
+        raise ValueError(f"loader state is for {sd['split']} of {sd['dirs']} but this loader reads {loader.split} "
+                         f"of {names}; resume with the same sources in the same order")
+    if sd["order"] != loader.order:
+        raise ValueError(f"loader state is for --data_order={sd['order']}, but this run asks for "
+                         f"{loader.order}; resume with --data_order={sd['order']}")
+    if len(sd["cursor"]) != len(loader.dirs) or min(sd["cursor"]) < 0:
+        raise ValueError(f"loader state {sd['cursor']} does not fit the {len(loader.dirs)} source(s) of this run")
+
+# -----------------------------------------------------------------------------
+# shards replaced under a running loader (tools/prepare.py re-ran into its directory)
 
 
 class DataChanged(ValueError):
@@ -399,42 +404,6 @@ def _open_shard(path, identity):
         raise DataChanged(changed % "is another file now")
     return f
 
-
-def _check_not_mid_swap(d):
-    """tools/prepare.py replaces a directory by two renames (d -> .<d>.old_*, new -> d); a kill between them leaves
-    no d. Say where the previous dataset is rather than that there are no shards."""
-    parent, name = os.path.split(os.path.abspath(d))
-    if os.path.exists(d) or not os.path.isdir(parent):
-        return
-    old = sorted(n for n in os.listdir(parent) if n.startswith(f".{name}.old_"))
-    if old:
-        old = os.path.join(parent, old[-1])
-        raise ValueError(f"{d}: missing, but {old} holds its previous dataset (a tools/prepare.py was killed while "
-                         f"replacing it); restore it: mv {old} {d} (or re-run tools/prepare.py, which restores it first)")
-
-
-def _check_state(loader, sd):
-    """The state, checked against this loader; a state from before data orders existed ("pos": shard and
-    offset per source, sequential) is converted. Returns it."""
-    names = [os.path.basename(os.path.normpath(d)) for d in loader.dirs]
-    if sd["dirs"] != names or sd["split"] != loader.split:
-        raise ValueError(f"loader state is for {sd['split']} of {sd['dirs']} but this loader reads {loader.split} "
-                         f"of {names}; resume with the same sources in the same order")
-    if "pos" in sd:  # [shard, offset] per source: the window at that place, in shard order
-        for s, (k, off) in enumerate(sd["pos"]):
-            if not 0 <= k < len(loader.shards[s]):
-                raise ValueError(f"loader state points at shard {k} of {loader.dirs[s]}, which has "
-                                 f"{len(loader.shards[s])} {loader.split} shards; was the data prepared again?")
-        first = [np.concatenate([[0], np.cumsum([(n - 1) // loader.T for n in ns])]) for ns in loader.lengths]
-        sd = dict(sd, order="sequential", span=0, cursor=[int(first[s][k]) + off // loader.T
-                                                           for s, (k, off) in enumerate(sd["pos"])])
-    if sd["order"] != loader.order:
-        raise ValueError(f"loader state is for --data_order={sd['order']}, but this run asks for "
-                         f"{loader.order}; resume with --data_order={sd['order']}")
-    if len(sd["cursor"]) != len(loader.dirs) or min(sd["cursor"]) < 0:
-        raise ValueError(f"loader state {sd['cursor']} does not fit the {len(loader.dirs)} source(s) of this run")
-    return sd
-
 # -----------------------------------------------------------------------------
 
 
@@ -446,7 +415,7 @@ if __name__ == "__main__":
         print(f"error: data.py takes no flags; tokenising is: python -m tools.prepare {' '.join(sys.argv[1:])}",
               file=sys.stderr)
         sys.exit(2)
-    d = os.path.join(DATA_DIR, "shakespeare_byte")
+    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "shakespeare_byte")
     if not os.path.exists(os.path.join(d, "meta.json")):
         print(f"error: no shards in {d}; make them first: python -m tools.prepare --tokenizer=byte", file=sys.stderr)
         sys.exit(1)

@@ -3,14 +3,16 @@ BitDistill stage 3: distil a full-precision teacher into the ternary student.
 
 The Stage-1 fp model (with SubLN) is the frozen teacher; the Stage-2 ternary model is the student. Besides
 the usual next-token cross-entropy, the student matches the teacher's softened output distribution
-(logits KD) and, with gamma_ad > 0, on one late layer the teacher's Q-Q, K-K and V-V self-relations
+(logits KD) and, with kd_relation > 0, on one late layer the teacher's Q-Q, K-K and V-V self-relations
 (MiniLM-v2 style), which works even when teacher and student have different head counts. Not part of
-BitDistill, off by default: hidden states pulled toward the teacher's (delta_hidden > 0), and several teachers.
+BitDistill, off by default: hidden states pulled toward the teacher's (kd_hidden > 0), and several teachers.
 Sources: BitDistill, arXiv 2510.13998 (Eqs. for L_LD, L_AD and the total) and its authors' trainer; MiniLM-v2,
 arXiv 2012.15828 (relations); TinyBERT, arXiv 1909.10351, section 3.1 (hidden states); Hinton et al., arXiv
 1503.02531, section 2 (an ensemble of teachers). Each function's docstring says where we depart from them.
 
-    L        = L_CE + lambda_ld * L_LD + gamma_ad * L_AD + delta_hidden * L_hidden   (delta_hidden = 0: off)
+    L        = L_CE + kd_logits * L_LD + kd_relation * L_AD + kd_hidden * L_hidden   (kd_hidden = 0: off)
+               The paper writes lambda for kd_logits and gamma for kd_relation; here those two letters are BitNet's
+               quantisation blend and weight scale (quant.py), so the distillation weights say what they weigh.
     L_LD     = tau^2 * mean_{valid tokens} sum_v p_t(v) (log p_t(v) - log p_s(v)),  p = softmax(z / tau), tau = 5
                K teachers: p_t = sum_k w_k softmax(z_k / tau), sum_k w_k = 1 (default w_k = 1/K)
     L_AD     = (1/A_r) * sum_{X in Q,K,V} mean_{b, a, i} KL(R_t[b,a,i,:] || R_s[b,a,i,:])
@@ -19,7 +21,7 @@ arXiv 2012.15828 (relations); TinyBERT, arXiv 1909.10351, section 3.1 (hidden st
     L_hidden = sum_l w_l * MSE(normalize(h_s^l), normalize(h_t^g(l))),  w_l = l / (1 + ... + n), l = 1..n
                (widths differ: MSE(h_hat_s h_hat_s^T, h_hat_t h_hat_t^T); g(l) = ceil(l * n_t / n_s))
 
-BitDistillLoss() is the "logits" preset, lambda_ld = 1 and gamma_ad = 0, train.py's default (measured: relation
+BitDistillLoss() is the "logits" preset, kd_logits = 1 and kd_relation = 0, train.py's default (measured: relation
 KD never beat logits KD alone here, lab/results/distill.md); the paper's presets are in PRESETS.
 The teacher is never differentiated: every teacher tensor is detached here.
 
@@ -30,12 +32,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-# On the shipped workload relation KD at gamma 1..1e3 never beat logits KD alone, and the paper's 1e3 lost to it
+# On the shipped workload relation KD at kd_relation 1..1e3 never beat logits KD alone, and the paper's 1e3 lost to it
 # (python -m lab distill, lab/results/distill.md): hence our "logits" preset, the default here and in train.py.
 PRESETS = {
-    "classification": dict(lambda_ld=10.0, gamma_ad=1e5),  # the paper's
-    "summarization": dict(lambda_ld=1.0, gamma_ad=1e3),    # the paper's
-    "logits": dict(lambda_ld=1.0, gamma_ad=0.0),           # ours, measured: the default
+    "classification": dict(kd_logits=10.0, kd_relation=1e5),  # the paper's
+    "summarization": dict(kd_logits=1.0, kd_relation=1e3),    # the paper's
+    "logits": dict(kd_logits=1.0, kd_relation=0.0),           # ours, measured: the default
 }
 
 
@@ -173,17 +175,17 @@ def hidden_state_loss(student_hiddens, teacher_hiddens, layer_weights=None):
 
 
 class BitDistillLoss:
-    """L = CE + lambda_ld * LD + gamma_ad * AD + delta_hidden * hidden. Overrides beat the preset; the default
-    preset is "logits" (lambda_ld 1, gamma_ad 0), so q/k/v and hidden states are needed only when asked for."""
+    """L = CE + kd_logits * LD + kd_relation * AD + kd_hidden * hidden. Overrides beat the preset; the default
+    preset is "logits" (kd_logits 1, kd_relation 0), so q/k/v and hidden states are needed only when asked for."""
 
-    def __init__(self, preset="logits", lambda_ld=None, gamma_ad=None, delta_hidden=0.0,
+    def __init__(self, preset="logits", kd_logits=None, kd_relation=None, kd_hidden=0.0,
                  temperature=5.0, relation_temperature=1.0, n_relation_heads=32, distill_layer=-1,
                  relation_causal=True, teacher_weights=None):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-        self.lambda_ld = float(PRESETS[preset]["lambda_ld"] if lambda_ld is None else lambda_ld)
-        self.gamma_ad = float(PRESETS[preset]["gamma_ad"] if gamma_ad is None else gamma_ad)
-        self.delta_hidden = float(delta_hidden)
+        self.kd_logits = float(PRESETS[preset]["kd_logits"] if kd_logits is None else kd_logits)
+        self.kd_relation = float(PRESETS[preset]["kd_relation"] if kd_relation is None else kd_relation)
+        self.kd_hidden = float(kd_hidden)
         self.temperature = temperature              # tau of the logits KD
         self.relation_temperature = relation_temperature  # t of the relation softmax
         self.n_relation_heads = n_relation_heads    # A_r; must divide H*d of teacher and student Q, K, V
@@ -208,23 +210,23 @@ class BitDistillLoss:
         ld = logits_kd_loss(student_logits, teacher_logits, self.temperature, mask=targets != ignore_index,
                             weights=self.teacher_weights)
         ad = hidden = zero
-        if self.gamma_ad != 0:
+        if self.kd_relation != 0:
             if student_qkv is None or teacher_qkv is None:
-                raise ValueError(f"gamma_ad={self.gamma_ad} needs student_qkv and teacher_qkv (layer "
-                                 f"distill_layer={self.distill_layer}); pass them or set gamma_ad=0")
+                raise ValueError(f"kd_relation={self.kd_relation} needs student_qkv and teacher_qkv (layer "
+                                 f"distill_layer={self.distill_layer}); pass them or set kd_relation=0")
             ad = attention_relation_loss(student_qkv, teacher_qkv, self.n_relation_heads,
                                          self.relation_temperature, relation_mask, self.relation_causal)
-        if self.delta_hidden != 0:
+        if self.kd_hidden != 0:
             if student_hiddens is None or teacher_hiddens is None:
-                raise ValueError(f"delta_hidden={self.delta_hidden} needs student_hiddens and teacher_hiddens; "
-                                 f"pass them or set delta_hidden=0")
+                raise ValueError(f"kd_hidden={self.kd_hidden} needs student_hiddens and teacher_hiddens; "
+                                 f"pass them or set kd_hidden=0")
             hidden = hidden_state_loss(student_hiddens, teacher_hiddens, late_layer_weights(len(student_hiddens)))
-        loss = ce + self.lambda_ld * ld + self.gamma_ad * ad + self.delta_hidden * hidden
+        loss = ce + self.kd_logits * ld + self.kd_relation * ad + self.kd_hidden * hidden
         return dict(loss=loss, ce=ce, ld=ld, ad=ad, hidden=hidden)
 
     def __repr__(self):
-        return (f"BitDistillLoss(preset={self.preset!r}, lambda_ld={self.lambda_ld}, gamma_ad={self.gamma_ad}, "
-                f"delta_hidden={self.delta_hidden}, temperature={self.temperature}, relation_temperature="
+        return (f"BitDistillLoss(preset={self.preset!r}, kd_logits={self.kd_logits}, kd_relation={self.kd_relation}, "
+                f"kd_hidden={self.kd_hidden}, temperature={self.temperature}, relation_temperature="
                 f"{self.relation_temperature}, n_relation_heads={self.n_relation_heads}, distill_layer="
                 f"{self.distill_layer}, relation_causal={self.relation_causal}" +
                 (f", teacher_weights={self.teacher_weights})" if self.teacher_weights else ")"))

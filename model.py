@@ -84,6 +84,13 @@ def project(x, layers, fused=True):
     return [m(x) for m in layers]
 
 
+class Attend(nn.Module):
+    """softmax(q k^T / sqrt(hd) + mask) v, all heads at once; q, k, v (B, nh, T, hd) -> (B, nh, T, hd)."""
+
+    def forward(self, q, k, v, mask=None, is_causal=True):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+
+
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -97,9 +104,7 @@ class Attention(nn.Module):
         self.subln = make_norm(config, C) if config.subln else nn.Identity()
         self.causal = config.causal
         self.fused = config.fused
-        self.track_rows = config.max_logit_rows if config.track_max_logit else 0
-        if self.track_rows:  # the running max since qk_clip last read it (muon_variants.qk_clip)
-            self.register_buffer("max_logit", torch.zeros(config.n_head), persistent=False)
+        self.attend = Attend()  # a module of its own, so a lesson can hook q and k (QK-clip: lessons/muon_variants.py)
 
     def forward(self, x, cos, sin, mask, want_qkv=False, cache=None):
         B, T, C = x.size()
@@ -107,27 +112,14 @@ class Attention(nn.Module):
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.fused)  # (B, T, C) each
         q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))        # (B, nh, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.track_rows and cache is None and self.training:
-            self._record_max_logit(q, k, mask)
         if cache is not None:  # generation: keys and values of the earlier positions are kept, not recomputed
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
         # causal when queries and keys are the same positions; one new query sees every cached key
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                           is_causal=self.causal and mask is None and q.size(2) == k.size(2))
+        y = self.attend(q, k, v, mask, self.causal and mask is None and q.size(2) == k.size(2))
         y = y.transpose(1, 2).contiguous().view(B, T, C)       # (B, T, C) heads concatenated
         return self.o_proj(self.subln(y)), ((q, k, v) if want_qkv else None)
-
-    @torch.no_grad()
-    def _record_max_logit(self, q, k, mask):
-        """max_logit[h] = max(itself, the largest causal q_i.k_j / sqrt(hd) of head h over the first rows)."""
-        n, T = min(self.track_rows, q.size(0)), q.size(2)
-        s = (q[:n].float() @ k[:n].float().transpose(-2, -1)) / math.sqrt(q.size(-1))  # (n, nh, T, T)
-        allowed = mask[:n] if mask is not None else torch.ones(T, T, dtype=torch.bool, device=q.device)
-        allowed = allowed.tril() if mask is None and self.causal else allowed
-        s = s.masked_fill(~allowed, float("-inf"))
-        self.max_logit.copy_(torch.maximum(self.max_logit, s.amax(dim=(0, 2, 3))))
 
 
 class MLP(nn.Module):
@@ -177,8 +169,6 @@ class GPTConfig:
     doc_mask: bool = False     # attend within documents only (needs eot); off = plain causal, faster
     eot: int = 256             # end-of-text id that starts every document in the shards
     causal: bool = True        # False: every position attends to every other (the masked-diffusion LM, lessons/dlm.py)
-    track_max_logit: bool = False  # record each head's largest q.k/sqrt(d) (Attention.max_logit; QK-clip)
-    max_logit_rows: int = 1    # ... over the first rows of each batch (cost: rows/batch_size of the q.k work)
     fused: bool = True         # q/k/v and gate/up as one matmul each, every matrix with its own gamma (project)
 
     def hidden_dim(self):

@@ -4,7 +4,7 @@ Muon: MomentUm Orthogonalized by Newton-Schulz, an optimizer for the 2-D hidden 
 Muon keeps SGD momentum per weight matrix but steps along the momentum's nearest semi-orthogonal matrix U Vᵀ
 (U S Vᵀ being its SVD), approximated in bf16 by five Newton-Schulz iterations (NS5). Every direction of the update
 then moves by about the same amount, whatever the gradient's spectrum. Embeddings, the LM head, norm gains and
-biases are not hidden matrices and go to AdamW.
+biases are not hidden matrices and go to AdamW, in the same optimizer: each param group says its kind.
 
 Sources: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (kellerjordan.github.io/posts/muon,
 2024) and github.com/KellerJordan/Muon (NS5, the "original" lr scale); torch.optim.Muon (torch >= 2.9), whose step
@@ -20,7 +20,7 @@ Formulas (β = 0.95, (a, b, c) = (3.4445, -4.7750, 2.0315), NS5 arithmetic in bf
     adjusted_lr:  lr_adj = lr·sqrt(max(1, rows/cols))     "original" (Keller Jordan, the default)
                   lr_adj = lr·0.2·sqrt(max(rows, cols))   "match_rms_adamw" (Moonlight: AdamW's lr and wd carry over)
 Schedules: Muon's lr (0.02) and AdamW's (3e-4) differ, so a schedule scales each group's own "initial_lr"
-(g["lr"] = g["initial_lr"] * lr_mult(it)); nanoGPT's one lr for every group gives Muon AdamW's lr. See MuonWithAdamW.
+(g["lr"] = g["initial_lr"] * lr_mult(it)); nanoGPT's one lr for every group gives Muon AdamW's lr. See configure_muon.
 
 Run:   python muon.py   (NS5 against the SVD, least squares, parity with torch.optim.Muon, a Muon + AdamW schedule)
 Test:  python -m pytest tests/test_muon.py  (distributed: python -m pytest tests/test_scale.py -k muon)
@@ -32,6 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.adamw import adamw as adamw_functional  # the function torch.optim.AdamW.step calls
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: maximal slope at zero, 5 steps suffice
 
@@ -89,23 +90,32 @@ def adjusted_lr(lr, shape, adjust_lr_fn=None):
 
 class Muon(torch.optim.Optimizer):
     """
-    Muon for 2-D weight matrices (others are refused). Defaults follow KellerJordan/Muon: lr 0.02, no weight decay
-    (torch.optim.Muon: 1e-3 and 0.1). State: state[p]["momentum_buffer"], so state_dict() round-trips as usual.
+    Muon for 2-D weight matrices; a param group tagged kind="adamw" gets AdamW instead, so one optimizer does the
+    usual split (configure_muon builds it), as KellerJordan/Muon's `use_muon` groups and nanochat's MuonAdamW do.
+    Defaults follow KellerJordan/Muon: lr 0.02, no weight decay (torch.optim.Muon: 1e-3 and 0.1). An AdamW group
+    brings its own lr; betas (0.9, 0.95), eps 1e-8 and fused None unless it gives them. Its step is
+    torch.optim.AdamW's own function on torch.optim.AdamW's state, so the bits are AdamW's.
+    State: state[p]["momentum_buffer"] (Muon); "step", "exp_avg", "exp_avg_sq" (AdamW); state_dict() is torch's.
     process_group: None = one process; a group (e.g. dist.group.WORLD) = DDP, replicated parameters whose ranks
     share out NS5. FSDP2 (DTensor) parameters always use their mesh's group.
+    A variant changes the update of one matrix by overriding muon_step (lessons/muon_variants.py).
     """
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  adjust_lr_fn=None, ns_dtype=torch.bfloat16, process_group=None):
         _check_hyperparameters(lr, momentum, weight_decay)
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+        defaults = dict(kind="muon", lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                         ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         self.ns_dtype = ns_dtype  # bf16 (paper); float32 on CPUs, where bf16 matmuls are slow
         self.process_group = process_group
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        super().add_param_group(_checked_param_group(param_group, self.defaults["adjust_lr_fn"]))
+        group = _checked_param_group(param_group, self.defaults)  # raises before anything is registered
+        super().add_param_group(group)
+        if group["kind"] == "adamw":  # Optimizer filled in Muon's defaults too; AdamW has no use for them
+            for key in MUON_ONLY_KEYS:
+                del group[key]
 
     def __getstate__(self):  # copy.deepcopy and pickle: Optimizer's own keeps only defaults, state, param_groups
         return {**super().__getstate__(), "ns_dtype": self.ns_dtype, "process_group": self.process_group}
@@ -117,23 +127,46 @@ class Muon(torch.optim.Optimizer):
         return state["momentum_buffer"]
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, kinds=("muon", "adamw")):
+        """One step of every group whose kind is in kinds (lab/bench.py times Muon's groups alone this way)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            if group["kind"] not in kinds or not params:
+                continue
+            if group["kind"] == "adamw":
+                _adamw_step(self, params, group)  # torch.optim.AdamW's arithmetic (bottom of file)
+                continue
             pg = _distributed_group(params, self.process_group)  # None in a single process
             if pg is not None:  # DDP or FSDP2: the same update, NS5 shared out over the ranks (bottom of file)
                 _distributed_step(self, params, group, pg)
                 continue
             for p in params:
-                u = muon_update(p.grad, self._momentum_buffer(p), group["momentum"], group["nesterov"])
-                o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=self.ns_dtype)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
+                self.muon_step(p, group)
         return loss
+
+    def muon_step(self, p, group):
+        """Muon's update of one matrix: momentum, NS5, decoupled weight decay, the adjusted lr."""
+        u = muon_update(p.grad, self._momentum_buffer(p), group["momentum"], group["nesterov"])
+        o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=self.ns_dtype)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
+
+    def load_state_dict(self, state_dict):
+        if set(state_dict) == {"muon", "adamw"}:  # a checkpoint of the two-optimizer form (bottom of file)
+            state_dict = _merged_state_dict(state_dict["muon"], state_dict["adamw"])
+        saved = [g.get("kind", "muon") for g in state_dict["param_groups"]]
+        kinds = [g["kind"] for g in self.param_groups]
+        if saved != kinds:
+            raise ValueError(f"the saved param groups are of kinds {saved}, this optimizer's of kinds {kinds}; "
+                             "build the optimizer with the groups it was saved with (configure_muon: "
+                             "muon, adamw, adamw)")
+        super().load_state_dict(state_dict)
+        for group, kind in zip(self.param_groups, kinds):
+            group.setdefault("kind", kind)  # a Muon saved before groups had kinds
 
 
 def split_muon_params(model, head_names=("lm_head",)):
@@ -158,14 +191,13 @@ def split_muon_params(model, head_names=("lm_head",)):
     return muon_params, adamw_params
 
 
-class MuonWithAdamW(torch.optim.Optimizer):
+def configure_muon(model, head_names=("lm_head",), muon_lr=0.02, adamw_lr=3e-4, muon_weight_decay=0.0,
+                   adamw_weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn=None,
+                   adamw_betas=(0.9, 0.95), adamw_eps=1e-8, fused=None, ns_dtype=torch.bfloat16, process_group=None):
     """
-    One optimizer for the usual split: Muon for hidden matrices, AdamW for the rest. 2-D AdamW parameters
-    (embeddings, head) get adamw_weight_decay; 1-D ones (norm gains, biases) get none. `.muon` and `.adamw` are
-    the two optimizers that do the work (each can be stepped alone); this object hands every call to both.
-
-    Schedules: `param_groups` lists Muon's groups then AdamW's (the same dicts), each with its own "initial_lr"
-    (muon_lr or adamw_lr: 0.02 and 3e-4 by default), so a schedule scales each group's own initial lr:
+    The usual split as one Muon with three groups: kind "muon" for the hidden matrices (split_muon_params), kind
+    "adamw" for the 2-D rest (embeddings, head: adamw_weight_decay) and for the 1-D rest (norm gains, biases: no
+    decay). Each group records its own "initial_lr" (0.02 and 3e-4 by default), so a schedule scales it:
 
         for g in opt.param_groups:
             g["lr"] = g["initial_lr"] * lr_mult(it)      # not g["lr"] = lr, which gives Muon AdamW's lr
@@ -173,70 +205,22 @@ class MuonWithAdamW(torch.optim.Optimizer):
     torch.optim.lr_scheduler does the same (LambdaLR(opt, lr_mult), CosineAnnealingLR, SequentialLR, ...).
     With adjust_lr_fn="match_rms_adamw" and muon_lr = adamw_lr, one lr serves both (Moonlight §2.2), and a loop
     that sets one lr for every group is then right.
-    state_dict() is {"muon": ..., "adamw": ...}, the two optimizers' own; load_state_dict takes the same.
     """
-
-    def __init__(self, muon_params, adamw_params, muon_lr=0.02, adamw_lr=3e-4, muon_weight_decay=0.0,
-                 adamw_weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn=None,
-                 adamw_betas=(0.9, 0.95), adamw_eps=1e-8, fused=None, ns_dtype=torch.bfloat16, process_group=None):
-        adamw_params = list(adamw_params)
-        # Groups are passed as dicts so that an empty list (e.g. a model with no hidden matrix) is allowed.
-        self.muon = Muon([{"params": list(muon_params)}], lr=muon_lr, momentum=momentum, nesterov=nesterov,
-                         weight_decay=muon_weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                         ns_dtype=ns_dtype, process_group=process_group)
-        self.adamw = torch.optim.AdamW(
-            [{"params": [p for p in adamw_params if p.ndim >= 2], "weight_decay": adamw_weight_decay},
-             {"params": [p for p in adamw_params if p.ndim < 2], "weight_decay": 0.0}],
-            lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, fused=fused)
-        for group in self.param_groups:
-            group.setdefault("initial_lr", group["lr"])
-        _init_optimizer_hooks(self)  # what LR schedulers and step hooks need from torch.optim.Optimizer
-
-    @property
-    def param_groups(self):
-        return self.muon.param_groups + self.adamw.param_groups  # read afresh: load_state_dict replaces them
-
-    @property
-    def state(self):
-        """parameter -> its state dict, as torch.optim.Optimizer.state (the inner dicts are the live ones)."""
-        return {**self.muon.state, **self.adamw.state}
-
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.muon.step()
-        self.adamw.step()
-        return loss
-
-    def zero_grad(self, set_to_none=True):
-        self.muon.zero_grad(set_to_none=set_to_none)
-        self.adamw.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
-
-    def load_state_dict(self, state_dict):
-        self.muon.load_state_dict(state_dict["muon"])
-        self.adamw.load_state_dict(state_dict["adamw"])
-
-    def add_param_group(self, param_group):
-        raise ValueError("MuonWithAdamW cannot tell which optimizer a new group belongs to; call "
-                         "opt.muon.add_param_group (2-D hidden matrices) or opt.adamw.add_param_group (the rest)")
-
-    def __getstate__(self):  # copy.deepcopy and pickle: Optimizer's own keeps only defaults, state, param_groups
-        return {"defaults": self.defaults, "muon": self.muon, "adamw": self.adamw}
-
-
-def configure_muon(model, head_names=("lm_head",), **kwargs):
-    """split_muon_params(model, head_names), then MuonWithAdamW(muon_params, adamw_params, **kwargs)."""
     muon_params, adamw_params = split_muon_params(model, head_names)
-    return MuonWithAdamW(muon_params, adamw_params, **kwargs)
+    adamw = dict(kind="adamw", lr=adamw_lr, initial_lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, fused=fused)
+    # Groups are dicts so that an empty list (e.g. a model with no hidden matrix or no norm) is allowed.
+    groups = [dict(kind="muon", params=muon_params, lr=muon_lr, initial_lr=muon_lr, weight_decay=muon_weight_decay),
+              dict(adamw, params=[p for p in adamw_params if p.ndim >= 2], weight_decay=adamw_weight_decay),
+              dict(adamw, params=[p for p in adamw_params if p.ndim < 2], weight_decay=0.0)]
+    return Muon(groups, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                ns_dtype=ns_dtype, process_group=process_group)
 
 
 # ----------------------------------------------------------------------------- argument checks
 # Kept out of Muon so that the class reads as the algorithm; they refuse bad input before anything is registered.
+
+MUON_ONLY_KEYS = ("momentum", "nesterov", "ns_steps", "adjust_lr_fn")
+ADAMW_DEFAULTS = dict(betas=(0.9, 0.95), eps=1e-8, fused=None)  # what an AdamW group gets unless it says
 
 
 def _check_hyperparameters(lr, momentum, weight_decay):
@@ -248,31 +232,65 @@ def _check_hyperparameters(lr, momentum, weight_decay):
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
-def _checked_param_group(param_group, default_adjust_lr_fn):
-    """param_group with its params as a list, or ValueError (a non-2-D parameter, an unknown adjust_lr_fn)."""
+def _checked_param_group(param_group, defaults):
+    """param_group with its params as a list (and an AdamW group with AdamW's defaults), or ValueError: an unknown
+    kind, an AdamW group without its lr, a non-2-D parameter for Muon, an unknown adjust_lr_fn."""
     params = param_group["params"]
     params = [params] if isinstance(params, torch.Tensor) else list(params)
+    group = {**param_group, "params": params}
+    kind = group.setdefault("kind", defaults["kind"])
+    if kind == "adamw":
+        if "lr" not in group:
+            raise ValueError("an AdamW group needs its own lr (Muon's default 0.02 is far too high for AdamW), "
+                             "e.g. {'params': [...], 'kind': 'adamw', 'lr': 3e-4}")
+        _check_hyperparameters(group["lr"], 0.0, group.get("weight_decay", 0.0))
+        return {**ADAMW_DEFAULTS, **group}
+    if kind != "muon":
+        raise ValueError(f"a param group's kind must be 'muon' or 'adamw', got {kind!r}")
+    _check_hyperparameters(group.get("lr", 0.0), group.get("momentum", 0.0), group.get("weight_decay", 0.0))
     for p in params:
         if p.ndim != 2:
             raise ValueError(
                 f"Muon only takes 2-D weight matrices, got a parameter of shape {tuple(p.shape)}; "
                 "biases, norm gains and other non-2-D parameters belong to AdamW "
-                "(split_muon_params does this split for you)")
-    adjusted_lr(1.0, (1, 1), param_group.get("adjust_lr_fn", default_adjust_lr_fn))  # raises if unknown
-    return {**param_group, "params": params}
+                "(a group with kind='adamw'; configure_muon does this split for you)")
+    adjusted_lr(1.0, (1, 1), group.get("adjust_lr_fn", defaults["adjust_lr_fn"]))  # raises if unknown
+    return group
 
 
-# ----------------------------------------------------------------------------- MuonWithAdamW as a torch.optim.Optimizer
-# torch.optim.lr_scheduler accepts only Optimizer instances, and wraps optimizer.step to check the call order.
-# MuonWithAdamW subclasses Optimizer for that, but does not call Optimizer.__init__, which would build param
-# groups of its own: param_groups and state are read from .muon and .adamw instead.
+# ----------------------------------------------------------------------------- AdamW groups
+# torch.optim.AdamW's step is the function torch.optim.adamw.adamw over the state it creates here; calling the
+# same function on the same state gives the same bits on every device, foreach or fused, as torch.optim.AdamW.
 
 
-def _init_optimizer_hooks(opt):
-    """Give opt what Optimizer.__init__ sets up besides the groups: defaults, the step and state-dict hook
-    tables, and the step wrapper that runs the hooks. Optimizer.__setstate__ (used when torch unpickles an
-    optimizer) does exactly that."""
-    torch.optim.Optimizer.__setstate__(opt, {"defaults": {}})
+def _adamw_step(opt, params, group):
+    """torch.optim.AdamW.step for one group (amsgrad and maximize off)."""
+    states = []
+    for p in params:
+        state = opt.state[p]
+        if not state:  # as torch.optim.AdamW: the step count stays on the CPU unless fused
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if group["fused"] else "cpu")
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states.append(state)
+    beta1, beta2 = group["betas"]
+    adamw_functional(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                     [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=None,
+                     fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+# ----------------------------------------------------------------------------- checkpoints of the two-optimizer form
+# Before issue 33, MuonWithAdamW held a Muon and a torch.optim.AdamW and saved {"muon": ..., "adamw": ...}, each
+# numbering its own parameters from 0. One optimizer numbers them over its groups in order: Muon's, then AdamW's.
+
+
+def _merged_state_dict(muon, adamw):
+    """The one-optimizer state_dict of an old {"muon": muon, "adamw": adamw} pair: groups tagged, ids renumbered."""
+    n = sum(len(g["params"]) for g in muon["param_groups"])
+    groups = ([{**g, "kind": "muon"} for g in muon["param_groups"]] +
+              [{**g, "kind": "adamw", "params": [i + n for i in g["params"]]} for g in adamw["param_groups"]])
+    return {"state": {**muon["state"], **{i + n: s for i, s in adamw["state"].items()}}, "param_groups": groups}
 
 
 # ----------------------------------------------------------------------------- distributed Muon (DDP, FSDP2)
@@ -355,13 +373,13 @@ if __name__ == "__main__":
 
     # A schedule for Muon + AdamW: each group scales its own initial lr (here a 4-step linear warmup).
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))  # weights -> Muon, biases -> AdamW
-    opt = MuonWithAdamW(*split_muon_params(model), muon_lr=0.02, adamw_lr=3e-4)
+    opt = configure_muon(model, muon_lr=0.02, adamw_lr=3e-4)
     lr_mult = lambda it: min(1.0, (it + 1) / 4)  # noqa: E731
     for it in range(5):
         for g in opt.param_groups:
             g["lr"] = g["initial_lr"] * lr_mult(it)
         print(f"step {it}: lr per group (Muon, AdamW 2-D, AdamW 1-D) = {[g['lr'] for g in opt.param_groups]}")
-    opt = MuonWithAdamW(*split_muon_params(model), muon_lr=0.02, adamw_lr=3e-4)
+    opt = configure_muon(model, muon_lr=0.02, adamw_lr=3e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_mult)  # the same schedule
     for _ in range(4):
         opt.step()  # (no gradients here: nothing moves)

@@ -29,12 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tools import checkpoint
+from tools import checkpoint, common
 from tokenizer import get_tokenizer
 from lessons import dlm
-from tools.export import FORMAT, model_from_packed
+from tools.export import FORMAT
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
-from model import GPT, GPTConfig
 from tools.flags import die, parse
 
 @dataclass
@@ -56,28 +55,18 @@ class SampleConfig:
 
 
 def load_model(path, device, packed=False):
-    """(model, tokenizer) from a training checkpoint or a packed export; packed=True freezes the former."""
-    if not os.path.exists(path):
-        die(f"no checkpoint at {path}; train one first: python train.py --stage=2")
+    """(model, tokenizer) from a training checkpoint, an average or a packed export (common.load_gpt); packed=True
+    freezes the former to 2-bit codes and gamma."""
     try:
-        ckpt = checkpoint.load(path, required=())
-    except checkpoint.CheckpointError as e:  # truncated, corrupt or foreign: one line naming the file
+        model, obj = common.load_gpt(path)
+    except checkpoint.CheckpointError as e:  # missing, truncated, corrupt or foreign: one line naming the file
         die(str(e))
-    try:
-        is_export = isinstance(ckpt, dict) and ckpt.get("format") == FORMAT
-        causal = ckpt["model_args"].get("causal", True)  # False: a masked-diffusion model (one extra token)
-        tok = _check_tokenizer(path, ckpt["tokenizer"] if is_export else ckpt["config"]["tokenizer"],
-                               ckpt["model_args"]["vocab_size"] - (not causal))
-        if is_export:
-            model = model_from_packed(ckpt, path)
-            print(bytes_line(weight_bytes(model)) + " (packed export)")
-            return model.to(device).eval(), tok
-        model = GPT(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"])
-        model.dlm_shift = ckpt["config"].get("dlm_shift", True)  # how --stage=dlm trained it
-    except Exception as e:
-        die(f"{path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-    if packed:
+    if common.saved_tokenizer(obj) is None:
+        die(f"{path}: no tokenizer in its config; sample a checkpoint that train.py or tools/export.py wrote")
+    tok = get_tokenizer(common.saved_tokenizer(obj))  # load_gpt checked that it fits the vocabulary
+    if obj.get("format") == FORMAT:
+        print(bytes_line(weight_bytes(model)) + " (packed export)")
+    elif packed:
         latent = weight_bytes(model)
         try:
             freeze_ternary(model)
@@ -101,8 +90,9 @@ def main(argv):
     if args["dlm"]:
         return sample_dlm(model, tok, args, device)
     if args["jsonl"]:
-        n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"], args["temperature"],
-                         args["top_k"], args["start"])
+        with common.stoppable("--jsonl", args["jsonl"]):
+            n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"],
+                             args["temperature"], args["top_k"], args["start"])
         print(f"wrote {args['num_samples']} samples, {n} characters, to {args['jsonl']}")
         return
     ids = [tok.eot] + tok.encode(args["start"])  # documents start with end-of-text in the shards
@@ -132,12 +122,12 @@ def sample_dlm(model, tok, args, device):
 
 def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0, top_k=None, start="", batch_size=64):
     """Teacher-generated data: num_samples documents sampled from the model, each cut at its first end-of-text,
-    written as jsonl ({"text": ...} per line, tools/prepare.py's input). Written beside path, then renamed.
+    written as jsonl ({"text": ...} per line, tools/prepare.py's input), all or nothing (common.atomic_write).
     Returns the number of characters written."""
     ids = torch.tensor([tok.eot] + tok.encode(start), dtype=torch.long)  # a document starts after end-of-text
     device = next(model.parameters()).device
-    tmp, chars = path + ".tmp", 0
-    with open(tmp, "w") as f:
+    chars = 0
+    with common.atomic_write(path) as tmp, open(tmp, "w") as f:
         for i in range(0, num_samples, batch_size):
             x = ids.to(device).expand(min(batch_size, num_samples - i), -1)
             y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)[:, 1:].tolist()
@@ -146,13 +136,12 @@ def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0,
                 text = tok.decode(row)
                 chars += len(text)
                 f.write(json.dumps({"text": text}) + "\n")
-    os.replace(tmp, path)
     return chars
 
 
 # -----------------------------------------------------------------------------
-# checks: every flag before any checkpoint is read (a value that would sample nothing or nonsense, or crash
-# mid-generation, stops here), and the checkpoint's tokenizer against its vocabulary before a model is built
+# checks: every flag before any checkpoint is read (a value that would sample nothing or nonsense, crash
+# mid-generation, or write over a file that must be kept stops here)
 
 
 def _check_args(args):
@@ -178,39 +167,10 @@ def _check_args(args):
         die(f"--device={device}: no CUDA device here; use --device=cpu", 2)
     if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
         die(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
-    if args["jsonl"]:
-        _check_jsonl(args["jsonl"], args["overwrite"])
-    if os.path.isdir(args["ckpt"]):
-        die(f"--ckpt={args['ckpt']} is a directory; pass the checkpoint file in it, e.g. "
-            f"--ckpt={os.path.join(args['ckpt'], checkpoint.LATEST)}", 2)
-
-
-def _check_jsonl(path, overwrite):
-    """--jsonl must name a new file (or, with --overwrite=True, a text file) in a directory that exists and can
-    be written: checked before any checkpoint is read, so nothing is sampled for a file that cannot be kept."""
-    d = os.path.dirname(path) or "."
-    if os.path.isdir(path):
-        die(f"--jsonl={path} is a directory; pass a file name, e.g. --jsonl={os.path.join(path, 'teacher.jsonl')}", 2)
-    if not os.path.isdir(d):
-        die(f"--jsonl={path}: directory {d} does not exist; create it (mkdir -p {d}) or pass another --jsonl", 2)
-    if not os.access(d, os.W_OK):
-        die(f"--jsonl={path}: directory {d} is not writable; pass another --jsonl", 2)
-    why = checkpoint.check_output(path, "text", overwrite=overwrite)
-    if why:
-        die(f"--jsonl={path} {why}; pass another --jsonl, or --overwrite=True to replace it", 2)
-
-
-def _check_tokenizer(path, name, vocab_size):
-    """The tokenizer a file names, if the model's vocabulary is its vocabulary (or that padded up to a multiple
-    of 64, --pad_vocab); otherwise sampled ids would decode to wrong text, or the prompt index past the embedding."""
-    try:
-        tok = get_tokenizer(name)
-    except ValueError as e:
-        die(f"{path}: {e}; the file was not written by train.py or tools/export.py")
-    if not tok.vocab_size <= vocab_size <= 64 * math.ceil(tok.vocab_size / 64):
-        die(f"{path}: tokenizer {name!r} has {tok.vocab_size} tokens but the model's vocabulary is {vocab_size}; "
-            "the file mixes two runs: re-export it from its training checkpoint: python -m tools.export --ckpt=<ckpt.pt>")
-    return tok
+    common.check_input("--ckpt", args["ckpt"])
+    if args["jsonl"]:  # before any checkpoint is read: nothing is sampled for a file that cannot be kept
+        common.check_output("--jsonl", args["jsonl"], "text", overwrite=args["overwrite"],
+                            inputs=[("--ckpt", args["ckpt"])])
 
 
 if __name__ == "__main__":

@@ -23,24 +23,25 @@ of a step over ALL ranks, so the global batch does not depend on the world size.
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
+import contextlib
 import dataclasses
 import math
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 import data
 from tokenizer import get_tokenizer
 from distill import match_layers
-from lessons.muon_variants import max_logit, qk_clip, reset_max_logit
 from model import GPT
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
-from tools import checkpoint, plumbing
-from tools.config import (DLM, build_config, check_resume, check_run, model_config, parse_args,
+from tools import checkpoint, common, plumbing, seams
+from tools.config import (build_config, check_resume, check_run, model_config, parse_args,
                           stage_dir, teacher_paths)
 from tools.flags import die
-from tools.plumbing import Run, Start, estimate_val_loss, log_eval, log_step, optimizer_step, read_step, save
+from tools.plumbing import Run, Start, log_step, save
 from tools.runtime import Runtime, StepTimer
 from zclip import ZClip
 
@@ -56,12 +57,12 @@ def lr_mult(step, cfg):
 
 
 def _schedule(step, cfg):
-    if step < cfg.warmup_iters:
-        return (step + 1) / (cfg.warmup_iters + 1)
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "cosine":
-        progress = min((step - cfg.warmup_iters) / max(cfg.max_iters - cfg.warmup_iters, 1), 1.0)
+        progress = min((step - cfg.warmup_steps) / max(cfg.max_iters - cfg.warmup_steps, 1), 1.0)
         return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
     decay_start = int(cfg.max_iters * (1 - cfg.decay_frac))
     if step < decay_start:
@@ -93,10 +94,12 @@ def quant_start_step(cfg):
 # one training step of ternary QAT
 
 
-def train_step(run, step, stop_requested, timed=False):
+def train_step(run, step, stop_requested):
     """Optimizer step `step` (counting from 0): set lambda, lr and weight decay for it; quantise the weights
     once; forward/backward the micro-batches; clip; then the one host read decides whether to step (a
-    non-finite loss or gradient skips the update). Returns that read as a dict of floats."""
+    non-finite loss or gradient skips the update). Returns that read as a dict of floats.
+    The seams a lesson plugs into: run.loss_fn(x, y) -> (loss, parts) and run.callbacks, each with watch() (0-d
+    tensors to log, read with the rest) and after_step(step, ok) (after the update)."""
     model, opt, cfg = run.model, run.optimizer, run.cfg
     lam = set_step_lambda(run, step)  # 0 = full precision ... 1 = ternary, written into buffers
     mult = lr_mult(step, cfg)
@@ -105,21 +108,24 @@ def train_step(run, step, stop_requested, timed=False):
         g["weight_decay"] = 0.0 if cfg.two_phase and step >= cfg.max_iters // 2 else g["initial_wd"]
     if model.config.quant and run.accum > 1 and not cfg.fsdp:  # FSDP2: whole weights exist only in forward
         cache_weight_quant(model)  # W_q * gamma once per step, reused by every micro-batch
-    loss_sum = torch.zeros((), device=run.rt.device)
+    loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
-        x, y = (t.to(run.rt.device, non_blocking=True) for t in run.train_loader.next_batch())  # (B, T) each
-        with run.rt.grad_sync(run.train_model, model, last=micro == run.accum - 1), run.autocast:
-            loss, parts = run.loss_fn(x, y)  # plain CE, or the distillation loss in stage 3
+        x, y = (t.to(run.device, non_blocking=True) for t in run.train_loader.next_batch())  # (B, T) each
+        with grad_sync(run, last=micro == run.accum - 1), run.autocast:
+            loss, parts = run.loss_fn(x, y)  # plain CE, the distillation loss in stage 3, or a lesson's
             (loss / run.accum).backward()
         loss_sum += loss.detach().float()
     clear_weight_quant(model)  # the weights are about to change
-    stats = clip_gradients([p for p in model.parameters() if p.grad is not None], run.clipper, cfg)
-    top = max_logit(model) if model.config.track_max_logit else None  # the step's largest q.k/sqrt(d)
-    out = read_step(run, loss_sum / run.accum, stats, stop_requested, parts, top)  # the one host read of the step
-    out["ok"] = math.isfinite(out["loss"]) and math.isfinite(out["grad_norm_raw"])
-    out["muon_ms"] = optimizer_step(opt, run.rt, timed) if out["ok"] else None
-    if top is not None:  # QK-clip (MuonClip) after the step, or only a fresh record for the next one
-        qk_clip(model, cfg.qk_clip_tau) if cfg.qk_clip_tau > 0 and out["ok"] else reset_max_logit(model)
+    stats = clip_gradients([p for p in model.parameters() if p.grad is not None], run.clipper, cfg.grad_clip)
+    stats.update({k: v for k, v in (parts or {}).items() if k != "loss"})  # stage 3: ce, logits, relation, hidden
+    for cb in run.callbacks:
+        stats.update(cb.watch())  # e.g. QK-clip's max attention logit
+    out = read_step(loss_sum / run.accum, stop_requested, stats)  # the one host read of the step
+    out["ok"] = math.isfinite(out["loss"]) and math.isfinite(out["raw_norm"])
+    if out["ok"]:
+        opt.step()
+    for cb in run.callbacks:
+        cb.after_step(step + 1, out["ok"])  # e.g. QK-clip rescales W_q, W_k; averaging takes a snapshot
     opt.zero_grad(set_to_none=True)
     out.update(lam=lam, lr=cfg.lr * mult)
     return out
@@ -132,15 +138,48 @@ def set_step_lambda(run, step):
     return lam
 
 
-def clip_gradients(params, clipper, cfg):
-    """ZClip, or a fixed clip_grad_norm_; both return the same 0-d tensor stats (read once per step)."""
+def grad_sync(run, last):
+    """Reduce gradients over the ranks on the last micro-batch of a step only: DDP's no_sync(), FSDP2's switch."""
+    if hasattr(run.train_model, "no_sync"):
+        return contextlib.nullcontext() if last else run.train_model.no_sync()
+    if hasattr(run.model, "set_requires_gradient_sync"):
+        run.model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def clip_gradients(params, clipper, grad_clip):
+    """ZClip's statistics (raw_norm, clipped_norm, was_clipped, z_score), or with a fixed clip_grad_norm_ the norm
+    before and after it; 0-d tensors, read once per step."""
     if clipper is not None:
-        return clipper.clip(params)
-    raw = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        stats = clipper.clip(params)
+        return {k: stats[k] for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")}
+    raw = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     raw = raw.full_tensor() if hasattr(raw, "full_tensor") else raw  # FSDP2: a DTensor of the global norm
-    clipped = (raw > cfg.grad_clip) if cfg.grad_clip > 0 else torch.zeros((), dtype=torch.bool, device=raw.device)
-    return {"raw_norm": raw, "clipped_norm": raw.clamp(max=cfg.grad_clip) if cfg.grad_clip > 0 else raw,
-            "was_clipped": clipped.float(), "z_score": torch.zeros((), device=raw.device)}
+    return {"raw_norm": raw, "clipped_norm": raw.clamp(max=grad_clip) if grad_clip > 0 else raw}
+
+
+def read_step(loss, stop_requested, stats):
+    """The one host read per step: the loss averaged over ranks, whether any rank got a stop signal, and the
+    step's statistics, in one tensor. Every rank gets the same loss and stop, so all take the same branch."""
+    head = torch.stack([loss, torch.tensor(float(stop_requested), device=loss.device)])
+    if dist.is_initialized():
+        dist.all_reduce(head)
+        head = head / torch.tensor([dist.get_world_size(), 1.0], device=loss.device)
+    values = torch.cat([head] + [v.detach().float().reshape(1) for v in stats.values()]).tolist()
+    return {"loss": values[0], "stop": values[1] > 0, **dict(zip(stats, values[2:]))}
+
+
+class WithStates(torch.nn.Module):
+    """What the step calls: model(x, y) -> (logits, loss), or with keywords model.forward_with_states(x, y, **kw)
+    -> (logits, loss, states). DDP and torch.compile wrap a module's forward only, so the distillation states
+    must come through a forward: this one."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y, **kw):
+        return self.model.forward_with_states(x, y, **kw) if kw else self.model(x, y)
 
 
 # -----------------------------------------------------------------------------
@@ -153,7 +192,7 @@ def training_loop(run):
     step = start = run.start.step
     val_loss, n_bad, bad_run = None, 0, 0
     timer = StepTimer()  # ms per step, averaged between log lines
-    with checkpoint.StopSignal() as stop:
+    with common.StopSignal() as stop:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         while True:
             lam = set_step_lambda(run, step)  # evaluation and checkpoint see the model that step `step` trains
@@ -161,28 +200,17 @@ def training_loop(run):
             if step > start or last:
                 evaluate = last or step % cfg.eval_interval == 0
                 if evaluate:
-                    whole = last and cfg.eval_whole  # the final evaluation: every val window once
-                    val_loss, by_source = estimate_val_loss(run, whole)
-                    rec = {"step": step, "val_loss": val_loss, "lambda": lam, "whole_val": whole}
-                    if len(by_source) > 1:
-                        rec["val_loss_by_source"] = by_source
-                    if run.average is not None and run.average.count:  # the average, evaluated beside the weights
-                        with run.average.swapped_in(run.model):
-                            rec["val_loss_avg"] = estimate_val_loss(run, whole)[0]
-                    log_eval(run, rec)
+                    val_loss = plumbing.evaluate(run, step, lam, whole=last and cfg.eval_whole)  # logged, recorded
                 if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
                     save(run, step)
                     timer.reset()  # evaluation and checkpoint time are not step time
             if last:
                 break
-            log_now = (step + 1) % cfg.log_interval == 0
-            out = train_step(run, step, stop.requested is not None, timed=log_now)
+            out = train_step(run, step, stop.requested is not None)
             step += 1
-            if run.average is not None:
-                run.average.update(run.model, step)  # at its snapshot steps only
             timer.steps += 1
             n_bad, bad_run = (n_bad, 0) if out["ok"] else (n_bad + 1, bad_run + 1)
-            if not out["ok"] or log_now:
+            if not out["ok"] or step % cfg.log_interval == 0:
                 log_step(run, step, out, n_bad, bad_run, timer)
             if not out["ok"] and not checkpoint.all_finite(run.model):  # skipping cannot mend broken weights
                 die(f"step {step}: the weights are no longer finite (the update of an earlier step overflowed: is "
@@ -226,7 +254,7 @@ def unfinished_warmup(run, step):
 # where each run starts (the three-stage recipe), and each stage's loss
 
 
-def starting_weights(cfg, conf, resume_ckpt, resume_path):
+def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None):
     """The three-stage recipe (after BitDistill, arXiv 2510.13998: SubLN refinement, continued pre-training,
     distillation) decides where a run starts:
       stage 1  the full-precision model with SubLN, from scratch; or --init_from=<an fp checkpoint>: its weights,
@@ -237,11 +265,11 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
       --resume=True, any stage: its own latest checkpoint, continued exactly (weights, optimizer, loader, RNG)
     Every checkpoint is checked against this run's shape before anything is loaded."""
     if resume_ckpt is not None:
-        checkpoint.check_fits(resume_ckpt["model_args"], conf, resume_path)
+        checkpoint.check_fits(resume_ckpt["model_args"], model_conf, resume_path)
         return Start(resume_ckpt["step"], resume_ckpt, resume_path,
                      note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
-    if cfg.stage == DLM:
-        return plumbing.dlm_start(cfg, conf)
+    if run_lesson is not None:  # a stage of a lesson's own (--stage=dlm)
+        return run_lesson.start(model_conf)
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
         return Start(note=f"stage {cfg.stage}: training from scratch")
     path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
@@ -250,12 +278,13 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
             return Start(note=f"stage 2: no stage-1 checkpoint at {path}; training the ternary model from scratch")
         die(f"no checkpoint at {path} to start stage {cfg.stage} from; make it with: "
             f"python train.py --stage={max(cfg.stage - 1, 1)}")
+    common.check_input("--init_from", path)  # a GGUF or an HF export: named as such
     ckpt = checkpoint.load(path)
-    checkpoint.check_fits(ckpt["model_args"], conf, path)
+    checkpoint.check_fits(ckpt["model_args"], model_conf, path)
     if cfg.stage == 3 and not ckpt["model_args"].get("quant"):
         die(f"{path} is a full-precision model (quant=False), and stage 3 distils a ternary student; make the "
             f"student first: python train.py --stage=2 (it starts from stage 1), then run stage 3", 2)
-    insert = cfg.stage == 1 and not ckpt["model_args"].get("subln", True) and conf.subln
+    insert = cfg.stage == 1 and not ckpt["model_args"].get("subln", True) and model_conf.subln
     src = f"stage-{cfg.stage - 1} weights" if cfg.init_from == "auto" else "weights"
     note = f"stage {cfg.stage}: starting from the {src} in {path}" + (" (SubLN inserted with unit gain)" if insert else "")
     lam = checkpoint.saved_lambda(ckpt)
@@ -268,10 +297,10 @@ def starting_weights(cfg, conf, resume_ckpt, resume_path):
 
 def make_loss_fn(run, teachers):
     """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher(s), or
-    plain CE when every distillation weight is 0 (the control run). Stage dlm: the masked-diffusion loss, with the
-    outlier ratios of mask and other tokens (lessons/dlm.py). Picked once; returns loss_fn(x, y)."""
-    if run.cfg.stage == DLM:
-        return plumbing.dlm_loss_fn(run)
+    plain CE when every distillation weight is 0 (the control run). A lesson's own stage brings its own loss
+    (--stage=dlm: the masked-diffusion loss). Picked once; returns loss_fn(x, y) -> (loss, parts)."""
+    if run.lesson is not None:
+        return run.lesson.loss_fn(run)
     if run.cfg.stage < 3:
         return lambda x, y: (run.train_model(x, y)[1], None)
     models, crit = plumbing.make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
@@ -279,12 +308,12 @@ def make_loss_fn(run, teachers):
         run.rt.log("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
         return lambda x, y: (run.train_model(x, y)[1], None)
     run.rt.log(f"stage 3: teacher{'s' if len(models) > 1 else ''} {', '.join(teachers)}, {crit}")
-    kw = dict(qkv_layer=crit.distill_layer if crit.gamma_ad != 0 else None, hiddens=crit.delta_hidden != 0)
+    kw = dict(qkv_layer=crit.distill_layer if crit.kd_relation != 0 else None, hiddens=crit.kd_hidden != 0)
     first, others = models[0], models[1:]  # the first teacher also gives relations and hidden states
     layers = match_layers(run.model.config.n_layer, first.config.n_layer)  # student block -> teacher block
 
     def distill_loss(x, y):
-        s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (runtime.WithStates)
+        s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (WithStates)
         with torch.no_grad():
             t_logits, _, t = first.forward_with_states(x, y, **kw)
             t_logits = [t_logits] + [m(x, y)[0] for m in others]
@@ -304,6 +333,7 @@ def setup(argv):
     overrides = parse_args(argv)
     cfg = build_config(overrides)
     run = Run(cfg, Runtime.from_env(cfg.device), os.path.join(cfg.out_dir, cfg.run_name or stage_dir(cfg.stage)))
+    run.device = run.rt.device
     resume = None
     if cfg.resume:
         if not os.path.exists(run.ckpt_path):
@@ -333,8 +363,12 @@ def build(run, resume, teachers):
         die(f"{run.out_dir} already holds a run ({', '.join(earlier[:3])}); continue it with --resume=True, "
             f"replace it with --overwrite=True, or keep it and pass another --run_name")
     tok = get_tokenizer(cfg.tokenizer)
-    conf = model_config(cfg, tok.vocab_size, tok.eot)
-    run.start = starting_weights(cfg, conf, resume, run.ckpt_path)
+    model_conf = model_config(cfg, tok.vocab_size, tok.eot)
+    run.lesson = seams.stage_lesson(cfg)  # --stage=dlm brings its own start, model shape and loss
+    if run.lesson is not None:
+        model_conf = run.lesson.model_config(model_conf)
+        run.eval_loss = run.lesson.eval_loss
+    run.start = starting_weights(cfg, model_conf, resume, run.ckpt_path, run.lesson)
 
     rt.start()
     rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir), dataclasses.asdict(cfg))
@@ -344,7 +378,7 @@ def build(run, resume, teachers):
     run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
     run.train_loader, run.val_loaders = plumbing.make_loaders(cfg, rt, resume)
 
-    run.model = GPT(conf)
+    run.model = GPT(model_conf)
     if run.start.ckpt is not None:
         checkpoint.load_weights(run.model, run.start.ckpt["model"], run.start.path, run.start.insert_subln)
     rt.log(run.start.note)
@@ -354,11 +388,11 @@ def build(run, resume, teachers):
                f"{q + cfg.lambda_warmup_steps}; the optimizer state carries over")
     run.model.to(rt.device)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
-    run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile)  # compiled, in DDP or FSDP2 as asked
+    run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile, WithStates)  # compiled, DDP or FSDP2 as asked
     run.loss_fn = make_loss_fn(run, teachers)
     run.optimizer = plumbing.configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
-    run.average = plumbing.make_average(cfg, rt, resume, run.out_dir)  # --avg_checkpoints, else None
+    seams.plug_in(run, resume)  # the lessons' callbacks: QK-clip, checkpoint averaging
     try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
         if resume is not None:
             checkpoint.restore(resume, run.optimizer, run.clipper)
@@ -368,15 +402,15 @@ def build(run, resume, teachers):
     if earlier:
         checkpoint.remove_run(run.out_dir)  # --overwrite=True, and only now that everything else has loaded
         rt.log(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {run.out_dir}")
-    rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, quant={conf.quant}, subln={conf.subln}, "
-           f"vocab={conf.vocab_size}, device={rt.device}, dtype={dtype}, world={rt.world} "
+    rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, quant={model_conf.quant}, "
+           f"subln={model_conf.subln}, vocab={model_conf.vocab_size}, device={rt.device}, dtype={dtype}, world={rt.world} "
            f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'}), "
            f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences, compile {'on' if use_compile else 'off'}")
 
 
 def main(argv):
     try:
-        with checkpoint.StopSignal(at_once="stopped before training began; no checkpoint was written"):
+        with common.StopSignal(at_once="stopped before training began; no checkpoint was written"):
             run = setup(argv)
     except checkpoint.CheckpointError as e:  # missing, corrupt, not fitting this model, locked: one line
         die(str(e))

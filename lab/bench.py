@@ -142,13 +142,13 @@ def bench_train(steps=10, warmup=3):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             else:
                 clipper.clip(model)
-            if hasattr(opt, "muon"):
+            if any(g.get("kind") == "muon" for g in opt.param_groups):  # muon.Muon: time its Muon groups alone
                 sync()
                 t1 = time.perf_counter()
-                opt.muon.step()
+                opt.step(kinds=("muon",))
                 sync()
                 muon_ms.append(1000 * (time.perf_counter() - t1))
-                opt.adamw.step()
+                opt.step(kinds=("adamw",))
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
@@ -187,21 +187,20 @@ def val_windows(shard_dir, T, n):
     """n windows of T+1 tokens spread evenly over the val split (the same ones for every model): (n, T+1) int64."""
     import data
     import numpy as np
-    tokens = np.concatenate([data.read_shard(p) for p in data._find_shards(shard_dir, "val")])
+    tokens = np.concatenate([data.read_shard(p) for p in data.find_shards(shard_dir, "val")])
     starts = np.linspace(0, len(tokens) - T - 1, n).astype(np.int64)
     return torch.from_numpy(np.stack([tokens[i:i + T + 1].astype(np.int64) for i in starts]))
 
 
 @torch.no_grad()
 def window_loss(model, windows, batch=16):
-    """Mean next-token cross-entropy over the windows, in eval mode (then back to train mode)."""
+    """Mean next-token cross-entropy over the windows (common.token_loss_sums), in eval mode (then train mode)."""
+    from tools.common import token_loss_sums
     model.eval()
-    total = 0.0
-    for i in range(0, len(windows), batch):
-        w = windows[i:i + batch]
-        total += model(w[:, :-1].contiguous(), w[:, 1:].contiguous())[1].item() * len(w)
+    batches = ((w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(batch))
+    total, n = token_loss_sums(lambda x, y: model(x, y)[1], batches, windows.device).tolist()
     model.train()
-    return total / len(windows)
+    return total / n
 
 
 def time_to(points, target):

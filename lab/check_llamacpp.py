@@ -26,10 +26,8 @@ import torch.nn.functional as F
 
 import data
 from tokenizer import get_tokenizer
-from tools import export
+from tools import common, export
 from tools.flags import die, parse
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -40,21 +38,31 @@ class CheckFlags:
     out: str = ""                # write the result as JSON here; "" = print only
     samples: int = 3             # samples drawn by llama.cpp from <|endoftext|>
     seed: int = 0                # seeds llama.cpp's sampler (sample i uses seed + i)
+    overwrite: bool = False      # replace another checkpoint's GGUF at --gguf, or an earlier result at --out
+                                 # (a file of another kind, such as a checkpoint, never)
 
 
 def main(argv):
     args = dataclasses.asdict(CheckFlags(**parse(argv, CheckFlags, __doc__)))
+    ckpt, path = args["ckpt"], args["gguf"] or os.path.join(os.path.dirname(args["ckpt"]), "model.gguf")
+    if args["windows"] < 1:
+        die(f"--windows={args['windows']}: expected an integer >= 1", 2)
+    common.check_input("--ckpt", ckpt)  # and the outputs, before anything is read or written
+    common.check_output("--gguf", path, "gguf", os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
+    if args["out"]:
+        common.check_output("--out", args["out"], "text", overwrite=args["overwrite"],
+                            inputs=[("--ckpt", ckpt), ("--gguf", path)])
     try:
         from llama_cpp import Llama
     except ImportError:
         die("needs llama-cpp-python (pip install llama-cpp-python; it compiles llama.cpp), "
                  "or run bash lab/check_llamacpp.sh, which installs it")
-    model, tokenizer = export.load_training_checkpoint(args["ckpt"])
-    model.eval()
-    path = args["gguf"] or os.path.join(os.path.dirname(args["ckpt"]), "model.gguf")
-    export.export_gguf(args["ckpt"], path)
+    model, tokenizer = export.load_training_checkpoint(ckpt)
+    with common.stoppable("--gguf", path):
+        export.export_gguf(ckpt, path, "--gguf")
     T, tok = model.config.block_size, get_tokenizer(tokenizer)
-    val = np.asarray(data.read_shard(os.path.join(ROOT, "data", f"shakespeare_{tokenizer}", "val_000.bin")), np.int64)
+    val = np.asarray(data.read_shard(os.path.join(common.ROOT, "data", f"shakespeare_{tokenizer}", "val_000.bin")),
+                     np.int64)
     n = min(args["windows"], (len(val) - 1) // T)
     rows = torch.from_numpy(np.stack([val[i * T:i * T + T + 1] for i in range(n)]))  # (n, T+1)
     x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
@@ -86,7 +94,7 @@ def main(argv):
         result["samples"].append(out["choices"][0]["text"])
         print(f"--- llama.cpp sample {s}\n{result['samples'][-1]}")
     if args["out"]:
-        with open(args["out"], "w") as f:
+        with common.atomic_write(args["out"]) as tmp, open(tmp, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args['out']}")
     return 0 if math.isfinite(theirs_l) else 1

@@ -32,7 +32,6 @@ import io
 import json
 import os
 import shlex
-import shutil
 import signal
 import statistics
 import subprocess
@@ -46,11 +45,9 @@ import torch
 import torch.nn.functional as F
 
 import data
-from model import GPT, GPTConfig
-from tools import checkpoint, runtime
+from tools import checkpoint, common, runtime
+from tools.common import ROOT
 from tools.flags import parse
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEDS = (0, 1, 2)
 
 
@@ -108,23 +105,23 @@ def _distill_table():
             f"--stage=1 --max_iters={teacher_steps} --eval_interval={student_init} --keep_last=3 {seq}"),
         Row("student", f"stage-2 student (ternary, 600 steps from the teacher's step {student_init})",
             f"--stage=2 --init_from={{run}}/teacher/ckpt_{student_init:06d}.pt {seq}", needs=("teacher",)),
-        Row("control", f"control: student + {stage3} steps of plain CE", s3 + " --distill_lambda=0 --distill_gamma=0",
+        Row("control", f"control: student + {stage3} steps of plain CE", s3 + " --kd_logits=0 --kd_relation=0",
             needs=("teacher", "student")),
-        Row("ld", "stage 3, logits KD only (lambda 1, tau 5)", s3 + " --distill_lambda=1 --distill_gamma=0",
+        Row("ld", "stage 3, logits KD only (kd_logits 1, tau 5)", s3 + " --kd_logits=1 --kd_relation=0",
             needs=("teacher", "student")),
     ]
     for g in ("1", "10", "100", "1000"):
-        rows.append(Row(f"ad{g}", f"stage 3, logits + relation KD, gamma {g}" +
+        rows.append(Row(f"ad{g}", f"stage 3, logits + relation KD, kd_relation {g}" +
                         (" (the paper's preset)" if g == "1000" else ""),
-                        s3 + f" --distill_lambda=1 --distill_gamma={g}", needs=("teacher", "student")))
+                        s3 + f" --kd_logits=1 --kd_relation={g}", needs=("teacher", "student")))
     rows += [
-        Row("hidden", "stage 3, logits KD + hidden states (delta 100)",
-            s3 + " --distill_lambda=1 --distill_gamma=0 --distill_hidden=100", needs=("teacher", "student")),
+        Row("hidden", "stage 3, logits KD + hidden states (kd_hidden 100)",
+            s3 + " --kd_logits=1 --kd_relation=0 --kd_hidden=100", needs=("teacher", "student")),
         Row("two_teachers", "stage 3, logits KD from two teachers (this seed's and the next seed's, equal weights)",
-            s3 + " --distill_lambda=1 --distill_gamma=0 --teacher={run}/teacher/ckpt.pt,{next_run}/teacher/ckpt.pt",
+            s3 + " --kd_logits=1 --kd_relation=0 --teacher={run}/teacher/ckpt.pt,{next_run}/teacher/ckpt.pt",
             needs=("teacher", "student"), needs_next=("teacher",)),
         Row("teacher_data", "control + teacher-written text mixed in (weight 0.2)",
-            s3 + " --distill_lambda=0 --distill_gamma=0 --data={shipped}:0.8,{run}/teacher_data:0.2",
+            s3 + " --kd_logits=0 --kd_relation=0 --data={shipped}:0.8,{run}/teacher_data:0.2",
             needs=("teacher", "student"), prepare=_write_teacher_data),
     ]
     return Table("distill", "BitDistill stage 3 against plain training, equal student budget", rows,
@@ -264,30 +261,14 @@ def _warmup_table():
 # scoring: the whole val split
 
 
-@torch.no_grad()
 def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
-    """Mean next-token loss of a checkpoint over every non-overlapping window of block_size + 1 tokens of
-    the val shards in shard_dir (each shard's tail shorter than a window is left out, as the loader does).
-    Returns (loss, n_tokens)."""
-    ckpt = checkpoint.load(ckpt_path)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    checkpoint.load_weights(model, ckpt["model"], ckpt_path)
-    model.to(device).eval()
-    T = model.config.block_size
-    total, count = 0.0, 0
-    for path in data._find_shards(shard_dir, "val"):
-        tokens = data.read_shard(path)
-        n = (len(tokens) - 1) // T  # windows of T+1 tokens starting at 0, T, 2T, ...
-        for i in range(0, n, batch_size):
-            rows = [np.asarray(tokens[j * T: j * T + T + 1], dtype=np.int64) for j in range(i, min(i + batch_size, n))]
-            buf = torch.from_numpy(np.stack(rows)).to(device)  # (b, T+1)
-            x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
-            logits = model(x, y)[0]
-            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
-            count += y.numel()
-    if count == 0:
-        raise ValueError(f"{shard_dir}: no val window of {T + 1} tokens")
-    return total / count, count
+    """Mean next-token loss of a checkpoint over every val window of shard_dir once (common.whole_val_loss, the
+    number train.py's final evaluation prints). Returns (loss, n_tokens)."""
+    try:
+        return common.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
+    except ValueError as e:
+        raise LabError(str(e)) from None
+
 
 @torch.no_grad()
 def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
@@ -295,14 +276,11 @@ def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
     masked with probability t (position 0 never, with Dream's shift), the masks drawn from a generator seeded
     the same for every checkpoint. Returns (loss, masked tokens)."""
     from lessons import dlm
-    ckpt = checkpoint.load(ckpt_path)
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    checkpoint.load_weights(model, ckpt["model"], ckpt_path)
-    model.eval()
-    mask_id, shift, T = model.config.vocab_size - 1, ckpt["config"].get("dlm_shift", True), model.config.block_size
+    model = _load(ckpt_path)
+    mask_id, shift, T = model.config.vocab_size - 1, model.dlm_shift, model.config.block_size
     gen = torch.Generator().manual_seed(seed)
     total, count = 0.0, 0
-    for path in data._find_shards(shard_dir, "val"):
+    for path in data.find_shards(shard_dir, "val"):
         tokens = data.read_shard(path)
         n = len(tokens) // T
         for i in range(0, n, batch_size):
@@ -315,6 +293,14 @@ def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
             ce = F.cross_entropy(logits.float().flatten(0, 1), x.flatten(), reduction="none").view(x.shape)
             total, count = total + ce[masked].sum().item(), count + int(masked.sum())
     return total / count, count
+
+
+def _load(path, device="cpu"):
+    """The GPT of a run's checkpoint (common.load_gpt); its one-line error as a LabError."""
+    try:
+        return common.load_gpt(path, device)[0]
+    except checkpoint.CheckpointError as e:
+        raise LabError(str(e)) from None
 
 
 def _dlm_table():
@@ -376,7 +362,7 @@ class Lab:
         self.results = results or os.path.join(ROOT, "lab", "results")  # where the table is written
         self.rows = {r.name: r for r in table.rows}
         self.shipped = os.path.join(ROOT, "data", "shakespeare_byte")
-        self.child, self.stop = None, None  # the train.py running now; the name of a signal lab received
+        self.child, self.signals = None, None  # the train.py running now; the signals lab receives (run())
         self._max_iters = {}
 
     def seed_dir(self, seed):
@@ -444,13 +430,17 @@ class Lab:
         key = lambda p: (p[0] not in prereq, self.seeds.index(p[1]), names.index(p[0]))
         return sorted(need, key=key)
 
+    @property
+    def stop(self):
+        """The name of the first SIGTERM or SIGINT lab received in run(), else None."""
+        return self.signals.requested if self.signals else None
+
     def run(self, wanted, log=print):
         """Train and score every (row, seed) that has no result yet. A SIGTERM or SIGINT (Ctrl-C) meanwhile is
         passed on to the train.py that is running, which saves at the end of its step; then Stopped is raised
-        and nothing more is trained or scored."""
-        self.stop = None
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        and nothing more is trained or scored. A second signal of the kind while lab scores stops it at once
+        (common.Interrupted; a result.json is written whole or not at all)."""
+        with common.StopSignal(forward=self._pass_on) as self.signals:
             todo = list(self.order(wanted))
             left = [(n, s) for n, s in todo if self.result(n, s) is None]
             t0, ran = time.time(), 0
@@ -464,16 +454,14 @@ class Lab:
                 log(f"[lab] run {i} of {len(todo)} ({len(left) - ran} to train{eta}): {name} seed {seed}")
                 self.run_one(self.rows[name], seed, log)
                 ran += 1
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h)
 
-    def _on_signal(self, signum, frame):
-        if self.child is not None:  # it finishes its step and saves; a second signal of the kind stops it at once
-            self.child.send_signal(signum)
-        elif self.stop:  # a second signal while scoring: stop now (a result.json is written whole or not at all)
-            raise KeyboardInterrupt
-        self.stop = self.stop or signal.Signals(signum).name
+    def _pass_on(self, signum):
+        """A signal to lab goes on to the train.py running now, if any, which finishes its step and saves (a second
+        signal of the kind stops it at once). Returns whether there was one."""
+        if self.child is None:
+            return False
+        self.child.send_signal(signum)
+        return True
 
     def run_one(self, row, seed, log=print):
         """Train the run to the row's max_iters (resuming its checkpoint if it has one), then score it."""
@@ -506,8 +494,8 @@ class Lab:
             scored = {t: dlm_val_loss(os.path.join(d, row.score), self.shipped, t) for t in self.table.dlm_t}
             extra = {f"masked_val_t{t}": v[0] for t, v in scored.items()}
             loss, n = statistics.mean(extra.values()), sum(v[1] for v in scored.values())
-            extra.update(clipped_frac=statistics.mean(r["clipped"] for r in steps),
-                         spikes=sum(r["z"] > 2.5 for r in steps), **_ratios(steps))
+            extra.update(clipped_frac=statistics.mean(r["was_clipped"] for r in steps),  # zclip.py's names
+                         spikes=sum(r["z_score"] > 2.5 for r in steps), **_ratios(steps))
         else:
             loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
         also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name))[0] for name in self.table.also}
@@ -593,30 +581,30 @@ class Lab:
         return self.summary(runs)
 
     def _write(self, stem, runs):
-        """The page, its JSON and plots, written beside the old ones first, then moved over them: a full disk or
-        a read-only directory leaves the committed pages as they were."""
-        name = self.table.name
+        """The page, its JSON and plots, each written beside its old file (common.atomic_write), and all renamed
+        over them together once every one is complete: a full disk or a read-only directory leaves the committed
+        pages as they were."""
+        name, written = self.table.name, []
         self.check_writable()
-        staged = tempfile.mkdtemp(prefix=f".{name}-", dir=self.results)
+
+        def place(filename):  # where to write results/<filename> now; it lands there when every file is written
+            written.append(filename)
+            return files.enter_context(common.atomic_write(os.path.join(self.results, filename)))
         try:
-            try:
-                with open(os.path.join(staged, name + ".md"), "w") as f:
+            with contextlib.ExitStack() as files:
+                with open(place(name + ".md"), "w") as f:
                     f.write(f"# {name}: {self.table.about}\n\n" + "\n".join(self.table.notes) +
                             f"\n\nCommand: `python -m lab {name}`; val loss over the whole val split of the shipped "
                             f"corpus. \"vs\": mean difference, and whether it exceeds 2 std of the noisier of that row "
                             f"and {self.table.baseline}.\n\n{self.markdown(runs)}\n")
-                _write_json(os.path.join(staged, name + ".json"), {
-                    "table": name, "seeds": sorted({r["seed"] for rs in runs.values() for r in rs}),
-                    "summary": self.summary(runs), "runs": [r for row in self.table.rows for r in runs[row.name]]})
-                self.plot(os.path.join(staged, name + ".png"), runs)
-            except OSError as e:  # a full disk: the staged files go, the committed ones stay
-                raise LabError(self._unwritable(e)) from None
-            written = sorted(os.listdir(staged))
-            for n in written:
-                os.replace(os.path.join(staged, n), os.path.join(self.results, n))
-        finally:
-            shutil.rmtree(staged, ignore_errors=True)
-        print(f"[lab] wrote {', '.join(written)} in {self.results}")
+                with open(place(name + ".json"), "w") as f:
+                    json.dump({"table": name, "seeds": sorted({r["seed"] for rs in runs.values() for r in rs}),
+                               "summary": self.summary(runs),
+                               "runs": [r for row in self.table.rows for r in runs[row.name]]}, f, indent=1)
+                self.plot(place, runs)
+        except OSError as e:  # a full disk: the new files go, the committed ones stay
+            raise LabError(self._unwritable(e)) from None
+        print(f"[lab] wrote {', '.join(sorted(written))} in {self.results}")
 
     def check_writable(self):
         try:
@@ -630,7 +618,9 @@ class Lab:
                 f"changed, the runs under {self.root} are kept; make it writable and "
                 f"run: python -m lab {self.table.name} --report")
 
-    def plot(self, path, runs):
+    def plot(self, place, runs):
+        """The val curves (<table>.png), and where the table has them the max-logit curves (<table>_logits.png) and
+        the final loss against the rows' numbers (<table>_final.png); place(name) says where to write each."""
         try:
             import matplotlib
             matplotlib.use("Agg")
@@ -649,9 +639,9 @@ class Lab:
         ax.set_xlabel(self.table.steps_label)
         ax.set_ylabel("val loss (sampled evals, mean over seeds)")
         ax.legend()
-        fig.savefig(path, dpi=100)
+        fig.savefig(place(f"{self.table.name}.png"), dpi=100, format="png")
         plt.close(fig)
-        self.plot_logits(path[:-len(".png")] + "_logits.png", plt, runs)
+        self.plot_logits(place, plt, runs)
         summ = self.summary(runs)
         pts = [(x, summ[r]) for r, x in self.table.x.items() if summ[r]["mean"] is not None]
         if pts:  # final whole-val loss against a row's number (e.g. the switch point), with 1-std error bars
@@ -663,10 +653,10 @@ class Lab:
                 ax.set_xscale("log")
             ax.set_ylabel("final val loss, whole val split (mean ± std)")
             fig.tight_layout()
-            fig.savefig(path[:-len(".png")] + "_final.png", dpi=100)
+            fig.savefig(place(f"{self.table.name}_final.png"), dpi=100, format="png")
             plt.close(fig)
 
-    def plot_logits(self, path, plt, runs):
+    def plot_logits(self, place, plt, runs):
         """The logged max attention logit against step, mean over seeds, for the table's logit_rows."""
         fig, ax, drawn = *plt.subplots(figsize=(8, 5)), 0
         for i, name in enumerate(self.table.logit_rows):
@@ -680,7 +670,7 @@ class Lab:
             ax.set_xlabel(self.table.steps_label)
             ax.set_ylabel("max attention logit of the step (mean over seeds)")
             ax.legend()
-            fig.savefig(path, dpi=100)
+            fig.savefig(place(f"{self.table.name}_logits.png"), dpi=100, format="png")
         plt.close(fig)
 
 
@@ -823,10 +813,8 @@ def _last_line(path):
 
 
 def _write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with common.atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -868,8 +856,9 @@ def main(argv):
             lab.run(wanted)
             print(f"[lab] {table.name}: ran in {(time.time() - t0) / 60:.1f} min")
         lab.report()
-    except (Stopped, KeyboardInterrupt) as e:  # every checkpoint and result.json so far is kept
-        why = e if isinstance(e, Stopped) else "interrupted (Ctrl-C)"
+    except (Stopped, KeyboardInterrupt, common.Interrupted) as e:  # every checkpoint and result.json so far is kept
+        why = e if isinstance(e, Stopped) else "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
+            f"interrupted (a second {signal.Signals(e.signum).name})"
         print(f"error: {why}; nothing was written to {lab.results}; to resume, run the same command again: {again}",
               file=sys.stderr)
         return 1

@@ -31,10 +31,11 @@ import torch
 class CheckpointAverage:
     """The running average of snapshots taken at steps last - (k-1) * interval, ..., last - interval, last."""
 
-    def __init__(self, k=6, interval=20, alpha=0.2, last_step=0):
+    def __init__(self, k=6, interval=20, alpha=0.2, last_step=0, model=None):
         if k < 1 or interval < 1 or not 0 <= alpha <= 1:
             raise ValueError(f"need k >= 1, interval >= 1 and alpha in [0, 1]; got {k}, {interval}, {alpha}")
         self.k, self.interval, self.alpha, self.last_step = k, interval, alpha, last_step
+        self.model = model  # the model train.py's callbacks snapshot (watch / after_step)
         self.avg = None   # {name: tensor}, fp32, on the model's device
         self.count = 0    # snapshots averaged so far
 
@@ -56,6 +57,13 @@ class CheckpointAverage:
             for n, p in params.items():
                 self.avg[n].lerp_(p, w)  # avg += w * (p - avg)
         self.count += 1
+
+    # train.py's step callbacks (tools/seams.py attaches the average with its model)
+    def watch(self):
+        return {}  # nothing to log per step
+
+    def after_step(self, step, ok):
+        self.update(self.model, step)  # a skipped step leaves the weights as they were: still a snapshot
 
     @contextlib.contextmanager
     @torch.no_grad()

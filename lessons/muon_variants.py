@@ -20,14 +20,16 @@ quant.py, and adds only what differs.
 3. QK-clip (Kimi K2, arXiv 2507.20534, sec. 2.1, MuonClip). After the optimizer step, per attention head h whose
    largest pre-softmax logit S_max^h = max_ij q_i·k_j / sqrt(d) in the step exceeded tau (K2: 100):
        gamma_h = tau / S_max^h;   W_q[rows of h] *= sqrt(gamma_h);   W_k[rows of h] *= sqrt(gamma_h)
-   so that head's logits on the same inputs shrink by exactly gamma_h (to at most tau). model.py records S_max
-   per head (GPTConfig.track_max_logit). Exact for the latent weights, approximate for the ternary forward pass:
-   see qk_clip.
+   so that head's logits on the same inputs shrink by exactly gamma_h (to at most tau). QKClip records S_max per
+   head through a forward pre-hook on each block's attn.attend, attached from outside: model.py knows nothing of
+   it. Exact for the latent weights, approximate for the ternary forward pass: see qk_clip.
+1 and 2 are MuonVariant, a muon.Muon with its own muon_step: it steps the groups configure_muon builds.
 
 Run:  python -m pytest tests/test_muon_variants.py
 Train with them (one process): python train.py --normuon=True | --muon_state=linear8|dynamic8 | --qk_clip_tau=100
 """
 
+import functools
 import math
 
 import torch
@@ -102,9 +104,11 @@ def state_bytes(numel, kind="fp32", block=2048):
 
 class MuonVariant(Muon):
     """muon.Muon with normuon=True (per-row normalisation, beta2) and/or 8-bit momentum (state="linear8" or
-    "dynamic8", block values per fp32 absmax). Everything else (lr, momentum, nesterov, weight decay, the lr
-    adjustment, ns_dtype) as Muon. State per matrix: "momentum_buffer" (fp32) or "momentum_codes" and
-    "momentum_absmax"; and "v" (rows, 1) fp32 with NorMuon."""
+    "dynamic8", block values per fp32 absmax) for its Muon groups. Everything else (lr, momentum, nesterov, weight
+    decay, the lr adjustment, ns_dtype, the AdamW groups) as Muon, so it takes the groups configure_muon built:
+        opt = MuonVariant(configure_muon(model, ...).param_groups, normuon=True, state="dynamic8")
+    State per matrix: "momentum_buffer" (fp32) or "momentum_codes" and "momentum_absmax"; and "v" (rows, 1) fp32
+    with NorMuon."""
 
     def __init__(self, params, normuon=False, beta2=0.95, state="fp32", block=2048, **kwargs):
         if state not in ("fp32", "linear8", "dynamic8"):
@@ -113,37 +117,27 @@ class MuonVariant(Muon):
             raise ValueError("NorMuon and 8-bit Muon run in one process here; DDP/FSDP2 use plain Muon")
         self.normuon, self.beta2, self.state_kind, self.block = normuon, beta2, state, block
         super().__init__(params, **kwargs)
+        if any(hasattr(p, "device_mesh") for g in self.param_groups if g["kind"] == "muon" for p in g["params"]):
+            raise ValueError("NorMuon and 8-bit Muon run in one process here; FSDP2 uses plain Muon")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        kind = self.state_kind.removesuffix("8")
-        for group in self.param_groups:
-            for p in (p for p in group["params"] if p.grad is not None):
-                if hasattr(p, "device_mesh"):
-                    raise ValueError("NorMuon and 8-bit Muon run in one process here; FSDP2 uses plain Muon")
-                state = self.state[p]
-                if self.state_kind == "fp32":
-                    buf = self._momentum_buffer(p)
-                elif "momentum_codes" in state:
-                    buf = dequantize_blockwise(state["momentum_codes"], state["momentum_absmax"], p.shape, kind,
-                                               self.block)
-                else:
-                    buf = torch.zeros_like(p, dtype=torch.float32)
-                u = muon_update(p.grad, buf, group["momentum"], group["nesterov"])
-                if self.state_kind != "fp32":
-                    state["momentum_codes"], state["momentum_absmax"] = quantize_blockwise(buf, kind, self.block)
-                o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=self.ns_dtype)
-                if self.normuon:
-                    if "v" not in state:
-                        state["v"] = torch.zeros(p.shape[0], 1, dtype=torch.float32, device=p.device)
-                    o = normuon_normalize(o, state["v"], self.beta2)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(o.to(p.dtype), alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
-        return loss
+    def muon_step(self, p, group):
+        state, kind = self.state[p], self.state_kind.removesuffix("8")
+        if self.state_kind == "fp32":
+            buf = self._momentum_buffer(p)
+        elif "momentum_codes" in state:
+            buf = dequantize_blockwise(state["momentum_codes"], state["momentum_absmax"], p.shape, kind, self.block)
+        else:
+            buf = torch.zeros_like(p, dtype=torch.float32)
+        u = muon_update(p.grad, buf, group["momentum"], group["nesterov"])
+        if self.state_kind != "fp32":
+            state["momentum_codes"], state["momentum_absmax"] = quantize_blockwise(buf, kind, self.block)
+        o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=self.ns_dtype)
+        if self.normuon:
+            if "v" not in state:
+                state["v"] = torch.zeros(p.shape[0], 1, dtype=torch.float32, device=p.device)
+            o = normuon_normalize(o, state["v"], self.beta2)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(o.to(p.dtype), alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)  # torch casts every state tensor to the parameter's float dtype
@@ -153,9 +147,9 @@ class MuonVariant(Muon):
                 s["momentum_codes"] = s["momentum_codes"].to(dtype)  # the codes back to 8 bits, values unchanged
 
     def state_bytes(self):
-        """Bytes of the optimizer state tensors, as stored."""
-        return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor))
+        """Bytes of the Muon groups' state tensors, as stored (the AdamW groups' state is AdamW's)."""
+        return sum(t.numel() * t.element_size() for g in self.param_groups if g["kind"] == "muon"
+                   for p in g["params"] for t in self.state.get(p, {}).values() if isinstance(t, torch.Tensor))
 
     def __getstate__(self):
         return {**super().__getstate__(), "normuon": self.normuon, "beta2": self.beta2,
@@ -164,41 +158,78 @@ class MuonVariant(Muon):
 # ----------------------------------------------------------------------------- 3. QK-clip
 
 
-def attention_modules(model):
-    return [m for m in model.modules() if hasattr(m, "max_logit") and hasattr(m, "q_proj")]
-
-
-def max_logit(model):
-    """The largest recorded q.k/sqrt(d) over every head and layer (a 0-d tensor), or None if nothing records."""
-    mods = attention_modules(model)
-    return torch.stack([m.max_logit.max() for m in mods]).max() if mods else None
+@torch.no_grad()
+def max_logit_per_head(q, k, mask=None, is_causal=True, rows=1):
+    """Each head's largest q_i.k_j / sqrt(hd) over the allowed positions of the first `rows` rows of the batch:
+    (n_head,) fp32. q, k (B, nh, T, hd); mask: None (causal if is_causal, else every position) or bool with True =
+    allowed, (B, 1, T, T) as model.document_mask makes it, or without the batch dim."""
+    n = min(rows, q.size(0))
+    s = (q[:n].float() @ k[:n].float().transpose(-2, -1)) / math.sqrt(q.size(-1))  # (n, nh, T, T)
+    if mask is not None:
+        allowed = mask[:n] if mask.dim() == 4 else mask
+    else:
+        allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device)
+        allowed = allowed.tril() if is_causal else allowed
+    return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
 
 
 @torch.no_grad()
-def reset_max_logit(model):
-    for m in attention_modules(model):
-        m.max_logit.zero_()
+def qk_clip(attn, s_max, tau):
+    """Scale the rows of attn.q_proj and attn.k_proj that belong to each head h with s_max[h] > tau by
+    sqrt(tau / s_max[h]), in place: that head's logits on the same inputs shrink by tau / s_max[h]. s_max (n_head,).
 
-
-@torch.no_grad()
-def qk_clip(model, tau=100.0):
-    """After optimizer.step(): every attention head whose recorded max logit exceeds tau has its rows of q_proj
-    and k_proj scaled by sqrt(tau / S_max); then the records are reset for the next step. No host sync.
-    Returns the largest recorded logit before clipping (a 0-d tensor), for logging.
-
-    The loss is untouched this step. S_max comes from each Attention's `max_logit` buffer (GPTConfig.track_max_logit:
-    one extra q·kᵀ over `max_logit_rows` rows of the batch, 1/batch_size of the attention-score work by default).
     Ternary twist: a BitLinear's weight is quantised with gamma = mean|W| over the whole matrix, so shrinking the
     rows of one head also lowers gamma for every other head, and the rescaled head's rows are requantised
     against it: the clip is exact for the latent weights, approximate for the ternary forward pass (measured in
-    tests/test_muon_variants.py). Single process only: DDP and FSDP2 use muon.Muon (train.py refuses them)."""
-    top = None
-    for attn in attention_modules(model):
-        s = attn.max_logit  # (n_head,)
-        scale = torch.where(s > tau, (tau / s.clamp(min=1e-30)).sqrt(), torch.ones_like(s))  # (n_head,)
-        rows = scale.repeat_interleave(attn.q_proj.weight.shape[0] // s.numel())[:, None]  # (C, 1): per row
-        attn.q_proj.weight.mul_(rows.to(attn.q_proj.weight.dtype))
-        attn.k_proj.weight.mul_(rows.to(attn.k_proj.weight.dtype))
-        top = s.max() if top is None else torch.maximum(top, s.max())
-        s.zero_()
-    return top
+    tests/test_muon_variants.py)."""
+    scale = torch.where(s_max > tau, (tau / s_max.clamp(min=1e-30)).sqrt(), torch.ones_like(s_max))  # (n_head,)
+    rows = scale.repeat_interleave(attn.q_proj.weight.shape[0] // s_max.numel())[:, None]  # (C, 1): per row
+    for w in (attn.q_proj.weight, attn.k_proj.weight):
+        w.mul_(rows.to(w.dtype))
+
+
+class QKClip:
+    """
+    QK-clip attached to a GPT from outside: qk = QKClip(model, tau, rows=1) puts a forward pre-hook on every
+    block's attn.attend (q, k after RoPE), which keeps each head's running max logit (max_logit_per_head) in
+    qk.max_logits, one (n_head,) tensor per layer, on the model's device (attach after moving it there), with no
+    host sync. It records in training mode with gradients on only: not in evaluation, nor in generation (no_grad).
+    Each training step then calls:
+        qk.watch()              -> {"max_logit": 0-d tensor}, the largest over every head and layer, for the log
+        qk.after_step(step, ok) after optimizer.step(): if tau > 0 and the step was taken (ok), qk_clip every
+                                layer's heads over tau; then the records start again from 0 for the next step
+    tau = 0 logs the max without clipping (--log_max_logit). qk.remove() takes the hooks off. One process only:
+    DDP and FSDP2 would record each rank's own maximum (train.py refuses them).
+    """
+
+    def __init__(self, model, tau=0.0, rows=1):
+        if tau < 0 or rows < 1:
+            raise ValueError(f"QKClip needs tau >= 0 (0 = log only) and rows >= 1, got tau={tau}, rows={rows}")
+        self.tau, self.rows = tau, rows
+        self.attns = [block.attn for block in model.h]
+        self.max_logits = [torch.zeros(a.n_head, device=a.q_proj.weight.device) for a in self.attns]
+        self.handles = [a.attend.register_forward_pre_hook(functools.partial(self._record, m), with_kwargs=True)
+                        for a, m in zip(self.attns, self.max_logits)]
+
+    def _record(self, max_logit, attend, args, kwargs):
+        if not (attend.training and torch.is_grad_enabled()):  # evaluation, or generation (under no_grad)
+            return
+        a = dict(zip(("q", "k", "v", "mask", "is_causal"), args), **kwargs)  # Attend.forward's arguments
+        s = max_logit_per_head(a["q"], a["k"], a.get("mask"), a.get("is_causal", True), self.rows)
+        with torch.no_grad():
+            max_logit.copy_(torch.maximum(max_logit, s))
+
+    def watch(self):
+        return {"max_logit": torch.stack([m.max() for m in self.max_logits]).max()}
+
+    @torch.no_grad()
+    def after_step(self, step, ok):
+        """step: the step just taken (unused here; the after-step callbacks' common signature)."""
+        for attn, max_logit in zip(self.attns, self.max_logits):
+            if self.tau > 0 and ok:
+                qk_clip(attn, max_logit, self.tau)
+            max_logit.zero_()
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()

@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A model of 1 block, 32 wide, 32 tokens of context: a step takes milliseconds on one CPU core.
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2",
-        "--warmup_iters=2", "--lambda_warmup_steps=4", "--device=cpu",
+        "--warmup_steps=2", "--lambda_warmup_steps=4", "--device=cpu",
         "--eval_whole=False"]  # the final evaluation reads eval_iters batches, not the whole val split (seconds)
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 FAULTS = os.path.join(ROOT, "tests", "faults.py")  # train.py with fault injection, see that file
@@ -56,3 +56,17 @@ def fails(capsys, *argv, code=1, main=None):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == code and len(err) == 1 and err[0].startswith("error: "), (e.value.code, err)
     return err[0]
+
+
+# Tests marked @pytest.mark.slow run a subprocess or a training run of their own (seconds each). These fixtures
+# train or spawn once per module, so a test that takes one is slow too, whichever test happens to pay for it.
+SLOW_FIXTURES = {"test_scale.py": {"runs", "spawned"}, "test_outputs.py": {"runs"}, "test_packed.py": {"trained"},
+                 "test_hf.py": {"exported"}, "test_fault.py": {"saved"}, "test_data.py": {"shipped"},
+                 "test_nanogpt_recipe.py": {"uninterrupted"}}
+
+
+def pytest_collection_modifyitems(items):
+    """python -m pytest -m "not slow": the quick check (under 2 minutes on 2 cores); CI runs everything."""
+    for item in items:
+        if SLOW_FIXTURES.get(os.path.basename(str(item.fspath)), set()) & set(item.fixturenames):
+            item.add_marker(pytest.mark.slow)

@@ -55,6 +55,7 @@ def test_swapped_in_holds_the_average_and_gives_the_weights_back():
         CheckpointAverage(k=0)
 
 
+@pytest.mark.slow
 def test_train_saves_the_average_of_its_own_checkpoints_resumes_it_exactly_and_sample_loads_it(tmp_path):
     """avg.pt of a ternary run = the EMA of the latent weights of the numbered checkpoints at its snapshot
     steps; a run stopped at step 8 and resumed ends with the same avg.pt; val_loss_avg is logged."""

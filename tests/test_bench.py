@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import data
@@ -34,9 +35,10 @@ def test_val_windows_are_evenly_spread_and_the_same_each_time(tmp_path):
     assert torch.equal(w, bench.val_windows(str(d), 32, 5))
 
 
+@pytest.mark.slow
 def test_quality_prints_the_ratio_of_the_two_times_to_the_same_target():
     args = ("--max_iters=40 --n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --block_size=32 "
-            "--lambda_warmup_steps=10 --warmup_iters=5")
+            "--lambda_warmup_steps=10 --warmup_steps=5")
     out = subprocess.run([sys.executable, "-m", "lab.bench", "--quality", f"--train_args={args}", "--target=5.3"],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

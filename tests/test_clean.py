@@ -163,6 +163,7 @@ def test_prepare_cleans_reports_and_records_the_counts(tmp_path, capsys):
     assert meta["n_docs_train"] + meta["n_docs_val"] == 6 and meta["cleaning"] is None
 
 
+@pytest.mark.slow
 def test_clean_and_prepare_command_lines_print_the_report(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "lessons.clean"], cwd=ROOT, env=env,

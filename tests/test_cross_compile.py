@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1",
                                                                          "TRITON_DEFAULT_FP_FUSION": "1"}
 
 
+@pytest.mark.slow
 def test_cross_compile_every_kernel_configuration_for_sm80_and_sm90():
     p = subprocess.run([sys.executable, "-m", "kernels.cross_compile"], cwd=ROOT, env=ENV, capture_output=True,
                        text=True, timeout=900)
@@ -35,6 +38,7 @@ cc.compile_one(bad, dict(x_ptr="*i8", y_ptr="*i32", BLOCK="constexpr"), dict(BLO
 '''
 
 
+@pytest.mark.slow
 def test_a_kernel_that_cannot_compile_for_a_gpu_fails(tmp_path):
     script = tmp_path / "bad_kernel.py"  # triton.jit reads the kernel's source from its file
     script.write_text(BAD)
@@ -43,6 +47,7 @@ def test_a_kernel_that_cannot_compile_for_a_gpu_fails(tmp_path):
     assert p.returncode != 0 and "K >= " in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_gpu_check_script_refuses_a_machine_without_cuda_in_one_line():
     import pytest
     import torch

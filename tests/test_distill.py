@@ -254,14 +254,15 @@ def test_mixture_weights_must_fit_the_teachers():
 # ----------------------------------------------------------------------------- BitDistillLoss
 
 def test_presets_and_overrides():
-    assert PRESETS == {"classification": dict(lambda_ld=10.0, gamma_ad=1e5),
-                       "summarization": dict(lambda_ld=1.0, gamma_ad=1e3), "logits": dict(lambda_ld=1.0, gamma_ad=0.0)}
+    assert PRESETS == {"classification": dict(kd_logits=10.0, kd_relation=1e5),
+                       "summarization": dict(kd_logits=1.0, kd_relation=1e3),
+                       "logits": dict(kd_logits=1.0, kd_relation=0.0)}
     c = BitDistillLoss("classification")
-    assert (c.lambda_ld, c.gamma_ad) == (10.0, 1e5)
+    assert (c.kd_logits, c.kd_relation) == (10.0, 1e5)
     s = BitDistillLoss("summarization")
-    assert (s.lambda_ld, s.gamma_ad, s.delta_hidden, s.n_relation_heads, s.distill_layer) == (1.0, 1e3, 0.0, 32, -1)
-    o = BitDistillLoss("classification", lambda_ld=2.0, gamma_ad=0.0)
-    assert (o.lambda_ld, o.gamma_ad) == (2.0, 0.0)
+    assert (s.kd_logits, s.kd_relation, s.kd_hidden, s.n_relation_heads, s.distill_layer) == (1.0, 1e3, 0.0, 32, -1)
+    o = BitDistillLoss("classification", kd_logits=2.0, kd_relation=0.0)
+    assert (o.kd_logits, o.kd_relation) == (2.0, 0.0)
     with pytest.raises(ValueError) as e:
         BitDistillLoss("translation")
     assert all(w in str(e.value) for w in ("translation", "classification", "summarization")), e.value
@@ -292,7 +293,7 @@ def _batch(requires_grad=False):
 
 def test_total_equals_weighted_sum_recomputed_independently():
     zs, zt, targets, qs, qt, hs, ht = _batch()
-    crit = BitDistillLoss("classification", delta_hidden=0.5, n_relation_heads=2, temperature=3.0)
+    crit = BitDistillLoss("classification", kd_hidden=0.5, n_relation_heads=2, temperature=3.0)
     out = crit(zs, zt, targets, qs, qt, hs, ht)
     valid = targets != -1
     logp = zs.log_softmax(-1)
@@ -308,32 +309,32 @@ def test_total_equals_weighted_sum_recomputed_independently():
 
 
 def test_default_is_the_logits_preset_of_train_py():
-    """BitDistillLoss() is what train.py runs by default (TrainConfig.distill_preset): logits KD, lambda 1,
-    gamma 0, no hidden states; it needs only the logits and the targets."""
+    """BitDistillLoss() is what train.py runs by default (TrainConfig.distill_preset): logits KD, kd_logits 1,
+    kd_relation 0, no hidden states; it needs only the logits and the targets."""
     from tools.config import TrainConfig
     d = BitDistillLoss()
     assert d.preset == TrainConfig.distill_preset == "logits"
-    assert (d.lambda_ld, d.gamma_ad, d.delta_hidden, d.n_relation_heads, d.distill_layer) == (1.0, 0.0, 0.0, 32, -1)
+    assert (d.kd_logits, d.kd_relation, d.kd_hidden, d.n_relation_heads, d.distill_layer) == (1.0, 0.0, 0.0, 32, -1)
     zs, zt, targets, *_ = _batch()
     out = d(zs, zt, targets)  # no q/k/v, no hidden states
     assert out["ad"].item() == 0.0 and out["hidden"].item() == 0.0
     assert torch.equal(out["loss"], out["ce"] + out["ld"])
 
 
-def test_gamma_zero_allows_missing_qkv_and_hidden_off_by_default():
+def test_kd_relation_zero_allows_missing_qkv_and_hidden_off_by_default():
     zs, zt, targets, *_ = _batch()
-    out = BitDistillLoss("summarization", gamma_ad=0.0)(zs, zt, targets, None, None)
+    out = BitDistillLoss("summarization", kd_relation=0.0)(zs, zt, targets, None, None)
     assert out["ad"].item() == 0.0 and out["hidden"].item() == 0.0
     assert out["loss"].item() == pytest.approx((out["ce"] + out["ld"]).item(), rel=1e-6)
     with pytest.raises(ValueError) as e:
         BitDistillLoss("summarization")(zs, zt, targets)
     msg = str(e.value)  # what is missing, and the fix: pass it or switch the loss off
-    assert "student_qkv" in msg and "gamma_ad=0" in msg, msg
+    assert "student_qkv" in msg and "kd_relation=0" in msg, msg
 
 
 def test_gradients_reach_student_only():
     zs, zt, targets, qs, qt, hs, ht = _batch(requires_grad=True)
-    out = BitDistillLoss("summarization", delta_hidden=1.0, n_relation_heads=2)(zs, zt, targets, qs, qt, hs, ht)
+    out = BitDistillLoss("summarization", kd_hidden=1.0, n_relation_heads=2)(zs, zt, targets, qs, qt, hs, ht)
     out["loss"].backward()
     for t in (zt, *qt, *ht):
         assert t.grad is None

@@ -215,6 +215,7 @@ def _steps(out, name):
     return {r["step"]: r["loss"] for r in records(out, run_name=name) if "loss" in r}
 
 
+@pytest.mark.slow
 def test_stage_dlm_converts_logs_its_diagnostics_and_resumes_bit_exactly(stage2, tmp_path):
     ckpt = os.path.join(stage2, "stage2", "ckpt.pt")
     args = ["--stage=dlm", f"--init_from={ckpt}", *TINY, "--max_iters=8", "--eval_interval=8",

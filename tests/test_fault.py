@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tools import checkpoint
+from tools import checkpoint, common
 import data
 import train
 from conftest import TINY, fails, records, run, start
@@ -65,6 +65,7 @@ MUON_FAMILY = ["--normuon=True", "--muon_state=dynamic8", "--qk_clip_tau=0.02"] 
 
 @pytest.mark.parametrize("extra", [[], SCHEDULE_FINDINGS, MUON_FAMILY],
                          ids=["default", "curriculum+quant_start+averaging", "normuon+8bit+qk_clip"])
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, extra):
     """32 steps straight, against 16 steps + SIGKILL + resume to 32. Stage 2 with Muon, ZClip (its 25-step
     warmup ends after the resume point) and 2 micro-batches per step; the LR schedule (max_iters=32) and lambda
@@ -98,12 +99,13 @@ def test_sigkill_then_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, 
     if averaged:
         assert ends[0]["loader"]["order"] == "curriculum" and ends[0]["average"]["count"] == 3
     if extra is MUON_FAMILY:  # the 8-bit codes and NorMuon's row moments are in the checkpoint, and were used
-        state = ends[0]["optimizer"]["muon"]["state"][0]
+        state = ends[0]["optimizer"]["state"][0]  # the first hidden matrix
         assert state["momentum_codes"].dtype == torch.uint8 and state["v"].shape[1] == 1
         assert max(r["max_logit"] for r in records(straight) if "max_logit" in r) > 0.02  # QK-clip had work
     assert ends[0]["zclip"]["n_seen"] == 25  # ZClip left its warmup after the resume point
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_preemption_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
     out = str(tmp_path)
@@ -120,6 +122,7 @@ def test_preemption_signal_finishes_the_step_saves_and_exits_0(tmp_path, sig):
     assert "val loss" not in stdout  # it stopped promptly, without the end-of-run evaluation
 
 
+@pytest.mark.slow
 def test_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path):
     out, d = str(tmp_path), tmp_path / "stage1"
     run(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=2", "--eval_interval=2")
@@ -138,6 +141,7 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path)
     assert not tmp.exists()  # the next save removed the leftover
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run_after_max_bad_steps(tmp_path):
     out, d = str(tmp_path), tmp_path / "stage2"
     stderr = run(f"--out_dir={out}", "--stage=2", *TINY, "--optimizer=adamw", "--max_iters=8",
@@ -180,7 +184,7 @@ def test_rng_state_round_trips_python_numpy_and_torch(tmp_path):
 
 def test_stop_signal_sets_a_flag_and_restores_the_previous_handler():
     before = signal.getsignal(signal.SIGTERM)
-    with checkpoint.StopSignal() as stop:
+    with common.StopSignal() as stop:
         assert stop.requested is None
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
@@ -209,6 +213,7 @@ def copy_run(saved, tmp_path):
 
 @pytest.mark.parametrize("flag,facts", [("--n_embd=64", ("n_embd=32", "n_embd=64")),
                                         ("--tokenizer=gpt2", ("vocab_size=257", "vocab_size=50257"))])
+@pytest.mark.slow
 def test_resume_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path, capsys, flag, facts):
     out, ck = copy_run(saved, tmp_path)
     before = digest(ck)
@@ -273,6 +278,7 @@ def test_a_full_disk_while_writing_the_average_says_the_checkpoint_was_saved(tmp
     assert checkpoint.load(str(tmp_path / "stage2" / "ckpt.pt"))["step"] == 4
 
 
+@pytest.mark.slow
 def test_resume_with_a_new_max_iters_says_the_schedule_changed(saved, tmp_path):
     out, ck = copy_run(saved, tmp_path)
     p = run("--stage=1", "--resume=True", f"--out_dir={out}", "--max_iters=2")
@@ -371,6 +377,7 @@ def test_invalid_fault_tolerance_settings_are_refused(tmp_path, capsys, flag):
 # round 2: runs that must not lose or hide anything
 
 
+@pytest.mark.slow
 def test_a_fresh_run_refuses_an_out_dir_holding_another_run_unless_told(tmp_path, capsys):
     out, d = str(tmp_path), tmp_path / "stage1"
     run(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=4", "--eval_interval=4")
@@ -408,6 +415,7 @@ def test_a_second_run_into_the_same_out_dir_is_refused_while_the_first_lives(tmp
     assert (d / "ckpt.pt").exists() and not (d / ".lock").exists()
 
 
+@pytest.mark.slow
 def test_weights_that_became_non_finite_stop_the_run_and_are_never_saved(tmp_path):
     out, d = str(tmp_path), tmp_path / "stage2"
     stderr = run(f"--out_dir={out}", "--stage=2", *TINY, "--max_iters=8", "--checkpoint_interval=1",
@@ -419,6 +427,7 @@ def test_weights_that_became_non_finite_stop_the_run_and_are_never_saved(tmp_pat
     assert all(torch.isfinite(v).all() for v in checkpoint.load(str(d / "ckpt.pt"))["model"].values())
 
 
+@pytest.mark.slow
 def test_non_finite_weights_are_caught_at_the_next_step_without_a_checkpoint_in_between(tmp_path):
     out, d = str(tmp_path), tmp_path / "stage2"
     stderr = run(f"--out_dir={out}", "--stage=2", *TINY, "--max_iters=8", "--checkpoint_interval=2",
@@ -428,6 +437,7 @@ def test_non_finite_weights_are_caught_at_the_next_step_without_a_checkpoint_in_
     assert checkpoint.load(str(d / "ckpt.pt"))["step"] == 2
 
 
+@pytest.mark.slow
 def test_a_run_whose_every_step_was_skipped_fails_and_a_partly_skipped_one_says_so(tmp_path):
     out = str(tmp_path / "a")
     stderr = run(f"--out_dir={out}", "--stage=2", *TINY, "--max_iters=4", "--eval_interval=4", rc=1,
@@ -439,6 +449,7 @@ def test_a_run_whose_every_step_was_skipped_fails_and_a_partly_skipped_one_says_
     assert "final val loss" in stdout and "1 of them skipped" in stdout
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_leaves_no_tmp(tmp_path, capsys,
                                                                                       monkeypatch):
     out, d = str(tmp_path), tmp_path / "stage1"
@@ -454,6 +465,7 @@ def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_leave
     assert digest(d / "ckpt.pt") == before and not [n for n in os.listdir(d) if n.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_a_signal_before_training_starts_ends_with_one_line_and_no_lock(tmp_path):
     log = str(tmp_path / "log")
     p = start(f"--out_dir={tmp_path}", "--stage=1", *TINY, log=log, faults="hang_in_setup=1")
@@ -481,7 +493,7 @@ def test_shards_replaced_under_a_running_loader_stop_the_run_with_one_line(tmp_p
 
 
 @pytest.mark.parametrize("flags,facts", [
-    (["--distill_relation_heads=3", "--distill_gamma=1"], ("--distill_relation_heads=3", "32", "--distill_relation_heads=2")),
+    (["--distill_relation_heads=3", "--kd_relation=1"], ("--distill_relation_heads=3", "32", "--distill_relation_heads=2")),
     (["--teacher_weights=1,2"], ("--teacher_weights=1,2", "expected 1 ", "one per --teacher")),
     (["--block_size=64"], ("--block_size=64", "32", "ckpt.pt")),
 ])

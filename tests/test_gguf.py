@@ -2,6 +2,7 @@
 file back (gguf's reader, and TQ2_0 bytes decoded here by hand), vocabulary metadata, and the command line.
 The end-to-end run in llama.cpp itself is lab/check_llamacpp.sh (not in CI: it compiles llama.cpp)."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -120,6 +121,7 @@ def test_hyperparameters_are_what_llama_cpp_builds_the_model_from(tmp_path):
     assert f["bitnet.attention.layer_norm_rms_epsilon"].contents() == pytest.approx(c.norm_eps)
 
 
+@pytest.mark.slow
 def test_vocabulary_metadata_byte_and_gpt2(tmp_path):
     path = str(tmp_path / "b.gguf")
     gguf_export.write_gguf(_model(vocab_size=320), "byte", path)  # padded past 257 as --pad_vocab does
@@ -139,6 +141,7 @@ def test_vocabulary_metadata_byte_and_gpt2(tmp_path):
     assert f["tokenizer.ggml.tokens"].contents()[50256] == "<|endoftext|>"
 
 
+@pytest.mark.slow
 def test_export_command_line_gguf_and_its_refusals(tmp_path, capsys):
     out = str(tmp_path / "o")
     run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=6", "--eval_interval=6")
@@ -156,3 +159,64 @@ def test_export_command_line_gguf_and_its_refusals(tmp_path, capsys):
     quant.set_lambda(m, 0.5)
     with pytest.raises(ValueError, match="lambda"):
         gguf_export.write_gguf(m, "byte", str(tmp_path / "y.gguf"))
+
+
+# -----------------------------------------------------------------------------
+# lab/check_llamacpp.py's outputs, with a stand-in for llama-cpp-python (which compiles llama.cpp on install)
+
+
+class _FakeLlama:
+    """llama_cpp.Llama as lab/check_llamacpp.py calls it: uniform logits, one fixed sample."""
+
+    def __init__(self, model_path, n_ctx, **kwargs):
+        self.scores = np.zeros((n_ctx, 257), dtype=np.float32)
+
+    def reset(self):
+        pass
+
+    def eval(self, tokens):
+        pass
+
+    def create_completion(self, **kwargs):
+        return {"choices": [{"text": "fake sample"}]}
+
+
+@pytest.mark.slow
+@pytest.mark.slow  # trains a tiny run (a subprocess)
+def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp_path, capsys, monkeypatch):
+    """Issue 35: --out=<a checkpoint> rewrote it as JSON (its hard-linked ckpt_N.pt too), --gguf=<a checkpoint>
+    replaced it with a GGUF."""
+    import hashlib
+    import json
+    import types
+    from conftest import fails
+    from lab import check_llamacpp
+    from tools import common
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlama))
+    run(f"--out_dir={tmp_path}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=4")
+    d = tmp_path / "stage2"
+    ckpt, numbered, another = str(d / "ckpt.pt"), str(d / "ckpt_000004.pt"), str(d / "another.pt")
+    shutil.copy(ckpt, another)  # another run's checkpoint
+    digest = lambda: {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in os.listdir(d)}  # noqa: E731
+    before = digest()
+    small = ["--windows=1", "--samples=1"]
+    for flag in ("--out", "--gguf"):
+        for asked in ([], ["--overwrite=True"]):  # not even when asked
+            msg = fails(capsys, f"--ckpt={ckpt}", f"{flag}={numbered}", *small, *asked, code=2,
+                        main=check_llamacpp.main)  # a hard link of --ckpt
+            assert f"{flag}={numbered}" in msg and "same file as --ckpt" in msg, msg
+            msg = fails(capsys, f"--ckpt={ckpt}", f"{flag}={another}", *small, *asked, code=2,
+                        main=check_llamacpp.main)
+            assert f"{flag}={another}" in msg and "training checkpoint" in msg, msg
+    assert digest() == before
+    gguf, result = str(tmp_path / "m.gguf"), str(tmp_path / "r.json")
+    assert check_llamacpp.main([f"--ckpt={ckpt}", f"--gguf={gguf}", f"--out={result}", *small]) == 0
+    assert json.load(open(result))["tokens"] == 32 and common.file_kind(gguf) == ("gguf", ckpt)
+    msg = fails(capsys, f"--ckpt={ckpt}", f"--gguf={gguf}", f"--out={result}", *small, code=2,
+                main=check_llamacpp.main)  # the GGUF of the same checkpoint may go; an earlier result stays
+    assert f"--out={result}" in msg and "already exists" in msg and "--overwrite=True" in msg, msg
+    assert check_llamacpp.main([f"--ckpt={ckpt}", f"--gguf={gguf}", f"--out={result}", *small,
+                                "--overwrite=True"]) == 0
+    msg = fails(capsys, f"--ckpt={ckpt}", "--windows=0", code=2, main=check_llamacpp.main)
+    assert "--windows=0" in msg
+    assert digest() == before and sorted(os.listdir(tmp_path)) == ["m.gguf", "r.json", "stage2"]

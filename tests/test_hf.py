@@ -48,6 +48,7 @@ def _val_tokens(n, start=1000):
     return torch.from_numpy(data.read_shard(VAL)[start:start + n].astype(np.int64)).unsqueeze(0)  # (1, n)
 
 
+@pytest.mark.slow
 def test_transformers_loads_its_own_bitnet_with_packed_bitlinear_layers(exported):
     _, out, ours, hf, info = exported
     assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched tensor: all are read
@@ -130,7 +131,7 @@ def test_gpt2_tokenizer_encodes_as_ours_in_a_padded_vocabulary(tmp_path):
     cfg = json.load(open(os.path.join(out, "config.json")))
     assert cfg["vocab_size"] == 50304 and cfg["eos_token_id"] == 50256  # 47 padding rows the tokenizer never makes
     byte = _save_ckpt(str(tmp_path / "byte.pt"))  # a byte model exported over it: the GPT-2 tokenizer files go
-    export.main(["--format=hf", f"--ckpt={byte}", f"--out={out}"])
+    export.main(["--format=hf", f"--ckpt={byte}", f"--out={out}", "--overwrite=True"])  # no source: not ours to drop
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "nanobitnet.json"]
 
 
@@ -142,7 +143,7 @@ def _save_ckpt(path, **kw):
 
 
 @pytest.mark.parametrize("kw,fact", [
-    (dict(quant=False), "full-precision"), (dict(causal=False), "masked-diffusion"), (dict(subln=False), "SubLN"),
+    (dict(quant=False), "full-precision"), (dict(causal=False, vocab_size=258), "masked-diffusion"), (dict(subln=False), "SubLN"),
     (dict(n_embd=34), "multiple of 4"), (dict(mlp_hidden=66), "multiple of 4"), (dict(lambda_=0.5), "lambda")])
 def test_what_the_format_cannot_hold_is_refused_in_one_line(tmp_path, capsys, kw, fact):
     ckpt = str(tmp_path / "ckpt.pt")
@@ -181,3 +182,79 @@ def test_out_is_a_directory_never_a_file_nor_another_directory_unless_overwrite(
                 main=export.main)
     assert "directory of --ckpt" in err
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "file", "other.pt", "theirs"]  # no temp directory left
+
+
+# -----------------------------------------------------------------------------
+# the directory is swapped in whole (tools/common.py atomic_dir): a stop, a kill or a full disk at any moment
+# leaves --out the old export or the new one, never a mix, and says which
+
+
+def _snapshot(d):
+    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.parametrize("when", ["writing", "moving"])
+def test_a_sigterm_during_an_hf_export_leaves_the_old_or_the_new_directory_and_says_which(tmp_path, capsys,
+                                                                                         monkeypatch, when):
+    """Issue 35: a SIGTERM between the file moves of --format=hf left old and new files mixed in --out while the
+    message said --out was unchanged."""
+    import signal
+    old_ckpt, new_ckpt = _save_ckpt(str(tmp_path / "old.pt")), _save_ckpt(str(tmp_path / "new.pt"))
+    out, ref = str(tmp_path / "hf"), str(tmp_path / "ref")
+    export.main(["--format=hf", f"--ckpt={old_ckpt}", f"--out={out}"])
+    export.main(["--format=hf", f"--ckpt={new_ckpt}", f"--out={ref}"])  # what the new export holds
+    old, new = _snapshot(out), _snapshot(ref)
+    assert old["model.safetensors"] != new["model.safetensors"]
+    if when == "writing":
+        real_write = export.write_hf
+
+        def write_then_sigterm(*args, **kwargs):
+            names = real_write(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return names
+        monkeypatch.setattr(export, "write_hf", write_then_sigterm)
+    else:  # right after the first rename or file move into --out
+        for name in ("rename", "replace"):
+            def move_then_sigterm(src, dst, real=getattr(os, name)):
+                real(src, dst)
+                monkeypatch.undo()
+                os.kill(os.getpid(), signal.SIGTERM)
+            monkeypatch.setattr(os, name, move_then_sigterm)
+    err = fails(capsys, "--format=hf", f"--ckpt={new_ckpt}", f"--out={out}", "--overwrite=True",
+                code=128 + signal.SIGTERM, main=export.main)
+    now = _snapshot(out)
+    assert now in (old, new), sorted(n for n in now if now[n] != old.get(n))  # never a mix
+    assert "SIGTERM" in err and f"--out={out}" in err and ("unchanged" if now == old else "written whole") in err, err
+    assert now == old if when == "writing" else now == new
+    assert sorted(os.listdir(tmp_path)) == ["hf", "new.pt", "old.pt", "ref"]  # no temporary directory left
+
+
+def test_an_hf_export_clears_what_a_killed_export_left_beside_out(tmp_path):
+    """Issue 35: a SIGKILLed HF export left .hf.tmp-* directories that nothing removed; killed between its two
+    renames, it leaves the old directory under .hf.old-*, which goes back to --out."""
+    ckpt, out = _save_ckpt(str(tmp_path / "ckpt.pt")), str(tmp_path / "hf")
+    export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={out}"])
+    before = _snapshot(out)
+    half = tmp_path / ".hf.tmp-k1ll3d"  # a half-written directory
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"half")
+    os.rename(out, tmp_path / ".hf.old-12345")  # killed between the renames: --out is missing for a moment
+    export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={out}"])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "hf"] and _snapshot(out) == before
+
+
+def test_an_hf_export_on_a_full_disk_is_one_line_and_keeps_the_old_directory(tmp_path, capsys, monkeypatch):
+    """Issue 35: --format=hf on a full disk ended in a traceback (SafetensorError)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+    ckpt, out = _save_ckpt(str(tmp_path / "ckpt.pt")), str(tmp_path / "hf")
+    export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={out}"])
+    before = _snapshot(out)
+
+    def full_disk(tensors, path, metadata=None):
+        open(path, "wb").write(b"half")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    err = fails(capsys, "--format=hf", f"--ckpt={ckpt}", f"--out={out}", code=1, main=export.main)
+    assert f"--out={out}" in err and "No space left" in err and "unchanged" in err, err
+    assert _snapshot(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt.pt", "hf"]

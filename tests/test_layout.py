@@ -54,3 +54,56 @@ def test_concept_files_import_only_the_standard_library_and_their_core_file():
     for path, core in LESSONS.items():
         extra = _imports(_tree(path)) - stdlib - ALLOWED - ({core} if core else set())
         assert not extra, (path, extra)
+
+
+# ----------------------------------------------------------------------------- the step reads where README says
+
+
+STEP_FILES = {"train.py", "model.py", "quant.py", "muon.py", "zclip.py", "data.py"}  # README's "Reading order"
+
+
+def _files_a_step_runs(run, step):
+    """The repository files whose Python functions run during train.step(run, step), traced (sys.setprofile)."""
+    import sys
+    import train
+    seen = set()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            seen.add(frame.f_code.co_filename)
+    sys.setprofile(profile)
+    try:
+        train.train_step(run, step, False)
+    finally:
+        sys.setprofile(None)
+    root = os.path.realpath(ROOT) + os.sep
+    return {os.path.relpath(f, root) for f in map(os.path.realpath, seen) if f.startswith(root) and os.path.isfile(f)}
+
+
+def test_a_training_step_runs_only_train_py_and_the_concept_files(tmp_path):
+    """One stage-2 step and one stage-3 step, traced: every repository function they run is in train.py or a
+    concept file (stage 3 adds distill.py), none in tools/ or lessons/; and they do reach the files README names,
+    so the trace itself is working."""
+    import train
+    from conftest import TINY
+    for stage in (1, 2):  # the teacher and the student stage 3 starts from
+        made = train.setup([f"--stage={stage}", *TINY, "--max_iters=1", f"--out_dir={tmp_path}"])
+        try:
+            train.training_loop(made)
+        finally:
+            made.unlock()
+    for stage, want in ((2, STEP_FILES), (3, STEP_FILES | {"distill.py"})):
+        run = train.setup([f"--stage={stage}", *TINY, "--max_iters=4", f"--out_dir={tmp_path}", f"--run_name=s{stage}",
+                           f"--init_from={tmp_path / f'stage{stage - 1}' / 'ckpt.pt'}"])
+        try:
+            files = _files_a_step_runs(run, 0) | _files_a_step_runs(run, 1)
+        finally:
+            run.unlock()
+        assert files == want, (stage, sorted(files))
+
+
+def test_train_py_and_the_concept_files_import_no_lesson():
+    """Lessons plug in from outside (tools/seams.py fills train.py's seams): the core never imports them."""
+    for path in CONCEPTS + ["train.py"]:
+        assert "lessons" not in _imports(_tree(path)), path
+    assert "lessons" in _imports(_tree("tools/seams.py"))  # where they do come in

@@ -189,6 +189,7 @@ def test_generate_with_kv_cache_equals_full_forwards_past_block_size(quant):
     torch.testing.assert_close(step, model(out[:, :6])[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fullgraph_compile_matches_eager_forward_and_backward():
     # At the endpoints lambda = 1 (ternary) and 0 (fp). In between, the blend v + lambda * (Q(v) - v) lies
     # off the int8 grid, and inductor's different fp rounding can flip a later rounding to the neighbouring
@@ -211,6 +212,7 @@ def test_fullgraph_compile_matches_eager_forward_and_backward():
         model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc_mask", [False, True])
 def test_changing_lambda_does_not_recompile(doc_mask):
     from torch._dynamo.testing import CompileCounter

@@ -1,6 +1,7 @@
 """Tests for muon.py: NS5 against an independent fp32 loop and the SVD, the momentum update against its closed
-form, bitwise parity with torch.optim.Muon, the lr formulas by hand, parameter routing, exact resume, standard
-torch.optim.lr_scheduler schedules on MuonWithAdamW, and that Muon+AdamW actually lowers a loss. Distributed Muon (DDP, FSDP2) is tested in tests/test_scale.py."""
+form, bitwise parity with torch.optim.Muon (Muon groups) and torch.optim.AdamW (AdamW groups), the lr formulas by
+hand, parameter routing, exact resume (also from the old two-optimizer checkpoints), standard torch.optim.lr_scheduler
+schedules, and that Muon+AdamW actually lowers a loss. Distributed Muon (DDP, FSDP2) is tested in tests/test_scale.py."""
 import copy
 import io
 import math
@@ -247,15 +248,17 @@ def test_split_muon_params_routes_each_tensor_once(tied):
 def test_muon_with_adamw_groups_and_schedule_via_param_groups():
     model = TinyLM(tied=False)
     opt = configure_muon(model, muon_lr=0.03, adamw_lr=1e-3, muon_weight_decay=0.1, adamw_weight_decay=0.2)
-    assert len(opt.param_groups) == 3  # one Muon group, AdamW 2-D (decayed) and 1-D (not decayed)
-    decayed, not_decayed = opt.adamw.param_groups
+    assert [g["kind"] for g in opt.param_groups] == ["muon", "adamw", "adamw"]  # AdamW 2-D decayed, 1-D not
+    muon_group, decayed, not_decayed = opt.param_groups
+    assert muon_group["weight_decay"] == 0.1 and muon_group["params"] == split_muon_params(model)[0]
     assert decayed["weight_decay"] == 0.2 and all(p.ndim == 2 for p in decayed["params"])
     assert not_decayed["weight_decay"] == 0.0 and all(p.ndim == 1 for p in not_decayed["params"])
-    assert opt.adamw.defaults["betas"] == (0.9, 0.95)
+    assert decayed["betas"] == not_decayed["betas"] == (0.9, 0.95)
+    assert not any(k in decayed for k in ("momentum", "nesterov", "ns_steps", "adjust_lr_fn"))  # Muon's only
     assert [g["initial_lr"] for g in opt.param_groups] == [0.03, 1e-3, 1e-3]
     for g in opt.param_groups:
         g["lr"] = g["initial_lr"] * 0.5
-    assert opt.muon.param_groups[0]["lr"] == 0.015 and opt.adamw.param_groups[1]["lr"] == 5e-4
+    assert [g["lr"] for g in opt.param_groups] == [0.015, 5e-4, 5e-4]
     model(torch.randint(0, 32, (2, 5))).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -296,6 +299,81 @@ def test_state_dict_round_trip_resumes_bitwise():
 
 
 
+
+def _old_form_state_dict(muon, adamw):
+    """What MuonWithAdamW saved before issue 33, when it was a Muon and a torch.optim.AdamW side by side."""
+    sd = copy.deepcopy(muon.state_dict())
+    for g in sd["param_groups"]:
+        del g["kind"]  # the old Muon's groups had no kind
+    return {"muon": sd, "adamw": copy.deepcopy(adamw.state_dict())}
+
+
+def test_checkpoint_of_the_old_two_optimizer_form_loads_and_steps_as_the_old_class():
+    torch.manual_seed(12)
+    old_model = TinyLM(tied=False)
+    muon_params, adamw_params = split_muon_params(old_model)
+    old_muon = Muon([{"params": muon_params}], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    old_adamw = torch.optim.AdamW([{"params": [p for p in adamw_params if p.ndim == 2], "weight_decay": 0.1},
+                                   {"params": [p for p in adamw_params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    for g in old_muon.param_groups + old_adamw.param_groups:
+        g["initial_lr"], g["initial_wd"] = g["lr"], g["weight_decay"]  # as MuonWithAdamW and train.py set them
+
+    def step_old(it):
+        for p, grad in zip(old_model.parameters(), _grads_for(old_model, it)):
+            p.grad = grad
+        old_muon.step()  # MuonWithAdamW.step: its Muon, then its AdamW
+        old_adamw.step()
+
+    for it in range(2):
+        step_old(it)
+    buf = io.BytesIO()
+    torch.save({"model": old_model.state_dict(), "opt": _old_form_state_dict(old_muon, old_adamw)}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    model = TinyLM(tied=False)
+    model.load_state_dict(ckpt["model"])
+    opt = configure_muon(model, muon_lr=0.5, adamw_lr=0.5, ns_dtype=torch.float32)  # the saved lrs must win
+    opt.load_state_dict(ckpt["opt"])
+    assert [(g["kind"], g["lr"], g["weight_decay"]) for g in opt.param_groups] == [
+        ("muon", 0.02, 0.1), ("adamw", 1e-3, 0.1), ("adamw", 1e-3, 0.0)]
+    for it in range(2, 4):
+        step_old(it)
+        for p, grad in zip(model.parameters(), _grads_for(model, it)):
+            p.grad = grad
+        opt.step()
+        for (name, a), b in zip(model.named_parameters(), old_model.parameters()):
+            assert torch.equal(a, b), f"{name} after step {it}"
+    assert opt.state[model.wte.weight]["step"] == 4 and torch.equal(
+        opt.state[model.q.weight]["momentum_buffer"], old_muon.state[old_model.q.weight]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("fused", [None, True])
+def test_adamw_groups_equal_torch_adamw_bitwise_and_resume(fused):
+    torch.manual_seed(13)
+    model = TinyLM(tied=False)
+    ref_model = copy.deepcopy(model)
+    opt = configure_muon(model, adamw_lr=1e-2, adamw_weight_decay=0.1, fused=fused)
+    _, ref_params = split_muon_params(ref_model)
+    ref = torch.optim.AdamW([{"params": [p for p in ref_params if p.ndim == 2], "weight_decay": 0.1},
+                             {"params": [p for p in ref_params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    for it in range(4):
+        if it == 2:  # resume half-way from the saved state
+            saved, model = opt.state_dict(), copy.deepcopy(model)
+            opt = configure_muon(model, adamw_lr=1e-2, adamw_weight_decay=0.1, fused=fused)
+            opt.load_state_dict(saved)
+        for m in (model, ref_model):
+            for p, grad in zip(m.parameters(), _grads_for(m, it)):
+                p.grad = grad
+        opt.step(kinds=("adamw",))
+        ref.step()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            if name in ("wte.weight", "proj.bias", "norm.weight", "lm_head.weight"):  # the AdamW ones
+                assert torch.equal(p, q), f"{name} after step {it}"
+                assert all(torch.equal(opt.state[p][k], ref.state[q][k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
 # ----------------------------------------------------------------------------- torch.optim.lr_scheduler
 
 
@@ -306,7 +384,7 @@ def _grads_for(model, seed):
 
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon needs torch >= 2.9")
 def test_lambda_lr_sets_every_group_and_the_next_step_uses_it_bitwise():
-    # LambdaLR on MuonWithAdamW against torch.optim.Muon and torch.optim.AdamW, the lr of each set by hand to
+    # LambdaLR on the one optimizer against torch.optim.Muon and torch.optim.AdamW, the lr of each set by hand to
     # initial_lr * mult: the same lrs, and parameters equal bit for bit after every step.
     mults = [0.1, 0.55, 1.0, 0.4]  # warmup then decay
     torch.manual_seed(9)
@@ -326,7 +404,7 @@ def test_lambda_lr_sets_every_group_and_the_next_step_uses_it_bitwise():
         for it, mult in enumerate(mults):
             expected = [0.02 * mult, 1e-3 * mult, 1e-3 * mult]
             assert [g["lr"] for g in opt.param_groups] == pytest.approx(expected, rel=1e-12)
-            assert opt.muon.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+            assert opt.param_groups[0]["kind"] == "muon"
             for g, ref_g in zip(opt.param_groups, ref_groups):
                 ref_g["lr"] = g["lr"]
             for m, grads in ((model, _grads_for(model, it)), (ref_model, _grads_for(ref_model, it))):
@@ -365,26 +443,45 @@ def test_sequential_warmup_then_cosine_gives_each_group_what_it_gives_sgd():
     assert opt.param_groups[0]["lr"] < 0.02 * 0.5 and sched.get_last_lr() == ref.get_last_lr()
 
 
-def test_muon_with_adamw_is_a_torch_optimizer_over_the_inner_groups():
+def test_one_torch_optimizer_whose_state_dict_is_torchs_own_form():
     model = TinyLM(tied=False)
     opt = configure_muon(model)
     assert isinstance(opt, torch.optim.Optimizer)
-    groups = opt.param_groups
-    assert len(groups) == 3 and all(a is b for a, b in zip(groups, opt.muon.param_groups + opt.adamw.param_groups))
     model(torch.randint(0, 32, (2, 5))).sum().backward()
     opt.step()
+    assert set(opt.state[model.q.weight]) == {"momentum_buffer"}
+    assert set(opt.state[model.wte.weight]) == {"step", "exp_avg", "exp_avg_sq"} and opt.state[model.wte.weight]["step"] == 1
     sd = opt.state_dict()
-    assert set(sd) == {"muon", "adamw"} and set(sd["muon"]) == {"state", "param_groups"}
-    assert opt.state[model.q.weight] is opt.muon.state[model.q.weight]
-    assert opt.state[model.wte.weight] is opt.adamw.state[model.wte.weight]
-    opt.load_state_dict(sd)  # torch's load_state_dict gives the inner optimizers new group dicts
-    assert all(a is b for a, b in zip(opt.param_groups, opt.muon.param_groups + opt.adamw.param_groups))
-    with pytest.raises(ValueError, match="opt.muon.add_param_group"):
-        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))]})
+    assert set(sd) == {"state", "param_groups"} and [g["kind"] for g in sd["param_groups"]] == ["muon", "adamw", "adamw"]
+    assert set(sd["state"]) == set(range(len(list(model.parameters()))))  # one numbering over the three groups
+    opt.load_state_dict(sd)
+    assert [g["kind"] for g in opt.param_groups] == ["muon", "adamw", "adamw"]
+    extra = nn.Parameter(torch.zeros(4))
+    opt.add_param_group({"params": [extra], "kind": "adamw", "lr": 1e-3})  # a new group says its kind
+    assert opt.param_groups[-1]["betas"] == (0.9, 0.95) and "momentum" not in opt.param_groups[-1]
+
+
+def test_bad_groups_are_refused_before_anything_is_registered():
+    opt = configure_muon(TinyLM(tied=False))
+    with pytest.raises(ValueError, match="lr"):  # AdamW would silently get Muon's 0.02
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))], "kind": "adamw"})
+    with pytest.raises(ValueError, match="'sgd'"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))], "kind": "sgd"})
+    with pytest.raises(ValueError, match=r"\(4,\)"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))]})  # kind "muon" by default: 2-D only
+    assert len(opt.param_groups) == 3
+
+
+def test_state_dict_of_other_groups_is_refused_with_the_kinds():
+    model = TinyLM(tied=False)
+    adamw = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim == 2]},
+                               {"params": [p for p in model.parameters() if p.ndim < 2]}])
+    with pytest.raises(ValueError, match=r"\['muon', 'muon'\].*\['muon', 'adamw', 'adamw'\]"):
+        configure_muon(model).load_state_dict(adamw.state_dict())
 
 
 def test_stepping_muon_then_adamw_separately_equals_step():
-    # train.py times Muon's part by calling opt.muon.step() and opt.adamw.step() itself.
+    # lab/bench.py times Muon's part with step(kinds=("muon",)), then steps the rest with kinds=("adamw",).
     torch.manual_seed(10)
     a = TinyLM(tied=False)
     b = copy.deepcopy(a)
@@ -394,8 +491,10 @@ def test_stepping_muon_then_adamw_separately_equals_step():
             for p, grad in zip(m.parameters(), _grads_for(m, it)):
                 p.grad = grad
         opt_a.step()
-        opt_b.muon.step()
-        opt_b.adamw.step()
+        q0, wte0 = b.q.weight.detach().clone(), b.wte.weight.detach().clone()
+        opt_b.step(kinds=("muon",))
+        assert not torch.equal(b.q.weight, q0) and torch.equal(b.wte.weight, wte0)  # Muon's groups only
+        opt_b.step(kinds=("adamw",))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
@@ -406,7 +505,7 @@ def test_deepcopy_of_muon_with_adamw_steps_like_the_original():
     model(torch.randint(0, 32, (2, 5))).sum().backward()
     opt.step()
     model2, opt2 = copy.deepcopy((model, opt))
-    assert opt2.muon.param_groups[0]["params"][0] is model2.q.weight
+    assert opt2.param_groups[0]["params"][0] is model2.q.weight
     for m, o in ((model, opt), (model2, opt2)):
         for p, grad in zip(m.parameters(), _grads_for(m, 0)):
             p.grad = grad

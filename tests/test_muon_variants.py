@@ -9,7 +9,7 @@ import torch
 from lessons import muon_variants as mv
 from conftest import TINY, records, run
 from model import GPT, GPTConfig
-from muon import zeropower_via_newtonschulz5
+from muon import configure_muon, split_muon_params, zeropower_via_newtonschulz5
 
 
 def _reference_normuon(W, grads, lr=0.02, beta=0.95, beta2=0.95, wd=0.1):
@@ -116,43 +116,85 @@ def test_8bit_state_resumes_bit_exactly():
     assert torch.equal(p, p2)
 
 
-def _attn_model(quant):
+def test_variant_steps_configure_muons_groups_and_adamw_stays_torchs():
+    torch.manual_seed(5)
+    model = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=8))
+    ref = copy.deepcopy(model)
+    plain = configure_muon(model, adamw_lr=1e-2, muon_weight_decay=0.1, adamw_weight_decay=0.1)
+    opt = mv.MuonVariant(plain.param_groups, normuon=True, state="linear8", ns_dtype=torch.float32)
+    muon_params, adamw_params = split_muon_params(ref)
+    ref_muon = mv.MuonVariant(muon_params, normuon=True, state="linear8", weight_decay=0.1, ns_dtype=torch.float32)
+    ref_adamw = torch.optim.AdamW([{"params": [p for p in adamw_params if p.ndim == 2], "weight_decay": 0.1},
+                                   {"params": [p for p in adamw_params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.95))
+    assert [g["kind"] for g in opt.param_groups] == ["muon", "adamw", "adamw"]
+    for it in range(3):
+        g = torch.Generator().manual_seed(it)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref_muon.step()
+        ref_adamw.step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, q), f"{name} after step {it}"
+    assert "momentum_codes" in opt.state[model.h[0].attn.q_proj.weight]
+    assert opt.state_bytes() == ref_muon.state_bytes()  # the Muon groups' state only
+
+
+def _attn_model(quant, **config):
     torch.manual_seed(4)
-    m = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=4, n_embd=32, block_size=16, quant=quant,
-                      track_max_logit=True, max_logit_rows=2))
+    m = GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=4, n_embd=32, block_size=16, quant=quant, **config))
     with torch.no_grad():  # make the heads' logits differ widely: head h's query rows scaled by 3^h
         m.h[0].attn.q_proj.weight.mul_(torch.tensor([1.0, 3.0, 9.0, 27.0]).repeat_interleave(8)[:, None] * 20)
     return m.train()
 
 
-def _recorded(m, x):
-    mv.reset_max_logit(m)
+def _recorded(m, qk, x):
+    qk.after_step(0, ok=False)  # records from 0, no clip
     m(x)
-    return m.h[0].attn.max_logit.clone()
+    return qk.max_logits[0].clone()
 
 
-def test_recorded_max_logit_is_the_largest_causal_qk_over_the_first_rows():
-    m = _attn_model(quant=False)
-    x = torch.randint(0, 64, (3, 16))
-    got = _recorded(m, x)
+@pytest.mark.parametrize("config", [{}, {"doc_mask": True, "eot": 0}, {"causal": False}],
+                         ids=["causal", "doc_mask", "bidirectional"])
+def test_recorded_max_logit_is_the_largest_allowed_qk_over_the_first_rows(config):
+    m = _attn_model(quant=False, **config)
+    qk = mv.QKClip(m, rows=2)
+    x = torch.randint(1, 64, (3, 16))
+    x[:, [0, 5, 11]] = 0  # documents start with eot (0): three per row
+    got = _recorded(m, qk, x)
     q, k, _ = m.forward_with_states(x, qkv_layer=0)[2]["qkv"]  # (B, nh, T, hd) after RoPE
-    s = (q[:2] @ k[:2].transpose(-2, -1)) / math.sqrt(8)
-    s = s.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+    s = (q[:2] @ k[:2].transpose(-2, -1)) / math.sqrt(8)  # (2, nh, T, T)
+    allowed = torch.ones(2, 16, 16, dtype=torch.bool)
+    if config.get("causal", True):
+        allowed &= torch.ones(16, 16, dtype=torch.bool).tril()
+    if config.get("doc_mask"):
+        doc = (x[:2] == 0).cumsum(dim=1)  # (2, T): each token's document
+        allowed &= doc[:, :, None] == doc[:, None, :]
+    s = s.masked_fill(~allowed[:, None], float("-inf"))
     assert torch.allclose(got, s.amax(dim=(0, 2, 3)), rtol=1e-5)
+    assert torch.equal(qk.watch()["max_logit"], got.max())
 
 
 def test_qk_clip_caps_heads_over_tau_exactly_and_leaves_the_others():
     m = _attn_model(quant=False)
     x = torch.randint(0, 64, (2, 16))
-    before = _recorded(m, x)
+    probe = mv.QKClip(m, rows=2)
+    before = _recorded(m, probe, x)
+    probe.remove()
+    probe.after_step(0, ok=False)  # tau 0: no clip, only the reset
     tau = float(before.sort().values[1:3].mean())  # between the 2nd and 3rd head's max: two heads over tau
     over = before > tau
     assert over.sum() == 2
     w_q, w_k = m.h[0].attn.q_proj.weight.clone(), m.h[0].attn.k_proj.weight.clone()
-    m(x)  # record again (same values), as a training step would, then clip
-    top = mv.qk_clip(m, tau)
-    assert top == before.max() and torch.all(m.h[0].attn.max_logit == 0)  # returned for the log, then reset
-    after = _recorded(m, x)
+    qk = mv.QKClip(m, tau, rows=2)
+    m(x)  # record, as a training step would, then clip
+    top = qk.watch()["max_logit"]
+    qk.after_step(1, ok=True)
+    assert top == before.max() and torch.all(qk.max_logits[0] == 0)  # read for the log, then reset
+    assert torch.all(probe.max_logits[0] == 0)  # the removed hook recorded nothing
+    after = _recorded(m, qk, x)
     assert torch.allclose(after[over], torch.full((2,), tau), rtol=1e-5)  # capped to exactly tau
     assert torch.equal(after[~over], before[~over])  # untouched heads: the same logits, bit for bit
     rows = (~over).repeat_interleave(8)
@@ -164,19 +206,42 @@ def test_qk_clip_on_a_ternary_model_moves_the_other_heads_too():
     changes every head's quantised weights; the capped heads land near, not exactly on, tau."""
     m = _attn_model(quant=True)
     x = torch.randint(0, 64, (2, 16))
-    before = _recorded(m, x)
-    tau = float(before.sort().values[1:3].mean())
+    qk = mv.QKClip(m, rows=2)
+    before = _recorded(m, qk, x)
+    qk.tau = tau = float(before.sort().values[1:3].mean())
     over = before > tau
-    m(x)
-    mv.qk_clip(m, tau)
-    after = _recorded(m, x)
+    qk.after_step(1, ok=True)  # the records of `before` are still there: clip on them
+    after = _recorded(m, qk, x)
     assert not torch.equal(after[~over], before[~over])  # heads under tau moved as well
     assert not torch.allclose(after[over], torch.full((2,), tau), rtol=1e-5)  # and the cap is not exact
     assert torch.all(after[over] < before[over])  # but the clipped heads did come down
 
 
+def test_qk_clip_clips_only_taken_steps_with_tau_and_records_only_training_forwards():
+    m = _attn_model(quant=False)
+    x = torch.randint(0, 64, (2, 16))
+    w_q = m.h[0].attn.q_proj.weight.clone()
+    log_only, skipped = mv.QKClip(m, tau=0.0), mv.QKClip(m, tau=1e-3)
+    m(x)
+    assert torch.equal(log_only.max_logits[0], skipped.max_logits[0]) and log_only.watch()["max_logit"] > 1e-3
+    log_only.after_step(1, ok=True)  # tau 0: --log_max_logit, no clip
+    skipped.after_step(1, ok=False)  # a step that was not taken (non-finite loss): no clip either
+    assert torch.equal(m.h[0].attn.q_proj.weight, w_q)
+    assert torch.all(log_only.max_logits[0] == 0) and torch.all(skipped.max_logits[0] == 0)  # reset all the same
+    m.eval()
+    m(x)  # evaluation
+    m.train()
+    m.generate(x[:, :4], 3)  # generation, KV cache and all (no_grad)
+    assert torch.all(log_only.max_logits[0] == 0)
+    for qk in (log_only, skipped):
+        qk.remove()
+    m(x)
+    assert torch.all(log_only.max_logits[0] == 0) and torch.all(skipped.max_logits[0] == 0)
+
+
 @pytest.mark.parametrize("flags", [["--normuon=True"], ["--muon_state=linear8"], ["--qk_clip_tau=1"],
                                    ["--log_max_logit=True"]])
+@pytest.mark.slow
 def test_train_py_runs_the_variants_and_logs_the_max_logit(tmp_path, flags):
     out = str(tmp_path / "o")
     run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=4", *flags)

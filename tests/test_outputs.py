@@ -1,6 +1,7 @@
 """No output path eats a checkpoint: tools/export.py --out and sample.py --jsonl refuse a file that is a checkpoint,
-an average, another kind of file or another checkpoint's export unless --overwrite=True; what the exports write
-for a masked-diffusion or a full-precision model. Run: python -m pytest tests/test_outputs.py"""
+an average or another kind of file (even with --overwrite=True), and another checkpoint's export unless
+--overwrite=True (tools/common.py check_output); what the exports write for a masked-diffusion or a
+full-precision model. Run: python -m pytest tests/test_outputs.py"""
 
 import hashlib
 import json
@@ -12,7 +13,7 @@ import torch
 
 import sample
 from conftest import TINY, fails, run
-from tools import checkpoint, export
+from tools import common, export
 
 
 def _sha(path):
@@ -31,16 +32,18 @@ def runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_an_export_never_lands_on_a_checkpoint_or_an_average(runs, capsys):
     s1, s2 = os.path.join(runs, "stage1", "ckpt.pt"), os.path.join(runs, "stage2", "ckpt.pt")
     avg = os.path.join(runs, "stage2", "avg.pt")  # an average as averaging writes it: {"averaged": ..., "model": ...}
     torch.save({"model": torch.load(s2, weights_only=True)["model"], "averaged": {"steps": [2, 4]}}, avg)
     before = {p: _sha(p) for p in (s1, avg)}
     for argv, victim in ([f"--ckpt={s2}", f"--out={s1}"], s1), ([f"--ckpt={s2}", "--format=gguf", f"--out={avg}"], avg):
-        msg = fails(capsys, *argv, code=2, main=export.main)
-        assert victim in msg and "--overwrite=True" in msg and ("checkpoint" in msg or "average" in msg), msg
+        for asked in ([], ["--overwrite=True"]):  # another kind of file: not even when asked
+            msg = fails(capsys, *argv, *asked, code=2, main=export.main)
+            assert victim in msg and "another kind" in msg and ("checkpoint" in msg or "average" in msg), msg
     assert {p: _sha(p) for p in (s1, avg)} == before  # nothing changed
-    assert checkpoint.file_kind(s1)[0] == "checkpoint" and checkpoint.file_kind(avg)[0] == "average"
+    assert common.file_kind(s1)[0] == "checkpoint" and common.file_kind(avg)[0] == "average"
     os.remove(avg)
 
 
@@ -49,18 +52,35 @@ def test_a_re_export_replaces_its_own_export_but_not_another_checkpoints(runs, c
     out = str(tmp_path / "packed.pt")
     export.main([f"--ckpt={s2}", f"--out={out}"])
     export.main([f"--ckpt={s2}", f"--out={out}"])  # the same checkpoint again: fine
-    assert checkpoint.file_kind(out) == ("packed", os.path.abspath(s2))
+    assert common.file_kind(out) == ("packed", os.path.abspath(s2))
     other = str(tmp_path / "other.pt")
     shutil.copy(s2, other)
     first = _sha(out)
     msg = fails(capsys, f"--ckpt={other}", f"--out={out}", code=2, main=export.main)
-    assert "export of another checkpoint" in msg and s2 in msg and _sha(out) == first
+    assert "another checkpoint" in msg and s2 in msg and "--overwrite=True" in msg and _sha(out) == first
     gguf = str(tmp_path / "m.gguf")
     export.main([f"--ckpt={s2}", "--format=gguf", f"--out={gguf}"])
     msg = fails(capsys, f"--ckpt={s2}", f"--out={gguf}", code=2, main=export.main)  # a packed export over a GGUF
-    assert "another kind (gguf)" in msg
+    assert "GGUF" in msg and "another kind" in msg
     export.main([f"--ckpt={other}", f"--out={out}", "--overwrite=True"])  # asked for: replaced
-    assert checkpoint.file_kind(out) == ("packed", os.path.abspath(other))
+    assert common.file_kind(out) == ("packed", os.path.abspath(other))
+
+
+def test_a_gguf_export_replaces_its_own_gguf_but_not_another_checkpoints(runs, capsys, tmp_path):
+    """Issue 35: --format=gguf replaced another checkpoint's GGUF (the packed and HF formats refused that)."""
+    s2 = os.path.join(runs, "stage2", "ckpt.pt")
+    other = str(tmp_path / "other.pt")
+    shutil.copy(s2, other)
+    gguf = str(tmp_path / "m.gguf")
+    export.main([f"--ckpt={s2}", "--format=gguf", f"--out={gguf}"])
+    export.main([f"--ckpt={s2}", "--format=gguf", f"--out={gguf}"])  # the same checkpoint again: fine
+    assert common.file_kind(gguf) == ("gguf", os.path.abspath(s2))
+    first = _sha(gguf)
+    msg = fails(capsys, f"--ckpt={other}", "--format=gguf", f"--out={gguf}", code=2, main=export.main)
+    assert gguf in msg and "another checkpoint" in msg and s2 in msg and "--overwrite=True" in msg, msg
+    assert _sha(gguf) == first and not os.path.exists(gguf + ".tmp")
+    export.main([f"--ckpt={other}", "--format=gguf", f"--out={gguf}", "--overwrite=True"])  # asked for: replaced
+    assert common.file_kind(gguf) == ("gguf", os.path.abspath(other))
 
 
 def test_sample_jsonl_refuses_a_checkpoint_an_existing_file_and_a_missing_directory(runs, capsys, tmp_path):
@@ -68,10 +88,11 @@ def test_sample_jsonl_refuses_a_checkpoint_an_existing_file_and_a_missing_direct
     before = _sha(numbered)
     ckpt = f"--ckpt={os.path.join(runs, 'stage2', 'ckpt.pt')}"
     small = ["--num_samples=1", "--max_new_tokens=4", "--device=cpu"]
-    msg = fails(capsys, ckpt, f"--jsonl={numbered}", *small, code=2, main=sample.main)
-    assert numbered in msg and "training checkpoint" in msg and _sha(numbered) == before
+    for asked in ([], ["--overwrite=True"]):  # another kind of file: not even when asked
+        msg = fails(capsys, ckpt, f"--jsonl={numbered}", *small, *asked, code=2, main=sample.main)
+        assert numbered in msg and "training checkpoint" in msg and _sha(numbered) == before
     missing = str(tmp_path / "no" / "such" / "t.jsonl")
-    msg = fails(capsys, ckpt, f"--jsonl={missing}", *small, code=2, main=sample.main)
+    msg = fails(capsys, ckpt, f"--jsonl={missing}", *small, code=1, main=sample.main)
     assert "does not exist" in msg and "mkdir -p" in msg
     mine = tmp_path / "t.jsonl"
     mine.write_text('{"text": "keep me"}\n')

@@ -244,6 +244,7 @@ def trained(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_sample_packed_prints_one_eighth_and_generates(trained):
     p = _run("sample.py", f"--ckpt={trained / 'stage2' / 'ckpt.pt'}", "--packed=True", "--max_new_tokens=20",
              "--num_samples=1", "--device=cpu")

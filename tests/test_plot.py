@@ -4,10 +4,13 @@ Run: python -m pytest tests/test_plot.py"""
 import json
 import os
 
+import pytest
+
 from conftest import TINY, fails, run
 from tools import plot
 
 
+@pytest.mark.slow
 def test_plot_draws_a_run_and_reads_what_it_logged(tmp_path, capsys):
     run("--stage=2", *TINY, "--max_iters=6", "--eval_interval=3", f"--out_dir={tmp_path}")
     d = str(tmp_path / "stage2")
@@ -33,6 +36,7 @@ def test_plot_refuses_a_missing_run_and_a_torn_middle_line_in_one_line(tmp_path,
     assert "--out" in fails(capsys, str(d), "--out=x.jpg", code=2, main=plot.main)
 
 
+@pytest.mark.slow
 def test_wandb_gets_every_logged_record_and_a_missing_wandb_is_said(tmp_path, monkeypatch, capsys):
     import importlib.machinery
     import importlib.util
@@ -57,6 +61,7 @@ def test_wandb_gets_every_logged_record_and_a_missing_wandb_is_said(tmp_path, mo
     assert "wandb is not installed" in p.stdout and "metrics.jsonl only" in p.stdout
 
 
+@pytest.mark.slow
 def test_a_long_whole_split_evaluation_shows_its_progress(tmp_path, monkeypatch, capsys):
     import train
     from tools import plumbing
@@ -66,3 +71,57 @@ def test_a_long_whole_split_evaluation_shows_its_progress(tmp_path, monkeypatch,
     lines = [line for line in capsys.readouterr().out.splitlines() if "evaluating shakespeare_byte" in line]
     n = int(lines[0].split(" of ")[1].split(",")[0])
     assert n == -(-((218305 - 1) // 32) // 4) and len(lines) == n - 1  # windows of T+1 = 33 tokens, 4 a batch and lines[-1].startswith(f"  evaluating shakespeare_byte: batch {n - 1} of {n}")
+
+
+def _fake_run(d, steps=3):
+    """A run directory with a metrics.jsonl of `steps` logged steps, as train.py writes them (no training)."""
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        for s in range(1, steps + 1):
+            f.write(json.dumps({"step": s, "loss": 5.0 / s, "lambda": 1.0, "lr": 1e-3, "raw_norm": 2.0,
+                                "clipped_norm": 1.0, "was_clipped": s == 2}) + "\n")
+    return str(d)
+
+
+def test_plot_replaces_its_own_png_but_another_png_only_with_overwrite(tmp_path, capsys):
+    """Issue 35: --out overwrote any PNG (even a committed lab/results figure) without --overwrite."""
+    from tools import common
+    a, b = _fake_run(tmp_path / "a"), _fake_run(tmp_path / "b")
+    plot.main([a])
+    plot.main([a])  # the same run again: its own curves.png is replaced
+    assert common.file_kind(os.path.join(a, "curves.png")) == ("png", os.path.join(a, "metrics.jsonl"))
+    figure = tmp_path / "figure.png"  # a PNG that tools.plot did not draw from run a (a committed figure)
+    figure.write_bytes(open(os.path.join(a, "curves.png"), "rb").read()[:8] + b"not drawn from run a")
+    other = os.path.join(b, "curves.png")
+    plot.main([b])
+    before = {p: open(p, "rb").read() for p in (str(figure), other)}
+    msg = fails(capsys, a, f"--out={figure}", code=2, main=plot.main)
+    assert f"--out={figure}" in msg and "PNG" in msg and "--overwrite=True" in msg, msg
+    msg = fails(capsys, a, f"--out={other}", code=2, main=plot.main)
+    assert "another run" in msg and os.path.join(b, "metrics.jsonl") in msg, msg
+    notes = tmp_path / "notes.png"
+    notes.write_text("my notes, not an image\n")
+    msg = fails(capsys, a, f"--out={notes}", "--overwrite=True", code=2, main=plot.main)  # another kind: never
+    assert "text file" in msg and notes.read_text() == "my notes, not an image\n", msg
+    assert {p: open(p, "rb").read() for p in (str(figure), other)} == before
+    plot.main([a, f"--out={figure}", "--overwrite=True"])  # asked for: replaced
+    assert common.file_kind(str(figure)) == ("png", os.path.join(a, "metrics.jsonl"))
+
+
+def test_plot_on_a_full_disk_keeps_the_previous_png_and_leaves_no_tmp(tmp_path, capsys, monkeypatch):
+    """Issue 35: a full disk truncated the existing curves.png (no temp file and rename)."""
+    import errno
+    import matplotlib.figure
+    a = _fake_run(tmp_path / "a")
+    plot.main([a])
+    png = os.path.join(a, "curves.png")
+    before = open(png, "rb").read()
+
+    def full_disk(self, fname, *args, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full_disk)
+    msg = fails(capsys, a, main=plot.main)
+    assert f"--out={png}" in msg and "No space left" in msg and "unchanged" in msg, msg
+    assert open(png, "rb").read() == before and sorted(os.listdir(a)) == ["curves.png", "metrics.jsonl"]

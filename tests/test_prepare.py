@@ -45,6 +45,7 @@ def _read_split(out_dir, split):
     return [data.read_shard(os.path.join(out_dir, n)) for n in names]
 
 
+@pytest.mark.slow
 def test_the_shipped_corpus_gives_the_same_byte_shards_as_before(tmp_path):
     # the repo's measured numbers were trained on these exact shards: tokenisation and the format must not drift
     out = prepare.prepare(tokenizer="byte", out_dir=str(tmp_path / "o"))
@@ -67,7 +68,7 @@ def test_iter_documents_yields_every_non_empty_document_in_source_order(tmp_path
     assert list(prepare.iter_documents(paths)) == DOCS
 
 
-def test_read_shard_error_says_how_to_remake_a_prepared_dataset(tmp_path):
+def test_read_shard_error_says_how_to_remake_a_prepared_dataset_whose_meta_json_lists_the_sources(tmp_path):
     d = _write_corpus(tmp_path)
     out = prepare.prepare([str(d / "*")], tokenizer="byte", out_dir=str(tmp_path / "ds"), val_every=3)
     shard = tmp_path / "ds" / "train_000.bin"
@@ -75,8 +76,9 @@ def test_read_shard_error_says_how_to_remake_a_prepared_dataset(tmp_path):
         f.write(bytes(4))  # magic 0
     with pytest.raises(ValueError) as e:
         data.read_shard(str(shard))
-    srcs = " ".join(str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz"))
-    assert str(shard) in str(e.value) and f"python -m tools.prepare --tokenizer=byte --out_dir={out} {srcs}" in str(e.value)
+    assert str(shard) in str(e.value) and f"python -m tools.prepare --out_dir={out} " in str(e.value), str(e.value)
+    assert "meta.json" in str(e.value) and data.read_meta(out)["sources"] == [
+        str(d / n) for n in ("a.txt", "b.jsonl", "c.jsonl.gz")]
 
 
 @pytest.mark.parametrize("tokenizer", ["byte", "gpt2"])
@@ -191,6 +193,7 @@ def test_cli_prepares_a_corpus_and_reports_errors_in_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("content, facts", [(b"fine text\nthen \xff\xfe latin-1", ["UTF-8", "0xff", "offset 15"]),
                                            (b"", ["empty corpus"])])
+@pytest.mark.slow
 def test_prepare_py_refuses_non_utf8_and_empty_corpora_in_one_line(tmp_path, content, facts):
     src = tmp_path / "corpus.txt"
     src.write_bytes(content)
@@ -223,9 +226,9 @@ def _dead_pid():
     return p.pid
 
 
-def test_prepare_killed_at_any_rename_leaves_the_old_dataset_or_the_new_one(tmp_path, monkeypatch):
-    # every rename of a re-prepare (each shard's, the swap's) is a point to stop at: in-process with an exception
-    # (clean-up runs: the old dataset must be back), and as a kill (the disk copied just before that rename)
+def test_prepare_killed_at_any_write_or_rename_leaves_the_old_dataset_or_the_new_one(tmp_path, monkeypatch):
+    # every shard write and every rename of a re-prepare (the swap's) is a point to stop at: in-process with an
+    # exception (clean-up runs: the old dataset must be back), and as a kill (the disk copied just before it)
     d = _write_corpus(tmp_path)
     (tmp_path / "empty.txt").write_text("")
     owner = f"{prepare._host()}_{_dead_pid()}"  # the temporary directories look like a killed process's
@@ -238,11 +241,12 @@ def test_prepare_killed_at_any_rename_leaves_the_old_dataset_or_the_new_one(tmp_
     new = _files(tmp_path / "new")
     calls, kill_at = [0], [None]
     real = {name: getattr(os, name) for name in ("rename", "replace")}
+    real_write_shard = data.write_shard
 
     def faulty(name):
         def f(*args, **kw):
             calls[0] += 1
-            if calls[0] == kill_at[0]:  # what a kill just before this rename leaves on disk
+            if calls[0] == kill_at[0]:  # what a kill just before this write or rename leaves on disk
                 shutil.copytree(parent, tmp_path / f"kill{calls[0]}", symlinks=True)
                 raise _Killed
             return real[name](*args, **kw)
@@ -250,12 +254,15 @@ def test_prepare_killed_at_any_rename_leaves_the_old_dataset_or_the_new_one(tmp_
 
     for name in real:
         monkeypatch.setattr(os, name, faulty(name))
+    real["write_shard"] = real_write_shard
+    monkeypatch.setattr(data, "write_shard", faulty("write_shard"))
     prepare.prepare(**old_run)
     old = _files(out)
     calls[0] = 0
-    prepare.prepare(**new_run)  # counts the renames of one re-prepare
+    prepare.prepare(**new_run)  # counts the writes and renames of one re-prepare
     total = calls[0]
-    assert _files(out) == new and total > len([n for n in new if n.endswith(".bin")])  # a rename per shard, and more
+    assert _files(out) == new and total > len([n for n in new if n.endswith(".bin")])  # a write per shard, and more
+    mid_swap = 0
     for n in range(1, total + 1):
         shutil.rmtree(parent)
         prepare.prepare(**old_run)
@@ -266,13 +273,40 @@ def test_prepare_killed_at_any_rename_leaves_the_old_dataset_or_the_new_one(tmp_
         assert _files(out) == old and _hidden(parent) == [], n  # an exception: cleaned up, old kept
         snap = tmp_path / f"kill{n}"  # a kill: no clean-up ran
         assert _files(snap / "o") in (old, new, None), n
-        if _files(snap / "o") is None:  # killed between the two renames of the swap: the loader says so
+        if _files(snap / "o") is None:  # killed between the two renames of the swap: a reader is told where it is
             with pytest.raises(ValueError, match="mv .*old"):
+                prepare.check_not_mid_swap(str(snap / "o"))
+            with pytest.raises(ValueError, match="no train_.*python -m tools.prepare"):  # data.py alone: no shards
                 data.DataLoader(str(snap / "o"), "train", B=1, T=4)
+            mid_swap += 1
+        else:
+            assert prepare.check_not_mid_swap(str(snap / "o")) is None
         with pytest.raises(ValueError, match="empty corpus"):  # the next run, even a failing one, recovers
             prepare.prepare([str(tmp_path / "empty.txt")], out_dir=str(snap / "o"))
         assert _files(snap / "o") in (old, new) and _hidden(snap) == [], n
         shutil.rmtree(snap)
+    assert mid_swap == 1  # one point to stop at lies between the swap's two renames
+
+
+def test_a_loader_state_from_before_orders_is_upgraded_and_resumes_at_its_window(tmp_path):
+    """A checkpoint written before data orders kept (shard, offset) per source; it continues at that window."""
+    d = tmp_path / "a"
+    d.mkdir()
+    data.write_shard(str(d / "train_000.bin"), np.arange(20))  # windows of T=8 start at 0, 8 | 100, 108, 116
+    data.write_shard(str(d / "train_001.bin"), np.arange(100, 125))
+    loader = data.DataLoader(str(d), "train", B=1, T=8, order="sequential")
+    sd = {k: v for k, v in loader.state_dict().items() if k not in ("order", "span", "cursor")}
+
+    def starts(n):
+        return [int(loader.next_batch()[0][0, 0]) for _ in range(n)]
+    loader.load_state_dict(prepare.upgrade_loader_state(dict(sd, pos=[[1, 8]]), loader))
+    assert starts(4) == [108, 116, 0, 8]
+    loader.load_state_dict(prepare.upgrade_loader_state(dict(sd, pos=[[0, 16]]), loader))
+    assert starts(1) == [100]  # past shard 0's last window: the next shard's first
+    today = loader.state_dict()
+    assert prepare.upgrade_loader_state(today, loader) is today  # a state of today's loader: as it is
+    with pytest.raises(ValueError, match="shard 2 of .*2 train shards"):
+        prepare.upgrade_loader_state(dict(sd, pos=[[2, 0]]), loader)
 
 
 def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
@@ -398,6 +432,7 @@ def test_loaders_reading_a_directory_that_prepare_replaces_stop_with_data_change
     assert data.DataLoader(out, "val", B=1, T=4).next_batch()[0].shape == (1, 4)  # a new run reads the new data
 
 
+@pytest.mark.slow
 def test_prepare_py_stopped_by_sigterm_says_so_and_keeps_the_old_dataset(tmp_path):
     out = tmp_path / "o"
     d = _write_corpus(tmp_path)
@@ -460,6 +495,7 @@ def test_progress_reports_the_fraction_tokens_per_second_and_time_left(tmp_path,
     assert "25.0% of the sources" in line and "1,000 tokens" in line and "tokens/s" in line and "left" in line
 
 
+@pytest.mark.slow
 def test_llmc_shards_are_adopted_without_re_tokenising_and_train(tmp_path, capsys):
     src = tmp_path / "fineweb10B"
     src.mkdir()

@@ -9,11 +9,14 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ENV, ROOT, TINY
 
 SKIP = {
     "pip install -r requirements.txt": "the test environment is that install",
     "python -m pytest": "this is the suite",
+    'python -m pytest -m "not slow"': "part of this suite",
     "python -m lab muon": "a lab table trains 3 seeds x its rows; tests/test_lab.py runs the runner with tiny rows",
     "bash lab/check_llamacpp.sh --ckpt=out/stage2/ckpt.pt": "downloads and compiles llama-cpp-python",
     "bash lab/gpu_check.sh": "needs a GPU; tests/test_cross_compile.py runs it without one",
@@ -47,6 +50,7 @@ def tiny(argv):
     return argv
 
 
+@pytest.mark.slow
 def test_every_readme_command_runs(tmp_path):
     cwd = tmp_path
     os.makedirs(cwd / "corpus")

@@ -180,3 +180,21 @@ def test_dlm_sampling_temperature_goes_from_greedy_to_near_uniform(files, tmp_pa
         outs[t] = capsys.readouterr().out
     assert outs["1e-6"] == greedy + "\n---------------\n"
     assert outs["100"] != outs["1e-6"]
+
+
+def test_a_gguf_or_an_hf_export_as_ckpt_says_what_it_is_and_which_program_reads_it(files, tmp_path, capsys):
+    """Issue 35: a GGUF file, an HF export directory, model.safetensors or nanobitnet.json given as --ckpt was called
+    "corrupt or truncated" (or "a directory")."""
+    ckpt = str(files / "ckpt.pt")
+    model, _ = sample.load_model(ckpt, "cpu")
+    capsys.readouterr()
+    gguf, hf = str(tmp_path / "model.gguf"), str(tmp_path / "hf")
+    export.write_gguf(model, "byte", gguf, source=ckpt)
+    export.write_hf(model, "byte", hf, source=ckpt)
+    for path, facts in ((gguf, ["GGUF", "llama.cpp"]), (hf, ["HF export directory", "from_pretrained"]),
+                        (os.path.join(hf, "model.safetensors"), ["HF export directory", "from_pretrained"]),
+                        (os.path.join(hf, "nanobitnet.json"), ["HF export directory", "from_pretrained"])):
+        err = fails(capsys, f"--ckpt={path}", "--device=cpu", "--max_new_tokens=3", code=2, main=sample.main)
+        assert f"--ckpt={path}" in err and all(f in err for f in facts) and ckpt in err and "corrupt" not in err, err
+        err = fails(capsys, f"--ckpt={path}", f"--out={tmp_path / 'p.pt'}", code=2, main=export.main)
+        assert f"--ckpt={path}" in err and facts[0] in err, err

@@ -65,6 +65,7 @@ def runs(tmp_path_factory):
     return out, procs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_ranks_with_half_the_batch_match_one_rank(runs, mode):
     out, procs = runs
@@ -93,8 +94,9 @@ def test_only_rank_0_logs_and_checkpoints_are_whole_and_unprefixed(runs, mode):
     ref = torch.load(os.path.join(out["one"], "stage2", "ckpt.pt"), weights_only=True)
     for k, v in ref["model"].items():  # whole tensors of the full shapes, not one rank's shard
         assert ck["model"][k].shape == v.shape, k
-    for a, b in zip(ck["optimizer"]["muon"]["state"].values(), ref["optimizer"]["muon"]["state"].values()):
-        assert a["momentum_buffer"].shape == b["momentum_buffer"].shape
+    for i, a in ck["optimizer"]["state"].items():
+        if "momentum_buffer" in a:
+            assert a["momentum_buffer"].shape == ref["optimizer"]["state"][i]["momentum_buffer"].shape
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -171,6 +173,7 @@ def spawned(tmp_path_factory):
     return [torch.load(d / f"rank{r}.pt") for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["replicated", "fsdp"])
 def test_distributed_muon_equals_single_process_muon_bitwise(spawned, mode):
     """Each rank orthogonalises every other matrix and broadcasts it (replicated = DDP); with FSDP2 DTensor
@@ -217,6 +220,7 @@ def test_the_cuda_preset_global_batch_runs_unchanged_on_1_2_4_and_8_gpus(tmp_pat
             assert e.value.code == 2 and f"multiple of {world}" in err and "--grad_accum=" in err
 
 
+@pytest.mark.slow
 def test_a_lost_rank_is_one_line_on_rank_0_naming_the_checkpoint_to_resume(tmp_path):
     """Rank 1 exits at once at step 3 (tests/faults.py die_rank), as a lost node would: rank 0's collective fails,
     and it says so in one line with the checkpoint of step 2 to resume from, not a gloo traceback."""

@@ -21,15 +21,16 @@ size, with or without FSDP: shard_optimizer_state() cuts the loaded optimizer st
 Layout of <dir>:  ckpt_<step>.pt for the last keep_last checkpoints, and ckpt.pt, the newest one (a hard link
 to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt).
 
-Atomic write: torch.save into <name>.tmp, flush, fsync, rename over <name>, fsync the directory. A rename is
-atomic on POSIX, so <name> is always a complete old or a complete new file; a process killed mid-write
-leaves only a stale .tmp, which the next save removes.
+Atomic write (tools/common.py atomic_write): torch.save into <name>.tmp, fsync, rename over <name>, fsync the
+directory. A rename is atomic on POSIX, so <name> is always a complete old or a complete new file; a process
+killed mid-write leaves only a stale .tmp, which the next save removes.
 
-Preemption: StopSignal turns SIGTERM/SIGINT into a flag; the training loop finishes its step, saves and
-exits with code 0. A second signal of the same kind stops at once (the last checkpoint is kept).
+Preemption: common.StopSignal turns SIGTERM/SIGINT into a flag; the training loop
+finishes its step, saves and exits with code 0. A second signal of the same kind stops at once (the last
+checkpoint is kept).
 
 Test:  python -m pytest tests/test_fault.py tests/test_scale.py
-This file imports only torch, numpy and the standard library.
+This file imports only torch, numpy, the standard library and tools/common.py.
 """
 
 import copy
@@ -37,13 +38,13 @@ import errno
 import os
 import random
 import re
-import shutil
-import signal
 import zipfile
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from tools import common
 
 LATEST = "ckpt.pt"
 AVERAGED = "avg.pt"  # the checkpoint average (lessons/averaging.py), when a run keeps one
@@ -159,106 +160,27 @@ def check_writable(d):
     os.remove(probe)
 
 
-def _fsync_dir(d):
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_save(obj, path):
-    """torch.save to path.tmp, flush, fsync, rename over path, fsync the directory. A failed write (a full
-    disk: torch.save raises RuntimeError, a plain write OSError) removes the .tmp and raises OSError."""
-    tmp = path + ".tmp"
+    """torch.save through common.atomic_write: path is the whole old file or the whole new one. A failed write
+    raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which becomes ENOSPC (else EIO)."""
     try:
-        with open(tmp, "wb") as f:
+        with common.atomic_write(path) as tmp, open(tmp, "wb") as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            raise
+    except RuntimeError as e:
         why = (str(e).splitlines() or [type(e).__name__])[0][:160]
         raise OSError(errno.ENOSPC if "space" in why.lower() else errno.EIO, why) from e
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _atomic_link(src, dst):
     """Make dst name the file src (a hard link; a copy where the filesystem has none), atomically."""
-    tmp = dst + ".tmp"
-    if os.path.lexists(tmp):
-        os.remove(tmp)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    os.replace(tmp, dst)
-    _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    with common.atomic_write(dst) as tmp:
+        common.link_or_copy(src, tmp)
 
 
 def existing_run(d):
     """The files of an earlier run in d (checkpoints, metrics), which a fresh run must not mix with its own."""
     names = os.listdir(d) if os.path.isdir(d) else []
     return sorted(n for n in names if n in (LATEST, AVERAGED, "metrics.jsonl") or NUMBERED.fullmatch(n))
-
-
-def file_kind(path):
-    """What a file on disk is, for output checks: "checkpoint" (a training checkpoint), "average" (avg.pt),
-    "packed" (a packed export, with the checkpoint it came from as its source), "gguf", "text", or "other".
-    Returns (kind, source); reads only a torch file's top-level keys (memory-mapped)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError:
-        return "other", None
-    if head == b"GGUF":
-        return "gguf", None
-    if head == b"PK\x03\x04":  # torch.save's zip format
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception:
-            return "other", None
-        if isinstance(obj, dict) and obj.get("format", "").startswith("nanobitnet-packed"):
-            return "packed", obj.get("source")
-        if isinstance(obj, dict) and "averaged" in obj:
-            return "average", None
-        if isinstance(obj, dict) and "model" in obj:
-            return "checkpoint", None
-        return "other", None
-    try:
-        with open(path, "rb") as f:
-            f.read(1 << 16).decode("utf-8")
-        return "text", None
-    except (OSError, UnicodeDecodeError):
-        return "other", None
-
-
-def check_output(path, kind, source=None, overwrite=False):
-    """None if writing a file of `kind` (made from `source`) at path loses nothing; else why not, in words.
-    Never over a checkpoint or average of this project, nor over a file of another kind, nor over an export
-    of another checkpoint, unless overwrite=True (the user asked to replace it)."""
-    if not os.path.exists(path):
-        return None
-    have, have_source = file_kind(path)
-    if have in ("checkpoint", "average"):
-        what = "a training checkpoint" if have == "checkpoint" else "a checkpoint average"
-        return None if overwrite else f"is {what}; writing there would destroy it"
-    if overwrite:
-        return None
-    if have != kind:
-        return f"holds a file of another kind ({have}), not a {kind} file this command writes"
-    if kind == "packed" and source and have_source and os.path.abspath(have_source) != os.path.abspath(source):
-        return f"holds the export of another checkpoint ({have_source})"
-    if kind == "text":
-        return "already exists"
-    return None
 
 
 def remove_run(d):
@@ -326,12 +248,13 @@ def _step_of(path):
     return int(NUMBERED.fullmatch(os.path.basename(path)).group(1))
 
 
-def load(path, required=("model", "model_args")):
-    """torch.load(weights_only=True) with one clear error for a missing, truncated, corrupt or foreign file."""
+def load(path, required=("model", "model_args"), mmap=False):
+    """torch.load(weights_only=True) with one clear error for a missing, truncated, corrupt or foreign file.
+    mmap=True maps the tensors instead of reading them (a look at model_args costs nothing)."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # a truncated zip, random bytes, an unsafe pickle: one line, never a traceback
         why = (f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}" if zipfile.is_zipfile(path)
                else f"{os.path.getsize(path)} bytes, not a torch.save zip archive")
@@ -376,35 +299,7 @@ def load_weights(model, state, path, insert_subln=False):
         raise CheckpointError(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}); check n_layer/n_embd/n_head/subln/tokenizer")
 
-# -----------------------------------------------------------------------------
-# preemption
 
-
-class StopSignal:
-    """with StopSignal() as stop: ... `stop.requested` is the name of the first SIGTERM/SIGINT received, else
-    None. The loop checks it once per step. A second signal of the same kind exits at once with code 1
-    (torchrun follows a Ctrl-C with SIGTERM to its workers: that second, different signal is not an abort).
-    StopSignal(at_once="why"): the first signal already exits, with code 1 and the line "error: SIGTERM: why"
-    (before training starts there is no step to finish)."""
-
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), at_once=None):
-        self.signals, self.requested, self.old, self.at_once = signals, None, {}, at_once
-
-    def __enter__(self):
-        self.old = {s: signal.signal(s, self._handle) for s in self.signals}
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.at_once:
-            raise SystemExit(f"error: {name}: {self.at_once}")
-        if self.requested == name:
-            raise SystemExit(f"error: second {name}: stopping now, without a checkpoint; the last one is kept")
-        self.requested = self.requested or name
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ class TrainConfig:
     min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
     schedule: str = "wsd"        # cosine (nanoGPT), wsd (warmup-stable-decay, MiniCPM), constant (after warmup),
                                  # or moderate: wsd to min_lr_frac 1/3 (Luo et al.'s "moderate decay")
-    warmup_iters: int = 50       # linear lr warmup steps
+    warmup_steps: int = 50       # linear lr warmup steps
     decay_frac: float = 0.2      # wsd: decay over the last 20% of steps
     weight_decay: float = 0.1    # decoupled weight decay of matrices and embeddings (not of norm gains)
     beta1: float = 0.9           # AdamW beta1
@@ -87,17 +87,17 @@ class TrainConfig:
     avg_checkpoints: int = 0     # k; 0 = off (Luo et al.: 6)
     avg_interval: int = 0        # steps between snapshots; 0 = decay_frac * max_iters / k (a WSD decay's window)
     avg_alpha: float = 0.2       # EMA coefficient over the snapshots; 0 = their plain mean
-    # stage 3: BitDistill (distill.py), L = CE + lambda * logits KD + gamma * attention-relation KD (+ delta * hidden)
+    # stage 3: BitDistill (distill.py), L = CE + kd_logits * logits KD + kd_relation * relation KD + kd_hidden * hidden
     teacher: str = ""            # teacher checkpoint(s), "a.pt" or "a.pt,b.pt"; "" = <out_dir>/stage1/ckpt.pt
     teacher_weights: str = ""    # several teachers: weights of their logits mixture, "0.7,0.3"; "" = equal
-    distill_preset: str = "logits"  # lambda 1, gamma 0 (measured best here); the paper's summarization:
-                                    # lambda 1, gamma 1e3; classification: lambda 10, gamma 1e5
-    distill_lambda: float = -1.0  # logits-KD weight; -1 = the preset's
-    distill_gamma: float = -1.0  # attention-relation weight; -1 = the preset's
+    distill_preset: str = "logits"  # kd_logits 1, kd_relation 0 (measured best here); the paper's summarization:
+                                    # kd_logits 1, kd_relation 1e3; classification: kd_logits 10, kd_relation 1e5
+    kd_logits: float = -1.0      # weight of the logits KD; -1 = the preset's
+    kd_relation: float = -1.0    # weight of the attention-relation KD; -1 = the preset's
     distill_tau: float = 5.0     # logits-KD temperature
     distill_layer: int = -1      # layer whose Q/K/V relations are distilled; negative counts from the end
     distill_relation_heads: int = 4  # A_r; the paper's 32 needs H*d >= 32*d_r, too many for a 128-wide model
-    distill_hidden: float = 0.0  # delta: weight of hidden-state distillation (0 = off)
+    kd_hidden: float = 0.0       # weight of the hidden-state KD (0 = off)
     # system
     compile: str = "auto"        # auto = on for cuda only; true / false (also 1/0, yes/no, on/off)
     dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32, bfloat16, float16
@@ -109,12 +109,17 @@ class TrainConfig:
     wandb_project: str = ""      # also log every metrics.jsonl record to this Weights & Biases project (rank 0)
 
 
+# Renamed flags, {old: new}: an old name on the command line stops with its new one (tools/flags.py), and a
+# checkpoint's config saved under an old name resumes under the new one (build_config).
+RENAMED = {"distill_lambda": "kd_logits", "distill_gamma": "kd_relation", "distill_hidden": "kd_hidden",
+           "warmup_iters": "warmup_steps"}
+
 DEVICE_PRESETS = {
     "cpu": dict(),  # the defaults above are the CPU quick start
     # 8 x 8 sequences of 1024 = 65,536 tokens a step on 1, 2, 4 or 8 GPUs alike (grad_accum counts all ranks)
     "cuda": dict(tokenizer="gpt2", n_layer=12, n_head=12, n_embd=768, block_size=1024, pad_vocab=True,
                  batch_size=8, grad_accum=8, max_iters=5000, eval_interval=500, eval_iters=50,
-                 log_interval=10, warmup_iters=200, lambda_warmup_steps=1000, lr=1.5e-3),
+                 log_interval=10, warmup_steps=200, lambda_warmup_steps=1000, lr=1.5e-3),
 }
 SCHEDULE_PRESETS = {  # --schedule=moderate: WSD decaying only to 1/3 of the peak (Luo et al., arXiv 2511.18903:
     "moderate": dict(min_lr_frac=1 / 3),  # 3e-3 -> 1e-3), unless --min_lr_frac is also given
@@ -147,7 +152,7 @@ def parse_args(argv):
             return str(to_bool(v)).lower()
         except ValueError:
             raise ValueError("expected auto, true or false (also 1/0, yes/no, on/off)") from None
-    return parse(argv, TrainConfig, USAGE, convert=dict(stage=stage, compile=compile_))
+    return parse(argv, TrainConfig, USAGE, convert=dict(stage=stage, compile=compile_), renamed=RENAMED)
 
 
 USAGE = """python train.py [--key=value ...]: train a ternary (BitNet b1.58) model; stage 1 fp, 2 ternary, 3 distill.
@@ -163,7 +168,7 @@ Order of defaults: TrainConfig (shown below), then the device preset, the stage 
 def build_config(overrides, base=None):
     """Defaults + device preset + stage preset + overrides; or, on resume, the saved config + overrides."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = {k: v for k, v in (base or {}).items() if k in known}
+    cfg = {RENAMED.get(k, k): v for k, v in (base or {}).items() if RENAMED.get(k, k) in known}  # old names: new
     if not base:
         device = overrides.get("device", "auto")
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -193,7 +198,7 @@ def check_config(cfg):
         if getattr(cfg, key) not in valid:
             die(f"--{key}={getattr(cfg, key)}: expected one of {', '.join(map(str, valid))}", 2)
     at_least = dict(n_layer=1, n_head=1, n_embd=1, block_size=1, batch_size=1, grad_accum=1, max_iters=0,
-                    eval_interval=1, eval_iters=1, log_interval=1, warmup_iters=0, lambda_warmup_steps=0,
+                    eval_interval=1, eval_iters=1, log_interval=1, warmup_steps=0, lambda_warmup_steps=0,
                     checkpoint_interval=0, keep_last=1, max_bad_steps=1, seed=0, distill_relation_heads=1,
                     avg_checkpoints=0, avg_interval=0)
     for key, low in at_least.items():
@@ -206,9 +211,9 @@ def check_config(cfg):
                   weight_decay=(">= 0", lambda v: v >= 0), beta1=("in [0, 1)", lambda v: 0 <= v < 1),
                   beta2=("in [0, 1)", lambda v: 0 <= v < 1), zclip_z_thresh=("> 0", lambda v: v > 0),
                   grad_clip=(">= 0", lambda v: v >= 0), two_phase_lr_drop=("in (0, 1]", lambda v: 0 < v <= 1),
-                  distill_lambda=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
-                  distill_gamma=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
-                  distill_tau=("> 0", lambda v: v > 0), distill_hidden=(">= 0", lambda v: v >= 0),
+                  kd_logits=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
+                  kd_relation=(">= 0, or -1 for the preset's", lambda v: v >= 0 or v == -1),
+                  distill_tau=("> 0", lambda v: v > 0), kd_hidden=(">= 0", lambda v: v >= 0),
                   avg_alpha=("in [0, 1]", lambda v: 0 <= v <= 1), qk_clip_tau=(">= 0", lambda v: v >= 0))
     for key, (what, ok) in ranges.items():
         v = getattr(cfg, key)
@@ -263,10 +268,8 @@ def parse_data(spec):
 def model_config(cfg, vocab_size, eot):
     if cfg.pad_vocab:
         vocab_size = 64 * math.ceil(vocab_size / 64)
-    dlm = cfg.stage == DLM  # one more token (the mask, id = the AR vocabulary size) and bidirectional attention
-    return GPTConfig(vocab_size=vocab_size + dlm, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask and not dlm,
-                     eot=eot, causal=not dlm, track_max_logit=cfg.qk_clip_tau > 0 or cfg.log_max_logit)
+    return GPTConfig(vocab_size=vocab_size, block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     n_embd=cfg.n_embd, quant=cfg.stage >= 2, subln=cfg.subln, doc_mask=cfg.doc_mask, eot=eot)
 
 
 def stage_dir(stage):
@@ -334,7 +337,7 @@ def check_teacher(cfg, crit, s, t, path, first=True):
     except ValueError as e:  # --distill_layer outside one of the models
         die(str(e), 2)
     heads = crit.n_relation_heads
-    if first and crit.gamma_ad and (s.n_embd % heads or t.n_embd % heads):
+    if first and crit.kd_relation and (s.n_embd % heads or t.n_embd % heads):
         fits = max(a for a in range(1, heads + 1) if s.n_embd % a == 0 and t.n_embd % a == 0)
         die(f"--distill_relation_heads={heads} must divide the width of the student ({s.n_embd}) and of the "
             f"teacher ({t.n_embd}); try --distill_relation_heads={fits}", 2)

@@ -22,24 +22,21 @@ Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 b
 Test: python -m pytest tests/test_packed.py tests/test_gguf.py tests/test_hf.py
 """
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
-import signal
 import sys
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from quant import weight_quant
-from tools import checkpoint
+from tools import checkpoint, common
 from tools.flags import die, parse
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
-from model import GPT, GPTConfig
+from model import GPT
 
 FORMAT = "nanobitnet-packed-v1"
 
@@ -70,7 +67,7 @@ def model_from_packed(obj, source="export"):
         found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(f"{source}: not a packed export (format {found!r}, expected {FORMAT!r}); "
                          "make one with: python -m tools.export --ckpt=<ckpt.pt>")
-    model = freeze_ternary(GPT(GPTConfig(**obj["model_args"])))  # the packed structure; weights come below
+    model = freeze_ternary(GPT(common.gpt_config(obj["model_args"])))  # the packed structure; weights come below
     state = dict(obj["fp"])
     for name, p in obj["packed"].items():
         m = model.get_submodule(name)
@@ -84,28 +81,23 @@ def model_from_packed(obj, source="export"):
 
 
 def load_packed(path):
-    """(model, tokenizer name) from an export written by this script."""
-    obj = torch.load(path, map_location="cpu", weights_only=True)
-    return model_from_packed(obj, path), obj["tokenizer"]
+    """(model, tokenizer name) of an export written by this script (common.load_gpt reads every saved model)."""
+    model, obj = common.load_gpt(path)
+    return model, common.saved_tokenizer(obj)
 
 
 def load_training_checkpoint(ckpt_path):
-    """(model, tokenizer name) of a training checkpoint; one error line for anything else."""
+    """(model, tokenizer name) of a training checkpoint or an average; one error line for anything else."""
     try:
-        ckpt = checkpoint.load(ckpt_path, required=())
-    except checkpoint.CheckpointError as e:  # truncated, corrupt or foreign: one line naming the file
+        model, obj = common.load_gpt(ckpt_path)
+    except checkpoint.CheckpointError as e:  # missing, truncated, corrupt or foreign: one line naming the file
         die(str(e))
-    if isinstance(ckpt, dict) and ckpt.get("format") == FORMAT:
+    if obj.get("format") == FORMAT:
         die(f"{ckpt_path} is already a packed export ({FORMAT}), not a training checkpoint; sample it as it is: "
             f"python sample.py --ckpt={ckpt_path}")
-    try:
-        model_args, tokenizer = ckpt["model_args"], ckpt["config"]["tokenizer"]
-        model = GPT(GPTConfig(**model_args))
-        model.load_state_dict(ckpt["model"])
-        model.dlm_shift = ckpt["config"].get("dlm_shift", True)
-    except Exception as e:  # a foreign or mismatched file: name it, no traceback
-        die(f"{ckpt_path}: cannot load checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-    return model, tokenizer
+    if common.saved_tokenizer(obj) is None:
+        die(f"{ckpt_path}: no tokenizer in its config; export a checkpoint that train.py wrote")
+    return model, common.saved_tokenizer(obj)
 
 
 def export(ckpt_path, out_path):
@@ -119,33 +111,28 @@ def export(ckpt_path, out_path):
     if not model.config.causal:
         obj["dlm_shift"] = model.dlm_shift  # how --stage=dlm trained it; sample.py --dlm=True needs it
     try:
-        checkpoint.atomic_save(obj, out_path)  # never leave a half-written export under the final name
-    except (OSError, RuntimeError) as e:  # a full disk: torch.save's zip writer raises RuntimeError, not OSError
-        with contextlib.suppress(OSError):
-            os.remove(out_path + ".tmp")
-        why = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [""])[0][:200]
-        die(f"--out={out_path}: cannot write the export ({why}); the file there, if any, is unchanged; "
+        checkpoint.atomic_save(obj, out_path)  # never a half-written export under the final name
+    except OSError as e:  # a full disk (torch.save's RuntimeError arrives as OSError)
+        die(f"--out={out_path}: cannot write the export ({e.strerror or e}); the file there, if any, is unchanged; "
             "free disk space or pass another --out")
     return obj
 
 
 def main(argv):
     args = dataclasses.asdict(ExportConfig(**parse(argv, ExportConfig, __doc__)))
-    if args["format"] not in ("packed", "gguf", "hf"):
-        die(f"--format={args['format']}: expected packed (our 2-bit export), gguf (llama.cpp) or hf (transformers)", 2)
-    if args["format"] == "hf":  # a directory, not a file: its own checks (_check_hf_out)
-        return export_hf(args["ckpt"], args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "hf"),
-                         args["overwrite"])
-    out_path = args["out"] or os.path.join(os.path.dirname(args["ckpt"]), "packed.pt" if args["format"] == "packed"
-                                           else "model.gguf")
-    _check_paths(args["ckpt"], out_path, "packed.pt" if args["format"] == "packed" else "model.gguf")
-    why = checkpoint.check_output(out_path, args["format"], os.path.abspath(args["ckpt"]), args["overwrite"])
-    if why:
-        die(f"--out={out_path} {why}; pass another --out, or --overwrite=True to replace it", 2)
-    with _stoppable(out_path):
-        if args["format"] == "gguf":
-            return export_gguf(args["ckpt"], out_path)
-        obj = export(args["ckpt"], out_path)
+    ckpt, fmt = args["ckpt"], args["format"]
+    if fmt not in ("packed", "gguf", "hf"):
+        die(f"--format={fmt}: expected packed (our 2-bit export), gguf (llama.cpp) or hf (transformers)", 2)
+    out_path = args["out"] or os.path.join(os.path.dirname(ckpt), {"packed": "packed.pt", "gguf": "model.gguf",
+                                                                   "hf": "hf"}[fmt])
+    common.check_input("--ckpt", ckpt)
+    if fmt == "hf":
+        return export_hf(ckpt, out_path, args["overwrite"])
+    common.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
+    with common.stoppable("--out", out_path):
+        if fmt == "gguf":
+            return export_gguf(ckpt, out_path)
+        obj = export(ckpt, out_path)
     packed = sum(p["w_packed"].numel() for p in obj["packed"].values())  # uint8: one byte each
     bf16 = sum(2 * p["in_features"] * p["out_features"] for p in obj["packed"].values())
     other = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in obj["fp"].values()}.values())
@@ -154,46 +141,23 @@ def main(argv):
           f"bytes of fp32 gammas; other weights (embedding, head, norms) {other:,} bytes")
 
 
-class _Stopped(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _stoppable(out_path):
-    """Ctrl-C or SIGTERM mid-export: remove the half-written .tmp, say that --out is unchanged, exit 128 + signal."""
-    def on_term(signum, frame):
-        raise _Stopped
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    except (KeyboardInterrupt, _Stopped) as e:
-        with contextlib.suppress(OSError):
-            os.remove(out_path + ".tmp")
-        how, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, _Stopped) else ("Ctrl-C", 128 + signal.SIGINT)
-        die(f"stopped by {how} before the export was written; {out_path} is unchanged (if it existed); run the same "
-            f"command again", code)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def export_gguf(ckpt_path, out_path):
+def export_gguf(ckpt_path, out_path, flag="--out"):
     """--format=gguf: write, read back and compare (verify_gguf), then one line on what went out."""
     import importlib.util
     if importlib.util.find_spec("gguf") is None:
         die("--format=gguf needs the gguf package (pip install gguf, or pip install -r requirements.txt)")
     model, tokenizer = load_training_checkpoint(ckpt_path)
-    tmp = out_path + ".tmp"
     try:
-        counts = write_gguf(model.eval(), tokenizer, tmp)
-        bad = verify_gguf(tmp, model)
-        if bad:
-            raise ValueError(f"the file read back differs from the model: {'; '.join(bad[:3])}")
-        os.replace(tmp, out_path)  # only a verified file lands under the final name
-    except (ValueError, OSError) as e:
-        die(f"{ckpt_path}: cannot export as GGUF: {getattr(e, 'strerror', None) or e}; {out_path} is unchanged")
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        with common.atomic_write(out_path) as tmp:  # only a verified file lands under the final name
+            counts = write_gguf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
+            bad = verify_gguf(tmp, model)
+            if bad:
+                raise ValueError(f"the file read back differs from the model: {'; '.join(bad[:3])}")
+    except ValueError as e:
+        die(f"{ckpt_path}: cannot export as GGUF: {e}; {flag}={out_path} is unchanged")
+    except OSError as e:  # a full disk is the disk's fault, not the checkpoint's
+        die(f"{flag}={out_path}: cannot write the GGUF ({e.strerror or e}); the file there, if any, is unchanged; "
+            f"free disk space or pass another {flag}")
     types = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
     if not model.config.quant:  # a full-precision (stage-1) model: every tensor as it is, no gamma
         hidden = "F32 (a full-precision model: no ternary codes, no gamma)"
@@ -204,27 +168,6 @@ def export_gguf(ckpt_path, out_path):
           f"{tokenizer}: tensors {types}; hidden matrices as {hidden}; read back and verified tensor by tensor")
     if "TQ2_0" in counts and "F16" in counts:
         print("  some hidden matrices went out as F16: their rows are not a multiple of 256")
-
-
-# -----------------------------------------------------------------------------
-# checks of --ckpt and --out, before anything is read: an export must never land on the checkpoint it is
-# made from (ckpt.pt is a hard link to ckpt_<step>.pt, so compare files, not names), nor leave a .tmp behind
-
-
-def _check_paths(ckpt, out, name="packed.pt"):
-    if os.path.isdir(ckpt):
-        die(f"--ckpt={ckpt} is a directory; pass the checkpoint file in it, e.g. "
-            f"--ckpt={os.path.join(ckpt, checkpoint.LATEST)}", 2)
-    if not os.path.exists(ckpt):
-        die(f"no checkpoint at {ckpt}; train one first: python train.py --stage=2")
-    if os.path.isdir(out):
-        die(f"--out={out} is a directory; pass a file name, e.g. --out={os.path.join(out, name)}", 2)
-    d = os.path.dirname(out) or "."
-    if not os.path.isdir(d):
-        die(f"--out={out}: directory {d} does not exist; create it (mkdir -p {d}) or pass another --out")
-    if os.path.exists(out) and os.path.samefile(out, ckpt):
-        die(f"--out={out} is the same file as --ckpt={ckpt}: the export would overwrite the checkpoint it is made "
-            "from; pass another --out (the default is packed.pt beside --ckpt)", 2)
 
 
 # -----------------------------------------------------------------------------
@@ -261,9 +204,10 @@ def gguf_tensors(model):
     return out
 
 
-def write_gguf(model, tokenizer, path):
+def write_gguf(model, tokenizer, path, source=None):
     """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") as a GGUF file for llama.cpp's
-    bitnet architecture. Returns {GGML type name: number of tensors}. ValueError if llama.cpp cannot hold it."""
+    bitnet architecture; source: the checkpoint it came from, kept as metadata (common.file_kind reads it).
+    Returns {GGML type name: number of tensors}. ValueError if llama.cpp cannot hold it."""
     import gguf  # here: only this export needs the package
     c = model.config
     if not c.subln:
@@ -291,6 +235,8 @@ def write_gguf(model, tokenizer, path):
     w.add_vocab_size(c.vocab_size)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_TQ2_0 if c.quant else gguf.LlamaFileType.ALL_F32)
     _add_vocab(w, tokenizer, c.vocab_size)
+    if source:
+        w.add_string(common.GGUF_SOURCE, source)  # llama.cpp ignores keys it does not know
     counts = {}
     for name, arr, kind in gguf_tensors(model):
         t = getattr(gguf.GGMLQuantizationType, kind)
@@ -513,45 +459,32 @@ def write_hf(model, tokenizer, out_dir, source=None):
     return names
 
 
-def read_hf_marker(out_dir):
-    """The nanobitnet.json of an earlier export of ours in out_dir, or None."""
-    try:
-        with open(os.path.join(out_dir, "nanobitnet.json")) as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and marker.get("format") == HF_FORMAT else None
-
-
 def export_hf(ckpt_path, out_dir, overwrite=False):
-    """--format=hf: write into a fresh directory beside out_dir, then move each file into out_dir (so a failed
-    export leaves out_dir as it was), remove what an earlier export of ours there had and this one does not."""
+    """--format=hf: write the whole directory beside out_dir, then swap it in (common.atomic_dir), so out_dir is the
+    old directory or the new one whatever stops the export. Files in out_dir that are not ours (no name an export of
+    ours writes or wrote) are carried into the new directory as hard links."""
     import importlib.util
     missing = [p for p in ("transformers", "safetensors", "tokenizers") if importlib.util.find_spec(p) is None]
     if missing:
         die(f"--format=hf needs {', '.join(missing)} (pip install -r requirements.txt)")
-    _check_hf_out(ckpt_path, out_dir, overwrite)
+    from safetensors import SafetensorError
+    common.check_output("--out", out_dir, "hf", os.path.abspath(ckpt_path), overwrite, [("--ckpt", ckpt_path)])
     model, tokenizer = load_training_checkpoint(ckpt_path)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    earlier = read_hf_marker(out_dir)
-    tmp = None
-    with _stoppable(out_dir):
+    why = hf_refusal(model)
+    if why:
+        die(f"{ckpt_path}: cannot export for transformers' bitnet: {why}")
+    earlier = common.hf_marker(out_dir) or {}
+    with common.stoppable("--out", out_dir):
         try:
-            tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.tmp-", dir=parent)
-            names = write_hf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
-            os.makedirs(out_dir, exist_ok=True)
-            for name in names:  # nanobitnet.json last: the directory is marked ours once the rest is in place
-                os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
-            for name in set(earlier["files"] if earlier else ()) - set(names):  # e.g. tokenizer.json of a gpt2 export
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(out_dir, os.path.basename(name)))
-        except ValueError as e:
-            die(f"{ckpt_path}: cannot export for transformers' bitnet: {e}")
-        except OSError as e:
-            die(f"--out={out_dir}: cannot write the export ({e.strerror or e}); free disk space or pass another --out")
-        finally:
-            if tmp:
-                shutil.rmtree(tmp, ignore_errors=True)
+            with common.atomic_dir(out_dir) as tmp:
+                names = write_hf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
+                ours = set(names) | set(earlier.get("files", ()))  # an earlier export's names that this one drops go
+                for n in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else ():
+                    if n not in ours:  # files of other names stay (--overwrite=True into a directory of theirs)
+                        _carry(os.path.join(out_dir, n), os.path.join(tmp, n))
+        except (OSError, SafetensorError) as e:  # a full disk: safetensors says so with its own error
+            die(f"--out={out_dir}: cannot write the export ({getattr(e, 'strerror', None) or e}); it is unchanged; "
+                "free disk space or pass another --out")
     c = model.config
     size = os.path.getsize(os.path.join(out_dir, "model.safetensors"))
     print(f"wrote {out_dir}/ ({', '.join(names)}; model.safetensors {size / 1e6:.2f} MB): transformers' bitnet "
@@ -560,36 +493,12 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
     print(f"  load: transformers.AutoModelForCausalLM.from_pretrained({out_dir!r})  (needs accelerate)")
 
 
-def _check_hf_out(ckpt, out, overwrite):
-    """--out of --format=hf is a directory: never a file; an existing non-empty one only if it is an earlier export
-    of ours from the same checkpoint, or with --overwrite=True (which replaces our file names and nothing else)."""
-    if os.path.isdir(ckpt):
-        die(f"--ckpt={ckpt} is a directory; pass the checkpoint file in it, e.g. "
-            f"--ckpt={os.path.join(ckpt, checkpoint.LATEST)}", 2)
-    if not os.path.exists(ckpt):
-        die(f"no checkpoint at {ckpt}; train one first: python train.py --stage=2")
-    if os.path.exists(out) and not os.path.isdir(out):
-        die(f"--out={out} is a file; --format=hf writes a directory (config.json, model.safetensors, ...): pass a "
-            f"new or empty directory, e.g. --out={os.path.join(os.path.dirname(ckpt), 'hf')}", 2)
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        die(f"--out={out}: directory {parent} does not exist; create it (mkdir -p {parent}) or pass another --out")
-    if not os.path.isdir(out) or not os.listdir(out):
-        return
-    if os.path.samefile(out, os.path.dirname(os.path.abspath(ckpt))):
-        die(f"--out={out} is the directory of --ckpt={ckpt}; the export needs a directory of its own, e.g. "
-            f"--out={os.path.join(out, 'hf')}", 2)
-    marker = read_hf_marker(out)
-    if overwrite:
-        return
-    if marker is None:
-        found = sorted(os.listdir(out))
-        die(f"--out={out} is a directory with other files in it ({', '.join(found[:3])}{', ...' * (len(found) > 3)}), "
-            f"not an HF export of ours; pass a new or empty directory, or --overwrite=True to write our files into it "
-            f"(files of other names stay)", 2)
-    if marker.get("source") and os.path.abspath(marker["source"]) != os.path.abspath(ckpt):
-        die(f"--out={out} holds the HF export of another checkpoint ({marker['source']}); pass another --out, or "
-            f"--overwrite=True to replace it", 2)
+def _carry(src, dst):
+    """src (a file or a folder of them) also at dst, as hard links: no copy of the data."""
+    if os.path.isdir(src) and not os.path.islink(src):
+        shutil.copytree(src, dst, symlinks=True, copy_function=common.link_or_copy)
+    else:
+        common.link_or_copy(src, dst)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ reads `--key=value` against the field types and `--help` prints every flag with 
   booleans   true/false, 1/0, yes/no, on/off (any case); a bare --flag means --flag=true
   errors     one line "error: ..." on stderr naming the flag and the fix; exit 2 for a bad flag, 1 for a
              failure while running (die); --help exits 0
+  renamed    a flag that was renamed ({old: new}, given by the command) ends in one line naming its new name
 Test: python -m pytest tests/test_flags.py
 """
 
@@ -66,13 +67,14 @@ def usage(cls, doc="", positional=None):
     return "\n".join(lines) + "\n"
 
 
-def parse(argv, cls, doc="", convert=None, positional=None):
+def parse(argv, cls, doc="", convert=None, positional=None, renamed=None):
     """--key=value pairs checked against cls's fields; returns {key: typed value} of the flags given.
     convert: {key: fn(str) -> value} for flags with their own spelling (fn raises ValueError("expected ...")).
     positional: a description of plain (non-flag) arguments the command takes, e.g. "FILE ..."; then returns
-    (flags, [arguments]); without it, a plain argument is an error. --help / -h print usage() and exit 0."""
+    (flags, [arguments]); without it, a plain argument is an error. --help / -h print usage() and exit 0.
+    renamed: {old name: new name} of flags that were renamed; an old name is refused with its new one."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    convert = convert or {}
+    convert, renamed = convert or {}, renamed or {}
     flags, rest = {}, []
     for arg in argv:
         if arg in ("-h", "--help"):
@@ -82,6 +84,8 @@ def parse(argv, cls, doc="", convert=None, positional=None):
             rest.append(arg)
             continue
         key, eq, val = arg.removeprefix("--").partition("=")
+        if arg.startswith("--") and key in renamed and key not in fields:
+            die(f"--{key} is now --{renamed[key]}; pass --{renamed[key]}={val or '...'}", 2)
         if arg.startswith("--") and not eq and key in fields and _type(fields[key]) is bool:
             eq, val = "=", "true"  # a bare --flag of a boolean means --flag=true
         if not arg.startswith("--") or not eq or key not in fields:

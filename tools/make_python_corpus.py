@@ -18,9 +18,10 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
+from tools.common import ROOT, atomic_write
 from tools.flags import die, parse
 
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "python.jsonl.gz")
+OUT = os.path.join(ROOT, "data", "python.jsonl.gz")
 
 
 @dataclass
@@ -42,7 +43,7 @@ def main(argv):
             with open(p, "rb") as f:
                 text = f.read().decode("utf-8")
             gz.write((json.dumps({"title": f"Lib/{os.path.basename(p)}", "text": text}) + "\n").encode())
-    with open(out, "wb") as f:
+    with atomic_write(out) as tmp, open(tmp, "wb") as f:
         f.write(buf.getvalue())
     print(f"{len(files)} files from {lib} -> {out}: {len(buf.getvalue()):,} bytes, "
           f"sha256 {hashlib.sha256(buf.getvalue()).hexdigest()}")

@@ -5,6 +5,10 @@ gradient norm before and after clipping (clipped steps marked), to one PNG besid
     python -m tools.plot out/stage2                  -> out/stage2/curves.png
     python -m tools.plot out/stage2 --out=run.png
 
+The PNG names the metrics.jsonl it was drawn from (its Source text chunk): plotting the same run again replaces it;
+any other PNG (another run's, a committed figure) is replaced only with --overwrite=True, and a file of another
+kind never (tools/common.py check_output). The PNG is written whole or not at all (common.atomic_write).
+
 matplotlib is needed here only (pip install -r requirements.txt has it); training never imports it.
 Test: python -m pytest tests/test_plot.py
 """
@@ -13,13 +17,14 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tools import runtime
+from tools import common, runtime
 from tools.flags import die, parse
 
 
 @dataclass
 class PlotFlags:
     out: str = ""                # the PNG to write; "" = curves.png in the run directory
+    overwrite: bool = False      # replace a PNG that is not this run's plot (another run's, a committed figure)
 
 
 def read_metrics(run_dir):
@@ -35,11 +40,12 @@ def read_metrics(run_dir):
     return steps, evals
 
 
-def plot(run_dir, out):
+def plot(run_dir, out, steps, evals):
+    """Draw the run's step and evaluation records (read_metrics) into the PNG out. Returns the number of clipped
+    steps."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    steps, evals = read_metrics(run_dir)
     x = [r["step"] for r in steps]
     fig, (a, b, c) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     a.plot(x, [r["loss"] for r in steps], lw=0.8, label="train loss")
@@ -54,18 +60,25 @@ def plot(run_dir, out):
     b2.set_ylabel("lr")
     b.legend(loc="upper left")
     b2.legend(loc="lower right")
-    c.plot(x, [r["grad_norm_raw"] for r in steps], lw=0.8, label="grad norm")
-    c.plot(x, [r["grad_norm"] for r in steps], lw=0.8, label="after clipping")
-    clipped = [r for r in steps if r.get("clipped")]
-    c.plot([r["step"] for r in clipped], [r["grad_norm_raw"] for r in clipped], "rx", label=f"clipped ({len(clipped)})")
+    c.plot(x, [r["raw_norm"] for r in steps], lw=0.8, label="grad norm")  # zclip.py's names (runtime.read_metrics)
+    c.plot(x, [r["clipped_norm"] for r in steps], lw=0.8, label="after clipping")
+    clipped = [r for r in steps if r.get("was_clipped")]
+    c.plot([r["step"] for r in clipped], [r["raw_norm"] for r in clipped], "rx", label=f"clipped ({len(clipped)})")
     c.set_yscale("log")
     c.set_xlabel("step")
     c.legend()
     fig.suptitle(os.path.abspath(run_dir))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return len(steps), len(evals), len(clipped)
+    try:
+        with common.atomic_write(out) as tmp:
+            fig.savefig(tmp, dpi=100, format="png", metadata={common.PNG_SOURCE: _source(run_dir)})
+    finally:
+        plt.close(fig)
+    return len(clipped)
+
+
+def _source(run_dir):
+    return os.path.abspath(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def main(argv):
@@ -79,12 +92,16 @@ def main(argv):
     if importlib.util.find_spec("matplotlib") is None:
         die("plotting needs matplotlib: pip install -r requirements.txt (or pip install matplotlib)")
     try:
-        n, n_eval, n_clip = plot(dirs[0], out)
+        steps, evals = read_metrics(dirs[0])
     except ValueError as e:
         die(str(e))
+    common.check_output("--out", out, "png", _source(dirs[0]), flags.get("overwrite", False))
+    try:
+        with common.stoppable("--out", out):
+            n_clip = plot(dirs[0], out, steps, evals)
     except OSError as e:
-        die(f"--out={out}: cannot write it ({e.strerror}); pass another --out")
-    print(f"wrote {out}: {n} steps, {n_eval} evaluations, {n_clip} clipped steps")
+        die(f"--out={out}: cannot write it ({e.strerror or e}); the file there, if any, is unchanged; pass another --out")
+    print(f"wrote {out}: {len(steps)} steps, {len(evals)} evaluations, {n_clip} clipped steps")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,11 @@ import torch
 
 import data
 from distill import BitDistillLoss
-from lessons import dlm
-from lessons.averaging import CheckpointAverage
-from model import GPT, GPTConfig, precompute_rope
+from model import GPT, precompute_rope
 from muon import configure_muon
-from tools import checkpoint
-from tools.config import TrainConfig, avg_interval, check_teacher, parse_data, parse_teacher_weights
+from tools import checkpoint, prepare
+from tools.common import check_input, load_gpt, token_loss_sums
+from tools.config import TrainConfig, check_teacher, parse_data, parse_teacher_weights
 from tools.flags import die
 from tools.runtime import Runtime
 from zclip import ZClip
@@ -38,7 +37,6 @@ def shipped_dir(name, cfg):
     scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
     if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
                                                                 not os.path.exists(scores)):
-        from tools import prepare  # ingestion: only the first run needs it
         print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; tokenising the "
               f"shipped corpus {name} (once)")
         prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root, corpus=name)
@@ -74,8 +72,12 @@ class Run:
     val_loaders: dict = None     # source name -> (its val DataLoader, its mixing weight)
     autocast: object = None
     accum: int = 1               # micro-batches per step on this rank
+    device: str = "cpu"          # where the step runs (rt.device)
     start: Start = None
-    average: CheckpointAverage = None  # --avg_checkpoints: the average of the last checkpoints
+    callbacks: list = dataclasses.field(default_factory=list)  # the lessons' step callbacks (tools/seams.py)
+    average: object = None       # --avg_checkpoints: the average of the last checkpoints (one of the callbacks)
+    lesson: object = None        # a lesson's own stage (tools/seams.py: --stage=dlm), else None
+    eval_loss: object = None     # a lesson's evaluation loss (eval_loss(run) -> loss(x, y)); None: the model's CE
     unlock: object = None        # releases out_dir's lock (rank 0)
 
     @property
@@ -83,38 +85,6 @@ class Run:
         return os.path.join(self.out_dir, checkpoint.LATEST)
 
 
-
-def dlm_start(cfg, conf):
-    """--stage=dlm: the stage-2 model (or --init_from) with the mask token added (dlm.add_mask_token)."""
-    path = os.path.join(cfg.out_dir, "stage2", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
-    if cfg.init_from == "scratch" or not os.path.exists(path):
-        die(f"--stage=dlm converts a trained ternary model; no checkpoint at {path}; make one with: python train.py "
-            f"--stage=2, or pass --init_from=<its ckpt.pt>")
-    ckpt = checkpoint.load(path)
-    if not ckpt["model_args"].get("quant"):
-        die(f"{path} is a full-precision model (quant=False); --stage=dlm converts the ternary stage-2 model: "
-            f"python train.py --stage=2, then --stage=dlm", 2)
-    checkpoint.check_fits(ckpt["model_args"], dataclasses.replace(conf, vocab_size=conf.vocab_size - 1,
-                                                                  causal=True, doc_mask=ckpt["model_args"].get(
-                                                                      "doc_mask", False)), path)
-    ar = GPT(GPTConfig(**ckpt["model_args"]))
-    checkpoint.load_weights(ar, ckpt["model"], path)
-    model, mask_id = dlm.add_mask_token(ar, cfg.dlm_mask_init, seed=cfg.seed)
-    return Start(0, {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, path,
-                 note=f"stage dlm: the AR model in {path} with a mask token (id {mask_id}, {cfg.dlm_mask_init} init), "
-                      f"bidirectional attention{', Dream shift' if cfg.dlm_shift else ''}")
-
-
-
-def dlm_loss_fn(run):
-    """--stage=dlm's loss: the masked-diffusion loss (lessons/dlm.py), with the outlier ratios of the mask token and
-    of the other tokens at the quantisers' inputs logged beside it."""
-    mask_id = run.model.config.vocab_size - 1
-
-    def dlm_loss(x, y):
-        loss, info = dlm.masked_diffusion_loss(run.model, x, mask_id, run.cfg.dlm_shift, diagnostics=True)
-        return loss, {k: info[k] for k in ("ratio_mask", "ratio_other")}
-    return dlm_loss
 
 
 # where docs/gpu-node.md prepares FineWeb-Edu for the CUDA preset
@@ -135,6 +105,10 @@ def resolve_data(cfg):
     sources = {shipped_dir(p, cfg) if p in SHIPPED and not os.path.isdir(p) else p: w
                for p, w in (parse_data(cfg.data) or default_data(cfg)).items()}
     for path in sources:
+        try:
+            prepare.check_not_mid_swap(path)  # a dataset left between the two renames of a re-run: say where it is
+        except ValueError as e:
+            die(str(e))
         if not os.path.exists(os.path.join(path, "meta.json")):
             die(f"{path}: no meta.json; make shards with: python -m tools.prepare --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
         try:
@@ -166,7 +140,7 @@ def make_loaders(cfg, rt, resume):
                                               order="sequential"), w / total)
                        for name, (d, w) in zip(names, sources.items())}
         if resume is not None:
-            train_loader.load_state_dict(resume["loader"])
+            train_loader.load_state_dict(prepare.upgrade_loader_state(resume["loader"], train_loader))
     except ValueError as e:
         die(str(e))
     have = [data.read_meta(d).get("train_tokens") for d in sources]
@@ -182,27 +156,26 @@ def make_teachers(cfg, paths, student_conf, device):
     """Stage 3: the frozen full-precision teachers (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
     With every distillation weight 0 there is no teacher: ([], crit), plain CE, the control run."""
     try:
-        crit = BitDistillLoss(cfg.distill_preset, lambda_ld=None if cfg.distill_lambda < 0 else cfg.distill_lambda,
-                              gamma_ad=None if cfg.distill_gamma < 0 else cfg.distill_gamma,
-                              delta_hidden=cfg.distill_hidden, temperature=cfg.distill_tau,
+        crit = BitDistillLoss(cfg.distill_preset, kd_logits=None if cfg.kd_logits < 0 else cfg.kd_logits,
+                              kd_relation=None if cfg.kd_relation < 0 else cfg.kd_relation,
+                              kd_hidden=cfg.kd_hidden, temperature=cfg.distill_tau,
                               n_relation_heads=cfg.distill_relation_heads, distill_layer=cfg.distill_layer,
                               teacher_weights=parse_teacher_weights(cfg, len(paths)))
     except ValueError as e:
         die(str(e), 2)
-    if crit.lambda_ld == crit.gamma_ad == crit.delta_hidden == 0:
+    if crit.kd_logits == crit.kd_relation == crit.kd_hidden == 0:
         return [], crit
     return [_load_teacher(cfg, crit, p, student_conf, device, first=i == 0) for i, p in enumerate(paths)], crit
 
 
 def _load_teacher(cfg, crit, path, student_conf, device, first):
-    ckpt = checkpoint.load(path)
-    if not ckpt["model_args"].get("causal", True):
+    check_input("--teacher", path)  # a GGUF or an HF export: named as such
+    if not checkpoint.load(path, ("model_args",), mmap=True)["model_args"].get("causal", True):
         die(f"{path}: a masked-diffusion model (--stage=dlm) cannot be a teacher: stage 3 distils next-token "
             f"predictions; pass a stage-1 (or any autoregressive) checkpoint as --teacher", 2)
-    tconf = GPTConfig(**ckpt["model_args"])
+    teacher, _ = load_gpt(path)
+    tconf = teacher.config
     check_teacher(cfg, crit, student_conf, tconf, path, first)  # shapes that would only fail at the first step
-    teacher = GPT(tconf)
-    checkpoint.load_weights(teacher, ckpt["model"], path)
     teacher.requires_grad_(False).eval().to(device)
     if device.startswith("cuda"):
         teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
@@ -212,7 +185,8 @@ def _load_teacher(cfg, crit, path, student_conf, device, first):
 
 
 def configure_optimizer(model, cfg, device_type, process_group=None):
-    """muon: Muon for the 2-D hidden matrices, AdamW for embeddings/head (decayed) and norm gains (not);
+    """muon: one muon.Muon whose groups are tagged muon (the 2-D hidden matrices) or adamw (embeddings and head,
+    decayed; norm gains, not);
     adamw: AdamW for all, weight decay on matrices only. Every group records its initial lr and wd.
     process_group (DDP): the ranks that share out Muon's Newton-Schulz work (FSDP2 params bring their own)."""
     fused = device_type == "cuda" and not cfg.fsdp  # fused AdamW over DTensor shards: not tried, so not used
@@ -221,10 +195,6 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
                              adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
                              adamw_betas=(cfg.beta1, cfg.beta2), fused=fused, process_group=process_group,
                              ns_dtype=torch.bfloat16 if device_type == "cuda" else torch.float32)
-        if cfg.normuon or cfg.muon_state != "fp32":  # the same groups, stepped by NorMuon / 8-bit Muon
-            from lessons.muon_variants import MuonVariant
-            opt.muon = MuonVariant(opt.muon.param_groups, normuon=cfg.normuon, state=cfg.muon_state,
-                                   ns_dtype=opt.muon.ns_dtype)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -235,56 +205,8 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
     return opt
 
 
-def make_average(cfg, rt, resume, out_dir):
-    """--avg_checkpoints: the checkpoint average (lessons/averaging.py), restored from resume when it holds one."""
-    if not cfg.avg_checkpoints:
-        return None
-    if cfg.fsdp and rt.world > 1:
-        die("--avg_checkpoints with --fsdp=True: averaging sharded weights is not implemented; use DDP", 2)
-    average = CheckpointAverage(cfg.avg_checkpoints, avg_interval(cfg), cfg.avg_alpha, cfg.max_iters)
-    if resume is not None and resume.get("average"):
-        average.load_state_dict(resume["average"], rt.device)
-    rt.log(f"checkpoint averaging: EMA (alpha {cfg.avg_alpha}) of the weights at steps {average.steps()}, "
-           f"saved as {os.path.join(out_dir, checkpoint.AVERAGED)}")
-    return average
-
-
-
 # -----------------------------------------------------------------------------
-# the step's host read, the optimizer step, saving
-
-
-def read_step(run, loss, stats, stop_requested, parts, top=None):
-    """The one host read per step: the loss averaged over ranks, whether any rank got a stop signal, the
-    clipping statistics and (stage 3) the loss terms, all in one tensor. Every rank gets the same numbers,
-    so all take the same branch afterwards."""
-    reduced = run.rt.all_reduce_(torch.stack([loss, torch.tensor(float(stop_requested), device=loss.device)]))
-    names = [] if parts is None else [k for k in parts if k != "loss"]  # stage 3: ce ld ad hidden; dlm: ratios
-    extra = [parts[k].detach().float().reshape(1) for k in names]
-    values = torch.cat([reduced / torch.tensor([run.rt.world, 1.0], device=loss.device)] +
-                       [stats[k].reshape(1).float() for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")]
-                       + extra + ([] if top is None else [top.float().reshape(1)])).tolist()
-    out = dict(zip(("loss", "stop", *STAT_KEYS), values))
-    out["stop"] = bool(out["stop"])
-    if parts is not None:
-        out["parts"] = dict(zip(names, values[6:6 + len(names)]))
-    if top is not None:
-        out["max_logit"] = values[-1]
-    return out
-
-
-def optimizer_step(optimizer, rt, timed):
-    """Step; with timed=True also return the milliseconds of Muon's part (synchronising on CUDA)."""
-    if not timed or not hasattr(optimizer, "muon"):
-        return optimizer.step()  # None
-    sync = torch.cuda.synchronize if rt.device_type == "cuda" else (lambda: None)
-    sync()
-    t = time.perf_counter()
-    optimizer.muon.step()
-    sync()
-    muon_ms = 1000 * (time.perf_counter() - t)
-    optimizer.adamw.step()
-    return muon_ms
+# saving
 
 
 def save(run, step):
@@ -329,11 +251,21 @@ def lost_rank(run, e):
 # -----------------------------------------------------------------------------
 # evaluation and the log lines
 
-DLM_EVAL_SEED = 1234  # the masks of every DLM evaluation
 EVAL_PROGRESS_S = 10.0  # a whole-split evaluation prints a progress line this often
 
-STAT_KEYS = ("grad_norm_raw", "grad_norm", "clipped", "z")  # as logged, from ZClip's raw_norm, clipped_norm, ...
 
+def evaluate(run, step, lam, whole):
+    """Evaluate, log the line and the metrics.jsonl record, and return the val loss (mixing-weighted over the
+    sources). With --avg_checkpoints the average is evaluated beside the weights."""
+    val_loss, by_source = estimate_val_loss(run, whole)
+    rec = {"step": step, "val_loss": val_loss, "lambda": lam, "whole_val": whole}
+    if len(by_source) > 1:
+        rec["val_loss_by_source"] = by_source
+    if run.average is not None and run.average.count:
+        with run.average.swapped_in(run.model):
+            rec["val_loss_avg"] = estimate_val_loss(run, whole)[0]
+    log_eval(run, rec)
+    return val_loss
 
 
 @torch.no_grad()
@@ -345,36 +277,33 @@ def estimate_val_loss(run, whole=False):
     model, rt = run.model, run.rt
     model.eval()
     by_source = {}
-    gen = None if model.config.causal else torch.Generator(device=rt.device).manual_seed(DLM_EVAL_SEED)
+    loss_fn = run.eval_loss(run) if run.eval_loss else (lambda x, y: run.train_model(x, y)[1])
     for name, (loader, _) in run.val_loaders.items():
         loader.reset()
         iters = -(-run.cfg.eval_iters // loader.world_size)
         batches = loader.sweep() if whole else (loader.next_batch() for _ in range(iters))
-        sums = torch.zeros(2, device=rt.device)  # (sum of token losses, tokens)
         total = -(-len(loader.windows[0][0]) // (loader.B * loader.world_size)) if whole else iters
-        t0 = last = time.time()
-        for i, (x, y) in enumerate(batches):
-            if whole and i and time.time() - last >= EVAL_PROGRESS_S:  # a long whole-split evaluation shows progress
-                last = time.time()
-                rt.log(f"  evaluating {name}: batch {i} of {total}, {(last - t0) * (total - i) / i:.0f}s left")
-            x, y = x.to(rt.device), y.to(rt.device)
-            n = (y != -1).sum()
-            with run.autocast:
-                loss = run.train_model(x, y)[1].float() if gen is None else _dlm_loss(run, x, y, gen)
-            sums += torch.stack([torch.where(n > 0, loss * n, 0.0), n.float()])  # an all-padding batch adds 0
+        progress = Progress(rt, name, total) if whole else None  # a long whole-split evaluation shows progress
+        with run.autocast:
+            sums = token_loss_sums(loss_fn, batches, rt.device, progress)
         rt.all_reduce_(sums)
         by_source[name] = (sums[0] / sums[1]).item()
     model.train()
     return sum(w * by_source[n] for n, (_, w) in run.val_loaders.items()), by_source
 
 
-def _dlm_loss(run, x, y, gen):
-    """The masked-diffusion loss of the rows of x that are real windows (a sweep pads with rows of targets -1)."""
-    rows = (y != -1).all(dim=1)
-    if not rows.any():
-        return torch.zeros((), device=x.device)
-    mask_id = run.model.config.vocab_size - 1
-    return dlm.masked_diffusion_loss(run.model, x[rows], mask_id, run.cfg.dlm_shift, generator=gen)[0].float()
+class Progress:
+    """A line every EVAL_PROGRESS_S seconds of a whole-split evaluation: the batch, of how many, time left."""
+
+    def __init__(self, rt, name, total):
+        self.rt, self.name, self.total, self.t0 = rt, name, total, time.time()
+        self.last = self.t0
+
+    def __call__(self, i):
+        if i and time.time() - self.last >= EVAL_PROGRESS_S:
+            self.last = time.time()
+            left = (self.last - self.t0) * (self.total - i) / i
+            self.rt.log(f"  evaluating {self.name}: batch {i} of {self.total}, {left:.0f}s left")
 
 
 def log_eval(run, rec):
@@ -390,23 +319,27 @@ def log_eval(run, rec):
 
 
 def log_step(run, step, out, n_bad, bad_run, timer):
+    """The step's log line and metrics.jsonl record: the loss, lr, lambda, the clipping statistics under their
+    names in zclip.py (raw_norm, clipped_norm, was_clipped, z_score), speed, and what the loss and the callbacks
+    added (stage 3's loss terms, QK-clip's max_logit, the DLM's outlier ratios)."""
     lam = out["lam"]
     if not out["ok"]:
-        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['grad_norm_raw']} not finite, no "
+        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['raw_norm']} not finite, no "
                    f"update ({bad_run} in a row, {n_bad} in all; max_bad_steps={run.cfg.max_bad_steps})")
         run.rt.log_json(run.out_dir, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": n_bad})
         return
     dt = timer.lap()
     tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
-    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam,
-           **{k: out[k] for k in STAT_KEYS}, "ms": 1000 * dt, "tok_per_s": tokens / dt,
-           "muon_ms": out["muon_ms"], "bad_steps": n_bad, **out.get("parts", {}),
-           **({"max_logit": out["max_logit"]} if "max_logit" in out else {})}
-    rec["clipped"] = int(rec["clipped"])
-    parts = out.get("parts")
-    run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | grad norm "
-               f"{rec['grad_norm_raw']:.3f} -> {rec['grad_norm']:.3f} (clipped {rec['clipped']}, z {rec['z']:.2f}) | "
+    extra = {k: v for k, v in out.items() if k not in ("loss", "stop", "ok", "lam", "lr")}
+    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam, **extra, "ms": 1000 * dt,
+           "tok_per_s": tokens / dt, "bad_steps": n_bad}
+    clip = {"raw_norm", "clipped_norm", "was_clipped", "z_score"}
+    if "was_clipped" in rec:
+        rec["was_clipped"] = int(rec["was_clipped"])
+    line = f"grad norm {rec['raw_norm']:.3f} -> {rec['clipped_norm']:.3f}"
+    if "z_score" in rec:
+        line += f" (clipped {rec['was_clipped']}, z {rec['z_score']:.2f})"
+    run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | {line} | "
                f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
-               (f" | max logit {rec['max_logit']:.1f}" if "max_logit" in rec else "") +
-               (" | " + " ".join(f"{k} {v:.4f}" for k, v in parts.items()) if parts else ""))
+               "".join(f" | {k} {v:.4f}" for k, v in extra.items() if k not in clip))
     run.rt.log_json(run.out_dir, rec)

@@ -47,9 +47,10 @@ import numpy as np
 import data
 from tokenizer import TOKENIZERS, get_tokenizer
 from lessons import clean
+from tools.common import ROOT
 from tools.flags import die, parse
 
-DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # shipped assets, default outputs
+DATA_DIR = os.path.join(ROOT, "data")  # shipped assets, default outputs
 SHAKESPEARE = os.path.join(DATA_DIR, "shakespeare.jsonl.gz")
 PYTHON = os.path.join(DATA_DIR, "python.jsonl.gz")
 # the shipped corpora (data/README.md): name -> (file, default --clean). The plays are deduplicated but not
@@ -430,7 +431,7 @@ def _check_out_dir(out_dir):
 def _swap(new, out):
     """Replace directory out by directory new (same parent) with two renames. A kill between the two leaves
     out missing, the old dataset complete at .<name>.old_* and the new one at .<name>.tmp_*: the next run's
-    _recover renames the old one back; the loader meanwhile names it (data._check_not_mid_swap)."""
+    _recover renames the old one back; check_not_mid_swap says where it is meanwhile."""
     old = os.path.join(os.path.dirname(out), os.path.basename(new).replace(".tmp_", ".old_", 1))
     for _ in range(10):  # retried only when another tools/prepare.py swaps the same out (nodes sharing a disk)
         try:
@@ -505,6 +506,39 @@ def _recover(out):
         stale.remove(old[-1])
     for n in stale:
         shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
+
+
+def check_not_mid_swap(d):
+    """For a reader that finds no dataset d: if a tools/prepare.py was killed between _swap's two renames, raise
+    a ValueError saying where the previous dataset is (the next tools/prepare.py run restores it, _recover)."""
+    parent, name = os.path.split(os.path.abspath(d))
+    if os.path.exists(d) or not os.path.isdir(parent):
+        return
+    old = sorted(n for n in os.listdir(parent) if n.startswith(f".{name}.old_"))
+    if old:
+        old = os.path.join(parent, old[-1])
+        raise ValueError(f"{d}: missing, but {old} holds its previous dataset (a tools/prepare.py was killed while "
+                         f"replacing it); restore it: mv {old} {d} (or re-run tools/prepare.py, which restores it first)")
+
+# -----------------------------------------------------------------------------
+# a loader state of a checkpoint from before data orders existed (data.DataLoader refuses it as it is)
+
+
+def upgrade_loader_state(sd, loader):
+    """sd (a data.DataLoader.state_dict()) as the loader reads it today. A state written before data orders
+    existed holds "pos", [shard, offset] per source, read in shard order: it becomes order "sequential" with
+    cursor = the number of that window, so it resumes at the same place. Any other state is returned as it is."""
+    if "pos" not in sd:
+        return sd
+    if len(sd["pos"]) != len(loader.dirs):
+        raise ValueError(f"loader state {sd['pos']} does not fit the {len(loader.dirs)} source(s) of this run")
+    for s, (k, off) in enumerate(sd["pos"]):
+        if not 0 <= k < len(loader.shards[s]):
+            raise ValueError(f"loader state points at shard {k} of {loader.dirs[s]}, which has "
+                             f"{len(loader.shards[s])} {loader.split} shards; was the data prepared again?")
+    first = [np.concatenate([[0], np.cumsum([(n - 1) // loader.T for n in ns])]) for ns in loader.lengths]
+    cursor = [int(first[s][k]) + off // loader.T for s, (k, off) in enumerate(sd["pos"])]
+    return dict({k: v for k, v in sd.items() if k != "pos"}, order="sequential", span=0, cursor=cursor)
 
 # -----------------------------------------------------------------------------
 

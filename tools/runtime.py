@@ -11,17 +11,16 @@ GPUs, gloo between CPU processes. Only rank 0 prints and writes files; every ran
     rt.start()                      # joins the process group (nothing to do for one process)
     rt.log("only rank 0 prints")    # and rt.log_json(out_dir, record) appends to out_dir/metrics.jsonl
     rt.barrier()                    # wait for every rank
-    train_model = rt.wrap(model, fsdp=False, compile=False)   # what the training step calls
+    train_model = rt.wrap(model, fsdp=False, compile=False, front=WithStates)   # what the step calls
     rt.close()
 
 DDP keeps a whole model per rank and all-reduces gradients; FSDP2 (fsdp=True) shards parameters, gradients and
 optimizer state by rows and gathers each block's weights just before it runs. Both reduce gradients only on the
-last micro-batch of a step (grad_sync).
+last micro-batch of a step (train.py's grad_sync).
 
 Used by train.py; tested by tests/test_scale.py (2 gloo processes on CPU).
 """
 
-import contextlib
 import json
 import os
 import time
@@ -101,9 +100,9 @@ class Runtime:
         if self.world > 1:
             dist.destroy_process_group()
 
-    def wrap(self, model, fsdp, compile):
-        """The module the training step calls: model (a GPT) behind WithStates, compiled if asked, in DDP
-        (world > 1) or sharded by FSDP2 (fsdp=True: fully_shard each block, then the root)."""
+    def wrap(self, model, fsdp, compile, front):
+        """The module the training step calls: front(model) (train.py's WithStates around a GPT), compiled if
+        asked, in DDP (world > 1) or with model sharded by FSDP2 (fsdp=True: fully_shard each block, then the root)."""
         if fsdp and self.world > 1:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -114,7 +113,7 @@ class Runtime:
             register_fsdp_forward_method(model, "forward_with_states")  # gathers the weights for it too
         elif fsdp:
             self.log("--fsdp=True in one process: nothing to shard, training unsharded")
-        train_model = WithStates(model)
+        train_model = front(model)
         train_model = torch.compile(train_model) if compile else train_model
         if self.world > 1 and not fsdp:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -122,14 +121,6 @@ class Runtime:
             train_model = DDP(train_model, device_ids=[self.local_rank] if self.device_type == "cuda" else None,
                               broadcast_buffers=False)
         return train_model
-
-    def grad_sync(self, train_model, model, last):
-        """Reduce gradients on the last micro-batch of a step only: DDP's no_sync(), FSDP2's switch."""
-        if hasattr(train_model, "no_sync"):
-            return contextlib.nullcontext() if last else train_model.no_sync()
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(last)
-        return contextlib.nullcontext()
 
     def replica_group(self, fsdp):
         """DDP's process group (Muon shares out its Newton-Schulz work over it); None for one process or FSDP2,
@@ -153,22 +144,14 @@ class StepTimer:
         return dt
 
 
-class WithStates(torch.nn.Module):
-    """Calls model(x, y) -> (logits, loss), or with keywords model.forward_with_states(x, y, **kw) -> (logits,
-    loss, states). DDP and torch.compile wrap a module's forward only, so the distillation states must come
-    through a forward: this one."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x, y, **kw):
-        return self.model.forward_with_states(x, y, **kw) if kw else self.model(x, y)
+# the clipping statistics' names in step records written before they took zclip.py's names
+OLD_NAMES = {"grad_norm_raw": "raw_norm", "grad_norm": "clipped_norm", "clipped": "was_clipped", "z": "z_score"}
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl as log_json writes them. A torn last line (a run killed while writing it) is
-    left out; an earlier line that is not a JSON object raises ValueError naming the file and the line."""
+    """The records of a metrics.jsonl as log_json writes them (older step records' clipping statistics under
+    today's names). A torn last line (a run killed while writing it) is left out; an earlier line that is not a
+    JSON object raises ValueError naming the file and the line."""
     with open(path, errors="replace") as f:
         lines = f.read().split("\n")  # a complete file ends with "\n": its last item is ""
     recs = []
@@ -180,7 +163,7 @@ def read_metrics(path):
         except ValueError as e:
             rec = e
         if isinstance(rec, dict):
-            recs.append(rec)
+            recs.append({OLD_NAMES.get(k, k): v for k, v in rec.items()})
         elif i < len(lines):
             raise ValueError(f"{path}, line {i}: not a JSON object ({rec}); repair or delete that line")
     return recs

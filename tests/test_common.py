@@ -1,0 +1,245 @@
+"""tools/common.py: a write that fails or is stopped leaves the old file (or directory) whole and no temporary one;
+file_kind tells every kind of output apart; check_output refuses what would lose a file; StopSignal; load_gpt builds
+the same model from a checkpoint, an average or a packed export, loads old checkpoints, and names what is not one.
+Run: python -m pytest tests/test_common.py"""
+
+import dataclasses
+import errno
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import fails
+from kernels.packed_linear import freeze_ternary
+from model import GPT, GPTConfig
+from tools import checkpoint, common, export
+
+TINY = GPTConfig(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_embd=32)  # the byte tokenizer's vocabulary
+
+
+def test_root_is_the_repository():
+    assert common.ROOT == os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert os.path.exists(os.path.join(common.ROOT, "train.py"))
+
+# -----------------------------------------------------------------------------
+# atomic_write, atomic_dir
+
+
+def test_atomic_write_replaces_the_file_only_when_the_write_completes(tmp_path):
+    path = str(tmp_path / "f")
+    open(path + ".tmp", "w").write("stale")  # what a killed writer left: removed first
+    with common.atomic_write(path) as tmp:
+        assert tmp == path + ".tmp" and not os.path.exists(tmp)
+        open(tmp, "w").write("old")
+    assert open(path).read() == "old" and os.listdir(tmp_path) == ["f"]
+    for error in (OSError(errno.ENOSPC, "No space left on device"), RuntimeError("unexpected pos 64 vs 0"),
+                  KeyboardInterrupt(), SystemExit(1)):
+        with pytest.raises(type(error)):
+            with common.atomic_write(path) as tmp:
+                open(tmp, "w").write("half")
+                raise error
+        assert open(path).read() == "old" and os.listdir(tmp_path) == ["f"], error  # the old file whole, no .tmp
+
+
+def test_atomic_dir_swaps_in_the_whole_directory_or_nothing(tmp_path):
+    path = str(tmp_path / "d")
+    with common.atomic_dir(path) as tmp:
+        open(os.path.join(tmp, "a"), "w").write("1")
+    assert os.listdir(path) == ["a"] and os.stat(path).st_mode & 0o777 == 0o777 & ~_umask()  # not mkdtemp's 0700
+    with pytest.raises(OSError):
+        with common.atomic_dir(path) as tmp:
+            open(os.path.join(tmp, "b"), "w").write("2")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert os.listdir(path) == ["a"] and os.listdir(tmp_path) == ["d"]
+    with common.atomic_dir(path) as tmp:
+        open(os.path.join(tmp, "b"), "w").write("2")
+    assert os.listdir(path) == ["b"] and os.listdir(tmp_path) == ["d"]  # the old directory is gone, not merged
+
+
+def test_atomic_dir_puts_the_old_directory_back_when_the_second_rename_fails(tmp_path, monkeypatch):
+    path, renames = str(tmp_path / "d"), []
+    os.mkdir(path)
+    open(os.path.join(path, "a"), "w").write("1")
+    real = os.rename
+
+    def second_fails(src, dst):
+        renames.append(dst)
+        if len(renames) == 2:  # path -> .d.old-<pid> went through; tmp -> path does not
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+    monkeypatch.setattr(os, "rename", second_fails)
+    with pytest.raises(OSError):
+        with common.atomic_dir(path) as tmp:
+            open(os.path.join(tmp, "b"), "w").write("2")
+    monkeypatch.undo()
+    assert renames[0] != path and os.listdir(path) == ["a"] and os.listdir(tmp_path) == ["d"]
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+# -----------------------------------------------------------------------------
+# file_kind and check_output
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A training checkpoint (ckpt.pt, with its hard link ckpt_000000.pt), an average and a packed export of TINY."""
+    d = tmp_path_factory.mktemp("common")
+    torch.manual_seed(0)
+    model = GPT(TINY).eval()
+    ckpt = {"step": 0, "model_args": dataclasses.asdict(TINY), "model": model.state_dict(),
+            "config": {"tokenizer": "byte"}}
+    checkpoint.save(ckpt, str(d))
+    torch.save({**ckpt, "averaged": {"steps": [0], "alpha": 0.0}}, d / "avg.pt")
+    frozen = GPT(TINY).eval()
+    frozen.load_state_dict(model.state_dict())
+    obj = export.packed_state(freeze_ternary(frozen), "byte")
+    torch.save({**obj, "source": str(d / "ckpt.pt")}, d / "packed.pt")
+    return d, model
+
+
+def test_file_kind_tells_every_output_apart(saved, tmp_path):
+    d, model = saved
+    assert common.file_kind(str(d / "ckpt.pt")) == ("checkpoint", None)
+    assert common.file_kind(str(d / "avg.pt")) == ("average", None)
+    assert common.file_kind(str(d / "packed.pt")) == ("packed", str(d / "ckpt.pt"))
+    export.write_gguf(model, "byte", str(tmp_path / "m.gguf"), source="/runs/a/ckpt.pt")
+    assert common.file_kind(str(tmp_path / "m.gguf")) == ("gguf", "/runs/a/ckpt.pt")
+    hf = str(tmp_path / "hf")
+    export.write_hf(model, "byte", hf, source="/runs/a/ckpt.pt")
+    assert common.file_kind(hf) == ("hf", "/runs/a/ckpt.pt")
+    assert common.file_kind(os.path.join(hf, "model.safetensors")) == ("hf-file", hf)
+    os.rename(os.path.join(hf, "model.safetensors"), tmp_path / "model.safetensors")  # outside an export of ours
+    assert common.file_kind(str(tmp_path / "model.safetensors"))[0] == "safetensors"
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "notes.txt").write_text("words\n")
+    (tmp_path / "bytes").write_bytes(bytes(range(256)))
+    assert [common.file_kind(str(tmp_path / n))[0] for n in ("metrics.jsonl", "notes.txt", "bytes")] == [
+        "metrics", "text", "other"]
+    assert common.file_kind(str(tmp_path)) == ("directory", None)
+
+
+def test_check_output_refuses_the_input_another_kind_and_another_source(saved, tmp_path, capsys):
+    d, _ = saved
+    ckpt, numbered, packed = str(d / "ckpt.pt"), str(d / "ckpt_000000.pt"), str(d / "packed.pt")
+    src = os.path.abspath(ckpt)
+
+    def refusal(path, kind, source=src, overwrite=False, code=2):
+        return fails(capsys, code=code, main=lambda argv: common.check_output(
+            "--out", path, kind, source, overwrite, [("--ckpt", ckpt)]))
+    for overwrite in (False, True):
+        assert "same file as --ckpt" in refusal(numbered, "packed", overwrite=overwrite)  # a hard link of the input
+        msg = refusal(str(d / "avg.pt"), "packed", overwrite=overwrite)  # another kind: never
+        assert "checkpoint average" in msg and "another kind" in msg
+    common.check_output("--out", packed, "packed", src)  # made from the same checkpoint: a re-export replaces it
+    msg = refusal(packed, "packed", source="/elsewhere/ckpt.pt")
+    assert "another checkpoint" in msg and ckpt in msg and "--overwrite=True" in msg
+    common.check_output("--out", packed, "packed", "/elsewhere/ckpt.pt", True)  # asked for
+    msg = refusal(str(tmp_path / "no" / "packed.pt"), "packed", code=1)
+    assert "does not exist" in msg and "mkdir -p" in msg
+    assert "is a directory" in refusal(str(tmp_path), "packed")
+    common.check_output("--out", str(tmp_path / "new.pt"), "packed", src)  # nothing there: fine
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt.pt").write_bytes(open(ckpt, "rb").read())
+    msg = fails(capsys, code=2, main=lambda argv: common.check_output(
+        "--out", str(tmp_path), "hf", src, True, [("--ckpt", str(run / "ckpt.pt"))]))
+    assert "holds --ckpt" in msg  # swapping in a new directory there would delete the checkpoint
+
+# -----------------------------------------------------------------------------
+# StopSignal and stoppable
+
+
+def _signal(sig):
+    os.kill(os.getpid(), sig)
+    time.sleep(0.01)
+
+
+def test_stop_signal_is_a_flag_then_stops_at_once_and_can_pass_signals_on():
+    before = signal.getsignal(signal.SIGTERM)
+    with common.StopSignal() as stop:
+        _signal(signal.SIGINT)
+        _signal(signal.SIGTERM)  # another kind (torchrun's SIGTERM after a Ctrl-C): not an abort
+        assert stop.requested == "SIGINT"
+        with pytest.raises(common.Interrupted) as e:
+            _signal(signal.SIGINT)
+        assert e.value.signum == signal.SIGINT and e.value.code.startswith("error: second SIGINT")
+    assert signal.getsignal(signal.SIGTERM) is before
+    passed = []
+    with common.StopSignal(forward=lambda s: passed.append(s) or True) as stop:
+        _signal(signal.SIGTERM)
+        _signal(signal.SIGTERM)  # passed on both times: the child decides
+    assert passed == [signal.SIGTERM] * 2 and stop.requested == "SIGTERM"
+    with pytest.raises(common.Interrupted, match="SIGTERM: before anything"):
+        with common.StopSignal(at_once="before anything"):
+            _signal(signal.SIGTERM)
+
+
+def test_stoppable_says_whether_the_output_was_written(tmp_path, capsys):
+    path = str(tmp_path / "f")
+    open(path, "w").write("old")
+
+    def stopped(argv, commit):
+        with common.stoppable("--out", path):
+            with common.atomic_write(path) as tmp:
+                open(tmp, "w").write("new")
+                if not commit:
+                    _signal(signal.SIGTERM)
+            if commit:
+                _signal(signal.SIGTERM)
+    msg = fails(capsys, code=128 + signal.SIGTERM, main=lambda argv: stopped(argv, False))
+    assert "SIGTERM" in msg and f"--out={path} is unchanged" in msg and open(path).read() == "old"
+    msg = fails(capsys, code=128 + signal.SIGTERM, main=lambda argv: stopped(argv, True))
+    assert "written whole" in msg and open(path).read() == "new" and os.listdir(tmp_path) == ["f"]
+
+# -----------------------------------------------------------------------------
+# load_gpt
+
+
+def test_load_gpt_builds_the_same_model_from_a_checkpoint_an_average_and_an_export(saved):
+    d, model = saved
+    idx = torch.randint(0, 257, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(idx, idx)[0]
+        for name in ("ckpt.pt", "avg.pt", "packed.pt"):
+            got, obj = common.load_gpt(str(d / name))
+            assert not got.training and common.saved_tokenizer(obj) == "byte"
+            assert torch.allclose(got(idx, idx)[0], want, atol=1e-5), name  # packed: integer path, same codes
+
+
+def test_load_gpt_loads_a_checkpoint_with_model_args_an_older_version_wrote(saved, tmp_path):
+    d, model = saved
+    ckpt = torch.load(d / "ckpt.pt", weights_only=True)
+    ckpt["model_args"] = dict(ckpt["model_args"], track_max_logit=True, max_logit_rows=1)  # before QK-clip's hook
+    torch.save(ckpt, tmp_path / "old.pt")
+    got, _ = common.load_gpt(str(tmp_path / "old.pt"))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in got.state_dict().items())
+
+
+def test_load_gpt_names_what_is_not_a_checkpoint_and_which_program_reads_it(saved, tmp_path):
+    """Issue 35: a GGUF file, an HF export directory, model.safetensors or nanobitnet.json was called "corrupt or
+    truncated" (or a KeyError)."""
+    d, model = saved
+    ckpt = str(d / "ckpt.pt")
+    gguf, hf = str(tmp_path / "model.gguf"), str(tmp_path / "hf")
+    export.write_gguf(model, "byte", gguf, source=ckpt)
+    export.write_hf(model, "byte", hf, source=ckpt)
+    cases = {gguf: ("GGUF", "llama.cpp"), hf: ("HF export directory", "from_pretrained"),
+             os.path.join(hf, "model.safetensors"): ("HF export directory", "from_pretrained"),
+             os.path.join(hf, "nanobitnet.json"): ("HF export directory", "from_pretrained")}
+    for path, facts in cases.items():
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            common.load_gpt(path)
+        msg = str(e.value)
+        assert path in msg and all(f in msg for f in facts) and ckpt in msg and "corrupt" not in msg, msg
+    with pytest.raises(checkpoint.CheckpointError, match="train one first"):
+        common.load_gpt(str(tmp_path / "missing.pt"))
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt or truncated"):
+        common.load_gpt(str(tmp_path / "bad.pt"))
