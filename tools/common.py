@@ -466,3 +466,40 @@ def whole_val_loss(model, shard_dir, batch_size=16, device="cpu"):
     if n == 0:
         raise ValueError(f"{shard_dir}: no val window of {model.config.block_size + 1} tokens")
     return total / n, int(n)
+
+
+# -----------------------------------------------------------------------------
+# pretrained models: where --init_from, --teacher and --tokenizer name one instead of a checkpoint of ours
+
+
+def is_model_source(name):
+    """True when name is a pretrained model as published (GPT.from_pretrained takes it): a GGUF file, a Hugging
+    Face model directory (config.json), or a hub id ("org/name", not a path on this machine)."""
+    if not name or name in ("auto", "scratch", "byte", "gpt2"):
+        return False
+    if os.path.isfile(name):
+        return name.endswith(".gguf")
+    if os.path.isdir(name):  # a model (config.json) or a tokenizer alone (for --tokenizer)
+        return any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "tokenizer.json",
+                                                                    "tokenizer_config.json")) and not hf_marker(name)
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.endswith((".pt", ".gguf", ".bin")) and not name.startswith(".")
+
+
+def same_source(a, b):
+    """Whether two tokenizer or model names are the same one: equal names, or two paths to the same file or folder."""
+    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+
+
+def source_slug(name):
+    """A file-name-safe short name of a tokenizer or model source: byte and gpt2 as they are, a model by its last
+    part without the extension and a hash of where it is (two models of one name do not share shards):
+    data/models/SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct.Q4_1-<8 hex digits>."""
+    import hashlib
+    import re
+    if name in ("byte", "gpt2"):
+        return name
+    base = os.path.basename(os.path.normpath(name))
+    base = base[:-len(".gguf")] if base.endswith(".gguf") else base
+    where = os.path.realpath(name) if os.path.exists(name) else name
+    return (re.sub(r"[^A-Za-z0-9._-]+", "-", base) or "model") + "-" + hashlib.sha1(where.encode()).hexdigest()[:8]

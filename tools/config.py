@@ -18,6 +18,7 @@ import torch
 
 from model import GPTConfig
 from tools import checkpoint
+from tools.common import is_model_source
 from tools.flags import die, parse, to_bool
 
 @dataclass
@@ -33,7 +34,7 @@ class TrainConfig:
                                  # or a path (stage 1: an fp checkpoint, SubLN is inserted if it has none); or "scratch"
     seed: int = 1337             # seeds the weights, the data order and every random draw
     # data
-    tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
+    tokenizer: str = "byte"      # byte (257 ids), gpt2 (50257 ids), or a pretrained model's (default: --init_from's)
     data: str = ""               # shard dir or shipped corpus (shakespeare, python), or "dirA:0.7,python:0.3" to mix;
                                  # "" = shakespeare
     data_order: str = "shuffle"  # shuffle | sequential | curriculum (easy-to-hard over this run's rows);
@@ -44,6 +45,8 @@ class TrainConfig:
     n_embd: int = 128            # model width
     block_size: int = 256        # context length in tokens
     subln: bool = True           # SubLN: an RMSNorm before each attention output and FFN down projection (BitDistill)
+    subln_gain: str = "unit"     # inserted into a pretrained model (--init_from): unit (the paper) or calibrated
+                                 # (each gain the mean rms of its input, so the fp model's function barely changes)
     doc_mask: bool = False       # attend within documents only (model.document_mask)
     pad_vocab: bool = False      # round the vocabulary up to a multiple of 64 (faster matmuls on GPU)
     # batch and length
@@ -181,6 +184,10 @@ def build_config(overrides, base=None):
         cfg.update(SCHEDULE_PRESETS.get(overrides.get("schedule"), {}))
         cfg["device"] = device
     cfg.update(overrides)
+    if not base and "tokenizer" not in overrides:  # a pretrained model brings its own tokenizer
+        model = next((m for m in (overrides.get("init_from"), overrides.get("teacher", "").split(",")[0])
+                      if is_model_source(m)), None)
+        cfg["tokenizer"] = model or cfg.get("tokenizer", TrainConfig.tokenizer)
     cfg = TrainConfig(**cfg)
     check_config(cfg)
     return cfg
@@ -189,7 +196,10 @@ def build_config(overrides, base=None):
 def check_config(cfg):
     """Every field's range in one place, checked before any data is tokenised or any model built: a value
     that would train nonsense (a negative lr, no layers, a NaN) stops here with one line naming the flag."""
-    choices = dict(stage=(1, 2, 3, DLM), dlm_mask_init=("mean", "random"), tokenizer=("byte", "gpt2"), schedule=("cosine", "wsd", "moderate", "constant"),
+    if cfg.tokenizer not in ("byte", "gpt2") and not is_model_source(cfg.tokenizer):
+        die(f"--tokenizer={cfg.tokenizer}: expected byte, gpt2, or a pretrained model's (a Hugging Face directory, "
+            f"a hub id or a .gguf file; by default --init_from's)", 2)
+    choices = dict(stage=(1, 2, 3, DLM), dlm_mask_init=("mean", "random"), subln_gain=("unit", "calibrated"), schedule=("cosine", "wsd", "moderate", "constant"),
                    data_order=("sequential", "shuffle", "curriculum"), optimizer=("muon", "adamw"),
                    muon_state=("fp32", "linear8", "dynamic8"),
                    muon_adjust_lr=("original", "match_rms_adamw"), distill_preset=("logits", "summarization", "classification"),
@@ -315,7 +325,7 @@ def check_run(cfg, rt, out_dir, teachers):
         die("--normuon, --muon_state and --qk_clip_tau run in one process here (each rank would record its own "
             "max logits, and the variants' step is not shared out); use plain Muon with torchrun", 2)
     for path in teachers if cfg.stage == 3 else []:
-        if not os.path.exists(path):
+        if not os.path.exists(path) and not is_model_source(path):
             die(f"stage 3 needs the full-precision teacher at {path}; make it with: python train.py --stage=1")
     if cfg.stage == 3:
         parse_teacher_weights(cfg, len(teachers))
@@ -337,10 +347,11 @@ def check_teacher(cfg, crit, s, t, path, first=True):
     except ValueError as e:  # --distill_layer outside one of the models
         die(str(e), 2)
     heads = crit.n_relation_heads
-    if first and crit.kd_relation and (s.n_embd % heads or t.n_embd % heads):
-        fits = max(a for a in range(1, heads + 1) if s.n_embd % a == 0 and t.n_embd % a == 0)
-        die(f"--distill_relation_heads={heads} must divide the width of the student ({s.n_embd}) and of the "
-            f"teacher ({t.n_embd}); try --distill_relation_heads={fits}", 2)
+    widths = sorted({c.n_head * c.head_size() for c in (s, t)} | {c.kv_heads() * c.head_size() for c in (s, t)})
+    if first and crit.kd_relation and any(w % heads for w in widths):  # q's width, and k's and v's under GQA
+        fits = max(a for a in range(1, heads + 1) if all(w % a == 0 for w in widths))
+        die(f"--distill_relation_heads={heads} must divide the widths of the student's and the teacher's q, k and v "
+            f"({', '.join(map(str, widths))}); try --distill_relation_heads={fits}", 2)
     if cfg.block_size > t.block_size:
         die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
             f"--block_size={t.block_size} or less", 2)

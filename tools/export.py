@@ -215,6 +215,9 @@ def write_gguf(model, tokenizer, path, source=None):
                          "was trained without SubLN (--subln=False), so it has nothing to put there")
     if not c.tie_embeddings:
         raise ValueError("llama.cpp's bitnet architecture uses the embedding as the LM head; this model's head is its own")
+    if c.qk_norm:
+        raise ValueError("it has q/k norms (qk_norm, Qwen3's q_norm and k_norm before RoPE), which llama.cpp's bitnet "
+                         "architecture does not have; export it as packed (python -m tools.export) instead")
     if not c.causal:
         raise ValueError("it is a masked-diffusion model (--stage=dlm): bidirectional attention and a mask token, "
                          "which llama.cpp's bitnet architecture would run as a causal next-token model; export "
@@ -228,8 +231,10 @@ def write_gguf(model, tokenizer, path, source=None):
     w.add_block_count(c.n_layer)
     w.add_feed_forward_length(c.hidden_dim())
     w.add_head_count(c.n_head)
-    w.add_head_count_kv(c.n_head)
-    w.add_rope_dimension_count(c.n_embd // c.n_head)
+    w.add_head_count_kv(c.kv_heads())  # bitnet.attention.head_count_kv: GQA when fewer than head_count
+    w.add_key_length(c.head_size())
+    w.add_value_length(c.head_size())
+    w.add_rope_dimension_count(c.head_size())
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.norm_eps)
     w.add_vocab_size(c.vocab_size)
@@ -256,6 +261,8 @@ def _add_vocab(w, tokenizer, n_vocab):
     from tokenizer import get_tokenizer  # tiktoken only for gpt2
     spell = gguf.vocab.bytes_to_unicode()  # byte -> printable character, e.g. 0x20 -> "Ġ"
     tok = get_tokenizer(tokenizer)
+    if tokenizer not in ("byte", "gpt2"):
+        return _add_model_vocab(w, tok, n_vocab)
     if tokenizer == "byte":
         tokens = [spell[b] for b in range(256)]
         merges = ["ĠĠ ĠĠ"]  # never fires: no merge makes "ĠĠ"; llama.cpp needs a non-empty merges key
@@ -277,6 +284,66 @@ def _add_vocab(w, tokenizer, n_vocab):
     w.add_bos_token_id(tok.eot)
     w.add_eos_token_id(tok.eot)
     w.add_add_bos_token(True)
+
+
+# tokenizer.json's pre-tokenizer -> llama.cpp's name for it (tokenizer.ggml.pre); llama.cpp's convert_hf_to_gguf
+# finds it by a hash of encoded test text, here by its shape: the byte-level BPE families this repository imports
+PRE_TOKENIZERS = {"ByteLevel": "gpt-2", "Digits+ByteLevel": "smollm"}
+
+
+def _pre_name(tj):
+    """llama.cpp's tokenizer.ggml.pre for a tokenizer.json dict, or None when it is none we know."""
+    pre = tj.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    return PRE_TOKENIZERS.get("+".join(p.get("type", "?") for p in parts))
+
+
+def _source_pre(name):
+    """tokenizer.ggml.pre of a source .gguf file, or None."""
+    if not name.endswith(".gguf"):
+        return None
+    import gguf
+    f = gguf.GGUFReader(name).fields.get("tokenizer.ggml.pre")
+    return bytes(f.parts[f.data[0]]).decode() if f else None
+
+
+def _add_model_vocab(w, tok, n_vocab):
+    """An imported model's byte-level BPE vocabulary as gguf-py writes a "gpt2"-type one (convert_hf_to_gguf's
+    _set_vocab_gpt2): tokens in their byte-to-unicode spelling, types (CONTROL for special added tokens,
+    USER_DEFINED for other added ones), merges "a b", the pre-tokenizer, BOS/EOS. A source .gguf names its own
+    pre-tokenizer (tokenizer.ggml.pre): that name is kept."""
+    import gguf
+    hf = tok.hf
+    tj = json.loads(hf.backend_tokenizer.to_str())
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ValueError(f"the tokenizer of {tok.name} is not a byte-level BPE (model {model.get('type')}"
+                         f"{', byte_fallback' if model.get('byte_fallback') else ''}); the GGUF export writes only those")
+    pre = _source_pre(tok.name) or _pre_name(tj)
+    if pre is None:
+        raise ValueError(f"the pre-tokenizer of {tok.name} ({json.dumps(tj.get('pre_tokenizer'))[:120]}) is none whose "
+                         f"llama.cpp name we know ({', '.join(PRE_TOKENIZERS.values())})")
+    vocab, added = hf.get_vocab(), {t.content: t for t in hf.added_tokens_decoder.values()}
+    by_id = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(n_vocab):
+        t = by_id.get(i)
+        if t is None:  # rows the tokenizer never produces
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(t)
+            types.append(gguf.TokenType.NORMAL if t not in added else
+                         gguf.TokenType.CONTROL if added[t].special else gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges or ["ĠĠ ĠĠ"])
+    w.add_bos_token_id(hf.bos_token_id if hf.bos_token_id is not None else tok.eot)
+    w.add_eos_token_id(hf.eos_token_id if hf.eos_token_id is not None else tok.eot)
+    w.add_add_bos_token(False)  # tokenizer.py encodes without BOS; documents start with eot in the shards
 
 
 def _split(ranks, token):
@@ -351,10 +418,14 @@ def hf_refusal(model):
     if not c.subln:
         return ("transformers' bitnet has sub-norms before o_proj and down_proj (attn_sub_norm, ffn_sub_norm); this "
                 "model was trained without SubLN (--subln=False), so it has nothing to put there")
-    if c.n_embd % 4 or c.hidden_dim() % 4:
+    if c.qk_norm:
+        return ("it has q/k norms (qk_norm, Qwen3's q_norm and k_norm before RoPE), which transformers' bitnet does "
+                "not have; export it as packed (python -m tools.export) instead")
+    kv = c.kv_heads() * c.head_size()
+    if c.n_embd % 4 or c.hidden_dim() % 4 or kv % 4:
         return (f"transformers packs four rows of a hidden matrix into each byte, so every output width must be a "
-                f"multiple of 4; this model has n_embd {c.n_embd} and MLP hidden {c.hidden_dim()}: train one with "
-                f"widths that are")
+                f"multiple of 4; this model has n_embd {c.n_embd}, MLP hidden {c.hidden_dim()} and K/V width {kv}: "
+                f"train one with widths that are")
     return None
 
 
@@ -368,8 +439,8 @@ def hf_config(c):
         "intermediate_size": c.hidden_dim(),
         "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.n_head,       # no grouped-query attention
-        "head_dim": c.n_embd // c.n_head,
+        "num_key_value_heads": c.kv_heads(),   # grouped-query attention when fewer than num_attention_heads
+        "head_dim": c.head_size(),
         "hidden_act": "silu",                  # silu(gate) * up: our SwiGLU (BitNet 2B4T uses relu2)
         "max_position_embeddings": c.block_size,
         "rms_norm_eps": c.norm_eps,
@@ -411,8 +482,9 @@ def hf_tensors(model):
 
 def hf_tokenizer(tokenizer, block_size):
     """{file name: text} of a GPT-2 tokenizer that AutoTokenizer loads offline (tokenizer.json, built from the shipped
-    data/gpt2.tiktoken ranks, merges recovered as for GGUF), or {} for the byte tokenizer (use token ids)."""
-    if tokenizer == "byte":
+    data/gpt2.tiktoken ranks, merges recovered as for GGUF), or {} for the byte tokenizer (use token ids) and for an
+    imported model's (write_hf saves that one with transformers' save_pretrained)."""
+    if tokenizer not in ("gpt2",):
         return {}
     import gguf  # its bytes_to_unicode: GPT-2's byte -> printable character spelling, as in _add_vocab
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -444,7 +516,8 @@ def write_hf(model, tokenizer, out_dir, source=None):
     os.makedirs(out_dir, exist_ok=True)
     texts = {"config.json": json.dumps(hf_config(model.config), indent=2) + "\n",
              **hf_tokenizer(tokenizer, model.config.block_size)}
-    names = ["model.safetensors", *texts, "nanobitnet.json"]
+    saved = _save_model_tokenizer(tokenizer, model.config.block_size, out_dir)  # an imported model's own files
+    names = ["model.safetensors", *texts, *saved, "nanobitnet.json"]
     marker = {"format": HF_FORMAT, "source": source, "tokenizer": tokenizer,
               "model_args": dataclasses.asdict(model.config), "files": names}
     texts["nanobitnet.json"] = json.dumps(marker, indent=2) + "\n"
@@ -457,6 +530,23 @@ def write_hf(model, tokenizer, out_dir, source=None):
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(text)
     return names
+
+
+def _save_model_tokenizer(tokenizer, block_size, out_dir):
+    """An imported model's tokenizer (tokenizer.py's HFTokenizer: its source directory, hub id or .gguf) saved into
+    out_dir by transformers' save_pretrained (tokenizer.json, tokenizer_config.json, ...); returns the file names.
+    Nothing for byte and gpt2."""
+    if tokenizer in ("byte", "gpt2"):
+        return []
+    from tokenizer import get_tokenizer
+    hf = get_tokenizer(tokenizer).hf
+    longest = hf.model_max_length  # HFTokenizer lifts it for long corpora: the export says the model's context
+    hf.model_max_length = block_size
+    try:
+        paths = hf.save_pretrained(out_dir)
+    finally:
+        hf.model_max_length = longest
+    return sorted({os.path.basename(p) for p in paths if os.path.isfile(p)})
 
 
 def export_hf(ckpt_path, out_dir, overwrite=False):
@@ -490,6 +580,8 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
     print(f"wrote {out_dir}/ ({', '.join(names)}; model.safetensors {size / 1e6:.2f} MB): transformers' bitnet "
           f"architecture, {7 * c.n_layer} hidden matrices packed 4 to a byte with weight_scale = 1/gamma, tokenizer "
           f"{tokenizer}" + (" (token ids: no tokenizer files)" if tokenizer == "byte" else " (tokenizer.json)"))
+    if c.kv_heads() != c.n_head:
+        print(f"  grouped-query attention: {c.n_head} heads, {c.kv_heads()} key/value heads of {c.head_size()}")
     print(f"  load: transformers.AutoModelForCausalLM.from_pretrained({out_dir!r})  (needs accelerate)")
 
 

@@ -23,7 +23,8 @@ from distill import BitDistillLoss
 from model import GPT, precompute_rope
 from muon import configure_muon
 from tools import checkpoint, prepare
-from tools.common import check_input, load_gpt, token_loss_sums
+from tools.common import (ROOT, check_input, is_model_source, load_gpt, same_source, source_slug,
+                          token_loss_sums)
 from tools.config import TrainConfig, check_teacher, parse_data, parse_teacher_weights
 from tools.flags import die
 from tools.runtime import Runtime
@@ -32,8 +33,9 @@ from zclip import ZClip
 SHIPPED = ("shakespeare", "python")  # --data names of the corpora in data/ (prepare.CORPORA)
 
 def shipped_dir(name, cfg):
-    """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the first time."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", f"{name}_{cfg.tokenizer}")
+    """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the first time. A
+    pretrained model's tokenizer is named by its source's last part (common.source_slug)."""
+    root = os.path.join(ROOT, "data", f"{name}_{source_slug(cfg.tokenizer)}")
     scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
     if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
                                                                 not os.path.exists(scores)):
@@ -54,6 +56,8 @@ class Start:
     path: str = ""             # where that checkpoint is
     insert_subln: bool = False  # load fp weights without SubLN; the SubLN gains keep their unit init
     note: str = ""             # what the run says about it
+    model_conf: object = None  # the GPTConfig to build when not the flags' (a pretrained model's architecture)
+    pretrained: object = None  # --init_from=<a pretrained model>: that model as published (GPT, fp, no SubLN)
 
 
 
@@ -87,8 +91,52 @@ class Run:
 
 
 
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "head_dim", "qk_norm", "mlp_hidden", "rope_theta",
+                "norm_eps", "tie_embeddings")  # what a pretrained model fixes and no flag sets
+
+
+def import_model(source, block_size, flag):
+    """A pretrained model as published (model.GPT.from_pretrained: full precision, no SubLN); a model we cannot
+    carry is one error line naming the config field."""
+    try:
+        return GPT.from_pretrained(source, block_size=block_size)
+    except (ValueError, OSError) as e:
+        die(f"{flag}={source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 2)
+
+
+def calibration_batches(cfg, train_loader, n=8):
+    """The first n training batches of a fresh sequential loader over the run's data (the run's own loader, and
+    so its position and RNG, untouched): what --subln_gain=calibrated measures."""
+    sources = dict(zip(train_loader.dirs, train_loader.weights.tolist()))
+    loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, order="sequential")
+    return [loader.next_batch() for _ in range(n)]
+
+
+def previous_stage_tokenizer(cfg):
+    """--init_from=auto in stage 2 or 3: the tokenizer the previous stage's checkpoint was trained with when it
+    began from a pretrained model (that model's own), else None."""
+    path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", checkpoint.LATEST)
+    if cfg.init_from != "auto" or cfg.stage not in (2, 3) or not os.path.exists(path):
+        return None
+    try:
+        tok = (checkpoint.load(path, ("config",), mmap=True).get("config") or {}).get("tokenizer")
+    except checkpoint.CheckpointError:
+        return None  # starting_weights says what is wrong with it
+    return tok if is_model_source(tok or "") else None
+
+
+def adopt_architecture(model_conf, ckpt):
+    """The model config a run starting from ckpt builds: the flags' (model_conf), except that a checkpoint of a
+    run that began from a pretrained model (its tokenizer is that model's) keeps that model's architecture."""
+    tok = (ckpt.get("config") or {}).get("tokenizer", "byte")
+    if tok in ("byte", "gpt2"):
+        return model_conf
+    args = ckpt["model_args"]
+    return dataclasses.replace(model_conf, **{k: args[k] for k in ARCHITECTURE if k in args})
+
+
 # where docs/gpu-node.md prepares FineWeb-Edu for the CUDA preset
-FINEWEB_EDU = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "fineweb_edu_gpt2")
+FINEWEB_EDU = os.path.join(ROOT, "data", "fineweb_edu_gpt2")
 
 
 def default_data(cfg):
@@ -115,7 +163,7 @@ def resolve_data(cfg):
             meta = data.read_meta(path)  # an empty or broken meta.json: one line naming it
         except ValueError as e:
             die(str(e))
-        if meta["tokenizer"] != cfg.tokenizer:
+        if not same_source(meta["tokenizer"], cfg.tokenizer):
             die(f"{path} was tokenised with {meta['tokenizer']}, but --tokenizer={cfg.tokenizer}; "
                 f"pass --tokenizer={meta['tokenizer']} or re-run tools/prepare.py")
     return sources
@@ -169,17 +217,26 @@ def make_teachers(cfg, paths, student_conf, device):
 
 
 def _load_teacher(cfg, crit, path, student_conf, device, first):
-    check_input("--teacher", path)  # a GGUF or an HF export: named as such
+    if is_model_source(path):  # the original model as published (BitDistill's teacher): full precision, no SubLN
+        teacher = import_model(path, cfg.block_size, "--teacher")
+        check_teacher(cfg, crit, student_conf, teacher.config, path, first)
+        return _frozen(teacher, device)
+    check_input("--teacher", path)  # an HF export of ours: named as such
     if not checkpoint.load(path, ("model_args",), mmap=True)["model_args"].get("causal", True):
         die(f"{path}: a masked-diffusion model (--stage=dlm) cannot be a teacher: stage 3 distils next-token "
             f"predictions; pass a stage-1 (or any autoregressive) checkpoint as --teacher", 2)
     teacher, _ = load_gpt(path)
     tconf = teacher.config
     check_teacher(cfg, crit, student_conf, tconf, path, first)  # shapes that would only fail at the first step
+    return _frozen(teacher, device)
+
+
+def _frozen(teacher, device):
+    tconf = teacher.config
     teacher.requires_grad_(False).eval().to(device)
     if device.startswith("cuda"):
         teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
-        cos, sin = precompute_rope(tconf.n_embd // tconf.n_head, tconf.block_size, tconf.rope_theta)
+        cos, sin = precompute_rope(tconf.head_size(), tconf.block_size, tconf.rope_theta)
         teacher.rope_cos, teacher.rope_sin = cos.to(device), sin.to(device)
     return teacher
 
@@ -269,15 +326,17 @@ def evaluate(run, step, lam, whole):
 
 
 @torch.no_grad()
-def estimate_val_loss(run, whole=False):
+def estimate_val_loss(run, whole=False, model=None):
     """(the mixing-weighted total, {source: val loss}): per source, the mean token loss over the first
     eval_iters * batch_size rows of its val split, or with whole=True over every window of it once
     (DataLoader.sweep). Each of W ranks reads its own rows of eval_iters / W global batches (rounded up), so when
-    W divides eval_iters every world size reads the same rows."""
-    model, rt = run.model, run.rt
+    W divides eval_iters every world size reads the same rows. model: another model to score on the same rows."""
+    rt = run.rt
+    loss_fn = (lambda x, y: model(x, y)[1]) if model is not None else \
+        run.eval_loss(run) if run.eval_loss else (lambda x, y: run.train_model(x, y)[1])
+    model = run.model if model is None else model
     model.eval()
     by_source = {}
-    loss_fn = run.eval_loss(run) if run.eval_loss else (lambda x, y: run.train_model(x, y)[1])
     for name, (loader, _) in run.val_loaders.items():
         loader.reset()
         iters = -(-run.cfg.eval_iters // loader.world_size)

@@ -6,7 +6,7 @@ removal; --clean=prose|code|dedup|none, by default the shipped corpus's setting 
 the report printed). Document i (in source order, empty and removed documents skipped) goes to val iff
 i % val_every == val_every - 1, so the split is by document and the same corpus always gives byte-identical
 shards. Each document is written as [eot] + tokens into {train,val}_000.bin, ... of exactly shard_tokens tokens
-(the last shorter), each with its difficulty scores (<shard>.difficulty.npy, difficulty(): what
+(the last shorter; uint16 ids, llm.c's version 1, or uint32, version 2, when the vocabulary exceeds 65,536), each with its difficulty scores (<shard>.difficulty.npy, difficulty(): what
 --data_order=curriculum sorts by), plus a meta.json. The dataset is built in a temporary directory beside
 out_dir, which then replaces out_dir whole (_swap), so a failed, stopped or
 killed run leaves an older dataset intact, and a loader never sees a mix of two runs.
@@ -17,6 +17,9 @@ Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to dat
     python -m tools.prepare --tokenizer=gpt2 --out_dir=data/mine corpus/*.txt more.jsonl.gz
     python -m tools.prepare --tokenizer=gpt2 --out_dir=data/fineweb_edu fineweb-edu/sample/10BT/*.parquet
     python -m tools.prepare --tokenizer=gpt2 --adopt=llm.c/dev/data/fineweb10B --out_dir=data/fineweb10B
+    python -m tools.prepare --tokenizer=data/models/SmolLM2-135M-Instruct.Q4_1.gguf  # a pretrained model's own ids
+        (-> data/shakespeare_SmolLM2-135M-Instruct.Q4_1/; python -m tools.get_model smollm2 fetches it; --tokenizer
+        also takes a Hugging Face model directory or a hub id; meta.json records the name as given)
 Sources: .txt (the whole file is one document), .jsonl / .jsonl.gz (one {"text": ...} document per line),
 .parquet (the "text" column, read one row group at a time). --adopt uses llm.c-format shards as they are.
 python -m tools.prepare --help lists every flag.
@@ -45,9 +48,9 @@ from dataclasses import dataclass
 import numpy as np
 
 import data
-from tokenizer import TOKENIZERS, get_tokenizer
+from tokenizer import get_tokenizer
 from lessons import clean
-from tools.common import ROOT
+from tools.common import ROOT, source_slug
 from tools.flags import die, parse
 
 DATA_DIR = os.path.join(ROOT, "data")  # shipped assets, default outputs
@@ -225,7 +228,7 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
         raise ValueError(f"unknown cleaning {clean_as!r}; expected one of {', '.join(CLEAN)}")
     cleaner = None if clean_as == "none" else clean.Cleaner(None if clean_as == "dedup" else clean_as)
     out_dir = out_dir or default_out_dir(sources, paths, tok.name, corpus)
-    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
+    dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # shard version 1 (llm.c's), else 2 (ours, data.py)
     tmp_dir = None
     try:
         real = _check_out_dir(out_dir)  # the directory that gets replaced (out_dir may be a symlink to it)
@@ -293,6 +296,11 @@ def adopt(src, out_dir, tokenizer):
     tok = get_tokenizer(tokenizer)
     if not os.path.isdir(src):
         raise ValueError(f"--adopt={src}: not a directory; pass the directory that holds the .bin shards")
+    if os.path.exists(os.path.join(src, "meta.json")):  # ours: it says which tokenizer made it
+        made_by = data.read_meta(src)["tokenizer"]
+        if made_by != tok.name:
+            raise ValueError(f"--adopt={src}: its meta.json says the shards are {made_by} ids, not --tokenizer="
+                             f"{tok.name}; pass --tokenizer={made_by}, or prepare the sources again with {tok.name}")
     found = {"train": [], "val": []}
     for name in sorted(os.listdir(src)):
         m = LLMC_SHARD.fullmatch(name)
@@ -345,9 +353,10 @@ def adopt(src, out_dir, tokenizer):
 
 
 def default_out_dir(sources, paths, tokenizer_name, corpus="shakespeare"):
-    """data/<corpus>_<tokenizer> for a shipped corpus, else data/<first source's stem>_<tokenizer>."""
+    """data/<corpus>_<tokenizer> for a shipped corpus, else data/<first source's stem>_<tokenizer>; a model's
+    tokenizer by the last part of its source (common.source_slug: SmolLM2-135M-Instruct.Q4_1 for its .gguf)."""
     stem = re.sub(r"\.(txt|jsonl|jsonl\.gz|parquet)$", "", os.path.basename(paths[0]))
-    return os.path.join(DATA_DIR, f"{corpus if sources is None else stem}_{tokenizer_name}")
+    return os.path.join(DATA_DIR, f"{corpus if sources is None else stem}_{source_slug(tokenizer_name)}")
 
 
 def tokenize_throughput(tokenizer_name):
@@ -561,7 +570,7 @@ def _default_for(sources, tokenizer, corpus):
 
 @dataclass
 class PrepareConfig:
-    tokenizer: str = "byte"      # byte (257 ids) or gpt2 (50257 ids)
+    tokenizer: str = "byte"      # byte (257 ids), gpt2 (50257 ids), or a model's: HF directory, hub id or .gguf
     out_dir: str = ""            # where the shards go; "" = data/<corpus>_<tokenizer> (or data/<first source>_...)
     val_every: int = 20          # every val_every-th document goes to the val split
     shard_tokens: int = 100_000_000  # tokens per shard file
@@ -577,9 +586,13 @@ def main(argv):
     for key in ("val_every", "shard_tokens"):
         if opts[key] < 1:
             die(f"--{key}={opts[key]}: expected an integer >= 1", 2)
-    for key, valid in (("tokenizer", TOKENIZERS), ("corpus", CORPORA), ("clean", CLEAN)):
+    for key, valid in (("corpus", CORPORA), ("clean", CLEAN)):
         if opts[key] is not None and opts[key] not in valid:
             die(f"--{key}={opts[key]}: expected one of {', '.join(valid)}", 2)
+    try:  # a model's tokenizer loads here (seconds), once: prepare() and adopt() get the same object
+        get_tokenizer(opts["tokenizer"])
+    except (ValueError, ImportError) as e:
+        die(f"--tokenizer={opts['tokenizer']}: {e}", 2)
     # only here, not in prepare(): train.py calls prepare() and has its own signal handling
     main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None

@@ -36,7 +36,10 @@ def plug_in(run, resume):
         run.optimizer = MuonVariant(opt.param_groups, normuon=cfg.normuon, state=cfg.muon_state, ns_dtype=opt.ns_dtype)
     if cfg.qk_clip_tau > 0 or cfg.log_max_logit:
         from lessons.muon_variants import QKClip
-        run.callbacks.append(QKClip(run.model, cfg.qk_clip_tau))  # tau 0: the max logit is logged, nothing clipped
+        try:
+            run.callbacks.append(QKClip(run.model, cfg.qk_clip_tau))  # tau 0: the max logit is logged, nothing clipped
+        except ValueError as e:  # q/k norms (Qwen3) would undo QK-clip's rescaling
+            die(f"--qk_clip_tau={cfg.qk_clip_tau}: {e}", 2)
     if cfg.avg_checkpoints:
         run.average = make_average(run, resume)
         run.callbacks.append(run.average)

@@ -1,0 +1,106 @@
+"""Turning a pretrained model into a ternary one with train.py (BitDistill's three stages): --init_from and --teacher
+take a Hugging Face directory or a GGUF file; the architecture and the tokenizer come with the model.
+A tiny Llama with GQA and an untied head, built with transformers (no download), and the real SmolLM2-135M.
+Run: python -m pytest tests/test_convert.py"""
+
+import json
+import os
+import re
+
+import pytest
+
+from conftest import fails, records, run
+
+pytestmark = pytest.mark.slow  # each test trains or converts in a subprocess; the SmolLM2 one loads 135M weights
+
+FLAGS = ["--batch_size=4", "--block_size=64", "--eval_iters=2", "--eval_whole=False", "--warmup_steps=1",
+         "--lambda_warmup_steps=2", "--device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random-initialised Llama (2 layers, width 64, 4 heads, 2 KV heads, untied head) with a byte-level BPE
+    tokenizer of 384 ids, saved as transformers saves a model of its own (tests/imported.py)."""
+    from imported import tiny_llama
+    return tiny_llama(str(tmp_path_factory.mktemp("tiny") / "tiny_llama"))
+
+
+def step0(stdout):
+    """(converted, as published): the two val losses of train.py's step-0 line."""
+    m = re.search(r"step 0: val loss ([0-9.]+) at lambda 0.*against ([0-9.]+) for", stdout)
+    assert m, stdout[-2000:]
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_without_subln_the_converted_model_at_lambda_0_is_the_model_as_published(tiny_llama, tmp_path):
+    """At lambda 0 every BitLinear is its fp weight, so with --subln=False step 0 scores exactly what the published
+    model scores on the same val rows; inserting SubLN with unit gain changes the function (the line says by how
+    much), and the calibrated gain changes it less."""
+    args = ["--stage=2", f"--init_from={tiny_llama}", "--max_iters=0", *FLAGS, f"--out_dir={tmp_path}"]
+    same = step0(run(*args, "--subln=False").stdout)
+    assert same[0] == same[1]
+    unit = step0(run(*args, "--overwrite=True").stdout)
+    calibrated = step0(run(*args, "--overwrite=True", "--subln_gain=calibrated").stdout)
+    assert unit[1] == calibrated[1] == same[1] and unit[0] != unit[1]
+    assert abs(calibrated[0] - calibrated[1]) < abs(unit[0] - unit[1])
+
+
+def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama, tmp_path):
+    """Stage 2 keeps the model's architecture (GQA, MLP width, untied head) and tokenizer, trains ternary and
+    resumes; stage 3 distils the student from the original model as published (--teacher=<the same directory>)."""
+    import torch
+    out = f"--out_dir={tmp_path}"
+    p = run("--stage=2", f"--init_from={tiny_llama}", "--max_iters=4", "--eval_interval=4", *FLAGS, out)
+    assert "4 heads / 2 kv heads" in p.stdout and "SubLN inserted with unit gain" in p.stdout
+    ckpt = torch.load(tmp_path / "stage2" / "ckpt.pt", weights_only=True)
+    args = ckpt["model_args"]
+    assert (args["n_kv_head"], args["mlp_hidden"], args["tie_embeddings"], args["quant"], args["subln"]) == \
+        (2, 160, False, True, True)
+    assert ckpt["config"]["tokenizer"] == tiny_llama and ckpt["model"]["h.0.attn.k_proj.weight"].shape == (32, 64)
+    run("--stage=2", f"--init_from={tiny_llama}", "--max_iters=6", "--eval_interval=6", "--resume=True",
+        *FLAGS, out)
+    assert records(str(tmp_path))[-1]["step"] == 6
+    run("--stage=3", f"--teacher={tiny_llama}", "--max_iters=2", "--eval_interval=2", *FLAGS, out)
+    steps = [r for r in records(str(tmp_path), stage=3) if "ld" in r]
+    assert steps and all(r["ld"] > 0 for r in steps)
+
+
+def test_a_model_we_cannot_carry_is_one_error_line_naming_the_field(tiny_llama, tmp_path, capsys):
+    """A config field we do not implement (here Llama 3's rope scaling) is refused before anything is written."""
+    d = tmp_path / "scaled"
+    d.mkdir()
+    for name in os.listdir(tiny_llama):
+        (d / name).write_bytes(open(os.path.join(tiny_llama, name), "rb").read())
+    conf = json.loads((d / "config.json").read_text())
+    conf["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}
+    (d / "config.json").write_text(json.dumps(conf))
+    msg = fails(capsys, "--stage=2", f"--init_from={d}", *FLAGS, f"--out_dir={tmp_path / 'o'}", code=2)
+    assert "rope_scaling" in msg and str(d) in msg
+    assert not os.path.exists(tmp_path / "o" / "stage2" / "ckpt.pt")
+    msg = fails(capsys, "--stage=2", f"--init_from={tiny_llama}", "--tokenizer=byte", *FLAGS,
+                f"--out_dir={tmp_path / 'o'}", code=2)  # another vocabulary's ids would index the wrong rows
+    assert "--tokenizer=byte" in msg and f"--tokenizer={tiny_llama}" in msg
+
+
+def test_smollm2_converts_and_scores_as_published_at_lambda_0(smollm2, tmp_path):
+    """The real SmolLM2-135M (GGUF, its own tokenizer, GQA, tied head): with --subln=False step 0 scores what the
+    published model scores, a trained model's loss (well under ln 49152 = 10.8, uniform guessing)."""
+    p = run("--stage=2", f"--init_from={smollm2}", "--max_iters=0", "--subln=False", "--batch_size=2",
+            "--block_size=64", "--eval_iters=2", "--eval_whole=False", "--device=cpu", f"--out_dir={tmp_path}",
+            timeout=600)
+    converted, published = step0(p.stdout)
+    assert converted == published < 6.0
+    assert "30 layers, width 576, 9 heads / 3 kv heads" in p.stdout
+
+
+def test_stage1_on_a_pretrained_model_then_stage2_takes_its_architecture_and_tokenizer(tiny_llama, tmp_path):
+    """Stage 1 inserts SubLN and trains in full precision; stage 2 with no --init_from or --tokenizer starts from
+    that checkpoint with the model's architecture and tokenizer (as a run of our own shape would)."""
+    import torch
+    out = f"--out_dir={tmp_path}"
+    run("--stage=1", f"--init_from={tiny_llama}", "--max_iters=2", "--eval_interval=2", *FLAGS, out)
+    p = run("--stage=2", "--max_iters=2", "--eval_interval=2", *FLAGS, out)
+    assert "starting from the stage-1 weights" in p.stdout
+    ckpt = torch.load(tmp_path / "stage2" / "ckpt.pt", weights_only=True)
+    assert ckpt["config"]["tokenizer"] == tiny_llama and ckpt["model_args"]["n_kv_head"] == 2

@@ -1,0 +1,185 @@
+"""GPT.from_pretrained (model.py) against transformers itself, offline: tiny random-initialised Llama, Mistral and
+Qwen3 models built with transformers (no download: grouped-query attention, head_dim != width/heads, q/k norms,
+tied and separate heads), saved with save_pretrained (or written as a GGUF file with llama.cpp's q/k row
+permutation) and loaded by model.py, give transformers' logits and greedy continuations; every config field we do
+not compute exactly is refused in one line that names it. Measured on 2 CPU cores: max |diff| 0 (bit-identical
+logits) on every case below; the assertion allows 1e-5 of the largest logit (fp32 rounding).
+Run: python -m pytest tests/test_pretrained.py"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from model import GPT, GPTConfig, config_from_hf
+from quant import set_lambda
+
+BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5, eos_token_id=7)
+CASES = {  # name: (model_type, config fields over BASE)
+    "llama-gqa-untied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "llama-tied": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "mistral-gqa": ("mistral", dict(num_key_value_heads=1, sliding_window=None, tie_word_embeddings=False)),
+    "qwen3-untied": ("qwen3", dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)),
+    "qwen3-tied": ("qwen3", dict(num_key_value_heads=1, head_dim=8, tie_word_embeddings=True, eos_token_id=[9, 7])),
+}
+
+
+def hf_config(model_type, **kw):
+    return AutoConfig.for_model(model_type, **{**BASE, **kw})
+
+
+def randomise(hf, seed=0):
+    """Logits of order 1-60 (transformers' init gives ~0.02-scale weights) and norm gains away from 1, so that a
+    swapped or forgotten norm (a q/k norm, input vs post-attention) changes the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.5 * r if p.dim() == 1 else r if "embed" in name else r / p.shape[-1] ** 0.5)
+    return hf.eval()
+
+
+def tiny(tmp_path, name, seed=0):
+    """A transformers model of CASES[name], randomised and saved to tmp_path/name: (directory, the model)."""
+    model_type, kw = CASES[name]
+    hf = randomise(AutoModelForCausalLM.from_config(hf_config(model_type, **kw)), seed)
+    hf.save_pretrained(tmp_path / name)
+    return tmp_path / name, hf
+
+
+def max_diff(ours, theirs):
+    return (ours - theirs).abs().max().item(), 1e-5 * theirs.abs().max().item()
+
+
+def ids(seed=1, B=3, T=40):
+    return torch.randint(0, BASE["vocab_size"], (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_equal_transformers(tmp_path, name):
+    path, hf = tiny(tmp_path, name)
+    model = GPT.from_pretrained(path).eval()
+    c, (model_type, kw) = model.config, CASES[name]
+    assert (c.n_head, c.kv_heads(), c.head_size()) == (4, kw["num_key_value_heads"], kw.get("head_dim", 16))
+    assert (c.quant, c.subln, c.qk_norm, c.tie_embeddings) == (False, False, model_type == "qwen3",
+                                                                kw["tie_word_embeddings"])
+    assert (c.block_size, c.eot, c.rope_theta, c.mlp_hidden) == (64, 9 if name == "qwen3-tied" else 7, 5000.0, 96)
+    assert (model.lm_head.weight is model.wte.weight) == c.tie_embeddings  # one parameter when tied
+    assert model.source == str(path) and model.hf_config.model_type == model_type
+    x = ids()
+    with torch.no_grad():
+        diff, tol = max_diff(model(x, x)[0], hf(x).logits)
+    assert diff <= tol, (name, diff)
+
+
+def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
+    """A GGUF written as llama.cpp's converter writes it (q and k rows permuted for its rope layout, no output
+    tensor when tied) loads through transformers' GGUF reader, which undoes the permutation."""
+    gguf = pytest.importorskip("gguf")
+    _, hf = tiny(tmp_path, "llama-gqa-untied")
+    c = hf.config
+
+    def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py, LlamaModel.permute
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    w = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    w.add_context_length(c.max_position_embeddings), w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers), w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_rope_freq_base(5000.0), w.add_rope_dimension_count(16)
+    w.add_vocab_size(c.vocab_size), w.add_tokenizer_model("llama"), w.add_eos_token_id(7)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)]), w.add_token_scores([0.0] * c.vocab_size)
+    w.add_token_types([1] * c.vocab_size)
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for i in range(c.num_hidden_layers):
+        for ours, theirs in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                             ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                             ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down"),
+                             ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")):
+            names[f"model.layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
+    for key, t in hf.state_dict().items():
+        t = t.numpy()
+        if key.endswith(("q_proj.weight", "k_proj.weight")):
+            t = permute(t, c.num_attention_heads if "q_proj" in key else c.num_key_value_heads)
+        w.add_tensor(names[key.removesuffix(".weight")] + ".weight", np.ascontiguousarray(t))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+
+    model = GPT.from_pretrained(tmp_path / "tiny.gguf", block_size=32).eval()
+    assert model.config.block_size == 32 and model.config.kv_heads() == 2 and not model.config.tie_embeddings
+    x = ids(T=32)
+    with torch.no_grad():
+        diff, tol = max_diff(model(x, x)[0], hf(x).logits)
+    assert diff <= tol, diff
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen3-tied"])
+def test_greedy_generation_with_kv_cache_equals_transformers(tmp_path, name):
+    path, hf = tiny(tmp_path, name)
+    model = GPT.from_pretrained(path).eval()
+    hf.generation_config.eos_token_id = None  # no early stop: the same number of tokens
+    prompt = ids(seed=3, B=2, T=6)
+    theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                         pad_token_id=0)
+    assert torch.equal(model.generate(prompt, 12, top_k=1), theirs)
+
+
+def test_a_ternary_model_at_lambda_zero_without_subln_still_equals_transformers(tmp_path):
+    """quant=True puts every hidden matrix in a BitLinear and the pre-norms in QuantRMSNorm: at lambda 0 both are
+    exactly full precision, so the logits stay transformers'; at lambda 1 they do not."""
+    path, hf = tiny(tmp_path, "qwen3-untied")
+    fp = GPT.from_pretrained(path)
+    q = GPT(GPTConfig(**{**vars(fp.config), "quant": True}))
+    missing, unexpected = q.load_state_dict(fp.state_dict(), strict=False)
+    assert not unexpected and all(k.endswith("lambda_") for k in missing)
+    x = ids()
+    with torch.no_grad():
+        ref = hf(x).logits
+        set_lambda(q, 0.0)
+        diff, tol = max_diff(q(x, x)[0], ref)
+        assert diff <= tol, diff
+        set_lambda(q, 1.0)
+        assert max_diff(q(x, x)[0], ref)[0] > 100 * tol
+
+
+def test_block_size_is_the_given_one_or_the_context_capped_at_2048():
+    assert config_from_hf(hf_config("llama")).block_size == 64
+    assert config_from_hf(hf_config("llama", max_position_embeddings=8192)).block_size == 2048
+    assert config_from_hf(hf_config("llama", max_position_embeddings=8192), block_size=256).block_size == 256
+
+
+REFUSED = {  # field: (model_type, config fields over BASE) of a config.json from_pretrained must refuse
+    "model_type": ("qwen2", {}),
+    "rope_scaling": ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0})),
+    "sliding_window": ("mistral", dict(sliding_window=32)),
+    "use_sliding_window": ("qwen3", dict(use_sliding_window=True, sliding_window=32)),
+    "attention_bias": ("llama", dict(attention_bias=True)),
+    "mlp_bias": ("llama", dict(mlp_bias=True)),
+    "hidden_act": ("llama", dict(hidden_act="gelu")),
+    "num_experts": ("qwen3", dict(num_experts=8)),
+    "num_key_value_heads": ("llama", dict(num_key_value_heads=3)),
+    "eos_token_id": ("llama", dict(eos_token_id=None)),
+}
+
+
+@pytest.mark.parametrize("field", list(REFUSED))
+def test_each_unsupported_config_field_is_one_valueerror_naming_it(tmp_path, field):
+    model_type, kw = REFUSED[field]
+    hf_config(model_type, **kw).save_pretrained(tmp_path)  # config.json only: refused before any weight is read
+    with pytest.raises(ValueError) as e:
+        GPT.from_pretrained(tmp_path)
+    assert str(e.value).startswith(f"{field} = ") and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("case", ["untied-without-head", "tied-with-another-head"])
+def test_a_head_that_does_not_fit_tie_word_embeddings_is_refused(tmp_path, case):
+    path, hf = tiny(tmp_path, "llama-gqa-untied")
+    if case == "untied-without-head":  # transformers would fill lm_head at random
+        hf.save_pretrained(path, state_dict={k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})
+    else:  # transformers keeps both matrices, untied, whatever the config says
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError) as e:
+        GPT.from_pretrained(path)
+    assert str(e.value).startswith("tie_word_embeddings = ") and "\n" not in str(e.value), str(e.value)
