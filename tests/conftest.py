@@ -61,7 +61,7 @@ def fails(capsys, *argv, code=1, main=None):
 # Tests marked @pytest.mark.slow run a subprocess or a training run of their own (seconds each). These fixtures
 # train or spawn once per module, so a test that takes one is slow too, whichever test happens to pay for it.
 SLOW_FIXTURES = {"test_scale.py": {"runs", "spawned"}, "test_outputs.py": {"runs"}, "test_packed.py": {"trained"},
-                 "test_hf.py": {"exported", "imported_export"}, "test_fault.py": {"saved"}, "test_data.py": {"shipped"},
+                 "test_hf.py": {"exported", "imported_export", "imported_model"}, "test_fault.py": {"saved"}, "test_data.py": {"shipped"},
                  "test_nanogpt_recipe.py": {"uninterrupted"}}
 
 
@@ -79,3 +79,11 @@ def smollm2():
     skipped. Loading it (transformers, a tokenizer or the model) takes seconds: share what is built from it."""
     from tools.get_model import get_model
     return get_model("smollm2", log=lambda line: print(f"smollm2 fixture: {line}"))
+
+
+@pytest.fixture(scope="session")
+def imported_model(tmp_path_factory):
+    """(source directory, stage-2 checkpoint) of tests/imported.py's tiny Llama converted by train.py --init_from,
+    once per test run: the export tests share it (read it, never write into its directory)."""
+    from imported import converted
+    return converted(tmp_path_factory.mktemp("imported"))

@@ -267,12 +267,10 @@ def test_an_hf_export_on_a_full_disk_is_one_line_and_keeps_the_old_directory(tmp
 
 
 @pytest.fixture(scope="module")
-def imported_export(tmp_path_factory):
+def imported_export(imported_model, tmp_path_factory):
     """(tiny Llama source directory, its stage-2 checkpoint, export directory, our model, transformers' model, info)."""
-    from imported import converted
-    d = tmp_path_factory.mktemp("imported")
-    src, ckpt = converted(d)
-    out = str(d / "hf")
+    src, ckpt = imported_model
+    out = str(tmp_path_factory.mktemp("imported_hf") / "hf")
     export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={out}"])
     ours, _ = export.load_training_checkpoint(ckpt)
     hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)

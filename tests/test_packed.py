@@ -407,11 +407,10 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
 
 
 @pytest.mark.slow
-def test_an_imported_model_exports_packed_and_samples_text_in_its_own_tokenizer(tmp_path, capsys):
+def test_an_imported_model_exports_packed_and_samples_text_in_its_own_tokenizer(imported_model, tmp_path, capsys):
     import sample
-    from imported import converted
     from tokenizer import get_tokenizer
-    src, ckpt = converted(tmp_path)
+    src, ckpt = imported_model
     out = tmp_path / "packed.pt"
     export.main([f"--ckpt={ckpt}", f"--out={out}"])
     capsys.readouterr()
