@@ -329,30 +329,6 @@ def pretrained_start(cfg, model_conf, source):
     return start
 
 
-@torch.no_grad()
-def calibrate_subln(model, batches):
-    """--subln_gain=calibrated: each SubLN's gain becomes c = the mean over tokens of rms(y), y the norm's input in
-    the model as published (every SubLN the identity while measuring), so that SubLN(y) = y * c / rms(y) is the
-    identity wherever rms(y) is the same for every token, and close to it where it varies little."""
-    norms = [m for block in model.h for m in (block.attn.subln, block.mlp.subln)]
-    sums = {m: torch.zeros(2) for m in norms}  # (sum of rms over tokens, tokens)
-
-    def measure(module, inputs, output):
-        y = inputs[0].float()
-        rms = torch.sqrt(y.pow(2).mean(-1) + module.eps)  # (B, T), as the norm computes it
-        sums[module] += torch.stack([rms.sum(), torch.tensor(float(rms.numel()))]).cpu()
-        return inputs[0]  # the identity: the model as published
-    hooks = [m.register_forward_hook(measure) for m in norms]
-    try:
-        for x, _ in batches:
-            model(x.to(model.wte.weight.device))
-    finally:
-        for h in hooks:
-            h.remove()
-    for m in norms:
-        m.weight.fill_(float(sums[m][0] / sums[m][1]))
-
-
 def make_loss_fn(run, teachers):
     """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher(s), or
     plain CE when every distillation weight is 0 (the control run). A lesson's own stage brings its own loss
@@ -445,7 +421,7 @@ def build(run, resume, teachers):
     if run.start.ckpt is not None:
         checkpoint.load_weights(run.model, run.start.ckpt["model"], run.start.path, run.start.insert_subln)
     if run.start.pretrained is not None and model_conf.subln and cfg.subln_gain == "calibrated":
-        calibrate_subln(run.model, plumbing.calibration_batches(cfg, run.train_loader))
+        seams.calibrate_subln(run.model, plumbing.calibration_batches(cfg, run.train_loader))
     rt.log(run.start.note)
     if cfg.quant_start:
         q = quant_start_step(cfg)

@@ -8,7 +8,7 @@ import os
 from conftest import ROOT
 
 CONCEPTS = ["quant.py", "model.py", "muon.py", "zclip.py", "distill.py", "data.py", "tokenizer.py"]
-LESSONS = {"lessons/dlm.py": "model", "lessons/muon_variants.py": "muon", "lessons/averaging.py": None,
+LESSONS = {"lessons/dlm.py": "model", "lessons/muon_variants.py": "muon", "lessons/averaging.py": None, "lessons/subln.py": None,
            "lessons/clean.py": None}  # an extra lesson imports at most the core file it builds on
 ALLOWED = {"torch", "numpy", "tiktoken", "triton"}
 LAZY = {"transformers"}  # only inside a function (GPT.from_pretrained, a model's tokenizer), as nanoGPT's model.py

@@ -7,6 +7,7 @@ file fills them from the flags:
                          after_step(step, ok) after the update. --qk_clip_tau / --log_max_logit: QK-clip
                          (lessons/muon_variants.py); --avg_checkpoints: checkpoint averaging (lessons/averaging.py)
   the Muon update        --normuon / --muon_state: NorMuon or 8-bit momentum (lessons/muon_variants.py)
+  the SubLN gain         --subln_gain=calibrated on a pretrained model (lessons/subln.py)
 Test: python -m pytest tests/test_dlm.py tests/test_muon_variants.py tests/test_averaging.py
 """
 
@@ -43,6 +44,12 @@ def plug_in(run, resume):
     if cfg.avg_checkpoints:
         run.average = make_average(run, resume)
         run.callbacks.append(run.average)
+
+
+def calibrate_subln(model, batches):
+    """--subln_gain=calibrated: each SubLN's gain from its input's mean rms (lessons/subln.py)."""
+    from lessons.subln import calibrate_subln
+    calibrate_subln(model, batches)
 
 
 def make_average(run, resume):

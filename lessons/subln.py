@@ -1,0 +1,41 @@
+"""
+SubLN in a pretrained model: what its gain should be.
+
+BitDistill (arXiv 2510.13998, section 3.1, stage 1) puts one more RMSNorm, SubLN, right before o_proj and down_proj
+of a pretrained model, with a learnable gain initialised to 1, so that the inputs of those two quantised matrices
+are well scaled. Unit gain rescales every token's input to rms 1, so the converted model no longer computes what
+the published one did, even at lambda 0 (lab/results/convert.md: SmolLM2-135M 3.97 -> 15.60). A calibrated gain
+(our question, not the paper's) keeps the function where it can:
+
+    SubLN(y) = y / rms(y) * g,   g = c * 1,   c = mean over calibration tokens of rms(y)
+
+so SubLN(y) = y * c / rms(y): the identity when rms(y) is the same for every token, close where it varies little
+(measured: 13.59 on SmolLM2, whose first token carries massive activations). train.py --subln_gain=calibrated.
+Test: python -m pytest tests/test_convert.py
+"""
+
+import torch
+
+
+@torch.no_grad()
+def calibrate_subln(model, batches):
+    """--subln_gain=calibrated: each SubLN's gain becomes c = the mean over tokens of rms(y), y the norm's input in
+    the model as published (every SubLN the identity while measuring), so that SubLN(y) = y * c / rms(y) is the
+    identity wherever rms(y) is the same for every token, and close to it where it varies little."""
+    norms = [m for block in model.h for m in (block.attn.subln, block.mlp.subln)]
+    sums = {m: torch.zeros(2) for m in norms}  # (sum of rms over tokens, tokens)
+
+    def measure(module, inputs, output):
+        y = inputs[0].float()
+        rms = torch.sqrt(y.pow(2).mean(-1) + module.eps)  # (B, T), as the norm computes it
+        sums[module] += torch.stack([rms.sum(), torch.tensor(float(rms.numel()))]).cpu()
+        return inputs[0]  # the identity: the model as published
+    hooks = [m.register_forward_hook(measure) for m in norms]
+    try:
+        for x, _ in batches:
+            model(x.to(model.wte.weight.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    for m in norms:
+        m.weight.fill_(float(sums[m][0] / sums[m][1]))
