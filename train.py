@@ -90,6 +90,21 @@ def quant_start_step(cfg):
     return round(q * cfg.max_iters) if q < 1 else int(q)
 
 
+def check_lambda_on_resume(step, old, new, path):
+    """A resumed run continues its lambda schedule: flags given now (--lambda_warmup_steps, --quant_start, or
+    --max_iters with a fractional --quant_start) that would move lambda at the next step are refused in one line;
+    a change that only moves steps still ahead of the warm-up is allowed and said."""
+    keys = [k for k in ("lambda_warmup_steps", "quant_start", "max_iters") if getattr(old, k) != getattr(new, k)]
+    was, now = lambda_at(step, old), lambda_at(step, new)
+    flags = " ".join(f"--{k}={getattr(new, k)}" for k in keys)
+    if was != now:
+        die(f"{flags} would move lambda at step {step} from {was:.3g} to {now:.3g}, but the run in {path} continues "
+            f"its lambda schedule (--lambda_warmup_steps={old.lambda_warmup_steps}, --quant_start={old.quant_start}); "
+            f"drop the flag, or start a new run with it (--run_name=<name>)", 2)
+    ends = [quant_start_step(c) + c.lambda_warmup_steps for c in (old, new)]
+    return f"lambda now reaches 1 at step {ends[1]} (was {ends[0]})" if ends[0] != ends[1] and now < 1 else ""
+
+
 # -----------------------------------------------------------------------------
 # one training step of ternary QAT
 
@@ -246,7 +261,7 @@ def unfinished_warmup(run, step):
         return ""
     done = quant_start_step(run.cfg) + run.cfg.lambda_warmup_steps
     return (f"; WARNING: lambda only reached {lam:.2f}, so the model is not ternary yet (lambda is 1 from step {done}): "
-            f"continue with --resume=True --max_iters={done} or more, or use a shorter --lambda_warmup_steps; stage 3 "
+            f"continue with --resume=True --max_iters={done} or more, or start a new run with a shorter --lambda_warmup_steps; stage 3 "
             f"and the packed export need lambda 1")
 
 
@@ -379,8 +394,11 @@ def setup(argv):
         resume = checkpoint.load(run.ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
         note = check_resume(cfg, overrides, resume["config"], run.ckpt_path)
         run.cfg = cfg = build_config(overrides, base=resume["config"])  # the saved run, flags given now on top
-        if note:
-            run.rt.log(note)
+        lam = resume["model_args"].get("quant") and check_lambda_on_resume(
+            resume["step"], build_config({}, base=resume["config"]), cfg, run.ckpt_path)
+        for line in (note, lam):
+            if line:
+                run.rt.log(line)
     teachers = teacher_paths(cfg)
     check_run(cfg, run.rt, run.out_dir, teachers)
     if run.rt.master:

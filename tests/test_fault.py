@@ -502,3 +502,56 @@ def test_stage3_settings_that_fail_only_at_step_1_are_refused_before_training(sa
                 f"--out_dir={tmp_path}", code=2)
     assert all(f in msg for f in facts), msg
     assert not os.path.exists(tmp_path / "stage3" / "metrics.jsonl")  # no step was taken
+
+
+# the lambda schedule on resume: a resumed run continues it; flags that would move lambda are refused
+
+
+@pytest.fixture(scope="module")
+def mid_warmup(tmp_path_factory):
+    """A finished 2-step stage-2 run of the tiny model, its lambda warm-up (4 steps) half done: lambda 0.5 next."""
+    out = str(tmp_path_factory.mktemp("mid_warmup"))
+    run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=2", "--eval_interval=2")
+    return os.path.join(out, "stage2", "ckpt.pt")
+
+
+@pytest.mark.parametrize("flags,facts", [
+    (["--lambda_warmup_steps=100"], ("--lambda_warmup_steps=100", "from 0.5 to 0.02")),  # 0 steps left: was re-saved
+    (["--lambda_warmup_steps=2", "--max_iters=3"], ("--lambda_warmup_steps=2", "from 0.5 to 1")),  # the old advice
+    (["--quant_start=0.5", "--max_iters=4"], ("--quant_start=0.5", "--max_iters=4", "from 0.5 to 0")),
+])
+def test_a_resume_that_would_move_lambda_is_refused_and_keeps_the_checkpoint(mid_warmup, tmp_path, capsys, flags,
+                                                                              facts):
+    out = str(tmp_path)
+    shutil.copytree(os.path.dirname(mid_warmup), tmp_path / "stage2")
+    before = digest(str(tmp_path / "stage2" / "ckpt.pt"))
+    msg = fails(capsys, "--stage=2", "--resume=True", f"--out_dir={out}", *flags, code=2)
+    assert all(f in msg for f in facts) and "step 2" in msg and "new run" in msg, msg
+    assert digest(str(tmp_path / "stage2" / "ckpt.pt")) == before
+
+
+@pytest.mark.slow
+def test_a_resume_that_keeps_lambda_continues_the_warm_up(mid_warmup, tmp_path):
+    shutil.copytree(os.path.dirname(mid_warmup), tmp_path / "stage2")
+    p = run("--stage=2", "--resume=True", f"--out_dir={tmp_path}", "--max_iters=3")  # the end-of-run advice
+    assert [r["lambda"] for r in records(str(tmp_path)) if r.get("step") == 2][-1] == 0.5  # the resumed step 2
+    assert "lambda only reached" in p.stdout and "a new run with a shorter" in p.stdout
+
+
+@pytest.mark.parametrize("use", ["init_from", "resume"])
+def test_a_checkpoint_without_subln_is_not_loaded_into_a_subln_model_after_stage_1(saved, tmp_path, capsys, use):
+    """Only stage 1 inserts SubLN into weights trained without it (BitDistill's refinement step); stage 2 from such
+    weights, or a resume with --subln=True, would leave every gain at its init unsaid: refused, one line."""
+    ckpt = torch.load(saved, weights_only=False)
+    ckpt["model"] = {k: v for k, v in ckpt["model"].items() if ".subln." not in k}
+    ckpt["model_args"] = dict(ckpt["model_args"], subln=False)
+    ckpt["config"] = dict(ckpt["config"], subln=False)
+    os.makedirs(tmp_path / "stage1")
+    path = str(tmp_path / "stage1" / "ckpt.pt")
+    torch.save(ckpt, path)
+    before = digest(path)
+    argv = ([f"--stage=2", f"--init_from={path}", *TINY, f"--out_dir={tmp_path / 'o'}"] if use == "init_from" else
+            ["--stage=1", "--resume=True", "--subln=True", f"--out_dir={tmp_path}"])
+    msg = fails(capsys, *argv)
+    assert path in msg and "subln" in msg, msg
+    assert digest(path) == before

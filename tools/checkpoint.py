@@ -295,6 +295,9 @@ def load_weights(model, state, path, insert_subln=False):
         raise CheckpointError(f"{path}: checkpoint does not fit this model "
                               f"({str(e).splitlines()[-1].strip()[:200]})") from None
     missing = [k for k in missing if not k.endswith("lambda_") and not (insert_subln and ".subln." in k)]
+    if missing and not unexpected and all(".subln." in k for k in missing):
+        raise CheckpointError(f"{path}: its model was trained without SubLN (--subln=False) and this run's has it; "
+                              f"pass --subln=False, or start stage 1 from it (stage 1 inserts SubLN)")
     if missing or unexpected:
         raise CheckpointError(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}); check n_layer/n_embd/n_head/subln/tokenizer")
