@@ -19,6 +19,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 import data
 from tokenizer import get_tokenizer
-from tools import common, export
+from tools import common, export, plumbing
 from tools.flags import die, parse
 
 
@@ -61,8 +62,8 @@ def main(argv):
     with common.stoppable("--gguf", path):
         export.export_gguf(ckpt, path, "--gguf")
     T, tok = model.config.block_size, get_tokenizer(tokenizer)
-    val = np.asarray(data.read_shard(os.path.join(common.ROOT, "data", f"shakespeare_{tokenizer}", "val_000.bin")),
-                     np.int64)
+    shards = plumbing.shipped_dir("shakespeare", SimpleNamespace(tokenizer=tokenizer, data_order="sequential"))
+    val = np.asarray(data.read_shard(os.path.join(shards, "val_000.bin")), np.int64)  # an imported model's ids too
     n = min(args["windows"], (len(val) - 1) // T)
     rows = torch.from_numpy(np.stack([val[i * T:i * T + T + 1] for i in range(n)]))  # (n, T+1)
     x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

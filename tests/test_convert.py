@@ -82,3 +82,33 @@ def test_a_model_we_cannot_carry_is_one_error_line_naming_the_field(tiny_llama, 
     msg = fails(capsys, "--stage=2", f"--init_from={tiny_llama}", "--tokenizer=byte", *FLAGS,
                 f"--out_dir={tmp_path / 'o'}", code=2)  # another vocabulary's ids would index the wrong rows
     assert "--tokenizer=byte" in msg and f"--tokenizer={tiny_llama}" in msg
+
+
+def test_check_llamacpp_scores_an_imported_model_on_its_own_tokenizers_val_text(imported_model, tmp_path, monkeypatch):
+    """lab/check_llamacpp.py read data/shakespeare_<tokenizer>, a path that does not exist for a model's own
+    tokenizer: it reads the shards train.py reads (plumbing.shipped_dir), made if missing. llama.cpp is a
+    stand-in here (uniform logits: its loss is ln V exactly); the real run is in lab/results/convert.md."""
+    import math
+    import sys
+    import types
+    import numpy as np
+    import torch
+    from lab import check_llamacpp
+    _, ckpt = imported_model
+
+    class Uniform:
+        def __init__(self, model_path, n_ctx, **kwargs):
+            self.scores = np.zeros((n_ctx, 384), dtype=np.float32)
+        reset = eval = lambda self, *a: None  # noqa: E731
+        create_completion = lambda self, **kw: {"choices": [{"text": "x"}]}  # noqa: E731
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Uniform))
+    c = torch.load(ckpt, weights_only=False)  # llama.cpp's bitnet ties the head: tie this one's (its embedding)
+    c["model"]["lm_head.weight"] = c["model"]["wte.weight"]
+    c["model_args"] = dict(c["model_args"], tie_embeddings=True)
+    ckpt, out = str(tmp_path / "ckpt.pt"), str(tmp_path / "r.json")
+    torch.save(c, ckpt)
+    assert check_llamacpp.main([f"--ckpt={ckpt}", f"--gguf={tmp_path / 'm.gguf'}", f"--out={out}", "--windows=2",
+                                "--samples=1"]) == 0
+    result = json.load(open(out))
+    assert result["tokens"] == 2 * 64 and abs(result["val_loss_llamacpp"] - math.log(384)) < 1e-4
+    assert math.isfinite(result["val_loss_ours"]) and result["val_loss_ours"] < math.log(384) + 1
