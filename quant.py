@@ -9,7 +9,7 @@ through the rounding as if it were the identity, so the optimizer updates the la
 Sources: BitNet b1.58 (arXiv 2402.17764, section 2); Microsoft's "training tips, code and FAQ" (Fig. 3);
 HF transformers integrations/bitnet.py; lambda-warmup from the HF blog "Fine-tuning LLMs to 1.58bit".
 
-    weights (per tensor, absmean):  gamma = max(mean|W|, 1e-5)
+    weights (per tensor, absmean):  gamma = max(mean|W|, 1e-5)            1e-5 = GAMMA_MIN: training and export alike
                                     W_q   = clamp(round(W / gamma), -1, 1)           fake-quant: W_q * gamma
     activations (per token, absmax): s    = 127 / max(max|x|, 1e-5)                   (per row of the last dim)
                                     x_q   = clamp(round(x * s), -128, 127)           fake-quant: x_q / s
@@ -35,11 +35,14 @@ import torch.nn.functional as F
 # -----------------------------------------------------------------------------
 # quantizers: integer codes plus the scale, and the fake-quantised ("dequantised") forms used in training
 
+GAMMA_MIN = 1e-5  # the floor of gamma, one value for training (weight_fake_quant), weight_quant and every export:
+#                   a matrix with mean|W| below it (all zero, or tiny) has codes 0 everywhere, in each of them
+
 
 def weight_quant(w):
     """Absmean ternary quantisation of a whole matrix. Returns int8 codes in {-1,0,1} and fp32 gamma."""
     w = w.float()
-    scale = w.abs().mean().clamp(min=1e-5)  # gamma, 0-d
+    scale = w.abs().mean().clamp(min=GAMMA_MIN)  # gamma, 0-d
     w_q = (w / scale).round().clamp(-1, 1).to(torch.int8)
     return w_q, scale
 
@@ -55,7 +58,7 @@ def activation_quant(x):
 def weight_fake_quant(w):
     """W_q * gamma in w's dtype, computed in fp32 (the forward value seen by F.linear in training)."""
     wf = w.float()
-    scale = wf.abs().mean().clamp(min=1e-5)
+    scale = wf.abs().mean().clamp(min=GAMMA_MIN)
     return ((wf / scale).round().clamp(-1, 1) * scale).to(w.dtype)
 
 

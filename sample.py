@@ -15,7 +15,8 @@ Sample text from a trained checkpoint.
 The tokenizer and model shape come from the checkpoint, so any stage's ckpt.pt works. With --packed=True
 every BitLinear is frozen to 2-bit codes plus gamma (kernels/packed_linear.py) before sampling: the fp
 latent weights are dropped and the integer inference path runs (Triton on CUDA, torch on CPU).
-Greedy decoding is --top_k=1; --temperature must be a finite number > 0 (0 is refused, not read as greedy).
+Greedy decoding is --top_k=1; --temperature must be a finite number >= 1e-6 (0 is refused, not read as greedy).
+--dlm=True fills prompt and continuation in one block_size context: a longer --max_new_tokens is refused.
 
 Test: python -m pytest tests/test_sample.py tests/test_packed.py
 """
@@ -41,8 +42,8 @@ class SampleConfig:
     ckpt: str = "out/stage2/ckpt.pt"  # a training checkpoint (any stage) or a packed export; --dlm: out/dlm/ckpt.pt
     start: str = "\n"             # the prompt
     num_samples: int = 2         # samples to print (or documents to write with --jsonl)
-    max_new_tokens: int = 200    # tokens generated per sample
-    temperature: float = 0.8     # > 0; for greedy decoding use --top_k=1
+    max_new_tokens: int = 200    # tokens generated per sample (--dlm: at most block_size minus the prompt)
+    temperature: float = 0.8     # >= 1e-6; for greedy decoding use --top_k=1
     top_k: int = 50              # sample among the k likeliest tokens; 1 = greedy
     seed: int = 1337             # seeds the sampling
     device: str = "auto"         # auto = cuda if available, else cpu; or cpu, cuda, cuda:<index>
@@ -107,9 +108,13 @@ def sample_dlm(model, tok, args, device):
     """--dlm=True: prompt + masks, filled by dlm.generate within block_size, k tokens a step, the k kept chosen by
     --remasking: random (the default: low_confidence writes only spaces with our small models, README)."""
     ids = [tok.eot] + tok.encode(args["start"])
-    gen_len = min(args["max_new_tokens"], model.config.block_size - len(ids))
-    if gen_len < 1:
+    gen_len, room = args["max_new_tokens"], model.config.block_size - len(ids)
+    if room < 1:
         die(f"--start is {len(ids)} tokens, which leaves no room in block_size {model.config.block_size}", 2)
+    if gen_len > room:  # before sampling: the whole continuation is filled inside one context window
+        die(f"--max_new_tokens={gen_len}: a masked-diffusion model fills prompt and continuation in one context "
+            f"of block_size {model.config.block_size}, and the prompt takes {len(ids)} (end-of-text and --start); "
+            f"pass --max_new_tokens={room} or less", 2)
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, ...]
     g = torch.Generator(device=device).manual_seed(args["seed"])
     for _ in range(args["num_samples"]):
@@ -144,6 +149,9 @@ def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0,
 # mid-generation, or write over a file that must be kept stops here)
 
 
+MIN_TEMPERATURE = 1e-6  # model.generate's floor on the temperature (max(temperature, 1e-6))
+
+
 def _check_args(args):
     for key in ("num_samples", "max_new_tokens", "top_k", "steps"):
         if args[key] < 1:
@@ -152,6 +160,10 @@ def _check_args(args):
     t = args["temperature"]
     if not (math.isfinite(t) and t > 0):  # generate() would turn 0 or less into greedy decoding without a word
         die(f"--temperature={t:g}: expected a finite number > 0; for greedy decoding use --top_k=1", 2)
+    if t < MIN_TEMPERATURE:  # one rule for both samplers (dlm.generate takes any temperature >= 0)
+        die(f"--temperature={t:g}: expected at least {MIN_TEMPERATURE:g}, the smallest temperature model.generate "
+            f"samples at (below it, it would use {MIN_TEMPERATURE:g} without a word); for greedy decoding use "
+            f"--top_k=1", 2)
     if args["remasking"] not in ("random", "low_confidence"):
         die(f"--remasking={args['remasking']}: expected random or low_confidence", 2)
     if not 0 <= args["seed"] < 2**64:

@@ -225,13 +225,13 @@ def bench_quality(train_args="", target=0.0, every=20, windows=64):
     dropout 0). The target is the baseline's final val loss unless --target is given. Ours counts only as a
     ternary model: from the step where lambda reaches 1 (the end of --lambda_warmup_steps) on, since before that
     the run trains a blend of fp and ternary weights, which is not what it exports."""
+    extra = check_quality(train_args, target)  # before anything is set up: a run that could not end as asked
     import copy
-    import shlex
     import tempfile
     import train
     from tools import plumbing
     with tempfile.TemporaryDirectory() as tmp:
-        argv = ["--stage=2", "--device=cpu", f"--out_dir={tmp}"] + shlex.split(train_args)
+        argv = ["--stage=2", "--device=cpu", f"--out_dir={tmp}"] + extra
         run = train.setup(argv)
         try:
             cfg = run.cfg
@@ -300,9 +300,26 @@ def bench_quality(train_args="", target=0.0, every=20, windows=64):
     print(f"target val loss {goal:.4f} ({'--target' if target else 'the baseline’s final'}):")
     for name, g in got.items():
         print(f"  {name:8s}: " + (f"{g[0]:.3g} s, at step {g[1]:.0f}" if g else "not reached"))
-    if got["nanoGPT"] and got["ours"]:
+    if got["nanoGPT"] and got["ours"] and got["nanoGPT"][0] == 0:  # no time to divide by
+        print(f"time to quality, ours / nanoGPT: none: the baseline's val loss at step 0 is already at or below "
+              f"{goal:.4f}; pass a lower --target")
+    elif got["nanoGPT"] and got["ours"]:
         print(f"time to quality, ours / nanoGPT: {got['ours'][0] / got['nanoGPT'][0]:.3f}")
     return got
+
+
+def check_quality(train_args, target):
+    """--quality's options, checked before either run starts: --target must be a val loss a run can reach (finite,
+    > 0; 0 = the baseline's final), and --train_args must split as a shell would. Returns the split flags."""
+    import shlex
+    if not math.isfinite(target) or target < 0:
+        die(f"--target={target:g}: expected a val loss > 0 to reach (a cross-entropy is never below 0), or 0 for the "
+            f"baseline's final val loss", 2)
+    try:
+        return shlex.split(train_args)
+    except ValueError as e:  # an unclosed quote or a trailing backslash
+        die(f"--train_args={train_args}: cannot split it into flags ({e}); close each quote, e.g. "
+            f"--train_args='--lr=3e-3 --max_iters=100'", 2)
 
 
 def bench_profile():
@@ -386,7 +403,7 @@ class BenchFlags:
     train: bool = False          # full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
     profile: bool = False        # where the CPU step time goes (torch.profiler)
     quality: bool = False        # time to quality: ours vs a nanoGPT-shaped fp baseline, to the same val loss
-    target: float = 0.0          # --quality: the val loss to reach; 0 = the baseline's final val loss
+    target: float = 0.0          # --quality: the val loss to reach (finite, > 0); 0 = the baseline's final val loss
     train_args: str = ""         # --quality: more train.py flags for our run and the shape of both, e.g. "--lr=3e-3"
 
 

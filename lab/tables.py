@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import data
 from tools import checkpoint, common, runtime
 from tools.common import ROOT
-from tools.flags import parse
+from tools.flags import die, parse
 SEEDS = (0, 1, 2)
 
 
@@ -708,9 +708,13 @@ def _mean_of(vals):
 def _shipped_dir(name):
     """data/<name>_byte, the byte shards of a shipped corpus, prepared if missing (as train.py does)."""
     d = os.path.join(ROOT, "data", f"{name}_byte")
+    from tools import prepare
     if not os.path.exists(os.path.join(d, "meta.json")):
-        from tools import prepare
         prepare.prepare(tokenizer="byte", out_dir=d, corpus=name)
+    try:
+        prepare.check_shipped(d, name)  # the directory holds data of someone's own, not the corpus
+    except ValueError as e:
+        die(str(e), 2)
     return d
 
 

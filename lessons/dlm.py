@@ -121,6 +121,8 @@ def generate(model, prompt, gen_len, steps, mask_id, shift=False, temperature=0.
         raise ValueError(f"prompt {prompt.size(1)} + gen_len {gen_len} > block_size {model.config.block_size}")
     if remasking not in ("low_confidence", "random"):
         raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {temperature!r}")
     x = torch.cat([prompt, torch.full((1, gen_len), mask_id, dtype=prompt.dtype, device=prompt.device)], dim=1)
     for s in range(steps):
         masked = x == mask_id
@@ -131,8 +133,9 @@ def generate(model, prompt, gen_len, steps, mask_id, shift=False, temperature=0.
         if top_k is not None and top_k < logits.size(-1):
             kth = logits.topk(top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if temperature > 0:
-            probs = F.softmax(logits / temperature, dim=-1)
+        if temperature > 0:  # the max subtracted first: a tiny temperature sharpens to the argmax, never inf - inf
+            z = (logits - logits.amax(dim=-1, keepdim=True)) / max(temperature, torch.finfo(logits.dtype).tiny)
+            probs = F.softmax(z, dim=-1)
             pred = torch.multinomial(probs[0], 1, generator=generator).T  # (1, L)
         else:
             probs = F.softmax(logits, dim=-1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import data
-from conftest import ENV, ROOT
+from conftest import ENV, ROOT, fails
 from lab import bench
 
 
@@ -50,3 +50,70 @@ def test_quality_prints_the_ratio_of_the_two_times_to_the_same_target():
     bad = subprocess.run([sys.executable, "-m", "lab.bench", "--target=2"], cwd=ROOT, env=ENV, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --target is an option of --quality; add --quality"
+
+
+@pytest.mark.parametrize("flag, facts", [("--target=nan", ["--target=nan", "> 0"]), ("--target=-1", ["--target=-1", "> 0"]),
+                                         ("--target=inf", ["--target=inf"]),
+                                         ('--train_args="x', ['--train_args="x', "No closing quotation"])])
+def test_quality_refuses_an_impossible_target_or_unsplittable_train_args_before_training(flag, facts, capsys,
+                                                                                          monkeypatch):
+    """Issue 35: --target=nan (or -1) ran the whole benchmark to report "not reached"; --train_args='"x' ended in
+    shlex's traceback. Both are one line, exit 2, before any run is set up (train.setup must not be reached)."""
+    import train
+
+    def no_setup(argv):
+        raise AssertionError("trained before checking --target and --train_args")
+    monkeypatch.setattr(train, "setup", no_setup)
+    err = fails(capsys, "--quality", flag, code=2, main=bench.main)
+    assert all(f in err for f in facts), err
+
+
+TINY_QUALITY = ("--max_iters=10 --n_layer=1 --n_head=2 --n_embd=32 --batch_size=4 --block_size=32 --warmup_steps=2 "
+                "--lambda_warmup_steps=8")
+
+
+@pytest.fixture(scope="module")
+def quality():
+    """bench_quality in this process on a tiny shape, evaluated every step, to a target of 100 (above any start, so
+    each run counts from its first evaluation that counts): (what it returns, its stdout, the batches each
+    DataLoader handed out, in the order the loaders were first used). About 2 s."""
+    import contextlib
+    import io
+    seen, real = {}, data.DataLoader.next_batch
+
+    def recording(self):
+        x, y = real(self)
+        seen.setdefault(id(self), []).append(x.clone())
+        return x, y
+    out, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+            mp.setattr(data.DataLoader, "next_batch", recording)
+            got = bench.bench_quality(TINY_QUALITY, target=100.0, every=1, windows=4)
+    finally:
+        torch.set_num_threads(threads)
+    return got, out.getvalue(), list(seen.values())
+
+
+def test_quality_counts_ours_only_from_the_step_where_lambda_reaches_1(quality):
+    """Evaluated at every step of an 8-step lambda warm-up, ours' first counted point is step 8 (lambda 1), never a
+    step at lambda < 1 although each was evaluated and already below the target; the baseline counts from step 0."""
+    got, out, _ = quality
+    assert got["ours"][1] == 8 and got["nanoGPT"] == (0.0, 0), (got, out)
+    assert re.search(r"^ours    : val [\d.]+ at step 8 ", out, re.M), out
+
+
+def test_quality_baseline_reads_a_copy_of_our_loader_so_both_see_the_same_batches(quality):
+    """Two loaders hand out batches (the baseline's, used first, and ours): ours' 8 batches are the baseline's first
+    8, in order. A shared loader would give ours the batches after the baseline's 10."""
+    _, _, batches = quality
+    assert len(batches) == 2, [len(b) for b in batches]
+    base, ours = batches
+    assert len(base) == 10 and len(ours) == 8 and all(torch.equal(a, b) for a, b in zip(base, ours))
+
+
+def test_quality_with_a_target_the_baseline_starts_below_prints_no_ratio(quality):
+    """The baseline reaches a target above its starting val loss at 0 s: no ratio (a ZeroDivisionError before)."""
+    _, out, _ = quality
+    assert "ours / nanoGPT: none: the baseline's val loss at step 0 is already at or below 100.0000" in out, out

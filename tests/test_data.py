@@ -62,6 +62,8 @@ def _corrupt(path, how):
         raw = raw[:-3]
     elif how == "short":
         raw = raw[:100]
+    elif how == "long":  # one token more than the header counts: never read as a prefix of the file
+        raw += bytes(2)
     path.write_bytes(bytes(raw))
 
 
@@ -69,7 +71,8 @@ def _corrupt(path, how):
 @pytest.mark.parametrize("how, facts", [("magic", ["magic 0", "20240520"]),
                                         ("version", ["version 7"]),
                                         ("truncated", ["2021 bytes", "500 tokens", "2024 bytes"]),
-                                        ("short", ["100 bytes", "1024-byte header"])])
+                                        ("short", ["100 bytes", "1024-byte header"]),
+                                        ("long", ["2026 bytes", "500 tokens", "2024 bytes"])])
 def test_read_shard_refuses_corrupt_files_naming_the_file_and_the_fix(tmp_path, how, facts):
     path = tmp_path / "val_003.bin"
     data.write_shard(str(path), np.arange(500))

@@ -105,6 +105,23 @@ def test_sampler_fills_every_masked_position_never_with_the_mask(temperature, re
         dlm.generate(m, prompt, gen_len=4, steps=4, mask_id=mask_id, remasking="lowest")
 
 
+def test_a_tiny_temperature_samples_the_greedy_fill_and_a_non_finite_or_negative_one_is_refused():
+    """Issue 35: temperature 1e-39 divided the logits past float32's range (inf - inf = NaN in the softmax) and
+    torch.multinomial raised. Any temperature > 0 samples now; one this small leaves all the probability on the
+    argmax, so one step (every mask committed at once) fills in what greedy decoding (temperature 0) does. NaN
+    and -1 were read as greedy without a word (they fail `temperature > 0`); inf gave -inf / inf = NaN."""
+    m, mask_id = dlm.add_mask_token(_ar(), "random")
+    prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(0))
+    greedy = dlm.generate(m, prompt, gen_len=16, steps=1, mask_id=mask_id)
+    for temperature in (1e-39, 1e-45, 5e-324):
+        out = dlm.generate(m, prompt, gen_len=16, steps=1, mask_id=mask_id, temperature=temperature,
+                           generator=torch.Generator().manual_seed(0))
+        assert torch.equal(out, greedy), (temperature, out, greedy)
+    for temperature in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            dlm.generate(m, prompt, gen_len=4, steps=2, mask_id=mask_id, temperature=temperature)
+
+
 class _Recording(_Fixed):
     """_Fixed that also keeps the input of every call: the sequence of partly unmasked drafts."""
     def __init__(self, logits):

@@ -555,3 +555,18 @@ def test_a_checkpoint_without_subln_is_not_loaded_into_a_subln_model_after_stage
     msg = fails(capsys, *argv)
     assert path in msg and "subln" in msg, msg
     assert digest(path) == before
+
+
+def test_a_shipped_corpus_directory_holding_other_data_stops_the_run(tmp_path, capsys, monkeypatch):
+    """train.py --data=<shipped corpus> asks tools/prepare.check_shipped (tested in test_prepare.py) about the
+    directory it reads: what it says ends the run in one line, before anything is written."""
+    from tools import prepare
+    seen = []
+
+    def holds_other_data(d, corpus):
+        seen.append((os.path.basename(d), corpus))
+        raise ValueError(f"{d}: its meta.json lists mine.txt, not the shipped corpus {corpus}")
+    monkeypatch.setattr(prepare, "check_shipped", holds_other_data)
+    msg = fails(capsys, "--stage=1", *TINY, "--data=shakespeare", f"--out_dir={tmp_path}", code=2)
+    assert seen == [("shakespeare_byte", "shakespeare")] and "mine.txt" in msg, msg
+    assert not [f for _, _, files in os.walk(tmp_path) for f in files]  # nothing written

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import ENV, ROOT
+from conftest import ENV, ROOT, fails
 from tools import flags
 
 
@@ -164,3 +164,36 @@ def test_only_tools_flags_parses_command_lines():
                 if 'partition("=")' in src and name != "flags.py":
                     hits.append(os.path.relpath(os.path.join(d, name), ROOT))
     assert hits == []
+
+
+@pytest.mark.parametrize("module, func, home, cls", COMMANDS, ids=[c[0] for c in COMMANDS])
+def test_a_bare_flag_means_true_for_a_boolean_only_in_every_command(capsys, module, func, home, cls):
+    """Issue 35: a bare --out_dir was read as the string "true" (a run then wrote into ./true). Every flag of every
+    command given bare: a boolean is true; any other is one error line naming it, exit 2, before the command does
+    anything (its main() is called, so a command's own converters count too)."""
+    import importlib
+    main = getattr(importlib.import_module(module), func)
+    flag_class = getattr(importlib.import_module(home), cls)
+    others = [f.name for f in dataclasses.fields(flag_class) if flags._type(f) is not bool]
+    assert others  # every command has flags that take a value
+    for name in others:  # a second, unknown flag: were the bare one accepted, the command still would not run
+        msg = fails(capsys, f"--{name}", "--no_such_flag=1", code=2, main=main)
+        assert msg.startswith(f"error: --{name} needs a value, e.g. --{name}="), msg
+    for f in dataclasses.fields(flag_class):
+        if flags._type(f) is bool:
+            assert flags.parse([f"--{f.name}"], flag_class) == {f.name: True}
+
+
+def test_die_names_the_global_rank_not_the_local_one(capsys, monkeypatch):
+    """Under torchrun a rank other than 0 prefixes its error line with its RANK (over all nodes): rank 9 is the
+    second process of the second node (LOCAL_RANK=1), and rank 8 (LOCAL_RANK=0 there) is not rank 0."""
+    def boom(argv):
+        flags.die("boom")
+    for env, want in (({"RANK": "9", "LOCAL_RANK": "1"}, "error: [rank 9] boom"),
+                      ({"RANK": "8", "LOCAL_RANK": "0"}, "error: [rank 8] boom"),
+                      ({"RANK": "0", "LOCAL_RANK": "0"}, "error: boom"), ({}, "error: boom")):
+        for k in ("RANK", "LOCAL_RANK"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert fails(capsys, code=1, main=boom) == want, env

@@ -1,6 +1,7 @@
 """tools/export.py --format=gguf: what llama.cpp's bitnet architecture reads, checked by reading the
 file back (gguf's reader, and TQ2_0 bytes decoded here by hand), vocabulary metadata, and the command line.
 The end-to-end run in llama.cpp itself is lab/check_llamacpp.sh (not in CI: it compiles llama.cpp)."""
+import errno
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ import torch
 
 from tools import export as gguf_export
 import quant
-from conftest import ENV, ROOT, TINY, run
+from conftest import ENV, ROOT, TINY, fails, run
 from model import GPT, GPTConfig
 
 
@@ -132,6 +133,7 @@ def test_vocabulary_metadata_byte_and_gpt2(tmp_path):
     types = f["tokenizer.ggml.token_type"].contents()
     assert types[:256] == [1] * 256 and types[256] == 3 and set(types[257:]) == {5}  # normal, control, unused
     assert f["tokenizer.ggml.bos_token_id"].contents() == f["tokenizer.ggml.eos_token_id"].contents() == 256
+    assert f["tokenizer.ggml.add_bos_token"].contents() is True  # eot before a prompt, as before every document
     assert f["general.architecture"].contents() == "bitnet" and f["bitnet.context_length"].contents() == 32
     path = str(tmp_path / "g.gguf")
     gguf_export.write_gguf(_model(vocab_size=50257), "gpt2", path)
@@ -139,6 +141,53 @@ def test_vocabulary_metadata_byte_and_gpt2(tmp_path):
     merges = f["tokenizer.ggml.merges"].contents()
     assert len(merges) == 50000 and merges[:3] == ["Ġ t", "Ġ a", "h e"]  # GPT-2's merges.txt starts so
     assert f["tokenizer.ggml.tokens"].contents()[50256] == "<|endoftext|>"
+    assert f["tokenizer.ggml.bos_token_id"].contents() == 50256 and f["tokenizer.ggml.add_bos_token"].contents() is True
+
+
+def test_llama_cpp_starts_a_prompt_with_eot_as_every_training_document_starts(tmp_path):
+    """Issue 35: add_bos_token written False passed the suite. tools/prepare.py writes each document as [eot] + tokens
+    and sample.py prompts with [eot] + the start text, so the model has only ever seen text after an eot: the GGUF
+    names eot as BOS (id 256 of the byte tokenizer) and tells llama.cpp to add it before the prompt."""
+    path, m = str(tmp_path / "b.gguf"), _model()
+    gguf_export.write_gguf(m, "byte", path)
+    f = gguf.GGUFReader(path).fields
+    assert f["tokenizer.ggml.add_bos_token"].contents() is True
+    assert f["tokenizer.ggml.bos_token_id"].contents() == 256 == m.config.eot
+    assert f["tokenizer.ggml.tokens"].contents()[256] == "<|endoftext|>"
+
+
+def _save_ckpt(path):
+    """A checkpoint of an untrained ternary model (SubLN, tied head: what the GGUF export takes), byte tokenizer."""
+    m = _model(n_layer=1, n_embd=32)
+    torch.save({"model_args": vars(m.config), "config": {"tokenizer": "byte"}, "model": m.state_dict()}, path)
+    return path
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+                                   OSError("4096 requested and 1136 written")],  # numpy's tofile: no errno
+                         ids=["ENOSPC", "numpy-tofile"])
+def test_a_gguf_export_on_a_full_disk_names_out_and_the_disk_and_keeps_the_old_file(tmp_path, capsys, monkeypatch,
+                                                                                   error):
+    """Issue 35: a full disk during --format=gguf blamed the checkpoint. One line naming --out and the disk holding
+    it; the earlier GGUF at --out whole, no .tmp left."""
+    ckpt, out = _save_ckpt(str(tmp_path / "ckpt.pt")), str(tmp_path / "m.gguf")
+    gguf_export.main(["--format=gguf", f"--ckpt={ckpt}", f"--out={out}"])
+    capsys.readouterr()
+    before = open(out, "rb").read()
+
+    def full_disk(self, **kwargs):
+        self.fout[0].write(b"half the tensors")
+        raise error
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", full_disk)
+    err = fails(capsys, "--format=gguf", f"--ckpt={ckpt}", f"--out={out}", code=1, main=gguf_export.main)
+    assert err.startswith(f"error: --out={out}: cannot write the GGUF ({error.strerror or error})"), err
+    assert f"the disk holding {tmp_path} has " in err and "free disk space" in err and "unchanged" in err, err
+    assert "ckpt.pt" not in err  # the checkpoint was read whole: not its fault
+    assert open(out, "rb").read() == before and sorted(os.listdir(tmp_path)) == ["ckpt.pt", "m.gguf"]
+    if os.path.isdir("/proc/self/fd"):  # Linux: no handle keeps the removed partial file's blocks (the free space said)
+        held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")]
+        assert not [h for h in held if h.startswith(out)], held
 
 
 @pytest.mark.slow
@@ -264,6 +313,7 @@ def test_an_imported_model_writes_head_count_kv_head_dims_and_its_vocabulary(tmp
     assert _field(r, "tokenizer.ggml.merges") == [x if isinstance(x, str) else " ".join(x) for x in merges]
     assert (_field(r, "tokenizer.ggml.model"), _field(r, "tokenizer.ggml.pre")) == ("gpt2", "gpt-2")
     assert _field(r, "tokenizer.ggml.eos_token_id") == tok.eot == 0
+    assert _field(r, "tokenizer.ggml.add_bos_token") is False  # its BOS is its own, not eot (docs/gguf-format.md)
 
 
 @pytest.mark.slow

@@ -135,6 +135,25 @@ def test_gpt2_tokenizer_encodes_as_ours_in_a_padded_vocabulary(tmp_path):
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "nanobitnet.json"]
 
 
+def test_tie_word_embeddings_says_whether_the_head_is_the_embedding(tmp_path):
+    """Issue 35: hf_config always writing tie_word_embeddings=True passed every fast test: an untied model's config then
+    says its head is the embedding (transformers 5 keeps the file's own lm_head only because the two differ, with a
+    warning). A tied model says True; an untied one False, and loads with its own head (no training run: an untrained
+    model of the shape, written by write_hf and read back)."""
+    import dataclasses
+    tied = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)
+    assert tied.tie_embeddings and export.hf_config(tied)["tie_word_embeddings"] is True
+    torch.manual_seed(0)
+    m = GPT(dataclasses.replace(tied, tie_embeddings=False)).eval()
+    assert export.hf_config(m.config)["tie_word_embeddings"] is False
+    out = str(tmp_path / "hf")
+    export.write_hf(m, "byte", out)
+    hf, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert hf.config.tie_word_embeddings is False and {k: v for k, v in info.items() if v} == {}
+    assert torch.equal(hf.lm_head.weight, m.lm_head.weight) and torch.equal(hf.model.embed_tokens.weight, m.wte.weight)
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+
+
 def _save_ckpt(path, **kw):
     """A checkpoint of an untrained model of the given shape, as load_training_checkpoint reads it."""
     m = GPT(GPTConfig(**dict(dict(n_layer=1, n_head=2, n_embd=32, block_size=32), **kw)))

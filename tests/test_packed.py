@@ -220,6 +220,28 @@ def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
     assert all(f in str(e.value) for f in ("some.pt", "nanobitnet-packed-v1", "python -m tools.export")), e.value
 
 
+def test_every_export_floors_gamma_where_training_does():
+    """Issue 35: BitLinear's training gamma was clamped at 1e-8 while weight_quant and the exports clamp at 1e-5.
+    Under the floor (q_proj all zero, down_proj tiny: mean|W| about 8e-8) the packed, GGUF and HF exports hold codes 0
+    and gamma = quant.GAMMA_MIN, and the packed layer computes exactly what the training forward does: zero."""
+    model = _tiny_model()
+    with torch.no_grad():
+        model.h[0].attn.q_proj.weight.zero_()
+        model.h[1].mlp.down_proj.weight.copy_(torch.randn_like(model.h[1].mlp.down_proj.weight) * 1e-7)
+    floor = torch.tensor(quant.GAMMA_MIN).item()  # as float32
+    gguf, hf = dict((n, a) for n, a, _ in export.gguf_tensors(model)), export.hf_tensors(model)
+    for name, theirs, hf_name in (("h.0.attn.q_proj", "blk.0.attn_q", "model.layers.0.self_attn.q_proj"),
+                                  ("h.1.mlp.down_proj", "blk.1.ffn_down", "model.layers.1.mlp.down_proj")):
+        lin = model.get_submodule(name)
+        packed = PackedBitLinear.from_bitlinear(lin, use_triton=False)
+        assert packed.w_scale.item() == floor and not quant.unpack_ternary(packed.w_packed, lin.in_features).any()
+        x = torch.randn(3, lin.in_features)
+        with torch.no_grad():
+            assert torch.equal(lin(x), packed(x)) and not lin(x).any(), name  # the training forward: zero too
+        assert gguf[f"{theirs}.scale"].item() == floor and not gguf[f"{theirs}.weight"].any(), theirs
+        assert hf[f"{hf_name}.weight_scale"].item() == (1 / torch.tensor(floor)).item(), hf_name
+
+
 # -----------------------------------------------------------------------------
 # end to end: train.py -> sample.py --packed=True, tools/export.py, sample.py on the export
 
@@ -336,7 +358,7 @@ EXPORT_REFUSALS = {  # {d}: the run directory of run_dir; (argv, exit code, fact
                                 ["{d}/packed.pt", "already a packed export", "sample.py --ckpt={d}/packed.pt"]),
     "ckpt-is-a-directory": (["--ckpt={d}"], 2, ["--ckpt={d}", "directory", "--ckpt={d}/ckpt.pt"]),
     "unknown-flag": (["--bogus=1"], 2, ["'--bogus=1'", "ckpt, out"]),
-    "no-value": (["--ckpt"], 2, ["'--ckpt'", "--key=value"]),
+    "no-value": (["--ckpt"], 2, ["--ckpt needs a value", "--ckpt=out/stage2/ckpt.pt"]),  # tools/flags.py, issue 35
 }
 
 

@@ -125,3 +125,94 @@ def test_plot_on_a_full_disk_keeps_the_previous_png_and_leaves_no_tmp(tmp_path, 
     msg = fails(capsys, a, main=plot.main)
     assert f"--out={png}" in msg and "No space left" in msg and "unchanged" in msg, msg
     assert open(png, "rb").read() == before and sorted(os.listdir(a)) == ["curves.png", "metrics.jsonl"]
+
+
+def _write_run(d, recs):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    return str(d)
+
+
+def _step(s, **drop):
+    rec = {"step": s, "loss": 5.0 / s, "lambda": 1.0, "lr": 1e-3, "raw_norm": 2.0, "clipped_norm": 1.0,
+           "was_clipped": s == 2}
+    return {k: v for k, v in rec.items() if k not in drop}
+
+
+@pytest.mark.parametrize("case, recs, notes", [
+    ("no-lambda", [_step(s, **{"lambda": 0}) for s in (1, 2, 3)], ["no lambda in any of its step records"]),
+    ("no-gradient-norm", [_step(s, raw_norm=0, clipped_norm=0) for s in (1, 2, 3)],
+     ["no raw_norm in any of its step records", "no clipped_norm in any"]),
+    ("norm-in-some-records", [_step(1), _step(2, raw_norm=0), _step(3)], ["no raw_norm in 1 of its 3 step records"]),
+    ("old-names", [{"step": s, "loss": 1.0, "lambda": 1.0, "lr": 1e-3, "grad_norm_raw": 2.0, "grad_norm": 1.0,
+                    "clipped": s == 2} for s in (1, 2, 3)], []),  # runtime.read_metrics maps them: nothing missing
+])
+def test_plot_draws_the_series_a_record_holds_and_notes_a_missing_one(case, recs, notes, tmp_path, capsys):
+    """Issue 35: a record without lambda or the gradient norm (older logs) ended in a KeyError traceback."""
+    d = _write_run(tmp_path / case, recs)
+    plot.main([d])
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith(f"wrote {d}/curves.png: 3 steps, 0 evaluations") and out[:-1] == [
+        line for line in out[:-1] if line.startswith("note: ")], out
+    assert all(any(n in line for line in out[:-1]) for n in notes) and len(out) - 1 == len(notes), out
+    if case == "old-names":
+        assert out[-1].endswith("1 clipped steps"), out
+    with open(os.path.join(d, "curves.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_marks_and_counts_the_steps_skipped_as_non_finite(tmp_path, capsys):
+    """Issue 35: a run with skipped non-finite steps. train.py logs a skipped step as {"skipped": 1, "loss": null,
+    "lambda", "bad_steps"} (no lr, no norms); a NaN loss is skipped too. Both are counted, not drawn as losses; a run
+    whose every step was skipped is one error line."""
+    skip = {"skipped": 1, "loss": None, "lambda": 0.5, "bad_steps": 1}
+    d = _write_run(tmp_path / "r", [_step(1), {"step": 2, **skip}, {"step": 3, "loss": float("nan"), "lambda": 0.5},
+                                    _step(4), {"step": 4, "val_loss": 2.0}])
+    steps, evals = plot.read_metrics(d)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and [plot.skipped(r) for r in steps] == [0, 1, 1, 0]
+    plot.main([d])
+    out = capsys.readouterr().out
+    assert out == f"wrote {d}/curves.png: 2 steps (2 more skipped as non-finite, marked in red), 1 evaluations, " \
+                  f"0 clipped steps\n", out
+    d = _write_run(tmp_path / "all", [{"step": 1, **skip}, {"step": 2, **skip}])
+    msg = fails(capsys, d, main=plot.main)
+    assert "metrics.jsonl: all 2 logged steps were skipped as non-finite" in msg and "--out" not in msg, msg
+
+
+def _binary(path):
+    path.write_bytes(bytes(range(256)) * 4)
+
+
+def _binary_one_line(path):  # no NUL, no newline: read as text it is one torn last line, i.e. "nothing logged"
+    path.write_bytes(b"\xff\xfe\x89garbage" * 50)
+
+
+def _directory(path):
+    path.mkdir()
+
+
+@pytest.mark.parametrize("spoil, facts", [(_binary, ["binary data"]), (_binary_one_line, ["binary data"]),
+                                          (_directory, ["is a directory", "out/stage2"]), (None, ["Permission denied"])])
+def test_an_unreadable_metrics_file_is_blamed_not_the_out_png(spoil, facts, tmp_path, capsys, monkeypatch):
+    """Issue 35: an unreadable metrics.jsonl (no permission, a directory, binary) was reported as "cannot write
+    --out" (or a traceback). Tests run as root here, where chmod 000 still reads: permission is denied by open."""
+    import builtins
+    import errno
+    d = tmp_path / "r"
+    d.mkdir()
+    path = d / "metrics.jsonl"
+    if spoil:
+        spoil(path)
+    else:
+        _write_run(d, [_step(1)])
+        real = builtins.open
+
+        def denied(file, *args, **kwargs):
+            if str(file) == str(path):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
+            return real(file, *args, **kwargs)
+        monkeypatch.setattr(builtins, "open", denied)
+    msg = fails(capsys, str(d), main=plot.main)
+    assert msg.startswith(f"error: {path}") and all(f in msg for f in facts) and "--out" not in msg, msg
+    assert not os.path.exists(d / "curves.png")

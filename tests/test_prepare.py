@@ -651,3 +651,193 @@ def test_a_bad_tokenizer_is_one_line_before_anything_is_read(tmp_path, capsys):
     assert "--tokenizer=sentencepiece: unknown tokenizer" in line and "a .gguf file" in line
     line = fails(capsys, f"--tokenizer={tmp_path / 'none.gguf'}", main=prepare.main, code=2)
     assert "no such .gguf file" in line and not os.path.exists(tmp_path / "o")
+
+# -----------------------------------------------------------------------------
+# issue 35: what --adopt and prepare must refuse (one line, nothing on disk changed) instead of losing or hiding data
+
+
+def _refused(capsys, argv, code=1):
+    """prepare.main(argv) ends with `code` (returned, or a SystemExit for a bad flag value) after exactly one line
+    'error: ...' (an exception, a traceback in a real run, fails the test); returns that line."""
+    try:
+        rc = prepare.main(argv)
+    except SystemExit as e:
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == code and len(err) == 1 and err[0].startswith("error: "), (rc, err)
+    return err[0]
+
+
+def _llmc(d, names, ids=np.arange(300) % 256):
+    """Directory d of llm.c-format shards with these names (each a shard of ids); returns d."""
+    d.mkdir()
+    for n in names:
+        data.write_shard(str(d / n), ids)
+    return d
+
+
+def test_adopting_a_directory_into_itself_is_refused_and_keeps_its_scores_and_meta_json(tmp_path, capsys):
+    made = tmp_path / "D"
+    prepare.prepare([str(_write_corpus(tmp_path) / "*")], out_dir=str(made), val_every=3)
+    before = _files(made)
+    assert "train_000.difficulty.npy" in before and "sources" in data.read_meta(str(made))
+    (tmp_path / "link").symlink_to(made)
+    for src, out in ((made, made), (tmp_path / "link", made), (made, tmp_path / "link")):
+        line = _refused(capsys, [f"--adopt={src}", f"--out_dir={out}"])
+        assert "same directory" in line and "--out_dir" in line and f"--data={src}" in line, line
+    assert _files(made) == before and _hidden(tmp_path) == []
+
+
+def test_adopt_refuses_a_gap_or_a_repeat_in_the_shard_numbers_naming_the_missing_shard(tmp_path, capsys):
+    # renumbering 000001, 000003 as train_000, train_001 would hide that 000002 is missing
+    cases = [(["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000003.bin"],
+              "fineweb_train_000002.bin is missing"),
+             (["fineweb_val_000000.bin", "fineweb_train_000002.bin"], "fineweb_train_000001.bin is missing"),
+             (["train_001.bin", "val_000.bin"], "train_000.bin is missing"),  # ours start at 000
+             (["val_000.bin", "val_002.bin", "train_000.bin"], "val_001.bin is missing"),
+             (["fineweb_val_000000.bin", "fineweb_train_000001.bin", "train_001.bin"],
+              "fineweb_train_000001.bin and train_001.bin are both train shard 1")]
+    for k, (names, fact) in enumerate(cases):
+        src = _llmc(tmp_path / f"src{k}", names)
+        line = _refused(capsys, [f"--adopt={src}", f"--out_dir={tmp_path / 'o'}"])
+        assert f"--adopt={src}" in line and fact in line, line
+        assert not os.path.exists(tmp_path / "o") and _hidden(tmp_path) == []
+    ok = _llmc(tmp_path / "ok", ["fineweb_val_000000.bin", "fineweb_train_000001.bin", "fineweb_train_000002.bin"])
+    assert prepare.main([f"--adopt={ok}", f"--out_dir={tmp_path / 'o'}"]) == 0  # llm.c's numbering: no gap
+    assert sorted(n for n in os.listdir(tmp_path / "o") if n.endswith(".bin")) == [
+        "train_000.bin", "train_001.bin", "val_000.bin"]
+
+
+def test_adopt_refuses_a_token_id_equal_to_the_vocabulary_size(tmp_path, capsys):
+    vocab = get_tokenizer("byte").vocab_size  # 257: ids 0..256
+    for top, ok in ((vocab - 1, True), (vocab, False)):
+        src = _llmc(tmp_path / f"s{top}", ["val_000.bin", "train_000.bin"], ids=np.array([256, 1, 2, top]))
+        if ok:
+            assert prepare.main([f"--adopt={src}", f"--out_dir={tmp_path / f'o{top}'}"]) == 0
+        else:
+            line = _refused(capsys, [f"--adopt={src}", f"--out_dir={tmp_path / f'o{top}'}"])
+            assert f"token id {vocab} is outside the byte vocabulary ({vocab})" in line, line
+            assert not os.path.exists(tmp_path / f"o{top}")
+
+
+def test_adopt_without_out_dir_is_refused_before_any_shard_is_read(tmp_path, capsys, monkeypatch):
+    src = _llmc(tmp_path / "s", ["val_000.bin", "train_000.bin"])
+    read = []
+    monkeypatch.setattr(data, "read_shard", lambda *a, **kw: read.append(a) or np.zeros(0, np.uint16))
+    line = _refused(capsys, [f"--adopt={src}"], code=2)
+    assert f"--adopt={src}" in line and "--out_dir" in line, line
+    with pytest.raises(ValueError, match="needs an --out_dir"):  # adopt() itself, as another caller would call it
+        prepare.adopt(str(src), None, "byte")
+    assert read == [] and sorted(os.listdir(tmp_path)) == ["s"]
+
+
+def test_prepare_refuses_a_source_given_twice_also_through_another_path(tmp_path, capsys):
+    d = _write_corpus(tmp_path)
+    (tmp_path / "link.txt").symlink_to(d / "a.txt")
+    os.link(d / "b.jsonl", tmp_path / "hard.jsonl")
+    for sources, fact in (([d / "a.txt", d / "a.txt"], f"{d / 'a.txt'}: given twice"),
+                          ([d / "*", d / "c.jsonl.gz"], f"{d / 'c.jsonl.gz'}: given twice"),  # a glob and the file
+                          ([d / "a.txt", tmp_path / "link.txt"], f"link.txt: given twice (also as {d / 'a.txt'})"),
+                          ([d / "b.jsonl", tmp_path / "hard.jsonl"], "hard.jsonl: given twice (also as")):
+        line = _refused(capsys, [f"--out_dir={tmp_path / 'o'}"] + [str(s) for s in sources])
+        assert fact in line and "pass each source once" in line, line
+    assert not os.path.exists(tmp_path / "o") and _hidden(tmp_path) == []
+
+
+def test_val_every_1_is_refused_as_a_flag_by_the_rule_prepare_applies(tmp_path, capsys):
+    d = _write_corpus(tmp_path)
+    line = _refused(capsys, ["--val_every=1", f"--out_dir={tmp_path / 'o'}", str(d / "*")], code=2)
+    assert line == f"error: --val_every=1: {prepare.VAL_EVERY_RULE}" and ">= 2" in line, line
+    with pytest.raises(ValueError, match=f"val_every=1: {re.escape(prepare.VAL_EVERY_RULE)}"):
+        prepare.prepare([str(d / "*")], out_dir=str(tmp_path / "o"), val_every=1)
+    assert prepare.main(["--val_every=2", f"--out_dir={tmp_path / 'o'}", str(d / "*")]) == 0  # the least it takes
+
+
+def test_prepare_and_adopt_refuse_other_data_in_a_shipped_corpus_directory(tmp_path, capsys, monkeypatch):
+    # data/shakespeare_byte is what every --data=shakespeare run and the lab read: only the shipped corpus, cleaned
+    # as shipped, in the tokenizer its name says, may go there (a stand-in data/ here: the real one is not touched)
+    root = tmp_path / "data"
+    root.mkdir()
+    plays = root / "shakespeare.jsonl"
+    plays.write_text("".join(json.dumps({"text": f"Play {k}: to be or not to be."}) + "\n" for k in range(4)))
+    monkeypatch.setattr(prepare, "DATA_DIR", str(root))
+    code = root / "python.jsonl"
+    code.write_text('{"text": "import os"}\n{"text": "import re"}\n')
+    monkeypatch.setattr(prepare, "CORPORA", {"shakespeare": (str(plays), "dedup"), "python": (str(code), "code")})
+    shipped = root / "shakespeare_byte"
+    assert prepare.main([f"--out_dir={shipped}"]) == 0  # the shipped corpus into its directory: as train.py does it
+    capsys.readouterr()
+    before = _files(shipped)
+    d = _write_corpus(tmp_path)
+    (tmp_path / "alias").symlink_to(shipped)
+    own = tmp_path / "mine" / "shakespeare.jsonl"  # your own file of that name: its default out_dir is shipped's
+    own.parent.mkdir()
+    own.write_text('{"text": "mine"}\n{"text": "also mine"}\n')
+    src = _llmc(tmp_path / "llmc", ["val_000.bin", "train_000.bin"])
+    for argv, fact in (([f"--out_dir={shipped}", str(d / "*")], f"not one for other sources ({d / 'a.txt'}"),
+                       ([f"--out_dir={tmp_path / 'alias'}", str(d / "a.txt")], "not one for other sources"),
+                       ([str(own)], f"{shipped} (the default --out_dir for shakespeare.jsonl)"),
+                       ([f"--out_dir={shipped}", str(plays)], "--clean=none (shipped: --clean=dedup)"),
+                       ([f"--out_dir={shipped}", "--clean=prose"], "--clean=prose (shipped: --clean=dedup)"),
+                       ([f"--out_dir={shipped}", "--corpus=python"], f"not one for other sources ({code})"),
+                       ([f"--out_dir={shipped}", "--tokenizer=gpt2"],
+                        f"gpt2 ids (it holds byte's); pass another --out_dir (e.g. --out_dir={root}/shakespeare_gpt2)"),
+                       ([f"--out_dir={root / 'python_byte'}", str(d / "a.txt")], "python's directory"),
+                       ([f"--out_dir={root / 'shakespeare_tiny-0123abcd'}", str(d / "a.txt")], "shakespeare's"),
+                       ([f"--adopt={src}", f"--out_dir={shipped}"], "not one for adopted shards")):
+        line = _refused(capsys, argv)
+        assert "is the shipped corpus" in line and fact in line and "another --out_dir" in line, (argv, line)
+    assert _files(shipped) == before and _hidden(root) == [] and sorted(os.listdir(root)) == [
+        "python.jsonl", "shakespeare.jsonl", "shakespeare_byte"]
+    assert prepare.main([f"--out_dir={shipped}", "--clean=dedup", str(plays)]) == 0  # the same corpus, as shipped
+    assert _shard_files(shipped) == {n: b for n, b in before.items() if n != "meta.json"}
+    assert data.read_meta(str(shipped))["sources"] == [str(plays)]
+    for name in ("my_shakespeare_byte", "shakespeare_mine", "shakespeare"):  # other names in data/ are yours
+        assert prepare.main([f"--out_dir={root / name}", str(d / "*")]) == 0
+
+
+def test_adopt_takes_the_tokenizer_its_meta_json_names_by_another_path_and_refuses_another(tmp_path, capsys):
+    name = _wide_tokenizer(tmp_path / "model", n=300)  # a model's tokenizer, named by a path
+    (tmp_path / "words.jsonl").write_text("".join(json.dumps({"text": f"w{k} w{k + 1} w{k + 2}"}) + "\n"
+                                                  for k in range(6)))
+    made = prepare.prepare([str(tmp_path / "words.jsonl")], tokenizer=name, out_dir=str(tmp_path / "made"),
+                           val_every=3)
+    (tmp_path / "alias").symlink_to(tmp_path / "model")  # the same model through another path: the same ids
+    assert prepare.main([f"--tokenizer={tmp_path / 'alias'}", f"--adopt={made}", f"--out_dir={tmp_path / 'a'}"]) == 0
+    line = _refused(capsys, ["--tokenizer=byte", f"--adopt={made}", f"--out_dir={tmp_path / 'b'}"])
+    assert f"meta.json says the shards are {name} ids, not --tokenizer=byte" in line and f"--tokenizer={name}" in line
+    assert not os.path.exists(tmp_path / "b")
+
+
+def test_check_shipped_tells_a_reader_that_a_shipped_corpus_directory_holds_other_data(tmp_path, monkeypatch):
+    # for train.py's and the lab's side: a directory written before prepare refused this (or by hand) is named
+    root = tmp_path / "data"
+    root.mkdir()
+    plays = root / "shakespeare.jsonl"
+    plays.write_text("".join(json.dumps({"text": f"Play {k}."}) + "\n" for k in range(4)))
+    monkeypatch.setattr(prepare, "DATA_DIR", str(root))
+    monkeypatch.setattr(prepare, "CORPORA", {"shakespeare": (str(plays), "dedup")})
+    shipped = prepare.prepare(tokenizer="byte")  # data/shakespeare_byte
+    assert shipped == str(root / "shakespeare_byte") and prepare.check_shipped(shipped, "shakespeare") is None
+    meta = data.read_meta(shipped)
+    moved = dict(meta, sources=["/an/older/checkout/data/shakespeare.jsonl"])  # the repository moved: still it
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"text": "a"}\n{"text": "b"}\n')
+    namesake = tmp_path / "shakespeare.jsonl"
+    shutil.copy(mine, namesake)
+    for fields, fact in ((dict(sources=[str(mine)]), f"lists {mine}, not the shipped corpus shakespeare"),
+                         (dict(sources=[str(plays), str(mine)]), "not the shipped corpus"),
+                         (dict(sources=[str(namesake)]), f"lists {namesake}, not"),  # your file of its name
+                         (dict(cleaning=None), "not the shipped corpus"),  # --clean=none
+                         (dict(cleaning=dict(meta["cleaning"], kind="prose")), "not the shipped corpus"),
+                         (dict(adopted_from=str(tmp_path)), "(adopted shards)"),
+                         (dict(sources=[]), "lists no sources")):
+        (root / "shakespeare_byte" / "meta.json").write_text(json.dumps(dict(meta, **fields)))
+        with pytest.raises(ValueError) as e:
+            prepare.check_shipped(shipped, "shakespeare")
+        assert str(e.value).startswith(f"{shipped}: its meta.json") and fact in str(e.value), str(e.value)
+        assert "move it elsewhere" in str(e.value) and "--data" in str(e.value)
+    (root / "shakespeare_byte" / "meta.json").write_text(json.dumps(moved))
+    assert prepare.check_shipped(shipped, "shakespeare") is None
+    (root / "shakespeare_byte" / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "cleaning"}))
+    assert prepare.check_shipped(shipped, "shakespeare") is None  # from before cleaning existed: not judged

@@ -204,3 +204,60 @@ def test_cached_weight_quant_gives_identical_outputs_and_gradients():
     fresh.weight.data.copy_(lin.weight.data)
     set_lambda(fresh, 0.7)
     assert torch.equal(lin(xs[0]), fresh(xs[0]))
+
+
+# -----------------------------------------------------------------------------
+# issue 35: mutants the suite let through
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-7], ids=["all-zero", "tiny"])
+def test_one_gamma_floor_for_the_training_forward_weight_quant_and_the_cache(scale):
+    """gamma = max(mean|W|, GAMMA_MIN), one constant: BitLinear's training gamma once clamped at 1e-8 while weight_quant
+    (and so every export) clamped at 1e-5. The floor decides only where mean|W| is below it: an all-zero matrix, or a
+    tiny one (mean|W| about 8e-8 here), whose codes are 0 under 1e-5 but +-1 under 1e-8. The training forward (fresh
+    or cached, lambda 1) must compute exactly weight_quant's integer form there: zero."""
+    assert quant.GAMMA_MIN == 1e-5  # BitNet b1.58's floor, as docs and transformers' autobitlinear use
+    torch.manual_seed(0)
+    lin = BitLinear(16, 8)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 16) * scale)
+    x = torch.randn(3, 16)
+    w_q, gamma = weight_quant(lin.weight)
+    assert gamma.item() == torch.tensor(quant.GAMMA_MIN).item() and not w_q.any()  # codes 0 under the floor
+    x_q, x_scale = activation_quant(x)
+    y_int = (x_q.int() @ w_q.int().T).float() * x_scale * gamma  # the inference (export) form: all zero
+    assert torch.equal(weight_fake_quant(lin.weight), w_q.float() * gamma)
+    assert torch.equal(lin.quantized_weight(), w_q.float() * gamma) and torch.equal(lin(x), y_int)
+    cache_weight_quant(lin)
+    assert torch.equal(lin(x), y_int)
+    clear_weight_quant(lin)
+
+
+@pytest.mark.parametrize("biases", [(True, True, True), (True, False, True), (False, True, False)])
+@pytest.mark.parametrize("kind", ["BitLinear", "BitLinear-pre-quantised", "nn.Linear"])
+def test_stacked_linear_of_biased_layers_equals_the_layers_alone(kind, biases):
+    """stacked_linear stacks the biases with the weights (a zero block for a layer without one): each output, and
+    each gradient of a weight and a bias, is what the layer computes alone."""
+    torch.manual_seed(0)
+    make = {"BitLinear": lambda n, b: BitLinear(16, n, bias=b),
+            "BitLinear-pre-quantised": lambda n, b: BitLinear(16, n, bias=b, quantize_input=False),
+            "nn.Linear": lambda n, b: torch.nn.Linear(16, n, bias=b)}[kind]
+    layers = [make(n, b) for n, b in zip((8, 4, 12), biases)]
+    with torch.no_grad():
+        for m in layers:
+            if m.bias is not None:
+                m.bias.uniform_(1.0, 2.0)  # large against the products: a dropped bias moves every column by >= 1
+    x = torch.randn(2, 5, 16)
+    outs = quant.stacked_linear(x, layers)
+    g = [torch.randn_like(y) for y in outs]
+    sum((y * gi).sum() for y, gi in zip(outs, g)).backward()
+    stacked_grads = [[p.grad.clone() for p in m.parameters()] for m in layers]
+    for m in layers:
+        m.zero_grad()
+    for m, y, gi in zip(layers, outs, g):
+        alone = m(x)
+        torch.testing.assert_close(y, alone, rtol=1e-5, atol=1e-6)
+        (alone * gi).sum().backward()
+    for m, grads in zip(layers, stacked_grads):
+        for (name, p), got in zip(m.named_parameters(), grads):
+            torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-5, msg=name)

@@ -43,6 +43,8 @@ FLAG_REFUSALS = {  # argv (--ckpt is MISSING), facts in the error line; all exit
     "temperature-inf": (["--temperature=inf"], ["--temperature=inf", "finite", "> 0"]),
     "temperature-negative": (["--temperature=-5"], ["--temperature=-5", "> 0", "--top_k=1"]),
     "temperature-0": (["--temperature=0"], ["--temperature=0", "> 0", "greedy", "--top_k=1"]),
+    "temperature-tiny": (["--temperature=1e-39"], ["--temperature=1e-39", "at least 1e-06", "--top_k=1"]),
+    "temperature-below-the-floor": (["--temperature=9e-7"], ["--temperature=9e-07", "at least 1e-06"]),
     "max_new_tokens-negative": (["--max_new_tokens=-5"], ["--max_new_tokens=-5", ">= 1"]),
     "num_samples-0": (["--num_samples=0"], ["--num_samples=0", ">= 1"]),
     "seed-negative": (["--seed=-1"], ["--seed=-1", ">= 0"]),
@@ -52,7 +54,7 @@ FLAG_REFUSALS = {  # argv (--ckpt is MISSING), facts in the error line; all exit
     "top_k-not-an-int": (["--top_k=many"], ["--top_k=many", "int"]),
     "packed-not-a-bool": (["--packed=maybe"], ["--packed=maybe", "true or false"]),
     "unknown-flag": (["--bogus=1"], ["'--bogus=1'", "ckpt, start"]),
-    "no-value": (["--top_k"], ["'--top_k'", "--key=value"]),
+    "no-value": (["--top_k"], ["--top_k", "value"]),  # tools/flags.py's wording (tests/test_flags.py pins it)
 }
 
 
@@ -162,24 +164,52 @@ def test_temperature_near_zero_samples_the_greedy_continuation(files, tmp_path, 
     assert [json.loads(line)["text"] for line in open(tmp_path / "t.jsonl")] == [text, text]
 
 
-def test_dlm_sampling_temperature_goes_from_greedy_to_near_uniform(files, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def dlm_ckpt(files):
+    """TINY's checkpoint made a masked-diffusion model (dlm.add_mask_token, as train.py --stage=dlm saves it): the
+    path of its checkpoint (block_size 16), the model and its mask id."""
+    from lessons import dlm
+    model, _ = sample.load_model(str(files / "ckpt.pt"), "cpu")
+    m, mask_id = dlm.add_mask_token(model)
+    torch.save({"step": 0, "model_args": dataclasses.asdict(m.config), "model": m.state_dict(),
+                "config": {"tokenizer": "byte", "dlm_shift": True}}, files / "dlm.pt")
+    return files / "dlm.pt", m.eval(), mask_id
+
+
+def test_dlm_sampling_temperature_goes_from_greedy_to_near_uniform(dlm_ckpt, capsys):
     """sample.py --dlm=True in one step (every mask committed at once): at --temperature=1e-6 it fills in the
     per-position argmax, dlm.generate's greedy fill; at 100 the draws are nearly uniform over 257 tokens, and 10 of
     them matching the argmax would happen with probability about 257^-10."""
     from lessons import dlm
-    model, tok = sample.load_model(str(files / "ckpt.pt"), "cpu")
-    m, mask_id = dlm.add_mask_token(model)
-    torch.save({"step": 0, "model_args": dataclasses.asdict(m.config), "model": m.state_dict(),
-                "config": {"tokenizer": "byte", "dlm_shift": True}}, tmp_path / "dlm.pt")
+    from tokenizer import get_tokenizer
+    path, m, mask_id = dlm_ckpt
+    tok = get_tokenizer("byte")
     prompt = torch.tensor([[tok.eot] + tok.encode("\n")])
-    greedy = tok.decode(dlm.generate(m.eval(), prompt, 10, 1, mask_id, shift=True)[0, 1:].tolist())
+    greedy = tok.decode(dlm.generate(m, prompt, 10, 1, mask_id, shift=True)[0, 1:].tolist())
     outs = {}
     for t in ("1e-6", "100"):
-        sample.main([f"--ckpt={tmp_path / 'dlm.pt'}", "--dlm=True", "--steps=1", "--max_new_tokens=10",
+        sample.main([f"--ckpt={path}", "--dlm=True", "--steps=1", "--max_new_tokens=10",
                      "--num_samples=1", "--device=cpu", f"--temperature={t}", "--top_k=258"])
         outs[t] = capsys.readouterr().out
     assert outs["1e-6"] == greedy + "\n---------------\n"
     assert outs["100"] != outs["1e-6"]
+
+
+def test_dlm_max_new_tokens_past_the_context_is_refused_naming_the_largest_that_fits(dlm_ckpt, capsys, monkeypatch):
+    """Issue 35: --dlm=True --max_new_tokens=1000 printed about block_size tokens without a word. Prompt and
+    continuation share one context (block_size 16 here; the prompt "\n" after end-of-text is 2 tokens): 14 is
+    generated in full, 15 or 1000 is one line naming --max_new_tokens and 14."""
+    from lessons import dlm
+    path = dlm_ckpt[0]
+    flags = [f"--ckpt={path}", "--dlm=True", "--num_samples=1", "--device=cpu", "--steps=2"]
+    for n in (15, 1000):
+        err = fails(capsys, *flags, f"--max_new_tokens={n}", code=2, main=sample.main)
+        assert all(f in err for f in (f"--max_new_tokens={n}", "block_size 16", "--max_new_tokens=14")), err
+    lengths, real = [], dlm.generate
+    monkeypatch.setattr(dlm, "generate", lambda model, x, gen_len, *a, **k: lengths.append(gen_len) or real(
+        model, x, gen_len, *a, **k))
+    sample.main([*flags, "--max_new_tokens=14"])
+    assert lengths == [14] and capsys.readouterr().out.count("---------------") == 1
 
 
 def test_a_gguf_or_an_hf_export_as_ckpt_says_what_it_is_and_which_program_reads_it(files, tmp_path, capsys):

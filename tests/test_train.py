@@ -433,3 +433,68 @@ def test_step_records_log_the_clipping_statistics_under_zclips_names_and_old_fil
     steps, evals = runtime.read_metrics(str(path))
     assert steps == {"step": 1, "loss": 2.0, "raw_norm": 3.0, "clipped_norm": 1.0, "was_clipped": 1, "z_score": 4.5}
     assert evals == {"step": 1, "val_loss": 2.5}
+
+
+# ----------------------------------------------------------------------------- issue 35: the CPU stage-2 preset
+# and the gradient scale of accumulation, pinned directly
+
+
+def test_the_cpu_stage2_preset_is_what_the_lr_and_warmup_tables_chose_and_what_a_run_uses():
+    """DEVICE_STAGE_PRESETS[("cpu", 2)] holds measured values: the peak lr the lr table chose (lab/results/lr.md:
+    2e-2, the lowest mean val loss of 3 seeds over 2e-3 .. 4e-2) and the lambda warm-up the warmup table chose at
+    that lr (lab/results/warmup.md: 600 steps, over 0 .. 600). Both are read here from the tables' data (lr.json,
+    warmup.json: the best row's mean and the flags its runs were given), so a preset edited by hand, or a table
+    re-measured without the preset following, fails. A CPU stage-2 run resolves to them, and lambda reaches 1 at
+    the quick start's last step."""
+    import json
+
+    def best(table, flag):
+        with open(os.path.join(ROOT, "lab", "results", f"{table}.json")) as f:
+            t = json.load(f)
+        row = min(t["summary"], key=lambda r: t["summary"][r]["mean"])
+        given = {a.split("=", 1)[1] for r in t["runs"] if r["row"] == row for a in r["argv"] if a.startswith(f"--{flag}=")}
+        assert len(given) == 1 and len(t["seeds"]) == 3, (table, row, given)
+        return given.pop(), t
+    lr, _ = best("lr", "lr")
+    warmup, warmup_table = best("warmup", "lambda_warmup_steps")
+    lr, warmup = float(lr), int(warmup)
+    assert (lr, warmup) == (2e-2, 600)  # what lr.md and warmup.md say today
+    lrs = [float(a.split("=")[1]) for r in warmup_table["runs"] for a in r["argv"] if a.startswith("--lr=")]
+    assert lrs and set(lrs) == {lr}  # the warm-up was measured at the lr the lr table chose
+    assert config.DEVICE_STAGE_PRESETS[("cpu", 2)] == dict(lr=lr, muon_lr=lr, lambda_warmup_steps=warmup)
+    cfg = config.build_config(config.parse_args(["--stage=2", "--device=cpu"]))
+    assert (cfg.lr, cfg.muon_lr, cfg.lambda_warmup_steps, cfg.max_iters) == (lr, lr, warmup, 600)
+    assert [train.lambda_at(s, cfg) for s in (0, 300, 599, 600)] == [0.0, 0.5, 599 / 600, 1.0]
+    assert config.build_config({"stage": 2, "device": "cpu", "lambda_warmup_steps": 200}).lambda_warmup_steps == 200
+    assert config.build_config({"stage": 1, "device": "cpu"}).lambda_warmup_steps == config.TrainConfig.lambda_warmup_steps
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_grad_accum_averages_the_micro_batches_gradients(setup_run, monkeypatch, k):
+    """One step over k micro-batches of B sequences leaves the same gradients (read just before the optimizer
+    step) as one step over their concatenation, k*B sequences in one micro-batch: each micro-batch's loss is divided
+    by k before backward. Summing instead would make every gradient k times larger, and neither the update (Muon
+    and AdamW are nearly blind to the gradient's scale) nor one step's loss would show it. Stage 2 at lambda 0.5
+    (step 2 of a 4-step warm-up), so the k micro-batches also share the step's cached ternary weights."""
+    import types
+    B = 2
+    run = setup_run(f"--grad_accum={k}", f"--batch_size={B}", "--zclip=False", "--grad_clip=0")
+    T, V = run.cfg.block_size, run.model.config.vocab_size
+    gen = torch.Generator().manual_seed(k)
+    x, y = torch.randint(0, V, (k * B, T), generator=gen), torch.randint(0, V, (k * B, T), generator=gen)
+    grads = []
+    monkeypatch.setattr(run.optimizer, "step", lambda *a, **kw: grads.append(
+        {n: p.grad.detach().clone() for n, p in run.model.named_parameters() if p.grad is not None}))
+    outs = []
+    for accum, batches in ((k, list(zip(x.split(B), y.split(B)))), (1, [(x, y)])):
+        run.accum, feed = accum, iter(batches)
+        run.train_loader = types.SimpleNamespace(next_batch=feed.__next__)
+        outs.append(train.train_step(run, 2, False))
+        assert next(feed, None) is None  # every micro-batch was read
+    (accumulated, whole), (out_k, out_1) = grads, outs
+    assert out_k["lam"] == 0.5 and out_k["ok"] and set(accumulated) == set(whole) and len(whole) > 5
+    ratio = out_k["raw_norm"] / out_1["raw_norm"]
+    assert ratio == pytest.approx(1.0, rel=1e-5), f"grad_accum={k}: gradient norm x{ratio:.3f} (x{k}: summed)"
+    for name, g in whole.items():
+        torch.testing.assert_close(accumulated[name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    assert out_k["loss"] == pytest.approx(out_1["loss"], rel=1e-6)

@@ -22,6 +22,7 @@ Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 b
 Test: python -m pytest tests/test_packed.py tests/test_gguf.py tests/test_hf.py
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -113,9 +114,23 @@ def export(ckpt_path, out_path):
     try:
         checkpoint.atomic_save(obj, out_path)  # never a half-written export under the final name
     except OSError as e:  # a full disk (torch.save's RuntimeError arrives as OSError)
-        die(f"--out={out_path}: cannot write the export ({e.strerror or e}); the file there, if any, is unchanged; "
-            "free disk space or pass another --out")
+        _cannot_write("--out", out_path, "the export", e)
     return obj
+
+
+def _cannot_write(flag, path, what, e, kept="the file there, if any, is unchanged"):
+    """The one error line of an output that could not be written, a full disk mostly: the flag and the path, the
+    error, the disk holding it with what it has free (measured now: the partial file is gone), what became of the
+    earlier output, and the fix. Never blames the input: the checkpoint was read."""
+    why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    where = os.path.dirname(os.path.abspath(path))
+    try:
+        free = shutil.disk_usage(where).free
+        size = f"{free / 1e9:.1f} GB" if free >= 1e9 else f"{free / 1e6:.1f} MB" if free >= 1e6 else f"{free:,} bytes"
+        disk = f"the disk holding {where} has {size} free"
+    except OSError:
+        disk = f"the disk holding {where} cannot be read"
+    die(f"{flag}={path}: cannot write {what} ({why}); {disk}; {kept}; free disk space or pass another {flag}")
 
 
 def main(argv):
@@ -156,8 +171,7 @@ def export_gguf(ckpt_path, out_path, flag="--out"):
     except ValueError as e:
         die(f"{ckpt_path}: cannot export as GGUF: {e}; {flag}={out_path} is unchanged")
     except OSError as e:  # a full disk is the disk's fault, not the checkpoint's
-        die(f"{flag}={out_path}: cannot write the GGUF ({e.strerror or e}); the file there, if any, is unchanged; "
-            f"free disk space or pass another {flag}")
+        _cannot_write(flag, out_path, "the GGUF", e)
     types = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
     if not model.config.quant:  # a full-precision (stage-1) model: every tensor as it is, no gamma
         hidden = "F32 (a full-precision model: no ternary codes, no gamma)"
@@ -248,9 +262,14 @@ def write_gguf(model, tokenizer, path, source=None):
         data = gguf.quants.quantize(arr, t) if kind == "TQ2_0" else arr.astype(np.float16 if kind == "F16" else np.float32)
         w.add_tensor(name, data, raw_dtype=t if kind == "TQ2_0" else None)
         counts[kind] = counts.get(kind, 0) + 1
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    except BaseException:  # a full disk: close the file too, or its handle keeps the removed partial file's blocks
+        with contextlib.suppress(OSError):  # its buffer cannot be flushed there; the file is closed all the same
+            w.close()
+        raise
     w.close()
     return counts
 
@@ -573,8 +592,7 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
                     if n not in ours:  # files of other names stay (--overwrite=True into a directory of theirs)
                         _carry(os.path.join(out_dir, n), os.path.join(tmp, n))
         except (OSError, SafetensorError) as e:  # a full disk: safetensors says so with its own error
-            die(f"--out={out_dir}: cannot write the export ({getattr(e, 'strerror', None) or e}); it is unchanged; "
-                "free disk space or pass another --out")
+            _cannot_write("--out", out_dir, "the export", e, kept="it is unchanged")
     c = model.config
     size = os.path.getsize(os.path.join(out_dir, "model.safetensors"))
     print(f"wrote {out_dir}/ ({', '.join(names)}; model.safetensors {size / 1e6:.2f} MB): transformers' bitnet "

@@ -3,7 +3,8 @@ The one command-line parser of every nanoBitNet command, and its one error path.
 
 Each command describes its flags as a @dataclass whose fields carry a default and a trailing comment; parse()
 reads `--key=value` against the field types and `--help` prints every flag with its default and that comment.
-  booleans   true/false, 1/0, yes/no, on/off (any case); a bare --flag means --flag=true
+  booleans   true/false, 1/0, yes/no, on/off (any case); a bare --flag means --flag=true (any other flag
+             given bare, --out_dir with no =value, is refused naming it)
   errors     one line "error: ..." on stderr naming the flag and the fix; exit 2 for a bad flag, 1 for a
              failure while running (die); --help exits 0
   renamed    a flag that was renamed ({old: new}, given by the command) ends in one line naming its new name
@@ -86,7 +87,11 @@ def parse(argv, cls, doc="", convert=None, positional=None, renamed=None):
         key, eq, val = arg.removeprefix("--").partition("=")
         if arg.startswith("--") and key in renamed and key not in fields:
             die(f"--{key} is now --{renamed[key]}; pass --{renamed[key]}={val or '...'}", 2)
-        if arg.startswith("--") and not eq and key in fields and _type(fields[key]) is bool:
+        if arg.startswith("--") and not eq and key in fields:
+            if _type(fields[key]) is not bool:  # only a boolean may be bare: --out_dir is not --out_dir=true
+                example = _show(_default(fields[key])) or "..."
+                die(f"--{key} needs a value, e.g. --{key}={example} (only a boolean flag may be given bare, "
+                    f"meaning true)", 2)
             eq, val = "=", "true"  # a bare --flag of a boolean means --flag=true
         if not arg.startswith("--") or not eq or key not in fields:
             die(f"unknown or malformed argument {arg!r}; use --key=value with key one of: {', '.join(fields)} "

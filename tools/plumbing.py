@@ -42,6 +42,10 @@ def shipped_dir(name, cfg):
         print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; tokenising the "
               f"shipped corpus {name} (once)")
         prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root, corpus=name)
+    try:
+        prepare.check_shipped(root, name)  # data of one's own prepared into it is not that corpus
+    except ValueError as e:
+        die(str(e), 2)
     return root
 
 

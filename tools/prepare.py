@@ -22,6 +22,8 @@ Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to dat
         also takes a Hugging Face model directory or a hub id; meta.json records the name as given)
 Sources: .txt (the whole file is one document), .jsonl / .jsonl.gz (one {"text": ...} document per line),
 .parquet (the "text" column, read one row group at a time). --adopt uses llm.c-format shards as they are.
+A shipped corpus's directory (data/shakespeare_<tokenizer>, what train.py --data=shakespeare reads) takes only that
+corpus as shipped: your own files, another --clean or adopted shards go to another --out_dir.
 python -m tools.prepare --help lists every flag.
 Test:
     python -m pytest tests/test_prepare.py
@@ -50,7 +52,7 @@ import numpy as np
 import data
 from tokenizer import get_tokenizer
 from lessons import clean
-from tools.common import ROOT, source_slug
+from tools.common import ROOT, same_source, source_slug
 from tools.flags import die, parse
 
 DATA_DIR = os.path.join(ROOT, "data")  # shipped assets, default outputs
@@ -61,6 +63,7 @@ PYTHON = os.path.join(DATA_DIR, "python.jsonl.gz")
 # whose speaker names ("FALSTAFF.") are 32% of its lines (python -m lessons.clean data/shakespeare.jsonl.gz shows it)
 CORPORA = {"shakespeare": (SHAKESPEARE, "dedup"), "python": (PYTHON, "code")}
 CLEAN = ("prose", "code", "dedup", "none")  # quality rules (lessons/clean.py) + deduplication; dedup only; nothing
+VAL_EVERY_RULE = "expected an integer >= 2 (every val_every-th document goes to val; 1 would leave none for train)"
 
 
 def iter_documents(paths, progress=None):
@@ -218,8 +221,10 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     wrong in one line (a bad source, a full disk); out_dir is then as it was."""
     t0 = time.time()
     tok = get_tokenizer(tokenizer)
-    if val_every < 2 or shard_tokens < 1:
-        raise ValueError(f"need val_every >= 2 (got {val_every}) and shard_tokens >= 1 (got {shard_tokens})")
+    if val_every < 2:  # 1 would put every document in val and none in train
+        raise ValueError(f"val_every={val_every}: {VAL_EVERY_RULE}")
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens={shard_tokens}: expected an integer >= 1")
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; shipped: {', '.join(CORPORA)}")
     paths = [CORPORA[corpus][0]] if sources is None else _expand_sources(sources)
@@ -227,7 +232,8 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     if clean_as not in CLEAN:
         raise ValueError(f"unknown cleaning {clean_as!r}; expected one of {', '.join(CLEAN)}")
     cleaner = None if clean_as == "none" else clean.Cleaner(None if clean_as == "dedup" else clean_as)
-    out_dir = out_dir or default_out_dir(sources, paths, tok.name, corpus)
+    given, out_dir = out_dir, out_dir or default_out_dir(sources, paths, tok.name, corpus)
+    _check_not_shipped(out_dir, tok.name, paths, clean_as, default=not given)  # before anything is read
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # shard version 1 (llm.c's), else 2 (ours, data.py)
     tmp_dir = None
     try:
@@ -292,13 +298,22 @@ def adopt(src, out_dir, tokenizer):
     """Make out_dir a dataset of the llm.c-format shards in src (llm.c's and modded-nanogpt's fineweb_train_*.bin,
     fineweb_val_*.bin: the header format is ours) without re-tokenising: each shard's header and size checked,
     its ids checked against the tokenizer's vocabulary, then hard-linked (copied across file systems) in order
-    as train_000.bin, ... and val_000.bin, ..., with a meta.json. No difficulty scores: not for --data_order=curriculum."""
+    as train_000.bin, ... and val_000.bin, ..., with a meta.json. No difficulty scores: not for --data_order=curriculum.
+    Refused before a shard is read: no out_dir, out_dir = src, a shipped corpus's directory, a meta.json in src of
+    another tokenizer, shard numbers with a gap or a repeat (renumbering would hide it)."""
     tok = get_tokenizer(tokenizer)
+    if not out_dir:  # everything below is checked before any shard is read
+        raise ValueError(f"--adopt={src}: needs an --out_dir, the directory the adopted dataset goes to")
     if not os.path.isdir(src):
         raise ValueError(f"--adopt={src}: not a directory; pass the directory that holds the .bin shards")
+    if os.path.realpath(src) == os.path.realpath(out_dir):  # the swap would replace its meta.json and delete its scores
+        raise ValueError(f"--adopt={src} and --out_dir={out_dir} are the same directory: adopting it into itself "
+                         f"would replace its meta.json and delete its difficulty scores; train.py --data={src} reads "
+                         f"it as it is, or pass another --out_dir")
+    _check_not_shipped(out_dir, tok.name)
     if os.path.exists(os.path.join(src, "meta.json")):  # ours: it says which tokenizer made it
         made_by = data.read_meta(src)["tokenizer"]
-        if made_by != tok.name:
+        if not same_source(made_by, tok.name):
             raise ValueError(f"--adopt={src}: its meta.json says the shards are {made_by} ids, not --tokenizer="
                              f"{tok.name}; pass --tokenizer={made_by}, or prepare the sources again with {tok.name}")
     found = {"train": [], "val": []}
@@ -310,6 +325,7 @@ def adopt(src, out_dir, tokenizer):
         if not found[split]:
             raise ValueError(f"--adopt={src}: no {split} shards (names like fineweb_{split}_000001.bin or "
                              f"{split}_000.bin)")
+        _check_numbering(src, split, sorted(found[split]))
     meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, adopted_from=os.path.abspath(src),
                 sources=[], cleaning=None, difficulty=None)
     for split, shards in found.items():
@@ -352,6 +368,32 @@ def adopt(src, out_dir, tokenizer):
     return out_dir
 
 
+def _check_numbering(src, split, shards):
+    """Shards (number, path), sorted, numbered without a gap or a repeat from 0 (or 1: llm.c numbers its train shards
+    after its val shard 000000), so that renumbering them train_000, train_001, ... hides nothing."""
+    def named(path, k):  # path's name with its number replaced by k, in the same width
+        m = LLMC_SHARD.fullmatch(os.path.basename(path))
+        return os.path.join(src, m.string[:m.start(2)] + f"{k:0{m.end(2) - m.start(2)}d}" + m.string[m.end(2):])
+
+    first, path = shards[0]
+    start = 0 if os.path.basename(path).startswith(split) else 1  # ours start at 000, llm.c's train at 000001
+    if first > start:
+        missing = named(path, start)
+    else:
+        for (a, pa), (b, pb) in zip(shards, shards[1:]):
+            if a == b:
+                raise ValueError(f"--adopt={src}: {os.path.basename(pa)} and {os.path.basename(pb)} are both {split} "
+                                 f"shard {a}; move the one that does not belong out of {src}")
+            if b > a + 1:
+                missing = named(pb, a + 1)
+                break
+        else:
+            return
+    raise ValueError(f"--adopt={src}: {missing} is missing, but {src} has {split} shards numbered up to "
+                     f"{shards[-1][0]} (an incomplete download or copy?); fetch it, or move the {split} shards after "
+                     f"the gap out of {src}")
+
+
 def default_out_dir(sources, paths, tokenizer_name, corpus="shakespeare"):
     """data/<corpus>_<tokenizer> for a shipped corpus, else data/<first source's stem>_<tokenizer>; a model's
     tokenizer by the last part of its source (common.source_slug: SmolLM2-135M-Instruct.Q4_1 for its .gguf)."""
@@ -381,9 +423,18 @@ def _expand_sources(sources):
         if not matches:
             raise ValueError(f"{s}: {'the pattern matches no file' if glob.has_magic(s) else 'no such file'}")
         paths += matches
+    seen = {}  # (device, inode) -> path: the same file through another path or a symlink is the same source
     for p in paths:
         if not p.endswith((".txt", ".jsonl", ".jsonl.gz", ".parquet")):
             raise ValueError(f"{p}: unsupported file type; expected .txt, .jsonl, .jsonl.gz or .parquet")
+        with _reading(p):
+            st = os.stat(p)
+        first = seen.get((st.st_dev, st.st_ino))
+        if first is not None:  # this file came before, by this name or another
+            also = "" if first == p else f" (also as {first})"
+            raise ValueError(f"{p}: given twice{also}, so every document in it would be in the dataset twice; "
+                             f"pass each source once")
+        seen[st.st_dev, st.st_ino] = p
     if not paths:
         raise ValueError("no sources given")
     return paths
@@ -435,6 +486,58 @@ def _check_out_dir(out_dir):
                          f"re-preparing would delete (the whole directory is replaced); move them out, or pass "
                          f"another --out_dir")
     return real
+
+
+# the name of a shipped corpus's directory: data/<corpus>_<common.source_slug(tokenizer)>
+SHIPPED_DIR = re.compile(r"(?P<corpus>[^_]+)_(?P<tok>byte|gpt2|[A-Za-z0-9._-]+-[0-9a-f]{8})")
+
+
+def _check_not_shipped(out_dir, tokenizer, paths=None, clean_as=None, default=False):
+    """Refuse to write into a shipped corpus's directory, data/<corpus>_<tokenizer slug> (what train.py --data=<corpus>,
+    its default, and the lab read, prepared once and then used as it is), anything but that corpus cleaned as shipped
+    in the tokenizer its name says: your own sources, another cleaning, another tokenizer's ids, adopted shards
+    (paths None). default: out_dir was not given (default_out_dir named it after the first source)."""
+    parent, name = os.path.split(os.path.realpath(out_dir))
+    m = SHIPPED_DIR.fullmatch(name)
+    if parent != os.path.realpath(DATA_DIR) or not m or m["corpus"] not in CORPORA:
+        return
+    corpus, (shipped, cleaning) = m["corpus"], CORPORA[m["corpus"]]
+    same_corpus = paths is not None and len(paths) == 1 and os.path.realpath(paths[0]) == os.path.realpath(shipped)
+    if not same_corpus:
+        what = "adopted shards" if paths is None else f"other sources ({', '.join(paths[:2])}" \
+            f"{', ...' if len(paths) > 2 else ''})"
+    elif clean_as != cleaning:
+        what = f"{corpus} cleaned with --clean={clean_as} (shipped: --clean={cleaning})"
+    elif m["tok"] != source_slug(tokenizer):
+        what = f"{tokenizer} ids (it holds {m['tok']}'s)"
+    else:
+        return
+    other = os.path.join(os.path.dirname(out_dir) or ".", f"my_{name}")
+    if same_corpus and clean_as == cleaning:  # only the tokenizer differs: that tokenizer's own directory
+        other = os.path.join(os.path.dirname(out_dir) or ".", f"{corpus}_{source_slug(tokenizer)}")
+    where = f"{out_dir} (the default --out_dir for {os.path.basename(paths[0])})" if default else f"--out_dir={out_dir}"
+    raise ValueError(f"{where}: is the shipped corpus {corpus}'s directory (train.py --data={corpus} and the lab "
+                     f"read it), not one for {what}; pass another --out_dir (e.g. --out_dir={other})")
+
+
+def check_shipped(d, corpus):
+    """For a reader of shipped corpus `corpus`'s directory d (train.py --data=<corpus>, the lab): raise a ValueError
+    when its meta.json says it holds something else (another source, another cleaning, adopted shards: written by
+    hand or by a tools/prepare.py from before _check_not_shipped), instead of training on it as that corpus. The
+    source is compared by name, and as a file where the recorded path still exists (the checkout may have moved)."""
+    meta = data.read_meta(d)
+    shipped, cleaning = CORPORA[corpus]
+    sources = meta.get("sources") or []
+    ok = len(sources) == 1 and os.path.basename(sources[0]) == os.path.basename(shipped) and \
+        (not os.path.exists(sources[0]) or os.path.samefile(sources[0], shipped)) and "adopted_from" not in meta
+    if "cleaning" in meta:  # a meta.json from before cleaning existed does not say
+        made = "none" if meta["cleaning"] is None else meta["cleaning"].get("kind") or "dedup"
+        ok = ok and made == cleaning
+    if not ok:
+        raise ValueError(f"{d}: its meta.json lists {', '.join(sources[:2]) or 'no sources'}"
+                         f"{' (adopted shards)' if 'adopted_from' in meta else ''}, not the shipped corpus {corpus} "
+                         f"as tools/prepare.py makes it, yet train.py --data={corpus} and the lab read this directory; "
+                         f"move it elsewhere (and pass that path as --data), then the shipped corpus is prepared again")
 
 
 def _swap(new, out):
@@ -583,9 +686,10 @@ def main(argv):
     flags, sources = parse(argv, PrepareConfig, __doc__, positional="FILE ...  .txt, .jsonl or .jsonl.gz sources")
     opts = dataclasses.asdict(PrepareConfig(**flags))
     opts["out_dir"], opts["clean"] = opts["out_dir"] or None, opts["clean"] or None
-    for key in ("val_every", "shard_tokens"):
-        if opts[key] < 1:
-            die(f"--{key}={opts[key]}: expected an integer >= 1", 2)
+    if opts["val_every"] < 2:
+        die(f"--val_every={opts['val_every']}: {VAL_EVERY_RULE}", 2)
+    if opts["shard_tokens"] < 1:
+        die(f"--shard_tokens={opts['shard_tokens']}: expected an integer >= 1", 2)
     for key, valid in (("corpus", CORPORA), ("clean", CLEAN)):
         if opts[key] is not None and opts[key] not in valid:
             die(f"--{key}={opts[key]}: expected one of {', '.join(valid)}", 2)
@@ -598,8 +702,9 @@ def main(argv):
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         if opts["adopt"]:
-            if sources or opts["out_dir"] is None:
-                die("--adopt takes the shard directory and an --out_dir, and no source files", 2)
+            if sources or opts["out_dir"] is None:  # checked before any shard is read
+                die(f"--adopt={opts['adopt']}: takes the shard directory and an --out_dir for the adopted dataset "
+                    f"(e.g. --out_dir=data/fineweb10B_{source_slug(opts['tokenizer'])}), and no source files", 2)
             out_dir = adopt(opts["adopt"], opts["out_dir"], opts["tokenizer"])
             return 0
         kw = {k: v for k, v in opts.items() if k not in ("clean", "adopt")}

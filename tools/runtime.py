@@ -18,7 +18,8 @@ DDP keeps a whole model per rank and all-reduces gradients; FSDP2 (fsdp=True) sh
 optimizer state by rows and gathers each block's weights just before it runs. Both reduce gradients only on the
 last micro-batch of a step (train.py's grad_sync).
 
-Used by train.py; tested by tests/test_scale.py (2 gloo processes on CPU).
+Used by train.py; tested by tests/test_scale.py (2 gloo processes on CPU) and tests/test_runtime.py (in this
+process: torchrun's environment on two nodes, cuda:<LOCAL_RANK>, wandb on rank 0 only, wandb not logged in).
 """
 
 import json
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from tools.flags import die
 
 
 @dataclass
@@ -73,7 +76,9 @@ class Runtime:
                 self.wandb.log({k: v for k, v in rec.items() if k != "step" and v is not None}, step=rec["step"])
 
     def start_wandb(self, project, name, config):
-        """--wandb_project: log to Weights & Biases on rank 0 when wandb is installed; say so when it is not."""
+        """--wandb_project: log to Weights & Biases on rank 0 only (one run per job, never one per rank) when
+        wandb is installed; say so when it is not. wandb's own errors from init (not logged in: UsageError; a
+        bad key or no network: CommError) end in one line saying how to log in, not a traceback."""
         if not project or not self.master:
             return
         import importlib.util
@@ -82,7 +87,14 @@ class Runtime:
                      f"metrics.jsonl only")
             return
         import wandb
-        self.wandb = wandb.init(project=project, name=name, config=config)
+        errors = getattr(getattr(wandb, "errors", None), "Error", ())  # UsageError, CommError, AuthenticationError
+        try:
+            self.wandb = wandb.init(project=project, name=name, config=config)
+        except errors as e:  # not logged in (no API key, no tty to ask for one), a bad key, no network
+            why = (str(e).strip().splitlines() or [""])[0]
+            die(f"--wandb_project={project}: wandb could not start a run ({type(e).__name__}: {why}); log in "
+                f"with `wandb login` or set WANDB_API_KEY (WANDB_MODE=offline logs locally), or drop "
+                f"--wandb_project")
 
     def barrier(self):
         if self.world > 1:

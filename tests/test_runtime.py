@@ -1,0 +1,117 @@
+"""tools/runtime.py in this process, no GPU and no torchrun: what a rank reads from torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE), which GPU it drives, and that only rank 0 opens a Weights & Biases run (a fake `wandb`
+module stands in for the real one). The real multi-process runs are tests/test_scale.py's.
+Run: python -m pytest tests/test_runtime.py"""
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import TINY, fails
+from tools.runtime import Runtime
+
+
+def torchrun_env(monkeypatch, rank, local_rank, world):
+    for k, v in (("RANK", rank), ("LOCAL_RANK", local_rank), ("WORLD_SIZE", world)):
+        monkeypatch.setenv(k, str(v))
+
+
+def test_a_rank_on_the_second_node_drives_its_local_gpu(monkeypatch):
+    """Two nodes of 8 GPUs: RANK=9 is LOCAL_RANK=1 of node 1, so it drives cuda:1 (there is no cuda:9 on a node of
+    8), sets that device before joining NCCL, and DDP places its replica there. torch.cuda and the process group
+    are stubbed: what the calls were given is what is checked."""
+    torchrun_env(monkeypatch, rank=9, local_rank=1, world=16)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", str(d))))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append(("init", backend)))
+
+    class FakeDDP(torch.nn.Module):
+        def __init__(self, module, device_ids=None, **kw):
+            super().__init__()
+            calls.append(("ddp", device_ids))
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", FakeDDP)
+
+    rt = Runtime.from_env("cuda")
+    assert (rt.rank, rt.local_rank, rt.world, rt.device, rt.master) == (9, 1, 16, "cuda:1", False)
+    rt.start()
+    rt.wrap(torch.nn.Linear(2, 2), fsdp=False, compile=False, front=lambda m: m)
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl"), ("ddp", [1])]
+
+    torchrun_env(monkeypatch, rank=8, local_rank=0, world=16)  # node 1's first process: cuda:0, and not rank 0
+    rt = Runtime.from_env("cuda")
+    assert (rt.device, rt.master) == ("cuda:0", False)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # plain `python train.py`: rank 0 of 1, the device as given
+        monkeypatch.delenv(k)
+    rt = Runtime.from_env("cuda")
+    assert (rt.rank, rt.local_rank, rt.world, rt.device, rt.master) == (0, 0, 1, "cuda", True)
+
+
+def fake_wandb(monkeypatch, init):
+    """A `wandb` module in sys.modules (with a spec, so importlib.util.find_spec finds it) whose init is `init`,
+    and wandb.errors as the real one arranges it: Error, UsageError(Error), CommError(Error),
+    AuthenticationError(CommError)."""
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    errors = types.ModuleType("wandb.errors")
+    errors.Error = type("Error", (Exception,), {})
+    errors.UsageError = type("UsageError", (errors.Error,), {})
+    errors.CommError = type("CommError", (errors.Error,), {})
+    errors.AuthenticationError = type("AuthenticationError", (errors.CommError,), {})
+    fake.errors, fake.init = errors, init
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setitem(sys.modules, "wandb.errors", errors)
+    return fake
+
+
+def test_only_rank_0_opens_a_wandb_run_and_logs_to_it(monkeypatch, tmp_path):
+    """Under torchrun every rank calls start_wandb: exactly one run is opened, by RANK 0, whatever LOCAL_RANK
+    says (node 1's LOCAL_RANK=0 is rank 8), and only it logs records there and in metrics.jsonl."""
+    opened, logged = [], []
+
+    def init(project, name, config):
+        opened.append(project)
+        return types.SimpleNamespace(log=lambda rec, step: logged.append((step, rec)), finish=lambda: None)
+    fake_wandb(monkeypatch, init)
+    for rank, local_rank in ((1, 1), (8, 0), (15, 7), (0, 0)):
+        torchrun_env(monkeypatch, rank, local_rank, world=16)
+        rt = Runtime.from_env("cpu")
+        rt.start_wandb("demo", "stage2", {"lr": 1.0})
+        (tmp_path / str(rank)).mkdir()
+        rt.log_json(str(tmp_path / str(rank)), {"step": 1, "loss": 2.0})
+        assert (rt.wandb is not None) == (rank == 0), (rank, local_rank)
+        assert (tmp_path / str(rank) / "metrics.jsonl").exists() == (rank == 0), rank
+    assert opened == ["demo"] and logged == [(1, {"loss": 2.0})]
+
+
+# what wandb.init raises without a login (no API key in the environment or ~/.netrc, and no terminal to ask on),
+# as wandb/sdk/wandb_login.py words it; and a bad or revoked key
+NOT_LOGGED_IN = ("UsageError", "api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+BAD_KEY = ("AuthenticationError", "API key must be 40 characters long, yours was 3")
+
+
+@pytest.mark.parametrize("kind, text", [NOT_LOGGED_IN, BAD_KEY, ("CommError", "Network error (ConnectTimeout)")])
+def test_wandb_not_logged_in_is_one_line_saying_how_to_log_in(monkeypatch, capsys, kind, text):
+    """--wandb_project with wandb installed but not usable: one error line naming the flag, wandb's reason, and
+    the ways out (wandb login, WANDB_API_KEY, or dropping the flag), not wandb's traceback."""
+    def init(project, name, config):
+        raise getattr(sys.modules["wandb"].errors, kind)(text)
+    fake_wandb(monkeypatch, init)
+    msg = fails(capsys, code=1, main=lambda argv: Runtime().start_wandb("x", "stage2", {}))
+    assert msg.startswith("error: --wandb_project=x: ") and f"{kind}: {text}" in msg, msg
+    assert all(f in msg for f in ("wandb login", "WANDB_API_KEY", "drop --wandb_project")), msg
+
+
+def test_train_py_with_wandb_not_logged_in_stops_in_one_line(monkeypatch, capsys, tmp_path):
+    """The same through train.main, as a user runs it: the refusal is not caught and re-raised on the way."""
+    def init(project, name, config):
+        raise sys.modules["wandb"].errors.UsageError(NOT_LOGGED_IN[1])
+    fake_wandb(monkeypatch, init)
+    msg = fails(capsys, "--stage=2", "--init_from=scratch", *TINY, "--max_iters=1", f"--out_dir={tmp_path}",
+                "--wandb_project=x")
+    assert "--wandb_project=x" in msg and "wandb login" in msg, msg
