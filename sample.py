@@ -21,6 +21,10 @@ Greedy decoding is --top_k=1; --temperature must be a finite number >= 1e-6 (0 i
 Test: python -m pytest tests/test_sample.py tests/test_packed.py
 """
 
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import dataclasses
 import json
 import math

@@ -23,6 +23,10 @@ of a step over ALL ranks, so the global batch does not depend on the world size.
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import contextlib
 import dataclasses
 import math

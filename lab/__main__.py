@@ -1,4 +1,8 @@
 """python -m lab <table> [--seeds=3 --rows=a,b --report=True --root=DIR]: the lab's tables (lab/tables.py)."""
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import sys
 
 from lab.tables import main

@@ -16,6 +16,10 @@ copies to exceed L2, so each call streams its weights from HBM as a real decode 
 reported against a measured device-to-device copy (read + write bytes / time).
 """
 
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import dataclasses
 import math
 import sys

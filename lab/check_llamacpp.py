@@ -12,6 +12,10 @@ of 256 for TQ2_0), so the two differ by about what activation quantisation costs
 Not in CI: it needs llama-cpp-python, whose install compiles llama.cpp (minutes on 2 cores).
 """
 
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import dataclasses
 import json
 import math

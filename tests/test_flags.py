@@ -197,3 +197,39 @@ def test_die_names_the_global_rank_not_the_local_one(capsys, monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert fails(capsys, code=1, main=boom) == want, env
+
+
+def test_ctrl_c_while_a_command_loads_its_imports_stops_it_without_a_traceback():
+    """Issue 35: Ctrl-C in the first seconds of any command (torch, transformers, matplotlib loading) printed a
+    KeyboardInterrupt traceback. Each entry point stops at once instead (killed by SIGINT, as a shell expects),
+    and its flags.parse hands Ctrl-C back to Python (KeyboardInterrupt, which train.py's stop handler replaces)."""
+    import signal
+    import subprocess
+    import time
+    commands = [["train.py"], ["sample.py"], ["-m", "tools.prepare"], ["-m", "tools.export"], ["-m", "tools.plot"],
+                ["-m", "lab"], ["-m", "lab.bench"], ["-m", "lab.check_llamacpp"]]
+    procs = [subprocess.Popen([sys.executable, *c, "--help"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in commands]
+    for p in procs:  # once torch's library is mapped, the command is loading its imports (seconds more here)
+        deadline = time.time() + 30
+        while "libtorch" not in open(f"/proc/{p.pid}/maps").read() and time.time() < deadline:
+            time.sleep(0.01)
+        p.send_signal(signal.SIGINT)
+    for c, p in zip(commands, procs):
+        out, err = p.communicate(timeout=60)
+        assert "Traceback" not in err and p.returncode == -signal.SIGINT, (c, p.returncode, err[-300:])
+
+
+def test_parse_gives_ctrl_c_back_to_python_after_the_imports():
+    import signal
+    from dataclasses import dataclass
+
+    @dataclass
+    class F:
+        n: int = 1
+    before = signal.signal(signal.SIGINT, signal.SIG_DFL)  # as an entry point leaves it while importing
+    try:
+        assert flags.parse(["--n=2"], F) == {"n": 2}
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)

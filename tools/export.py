@@ -22,6 +22,10 @@ Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 b
 Test: python -m pytest tests/test_packed.py tests/test_gguf.py tests/test_hf.py
 """
 
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import contextlib
 import dataclasses
 import json

@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import os
 import re
+import signal
 import sys
 
 BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
@@ -74,6 +75,8 @@ def parse(argv, cls, doc="", convert=None, positional=None, renamed=None):
     positional: a description of plain (non-flag) arguments the command takes, e.g. "FILE ..."; then returns
     (flags, [arguments]); without it, a plain argument is an error. --help / -h print usage() and exit 0.
     renamed: {old name: new name} of flags that were renamed; an old name is refused with its new one."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_DFL:  # an entry point's while its imports loaded
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt again
     fields = {f.name: f for f in dataclasses.fields(cls)}
     convert, renamed = convert or {}, renamed or {}
     flags, rest = {}, []

@@ -16,6 +16,10 @@ Test:
     python -m pytest tests/test_tokenizer.py
 """
 
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import contextlib
 import hashlib
 import os

@@ -15,6 +15,10 @@ matplotlib is needed here only (pip install -r requirements.txt has it); trainin
 Test: python -m pytest tests/test_plot.py
 """
 
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import math
 import os
 import sys

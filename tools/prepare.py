@@ -29,6 +29,10 @@ Test:
     python -m pytest tests/test_prepare.py
 """
 
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 import contextlib
 import dataclasses
 import errno
@@ -38,7 +42,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import stat
 import sys
