@@ -82,6 +82,20 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_models(smollm2):
+    """(ours, transformers') SmolLM2-135M as published, in float32, eval mode, each loaded from the GGUF once per
+    test run (dequantising it takes over 10 s each on 2 cores): GPT.from_pretrained's import and the reference it
+    must equal. Read them; a test that trains builds its own model from ours.state_dict()."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from model import GPT
+    ours = GPT.from_pretrained(smollm2, block_size=64).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2),
+                                                  dtype=torch.float32).eval()
+    return ours, theirs
+
+
+@pytest.fixture(scope="session")
 def imported_model(tmp_path_factory):
     """(source directory, stage-2 checkpoint) of tests/imported.py's tiny Llama converted by train.py --init_from,
     once per test run: the export tests share it (read it, never write into its directory)."""

@@ -349,7 +349,8 @@ def test_an_imported_model_gives_our_logits_in_transformers(imported_export):
 
 
 @pytest.mark.slow
-def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logits_layer_by_layer(smollm2, tmp_path):
+def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logits_layer_by_layer(smollm2, smollm2_models,
+                                                                                              tmp_path):
     """SmolLM2-135M with SubLN, ternary (lambda 1), two AdamW steps on Shakespeare, exported and loaded back by
     transformers. End to end the logits differ by a few percent of their scale: with 30 layers of per-token int8
     activations, an ulp of difference between the two orders of scaling moves an activation across a rounding
@@ -358,7 +359,7 @@ def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logit
     layer's scale. A wrong head order, K/V sharing, scale, rope or norm moves every position of every layer."""
     import dataclasses
     from tokenizer import get_tokenizer
-    fp = GPT.from_pretrained(smollm2, block_size=64)
+    fp = smollm2_models[0]  # GPT.from_pretrained(smollm2, block_size=64), shared: read, never trained
     ours = GPT(dataclasses.replace(fp.config, quant=True, subln=True))
     assert ours.load_state_dict(fp.state_dict(), strict=False).unexpected_keys == []  # + SubLN gains and lambdas
     quant.set_lambda(ours, 1.0)

