@@ -39,9 +39,9 @@ EPS = 1e-3  # LLaDA's floor on the mask probability
 
 
 @torch.no_grad()
-def add_mask_token(model, init="mean", seed=0):
+def add_mask_token(model, init="mean", seed=0, scale=0.02):
     """A copy of model (a trained AR GPT) with one more token, the mask, and bidirectional attention.
-    Returns (dlm_model, mask_id). init: "mean" (mean of the existing embedding rows) or "random".
+    Returns (dlm_model, mask_id). init: "mean" (mean of the existing embedding rows) or "random" (N(0, scale^2)).
 
     The source notes' finding: a mask row drawn at random (N(0, 0.02), the embedding's own init) is an activation
     outlier after RMSNorm, and BitNet's per-token absmax scale (127 / max|x|) then rounds the token's other
@@ -59,7 +59,7 @@ def add_mask_token(model, init="mean", seed=0):
         row = old.mean(dim=0, keepdim=True)                             # (1, C): the average token
     else:
         g = torch.Generator().manual_seed(seed)
-        row = (torch.randn(1, c.n_embd, generator=g) * 0.02).to(old)   # the embedding's init scale
+        row = (torch.randn(1, c.n_embd, generator=g) * scale).to(old)  # 0.02: our embedding's init scale
     state["wte.weight"] = torch.cat([old, row])                         # (V + 1, C); mask id = V
     if not c.tie_embeddings:
         state["lm_head.weight"] = torch.cat([state["lm_head.weight"], row])

@@ -65,6 +65,19 @@ SLOW_FIXTURES = {"test_scale.py": {"runs", "spawned"}, "test_outputs.py": {"runs
                  "test_nanogpt_recipe.py": {"uninterrupted"}}
 
 
+def pytest_configure(config):
+    """pytest.ini runs the suite in 2 processes (pytest-xdist: half the wall time on 2 cores, where most tests wait
+    on one single-threaded subprocess). The shipped corpora's byte shards, which most runs read, are made here
+    once, before the workers start: two workers making them at once would swap the directory under a run of the
+    other, which stops that run (data.DataChanged), as it should."""
+    if hasattr(config, "workerinput"):  # a worker: the controller made them
+        return
+    from tools import plumbing
+    from types import SimpleNamespace
+    for corpus in ("shakespeare", "python"):
+        plumbing.shipped_dir(corpus, SimpleNamespace(tokenizer="byte", data_order="curriculum"))
+
+
 def pytest_collection_modifyitems(items):
     """python -m pytest -m "not slow": the quick check (under 2 minutes on 2 cores); CI runs everything."""
     for item in items:
