@@ -22,6 +22,7 @@ if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no tr
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -185,6 +186,95 @@ def bench_train(steps=10, warmup=3):
     print(f"QAT / dense step time: eager {r['qat'] / r['dense']:.3f}, compiled {r['qat_c'] / r['dense_c']:.3f}; "
           f"ours fp / nanoGPT step time {r['dense'] / r['nanogpt']:.3f}; QAT fused / unfused projections "
           f"{r['qat'] / r['qat_sep']:.3f}")
+
+
+def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
+    """A pretrained model's real shape (issue 36): training steps of transformers' own model, ours fp and ours
+    ternary QAT on one batch (fp32, this process's threads, AdamW for all, so the models are what differs), then
+    greedy generation of new_tokens after the same prompt: transformers' generate, ours fp, and our packed ternary
+    model (kernels/: int8 activations, 2-bit weights); finally where a QAT step's time goes (torch.profiler)."""
+    import copy
+    import quant
+    from kernels.packed_linear import freeze_ternary
+    from model import GPT
+    from tools.common import is_model_source
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+    if not is_model_source(source):
+        die(f"--model={source}: not a pretrained model (a Hugging Face directory, a hub id or a .gguf file); "
+            f"python -m tools.get_model smollm2 fetches SmolLM2-135M", 2)
+    path, kw = source, {}
+    if source.endswith(".gguf"):
+        path, kw = os.path.dirname(os.path.abspath(source)), {"gguf_file": os.path.basename(source)}
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    fp = GPT.from_pretrained(source, block_size=T)
+    qat = GPT(dataclasses.replace(fp.config, quant=True, subln=True))
+    qat.load_state_dict(fp.state_dict(), strict=False)
+    quant.set_lambda(qat, 1.0)
+    c = fp.config
+    print(f"{source}: {c.n_layer} layers, width {c.n_embd}, {c.n_head} heads / {c.kv_heads()} kv heads, vocab "
+          f"{c.vocab_size}; batch {B} x {T} tokens, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, c.vocab_size, (B, T), generator=g) for _ in range(2))
+
+    def train_ms(label, model, loss_fn, optimizer="adamw"):
+        if optimizer == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        else:
+            from tools import config, plumbing
+            opt = plumbing.configure_optimizer(model, config.build_config({"device": "cpu", "stage": 2}), "cpu")
+        times = []
+        for _ in range(warmup + steps):
+            t0 = time.perf_counter()
+            loss_fn(model).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(1000 * (time.perf_counter() - t0))
+        ms = sorted(times[warmup:])[len(times[warmup:]) // 2]
+        print(f"  {label:52s} {ms:9.0f} ms/step  {B * T / ms * 1000:7.0f} tokens/s")
+        return ms
+
+    ours_loss = lambda m: m(x, y)[1]  # noqa: E731
+    print("training step (forward, backward, clip, optimizer; median of", steps, "after", warmup, "warm-up):")
+    hf_loss = lambda m: torch.nn.functional.cross_entropy(m(x).logits.flatten(0, 1), y.flatten())  # noqa: E731
+    r = {"hf": train_ms("transformers LlamaForCausalLM (fp, AdamW)", theirs.train(), hf_loss),
+         "fp": train_ms("ours fp (AdamW)", fp.train(), ours_loss),
+         "qat": train_ms("ours ternary QAT, SubLN, lambda 1 (AdamW)", qat.train(), ours_loss),
+         "qat_muon": train_ms("ours ternary QAT, SubLN, lambda 1 (Muon + AdamW)", qat, ours_loss, "muon")}
+    print(f"ours fp / transformers: {r['fp'] / r['hf']:.3f}; ours QAT / transformers: {r['qat'] / r['hf']:.3f}; "
+          f"QAT / ours fp: {r['qat'] / r['fp']:.3f}; Muon's optimizer step costs {r['qat_muon'] - r['qat']:.0f} ms "
+          f"more than AdamW's")
+
+    prompt = x[:1, :16]
+    packed = freeze_ternary(copy.deepcopy(qat).eval())  # what the packed export holds, built in place
+
+    def gen_tps(label, fn):
+        fn(4)  # warm-up
+        t0 = time.perf_counter()
+        fn(new_tokens)
+        tps = new_tokens / (time.perf_counter() - t0)
+        print(f"  {label:52s} {tps:7.1f} tokens/s")
+        return tps
+    print(f"greedy generation, {new_tokens} new tokens after a 16-token prompt, batch 1:")
+    theirs.generation_config.eos_token_id = None
+    with torch.no_grad():
+        gen = {"hf": gen_tps("transformers generate (fp, KV cache)", lambda n: theirs.eval().generate(
+                   prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(prompt))),
+               "fp": gen_tps("ours fp (KV cache)", lambda n: fp.eval().generate(prompt, n, top_k=1)),
+               "packed": gen_tps("ours packed ternary (int8 x 2-bit kernels, KV cache)",
+                                 lambda n: packed.generate(prompt, n, top_k=1))}
+    print(f"packed / transformers tokens/s: {gen['packed'] / gen['hf']:.2f}; ours fp / transformers: "
+          f"{gen['fp'] / gen['hf']:.2f}")
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        ours_loss(qat.train()).backward()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"where one QAT forward+backward spends its {total / 1e3:.0f} ms of CPU time (top ops):")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
+        print(f"  {e.key:45s} x{e.count:<5d} {e.self_cpu_time_total / 1e3:8.0f} ms  "
+              f"{100 * e.self_cpu_time_total / total:5.1f}%")
 
 
 def val_windows(shard_dir, T, n):
@@ -409,18 +499,24 @@ class BenchFlags:
     quality: bool = False        # time to quality: ours vs a nanoGPT-shaped fp baseline, to the same val loss
     target: float = 0.0          # --quality: the val loss to reach (finite, > 0); 0 = the baseline's final val loss
     train_args: str = ""         # --quality: more train.py flags for our run and the shape of both, e.g. "--lr=3e-3"
+    model: str = ""              # --train: a pretrained model's real shape against transformers' own training step
+                                 # and generate (e.g. data/models/SmolLM2-135M-Instruct.Q4_1.gguf)
 
 
 def main(argv):
     """One benchmark per run: the one flag given, or with none the ternary kernel (CUDA)."""
     given = parse(argv, BenchFlags, __doc__)
     opts = {k: given.pop(k) for k in ("target", "train_args") if k in given}
+    model = given.pop("model", "")
     flags = {k: v for k, v in given.items() if v}
     if len(flags) > 1:
         die(f"give one benchmark at a time, not {' '.join('--' + k for k in flags)}", 2)
     if opts and "quality" not in flags:
         die(f"--{next(iter(opts))} is an option of --quality; add --quality", 2)
-    run = dict(data=bench_data, muon=bench_muon, train=bench_train, profile=bench_profile,
+    if model and "train" not in flags:
+        die("--model is an option of --train; add --train", 2)
+    run = dict(data=bench_data, muon=bench_muon, train=lambda: bench_pretrained(model) if model else bench_train(),
+               profile=bench_profile,
                quality=lambda: bench_quality(**opts))
     (run[next(iter(flags))] if flags else bench_kernels)()
 

