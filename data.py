@@ -332,7 +332,7 @@ def _check_meta(dirs, split, lengths):
             raise ValueError(f"{path}: records {want[0]} {split} tokens in {want[1]} {split} shards, but {d} holds "
                              f"{sum(ns)} tokens in {len(ns)} shards (a partial copy, or shards of another run); "
                              f"{_fix(path)}")
-    if len(set(tokenizers.values())) > 1:
+    if len({os.path.realpath(t) if os.path.exists(t) else t for t in tokenizers.values()}) > 1:  # 1 model, 2 paths: 1
         raise ValueError(f"sources were made by different tokenizers {tokenizers}; mix only one tokenizer")
 
 

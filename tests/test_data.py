@@ -225,6 +225,25 @@ def test_loader_refuses_missing_shards_and_mixed_tokenizers(tmp_path):
     assert "byte" in str(e.value) and "gpt2" in str(e.value)
 
 
+def test_one_model_named_by_two_paths_is_one_tokenizer(tmp_path, monkeypatch):
+    """Shards of one model's tokenizer, one source prepared with its absolute path and one with a relative path
+    (train.py and the lab name it either way): the same tokenizer, mixed without a word; another model still not."""
+    model = tmp_path / "models" / "m.gguf"
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF")
+    (tmp_path / "n.gguf").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)
+    sources = _two_sources(tmp_path)
+    for d, name in zip(sources, [str(model), "models/m.gguf"]):
+        with open(os.path.join(d, "meta.json"), "w") as f:
+            json.dump({"tokenizer": name}, f)
+    data.DataLoader(sources, "train", B=1, T=4)
+    with open(os.path.join(list(sources)[1], "meta.json"), "w") as f:
+        json.dump({"tokenizer": "n.gguf"}, f)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        data.DataLoader(sources, "train", B=1, T=4)
+
+
 def test_loader_reads_shards_in_numeric_order(tmp_path):
     d = tmp_path / "a"
     d.mkdir()
