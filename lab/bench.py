@@ -267,14 +267,18 @@ def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
     print(f"packed / transformers tokens/s: {gen['packed'] / gen['hf']:.2f}; ours fp / transformers: "
           f"{gen['fp'] / gen['hf']:.2f}")
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        ours_loss(qat.train()).backward()
-    events = prof.key_averages()
-    total = sum(e.self_cpu_time_total for e in events)
-    print(f"where one QAT forward+backward spends its {total / 1e3:.0f} ms of CPU time (top ops):")
-    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
-        print(f"  {e.key:45s} x{e.count:<5d} {e.self_cpu_time_total / 1e3:8.0f} ms  "
-              f"{100 * e.self_cpu_time_total / total:5.1f}%")
+    def top_ops(what, fn):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        events = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in events)
+        print(f"where {what} spends its {total / 1e3:.0f} ms of CPU time (top ops):")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
+            print(f"  {e.key:45s} x{e.count:<5d} {e.self_cpu_time_total / 1e3:8.0f} ms  "
+                  f"{100 * e.self_cpu_time_total / total:5.1f}%")
+    top_ops("one QAT forward+backward", lambda: ours_loss(qat.train()).backward())
+    with torch.no_grad():
+        top_ops("the packed model generating 8 tokens", lambda: packed.generate(prompt, 8, top_k=1))
 
 
 def val_windows(shard_dir, T, n):

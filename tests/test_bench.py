@@ -117,3 +117,22 @@ def test_quality_with_a_target_the_baseline_starts_below_prints_no_ratio(quality
     """The baseline reaches a target above its starting val loss at 0 s: no ratio (a ZeroDivisionError before)."""
     _, out, _ = quality
     assert "ours / nanoGPT: none: the baseline's val loss at step 0 is already at or below 100.0000" in out, out
+
+
+@pytest.mark.slow
+def test_train_with_a_pretrained_model_times_ours_against_transformers_and_generates(tmp_path, capsys):
+    """python -m lab.bench --train --model=<a pretrained model> on tests/imported.py's tiny Llama (no download):
+    transformers' step, ours fp, ours QAT (AdamW and Muon), the ratios, three generators and two profiles."""
+    import re
+    from imported import tiny_llama
+    from lab import bench
+    src = tiny_llama(str(tmp_path / "tiny_llama"))
+    bench.bench_pretrained(src, steps=1, warmup=0, B=1, T=16, new_tokens=2)
+    out = capsys.readouterr().out
+    for label in ("transformers LlamaForCausalLM", "ours fp (AdamW)", "ours ternary QAT, SubLN, lambda 1 (AdamW)",
+                  "(Muon + AdamW)", "transformers generate", "ours packed ternary", "one QAT forward+backward",
+                  "the packed model generating"):
+        assert label in out, label
+    ratios = re.search(r"ours fp / transformers: ([0-9.]+); ours QAT / transformers: ([0-9.]+)", out)
+    assert ratios and all(float(r) > 0 for r in ratios.groups()), out
+    assert "--model is an option of --train" in fails(capsys, f"--model={src}", code=2, main=bench.main)
