@@ -498,3 +498,20 @@ def test_grad_accum_averages_the_micro_batches_gradients(setup_run, monkeypatch,
     for name, g in whole.items():
         torch.testing.assert_close(accumulated[name], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     assert out_k["loss"] == pytest.approx(out_1["loss"], rel=1e-6)
+
+
+def test_a_pretrained_model_trains_with_adamw_at_1e_4_unless_told_otherwise():
+    """tools/config.PRETRAINED_PRESET: --init_from or --teacher a pretrained model, or stage 2/3 after a stage that
+    began from one (train.py passes its tokenizer), gets AdamW at 1e-4; a flag given wins; from scratch keeps the
+    CPU stage-2 preset (lr 2e-2, Muon), even in a model's tokenizer."""
+    from tools.config import build_config
+    model = "HuggingFaceTB/SmolLM2-135M"  # a hub id: a pretrained model by name (nothing is downloaded here)
+    for flags in ({"stage": 2, "init_from": model}, {"stage": 3, "teacher": model}, {"stage": 2, "tokenizer": model},
+                  {"tokenizer": model}):
+        c = build_config({**flags, "device": "cpu"})
+        assert (c.optimizer, c.lr) == ("adamw", 1e-4), flags
+    c = build_config({"stage": 2, "init_from": model, "lr": 3e-4, "optimizer": "muon", "device": "cpu"})
+    assert (c.optimizer, c.lr) == ("muon", 3e-4)
+    for flags in ({"stage": 2}, {"stage": 2, "init_from": "scratch", "tokenizer": model}):
+        c = build_config({**flags, "device": "cpu"})
+        assert (c.optimizer, c.lr) == ("muon", 2e-2), flags

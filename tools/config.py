@@ -131,6 +131,10 @@ SCHEDULE_PRESETS = {  # --schedule=moderate: WSD decaying only to 1/3 of the pea
 # chose over 0..600 steps at that lr (3 seeds each, lab/results/lr.md, warmup.md): lambda reaches 1 at step 600,
 # the run's last; the other stages and the CUDA preset keep theirs (not swept)
 DEVICE_STAGE_PRESETS = {("cpu", 2): dict(lr=2e-2, muon_lr=2e-2, lambda_warmup_steps=600)}
+# a pretrained model (--init_from or --teacher a model, or stage 2/3 after a stage that began from one): AdamW at
+# 1e-4, the SmolLM2 table's setting (lab/results/smollm2-notes.md; not swept). The from-scratch presets above undo
+# a trained model within a few steps, and on CPU Muon doubles its step (lab/results/smollm2-speed.md).
+PRETRAINED_PRESET = dict(optimizer="adamw", lr=1e-4)
 STAGE_PRESETS = {
     1: dict(schedule="cosine"),
     2: dict(schedule="wsd"),
@@ -164,8 +168,17 @@ USAGE = """python train.py [--key=value ...]: train a ternary (BitNet b1.58) mod
   torchrun --standalone --nproc_per_node=8 train.py --stage=2     (DDP; --fsdp=True shards)
 Order of defaults: TrainConfig (shown below), then the device preset, the stage preset
 (stage 1 and 3: --schedule=cosine; 2 and dlm: wsd; stage 2 on cpu: --lr=2e-2 --muon_lr=2e-2
---lambda_warmup_steps=600), then the flags given. The cuda preset sets:
+--lambda_warmup_steps=600), a pretrained model's (--init_from or --teacher a model: --optimizer=adamw
+--lr=1e-4), then the flags given. The cuda preset sets:
   """ + " ".join(f"--{k}={v}" for k, v in DEVICE_PRESETS["cuda"].items())
+
+
+def pretrained_run(overrides):
+    """Whether this run trains a pretrained model: --init_from or --teacher is one, or a stage 2/3 continuing the
+    stage before (--init_from=auto) in a model's tokenizer (train.py passes the previous stage's)."""
+    named = (overrides.get("init_from"), overrides.get("teacher", "").split(",")[0])
+    after = overrides.get("stage", TrainConfig.stage) in (2, 3) and overrides.get("init_from", "auto") == "auto"
+    return any(is_model_source(m or "") for m in named) or (after and is_model_source(overrides.get("tokenizer", "")))
 
 
 def build_config(overrides, base=None):
@@ -182,6 +195,8 @@ def build_config(overrides, base=None):
         cfg.update(STAGE_PRESETS[stage])
         cfg.update(DEVICE_STAGE_PRESETS.get((device.split(":")[0], stage), {}))
         cfg.update(SCHEDULE_PRESETS.get(overrides.get("schedule"), {}))
+        if pretrained_run(overrides):
+            cfg.update(PRETRAINED_PRESET)
         cfg["device"] = device
     cfg.update(overrides)
     if not base and "tokenizer" not in overrides:  # a pretrained model brings its own tokenizer
