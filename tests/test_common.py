@@ -59,6 +59,28 @@ def test_atomic_dir_swaps_in_the_whole_directory_or_nothing(tmp_path):
     assert os.listdir(path) == ["b"] and os.listdir(tmp_path) == ["d"]  # the old directory is gone, not merged
 
 
+def test_atomic_dir_clears_what_dead_writers_left_but_not_a_running_writers_directories(tmp_path):
+    """Leftovers carry their writer's pid: a killed export's .tmp (and an old directory, with path present) go;
+    another export still writing beside the same path (two exports into one directory) keeps its own."""
+    import subprocess
+    import sys
+    path = str(tmp_path / "d")
+    os.mkdir(path)
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = done.stdout.strip()  # a pid that has exited
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for n in (f".d.tmp-{dead}-x1", f".d.old-{dead}", f".d.tmp-{live.pid}-y2", f".d.old-{live.pid}", ".d.tmp-k1ll3d"):
+            os.mkdir(tmp_path / n)
+        with common.atomic_dir(path) as tmp:
+            assert os.path.basename(tmp).startswith(f".d.tmp-{os.getpid()}-")
+            open(os.path.join(tmp, "a"), "w").write("1")
+        assert sorted(os.listdir(tmp_path)) == [f".d.old-{live.pid}", f".d.tmp-{live.pid}-y2", "d"]
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_atomic_dir_puts_the_old_directory_back_when_the_second_rename_fails(tmp_path, monkeypatch):
     path, renames = str(tmp_path / "d"), []
     os.mkdir(path)

@@ -76,15 +76,20 @@ def atomic_dir(path):
     block completes, it takes path's place by two renames (path -> .<name>.old-<pid>, tmp -> path) during which
     SIGTERM and SIGINT wait, then the old directory is deleted: path is the whole old directory or the whole new one.
     On any exception tmp is deleted and path is left as it was. What a killed earlier write left beside path is
-    cleared first: .<name>.tmp-* deleted, a .<name>.old-* moved back if path is missing (else deleted)."""
+    cleared first: .<name>.tmp-* deleted, a .<name>.old-* moved back if path is missing (else deleted); each name
+    carries its writer's pid, and what a writer still running on this machine has there is left alone."""
     parent, name = os.path.split(os.path.abspath(path))
     for n in sorted(os.listdir(parent)):
         left = os.path.join(parent, n)
-        if n.startswith(f".{name}.old-") and not os.path.lexists(path):
+        kind = next((k for k in ("tmp", "old") if n.startswith(f".{name}.{k}-")), None)
+        if kind is None or _writer_alive(n[len(f".{name}.{kind}-"):].split("-")[0]):
+            continue
+        if kind == "old" and not os.path.lexists(path):
             os.rename(left, path)
-        elif n.startswith((f".{name}.tmp-", f".{name}.old-")):
+        else:
             shutil.rmtree(left, ignore_errors=True)
-    tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent), os.path.join(parent, f".{name}.old-{os.getpid()}")
+    pid = os.getpid()
+    tmp, old = tempfile.mkdtemp(prefix=f".{name}.tmp-{pid}-", dir=parent), os.path.join(parent, f".{name}.old-{pid}")
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, (os.stat(path).st_mode & 0o7777) if os.path.isdir(path) else 0o777 & ~umask)  # mkdtemp's is 0700
@@ -106,6 +111,19 @@ def atomic_dir(path):
         raise
     finally:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _writer_alive(pid):
+    """Whether pid (a string from a leftover's name) is another process running here: its directory is in use."""
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        pass
+    return True
 
 
 @contextlib.contextmanager
