@@ -627,9 +627,10 @@ class Lab:
         out = {}
         for row in (r for r in self.table.rows if r.shown):
             rs = runs.get(row.name, [])
-            out[row.name] = {"label": row.label, **_stats([r["val_loss"] for r in rs])}
+            out[row.name] = {"label": row.label, **_stats([r["val_loss"] for r in rs]), "once": row.once}
             for name in self.table.also:  # the other corpora's val loss of the same runs
-                out[row.name][name] = _stats([v for r in rs if (v := r.get("also", {}).get(name)) is not None])
+                out[row.name][name] = {**_stats([v for r in rs if (v := r.get("also", {}).get(name)) is not None]),
+                                       "once": row.once}
         return out
 
     def markdown(self, runs):
@@ -814,6 +815,8 @@ def _shipped_dir(name, tokenizer="byte"):
 def fmt(s):
     if s["mean"] is None:
         return "not run"
+    if s.get("once"):
+        return f"{s['mean']:.4f} (one run: no seed involved)"
     return f"{s['mean']:.4f} ± {s['std']:.4f}" if s["std"] is not None else f"{s['mean']:.4f} (1 seed)"
 
 
@@ -822,9 +825,12 @@ def versus(s, base):
     if s["mean"] is None or not base or base.get("mean") is None or s is base:
         return ""
     d = s["mean"] - base["mean"]
-    if base["std"] is None or s.get("n", 2) < 2 or s.get("std") is None:
+    if s.get("once") and base.get("once"):  # two runs that no seed changes: the difference is exact
+        return f"{d:+.4f} ({'better' if d < 0 else 'worse'}, exact: no seed involved)"
+    seeded = [x for x in (s, base) if not x.get("once")]
+    if any(x.get("std") is None or x.get("n", 2) < 2 for x in seeded):
         return f"{d:+.4f} (too few seeds for a verdict)"
-    noise = 2 * max(base["std"], s["std"])
+    noise = 2 * max(x["std"] for x in seeded)
     verdict = ("better" if d < 0 else "worse") if abs(d) > noise else "no measurable difference"
     return f"{d:+.4f} ({verdict})"
 

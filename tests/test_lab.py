@@ -473,3 +473,14 @@ def test_the_smollm2_table_is_the_issues_rows_at_equal_tokens():
     assert rows["stage3"].needs == rows["control"].needs == ("stage2",)
     assert rows["stage3"].args.replace("--kd_logits=1", "--kd_logits=0") == rows["control"].args
     assert "--lambda_warmup_steps=0" in rows["stage2_now"].args.split()
+
+
+def test_rows_run_once_compare_exactly_and_seeded_rows_by_their_own_noise():
+    """A row no seed changes (Row.once) has no std: against another such row the difference is exact; against a
+    seeded row, only the seeded row's noise decides; a seeded row of one seed still gets no verdict."""
+    once = {"mean": 16.0, "std": None, "n": 1, "once": True}
+    assert lab.versus({"mean": 3.0, "std": None, "n": 1, "once": True}, once) == "-13.0000 (better, exact: no seed involved)"
+    assert lab.versus({"mean": 7.0, "std": 0.1, "n": 3}, once) == "-9.0000 (better)"
+    assert lab.versus({"mean": 15.9, "std": 0.1, "n": 3}, once) == "-0.1000 (no measurable difference)"
+    assert "too few seeds" in lab.versus({"mean": 7.0, "std": None, "n": 1}, once)
+    assert lab.fmt(once) == "16.0000 (one run: no seed involved)" and lab.fmt({"mean": 7.0, "std": None}) == "7.0000 (1 seed)"
