@@ -16,7 +16,8 @@ table compare the same tokens, and a row trained on a mix of sources is still sc
 
 Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A run counts once its checkpoint
 reaches the row's max_iters: then it is scored (result.json beside the checkpoint) and skipped next time; a
-stopped one is resumed (--resume=True), so a long table can be finished over several sittings. SIGTERM or
+stopped one is resumed (--resume=True), so a long table can be finished over several sittings; on another
+machine (no out/), a run the committed <table>.json holds with the same flags is taken from it (Lab.adopt). SIGTERM or
 Ctrl-C to lab goes on to the running train.py, which saves at the end of its step; lab then writes no table
 and says to run the same command again. The table goes to lab/results/<table>.md and .json, and
 lab/results/<table>.png (val curves) when matplotlib is installed (and <table>_logits.png, the max attention
@@ -514,6 +515,7 @@ class Lab:
         (common.Interrupted; a result.json is written whole or not at all)."""
         with common.StopSignal(forward=self._pass_on) as self.signals:
             todo = list(self.order(wanted))
+            self.adopt(todo, log)
             left = [(n, s) for n, s in todo if self.result(n, s) is None]
             t0, ran = time.time(), 0
             for i, (name, seed) in enumerate(todo, 1):
@@ -526,6 +528,32 @@ class Lab:
                 log(f"[lab] run {i} of {len(todo)} ({len(left) - ran} to train{eta}): {name} seed {seed}")
                 self.run_one(self.rows[name], seed, log)
                 ran += 1
+
+    def adopt(self, todo, log=print):
+        """Take from the committed <table>.json each (row, seed) of todo it holds with this run's exact train.py flags
+        and that has no result under root (a fresh machine has no out/): a finished run is never trained again in
+        another sitting. Not while a row that starts from its checkpoint still has to run (the checkpoint is not
+        committed). Its result.json is written under root, marked "adopted". Returns the pairs adopted."""
+        committed = {(r["row"], r["seed"]): r for rs in _committed_runs(
+            os.path.join(self.results, self.table.name + ".json")).values() for r in rs}
+        flags = lambda argv: [a for a in argv[1:] if not a.startswith(("--resume=", "--overwrite="))]
+        done, adopted = {p for p in todo if self.result(*p) is not None}, []
+        for name, seed in reversed(todo):  # the rows that start from a run are decided before it
+            res = committed.get((name, seed))
+            users = [(r.name, s) for r in self.table.rows for s in self.seeds
+                     if (name in r.needs and s == seed) or (name in r.needs_next and self.next_seed(s) == seed)]
+            if ((name, seed) in done or res is None or res.get("steps", -1) < self.max_iters(name)
+                    or flags(res["argv"]) != (flags(self.argv(self.rows[name], seed, resume=False)[1:])
+                                              if self.rows[name].build is None else [])  # built: no train.py
+                    or any(u in todo and u not in done for u in users)):
+                continue
+            os.makedirs(self.run_dir(name, seed), exist_ok=True)
+            _write_json(os.path.join(self.run_dir(name, seed), "result.json"), {**res, "adopted": True})
+            done.add((name, seed))
+            adopted.append((name, seed))
+            log(f"[lab] {name} seed {seed}: finished in an earlier sitting, its result taken from "
+                f"{self.table.name}.json (not trained again)")
+        return adopted
 
     def _pass_on(self, signum):
         """A signal to lab goes on to the train.py running now, if any, which finishes its step and saves (a second

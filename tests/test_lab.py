@@ -204,6 +204,11 @@ def _finished_ckpt(t, row, seed, step, records=None):
         f.write("".join(lines))
 
 
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def _snapshot(d):
     return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))} if os.path.isdir(d) else {}
 
@@ -258,6 +263,43 @@ def test_a_report_never_replaces_committed_rows_with_fewer_runs(tmp_path, capsys
     assert table["summary"]["a"]["mean"] == 3.0 and table["summary"]["b"]["mean"] == pytest.approx(1.1)
     assert sorted((r["row"], r["seed"], r["val_loss"]) for r in table["runs"] if r["row"] == "b") == [
         ("b", 0, 1.0), ("b", 1, 1.1), ("b", 2, 1.2)]
+
+
+def test_a_fresh_machine_takes_finished_runs_from_the_committed_table_not_retraining_them(tmp_path):
+    """out/ does not survive a move to another machine, the committed <table>.json does: lab.run takes each run it
+    holds with today's exact flags from there (train.py is never started for it), except a run whose checkpoint a row
+    still to run starts from (the next seed's teacher too), a run with other flags, and one short of max_iters."""
+    results, root = str(tmp_path / "results"), str(tmp_path / "runs")
+    first = lab.Lab(_table(), seeds=(0, 1), root=root, results=results)
+    for row in "abc":
+        for s in (0, 1):
+            res = _fake_result(first, row, s, 1.0 + s)
+            res["argv"] = first.argv(first.rows[row], s, resume=s == 1)[1:]  # as lab ran it, resumed or not
+            _write(os.path.join(first.run_dir(row, s), "result.json"), json.dumps(res))
+    first.report(log=lambda line: None)
+    shutil.rmtree(root)  # another machine: the committed table only
+    fresh = lambda: lab.Lab(_table(), seeds=(0, 1), root=root, results=results, python="/nonexistent/python")
+    t, logs = fresh(), []
+    t.run(["a", "b", "c"], log=logs.append)  # a train.py start would fail loudly
+    assert len([line for line in logs if "not trained again" in line]) == 6
+    assert t.report(log=lambda line: None)["c"]["values"] == [1.0, 2.0] and t.result("a", 1)["adopted"]
+    # c seed 0 not committed: what it starts from (b seed 0, a seed 0, and the next seed's teacher a seed 1) is trained
+    shutil.rmtree(root)
+    table = json.load(open(os.path.join(results, "t.json")))
+    table["runs"] = [r for r in table["runs"] if (r["row"], r["seed"]) != ("c", 0)]
+    _write(os.path.join(results, "t.json"), json.dumps(table))
+    t = fresh()
+    assert sorted(t.adopt(t.order(["a", "b", "c"]), log=lambda line: None)) == [("b", 1), ("c", 1)]
+    shutil.rmtree(root)
+    # rows not asked for (c) do not hold their prerequisites back
+    assert sorted(fresh().adopt([("a", 0), ("a", 1), ("b", 0)], log=lambda line: None)) == [("a", 0), ("a", 1), ("b", 0)]
+    # other flags than the committed run's, or fewer steps: trained again
+    for r in table["runs"]:
+        r["argv"] = [a.replace("--max_iters=3", "--max_iters=4") for a in r["argv"]] if r["seed"] == 0 else r["argv"]
+        r["steps"] = 2 if r["seed"] == 1 else r["steps"]
+    _write(os.path.join(results, "t.json"), json.dumps(table))
+    shutil.rmtree(root)
+    assert fresh().adopt([("a", 0), ("a", 1)], log=lambda line: None) == []
 
 
 def test_a_full_disk_while_writing_the_table_keeps_every_committed_page(tmp_path, monkeypatch):
@@ -456,6 +498,10 @@ def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_tabl
     assert res["val_loss"] == pytest.approx(lab.common.whole_val_loss(model, d)[0])
     t.run(["fp"], log=lambda line: None)  # done: not built again
     assert len(built) == 1 and t.summary()["fp"]["n"] == 1
+    t.report(log=lambda line: None)
+    shutil.rmtree(t.root)  # another machine: taken from the committed table, not built again
+    t.run(["fp"], log=lambda line: None)
+    assert len(built) == 1 and t.result("fp", 0)["val_loss"] == res["val_loss"]
 
 
 def test_the_smollm2_table_is_the_issues_rows_at_equal_tokens():
