@@ -1,59 +1,75 @@
 #!/usr/bin/env bash
-# The GPU check: everything in this repository that needs a CUDA GPU, in one go, ending with one summary that
-# names the device. Run it first on any machine with a GPU, and put its numbers in README with the device named.
-#   bash lab/gpu_check.sh            (about 10 min on one H100; OUT=... moves the logs from out/gpu_check/)
-# Steps (each one's full output goes to $OUT/<step>.log; a failing step does not stop the others):
-#   kernels      the Triton kernel and packed-inference tests, compiled and autotuned on CUDA (not the interpreter)
-#   bench        python -m lab.bench: ternary kernel vs bf16 F.linear at M = 1, 16, 2048
-#   bench_train  python -m lab.bench --train: QAT vs bf16 step time, Muon's share, MFU
-#   train        the CUDA preset, stage 2 from scratch for STEPS (default 300) steps, timed: tokens/s
-# Exit status: 0 if every step passed, 1 if a step failed, 2 without a CUDA GPU (nothing is run).
+# The GPU check: everything in this repository that needs a CUDA GPU, in one go, inside one 8-minute window on one
+# H100 (compiles included), ending with $OUT/summary.json and a printed summary that names the device.
+#   bash lab/gpu_check.sh            (OUT=... moves everything from out/gpu_check/; STEPS=... the timed run's steps)
+# Every step runs under its own `timeout` (a native hang kills only that step, which is then reported as "timeout")
+# and writes its whole output to $OUT/<step>.log; a failing step does not stop the others:
+#   kernels_<file>  each kernel test file in its own pytest process, compiled on CUDA (not the interpreter)
+#   bench           python -m lab.bench: ternary kernel vs bf16 F.linear at M = 1, 16, 2048
+#   bench_train     python -m lab.bench --train: nanoGPT-shaped baseline vs our fp and QAT steps, same run
+#   train           the CUDA preset, stage 2 from scratch for STEPS (default 100) steps, timed: tokens/s
+# Exit status: 0 if every step passed, 1 if a step failed or timed out, 2 without a CUDA GPU (nothing is run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
 PYTHON=${PYTHON:-python}  # the interpreter with this project's packages: PYTHON=/path/to/venv/bin/python bash ...
-STEPS=${STEPS:-300}
+STEPS=${STEPS:-100}
 if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False); run it on a machine with one" >&2
   exit 2
 fi
 mkdir -p "$OUT"
 : > "$OUT/status"
-step() {  # step NAME COMMAND...: run it, keep its output, record its exit status and wall time
-  local name=$1; shift
-  echo "== $name: $*"
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit, keep its output, record exit status and wall time
+  local name=$1 limit=$2; shift 2
+  echo "== $name (at most ${limit}s): $*"
   local t0=$SECONDS
-  "$@" 2>&1 | tee "$OUT/$name.log"
-  echo "$name ${PIPESTATUS[0]} $((SECONDS - t0))" >> "$OUT/status"
+  timeout --signal=TERM --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 3 "$OUT/$name.log"
+  echo "$name $rc $((SECONDS - t0))" >> "$OUT/status"
 }
-step kernels "$PYTHON" -m pytest -q -rA tests/test_kernels.py tests/test_packed.py
-step bench "$PYTHON" -m lab.bench
-step bench_train "$PYTHON" -m lab.bench --train
-step train "$PYTHON" train.py --stage=2 --device=cuda --init_from=scratch --max_iters="$STEPS" \
+# the budget (seconds): 50 + 50 + 80 + 140 + 90 = 410, 5 s of grace each and 30 for the summary: 7 min 45 s at most
+step kernels_test_kernels 50 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n0 tests/test_kernels.py
+step kernels_test_packed 50 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n0 tests/test_packed.py
+step bench 80 "$PYTHON" -m lab.bench
+step bench_train 140 "$PYTHON" -m lab.bench --train
+step train 90 "$PYTHON" train.py --stage=2 --device=cuda --init_from=scratch --max_iters="$STEPS" \
   --eval_interval="$STEPS" --out_dir="$OUT/run" --overwrite=True
-"$PYTHON" - "$OUT" <<'PY'
+timeout 30 "$PYTHON" - "$OUT" <<'PY'
 import json, os, statistics, sys, torch, triton
 out = sys.argv[1]
-print(f"\n==== GPU check: {torch.cuda.get_device_name(0)} (torch {torch.__version__}, triton {triton.__version__}, "
-      f"CUDA {torch.version.cuda}) ====")
+device = torch.cuda.get_device_name(0)
+summary = dict(device=device, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, steps={})
+print(f"\n==== GPU check: {device} (torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}) ====")
 failed = 0
 for line in open(os.path.join(out, "status")):
     name, rc, secs = line.split()
     failed += rc != "0"
-    log = open(os.path.join(out, f"{name}.log")).read().splitlines()
-    print(f"{name:12s} {'ok' if rc == '0' else f'FAILED (exit {rc})':16s} {secs:>5s} s   log: {out}/{name}.log")
-    if name == "kernels":
-        print("  " + next((l for l in reversed(log) if " passed" in l or " failed" in l), "(no pytest summary)"))
+    state = "ok" if rc == "0" else "timeout" if rc in ("124", "137") else f"failed (exit {rc})"
+    log = open(os.path.join(out, f"{name}.log"), errors="replace").read().splitlines()
+    entry = dict(state=state, exit=int(rc), seconds=int(secs), log=f"{name}.log")
+    print(f"{name:22s} {state:16s} {secs:>5s} s   log: {out}/{name}.log")
+    if name.startswith("kernels"):
+        entry["pytest"] = next((l for l in reversed(log) if " passed" in l or " failed" in l), "(no pytest summary)")
+        print("  " + entry["pytest"])
     elif name in ("bench", "bench_train"):
-        print("\n".join("  " + l for l in log[-14:]))
+        entry["tail"] = log[-14:]
+        print("\n".join("  " + l for l in entry["tail"]))
     elif name == "train" and os.path.exists(os.path.join(out, "run", "stage2", "metrics.jsonl")):
         recs = [json.loads(l) for l in open(os.path.join(out, "run", "stage2", "metrics.jsonl"))]
         steps = [r for r in recs if "tok_per_s" in r]
         late = steps[len(steps) // 5:]  # past compilation and warm-up
         val = [r["val_loss"] for r in recs if "val_loss" in r]
         if late:
-            print(f"  CUDA preset, {steps[-1]['step']} steps: median {statistics.median(r['tok_per_s'] for r in late):,.0f} "
-                  f"tokens/s, {statistics.median(r['ms'] for r in late):.0f} ms/step over steps "
-                  f"{late[0]['step']}..{late[-1]['step']}; final val loss {val[-1] if val else float('nan'):.4f}")
+            entry.update(tok_per_s=statistics.median(r["tok_per_s"] for r in late),
+                         ms_per_step=statistics.median(r["ms"] for r in late), steps=steps[-1]["step"],
+                         final_val_loss=val[-1] if val else None)
+            print(f"  CUDA preset, {entry['steps']} steps: median {entry['tok_per_s']:,.0f} tokens/s, "
+                  f"{entry['ms_per_step']:.0f} ms/step over steps {late[0]['step']}..{late[-1]['step']}")
+    summary["steps"][name] = entry
+with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+print(f"summary: {out}/summary.json")
 sys.exit(1 if failed else 0)
 PY

@@ -62,3 +62,16 @@ def test_gpu_check_script_refuses_a_machine_without_cuda_in_one_line():
     p = subprocess.run(["bash", os.path.join(ROOT, "lab", "gpu_check.sh")], env=env, capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and "no CUDA GPU" in p.stderr
+
+
+def test_gpu_check_fits_one_8_minute_window_with_every_step_under_its_own_time_limit():
+    """Every step of lab/gpu_check.sh runs through step(), which wraps it in `timeout`, and the limits add up to
+    under 8 minutes (a lent GPU gives 15 minutes in all, its start included): a hang costs one step, not the check."""
+    import re
+    script = open(os.path.join(ROOT, "lab", "gpu_check.sh")).read()
+    assert re.search(r'timeout --signal=TERM --kill-after=5 "\$limit" "\$@"', script)
+    steps = re.findall(r"^step (\S+) (\d+) ", script, flags=re.M)
+    assert len(steps) >= 5 and {"bench", "bench_train", "train"} <= {n for n, _ in steps}, steps
+    assert sum(int(s) for _, s in steps) + 5 * len(steps) + 30 <= 480, steps  # + each kill-after + the summary
+    bare = [l for l in script.splitlines() if re.match(r'\s*("\$PYTHON"|python) ', l)]
+    assert bare == [] and "timeout 30 \"$PYTHON\" - \"$OUT\" <<'PY'" in script, bare  # the summary has its limit too
