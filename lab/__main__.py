@@ -1,10 +1,11 @@
-"""python -m lab <table> [--seeds=3 --rows=a,b --report=True --root=DIR]: the lab's tables (lab/tables.py)."""
+"""python -m lab <table> [--seeds=3 --rows=a,b --report=True --root=DIR]: a table of lab/tables.py, run by
+lab/runner.py."""
 import signal
 if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import sys
 
-from lab.tables import main
+from lab.runner import main
 
 sys.exit(main(sys.argv[1:]))

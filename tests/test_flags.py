@@ -77,7 +77,7 @@ def test_converters_and_positional_arguments():
 # process (each subprocess costs a torch import); train.py's real entry point once as a subprocess.
 COMMANDS = [("train", "main", "tools.config", "TrainConfig"), ("sample", "main", "sample", "SampleConfig"),
             ("tools.export", "main", "tools.export", "ExportConfig"),
-            ("tools.prepare", "main", "tools.prepare", "PrepareConfig"), ("lab.tables", "main", "lab.tables", "LabFlags"),
+            ("tools.prepare", "main", "tools.prepare", "PrepareConfig"), ("lab.runner", "main", "lab.runner", "LabFlags"),
             ("lab.bench", "main", "lab.bench", "BenchFlags"),
             ("lab.check_llamacpp", "main", "lab.check_llamacpp", "CheckFlags"),
             ("tools.make_python_corpus", "main", "tools.make_python_corpus", "CorpusFlags"),

@@ -1,5 +1,5 @@
-"""Tests for lab/tables.py, the experiment runner: whole-val scoring against an independent loop, the seed/row
-order, skipping finished runs, resuming a stopped one, and the table's statistics.
+"""Tests for the lab (lab/tables.py, runner.py, report.py), the experiment runner: whole-val scoring against an
+independent loop, the seed/row order, skipping finished runs, resuming a stopped one, and the table's statistics.
 Run: python -m pytest tests/test_lab.py"""
 import dataclasses
 import json
@@ -14,9 +14,10 @@ import pytest
 import torch
 
 import data
-from lab import tables as lab
+from lab import report, runner, tables
 from conftest import ENV, TINY
 from model import GPT, GPTConfig
+from tools import common
 
 
 @pytest.fixture(autouse=True)
@@ -24,9 +25,9 @@ def one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", ENV["OMP_NUM_THREADS"])  # the runs lab starts: one thread (conftest)
 
 
-def _shards(d, n_val):
+def _shards(d, n_val, seed=0):
     os.makedirs(d, exist_ok=True)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     data.write_shard(os.path.join(d, "train_000.bin"), rng.integers(0, 257, 4000))
     data.write_shard(os.path.join(d, "val_000.bin"), rng.integers(0, 257, n_val))
     with open(os.path.join(d, "meta.json"), "w") as f:
@@ -40,7 +41,7 @@ def test_full_val_loss_is_every_window_once(tmp_path):
     model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32))
     path = str(tmp_path / "ckpt.pt")
     torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, path)
-    loss, n = lab.full_val_loss(path, d, batch_size=3)  # batches of 3, 3, 1 windows
+    loss, n = runner.full_val_loss(path, d, batch_size=3)  # batches of 3, 3, 1 windows
     # independently: one window at a time, the log-probability of each target read off log_softmax
     tokens = torch.from_numpy(data.read_shard(os.path.join(d, "val_000.bin")).astype(np.int64))
     total = 0.0
@@ -55,16 +56,16 @@ def test_full_val_loss_is_every_window_once(tmp_path):
 
 def _table():
     tiny = " ".join(TINY) + " --max_iters=3 --eval_interval=3"
-    return lab.Table("t", "tiny", [
-        lab.Row("a", "row a", f"--stage=1 {tiny}"),
-        lab.Row("b", "row b", f"--stage=2 {tiny} --init_from={{run}}/a/ckpt.pt", needs=("a",)),
-        lab.Row("c", "row c, two teachers", f"--stage=3 {tiny} --init_from={{run}}/b/ckpt.pt --kd_relation=0 "
-                f"--teacher={{run}}/a/ckpt.pt,{{next_run}}/a/ckpt.pt", needs=("b",), needs_next=("a",)),
+    return tables.Table("t", "tiny", [
+        tables.Row("a", "row a", f"--stage=1 {tiny}"),
+        tables.Row("b", "row b", f"--stage=2 {tiny} --init_from={{run}}/a/ckpt.pt", needs=("a",)),
+        tables.Row("c", "row c, two teachers", f"--stage=3 {tiny} --init_from={{run}}/b/ckpt.pt --kd_relation=0 "
+                   f"--teacher={{run}}/a/ckpt.pt,{{next_run}}/a/ckpt.pt", needs=("b",), needs_next=("a",)),
     ], baseline="b", reference="a")
 
 
 def test_order_puts_what_rows_need_first_and_reads_the_next_seeds_teacher():
-    t = lab.Lab(_table(), seeds=(0, 1))
+    t = runner.Lab(_table(), seeds=(0, 1))
     order = t.order(["c"])
     assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1), ("c", 0), ("c", 1)]
     assert "seed1/a/ckpt.pt" in " ".join(t.argv(t.rows["c"], 0, resume=False))
@@ -74,9 +75,14 @@ def test_order_puts_what_rows_need_first_and_reads_the_next_seeds_teacher():
 @pytest.mark.slow
 def test_runs_every_row_and_seed_then_skips_them_and_rescores_a_lost_result(tmp_path, monkeypatch):
     _shards(str(tmp_path / "shards"), 1000)
-    t = lab.Lab(_table(), seeds=(0, 1), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
+    t = runner.Lab(_table(), seeds=(0, 1), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
     t.shipped = str(tmp_path / "shards")
-    t.table.also = {"python": "Python val loss"}  # every run is also scored on the shipped code corpus's val split
+    # every run is also scored on a second corpus's val split: "python", here shards of the test's own (the shipped
+    # Python val split, 158k tokens, would take most of the test's time)
+    code = str(tmp_path / "code")
+    _shards(code, 700, seed=1)
+    t.corpus_dir = {"python": code}.__getitem__
+    t.table.extra_corpora = {"python": "Python val loss"}
     t.table.measures = {"optimizer_bytes": "optimizer state, bytes"}
     for r in t.table.rows:  # train on the tiny shards too
         r.args += f" --data={t.shipped}"
@@ -103,9 +109,10 @@ def test_runs_every_row_and_seed_then_skips_them_and_rescores_a_lost_result(tmp_
     summ = t.report()
     assert summ["a"]["n"] == 2 and summ["a"]["mean"] == pytest.approx(
         statistics.mean([t.result("a", s)["val_loss"] for s in (0, 1)]))
-    py = [t.result("a", s)["also"]["python"] for s in (0, 1)]
+    py = [t.result("a", s)["extra_val_loss"]["python"] for s in (0, 1)]
     assert summ["a"]["python"]["mean"] == pytest.approx(statistics.mean(py))
-    assert py[0] == pytest.approx(lab.full_val_loss(os.path.join(t.run_dir("a", 0), "ckpt.pt"), lab._shipped_dir("python"))[0])
+    assert py[0] == pytest.approx(runner.full_val_loss(os.path.join(t.run_dir("a", 0), "ckpt.pt"), code)[0])
+    assert py[0] != t.result("a", 0)["val_loss"]  # another corpus's number, not the main one again
     assert "| Python val loss | vs b | optimizer state, bytes |" in open(tmp_path / "results" / "t.md").read()
     ck = torch.load(os.path.join(t.run_dir("b", 0), "ckpt.pt"), weights_only=True)["optimizer"]["state"]
     assert t.result("b", 0)["optimizer_bytes"] > sum(4 * s["momentum_buffer"].numel() for s in ck.values()
@@ -118,7 +125,8 @@ def test_runs_every_row_and_seed_then_skips_them_and_rescores_a_lost_result(tmp_
 
 @pytest.mark.slow
 def test_a_failing_run_stops_the_table_with_its_log_tail(tmp_path):
-    t = lab.Lab(lab.Table("t", "bad", [lab.Row("x", "x", "--stage=1 --lr=-1")]), seeds=(0,), root=str(tmp_path))
+    t = runner.Lab(tables.Table("t", "bad", [tables.Row("x", "x", "--stage=1 --lr=-1")]), seeds=(0,),
+                   root=str(tmp_path))
     with pytest.raises(RuntimeError) as e:
         t.run(["x"], log=lambda s: None)
     assert "x seed 0 failed (exit 2)" in str(e.value) and "--lr=-1.0" in str(e.value)
@@ -126,23 +134,23 @@ def test_a_failing_run_stops_the_table_with_its_log_tail(tmp_path):
 
 def test_versus_and_gap_closed_follow_their_definitions():
     base = {"mean": 1.00, "std": 0.01}
-    assert lab.versus({"mean": 0.97, "std": 0.0}, base) == "-0.0300 (better)"
-    assert lab.versus({"mean": 1.03, "std": 0.0}, base) == "+0.0300 (worse)"
-    assert lab.versus({"mean": 0.985, "std": 0.0}, base) == "-0.0150 (no measurable difference)"  # < 2 std
-    assert lab.versus({"mean": 0.90, "std": None, "n": 1}, base) == "-0.1000 (too few seeds for a verdict)"
-    assert lab.versus({"mean": 1.03, "std": 0.02}, base) == "+0.0300 (no measurable difference)"  # its own noise
+    assert report.versus({"mean": 0.97, "std": 0.0}, base) == "-0.0300 (better)"
+    assert report.versus({"mean": 1.03, "std": 0.0}, base) == "+0.0300 (worse)"
+    assert report.versus({"mean": 0.985, "std": 0.0}, base) == "-0.0150 (no measurable difference)"  # < 2 std
+    assert report.versus({"mean": 0.90, "std": None, "n": 1}, base) == "-0.1000 (too few seeds for a verdict)"
+    assert report.versus({"mean": 1.03, "std": 0.02}, base) == "+0.0300 (no measurable difference)"  # its own noise
     ref = {"mean": 0.80, "std": 0.01}
-    assert lab.closed({"mean": 0.90, "std": 0.0}, base, ref) == "50%"
-    assert lab.fmt({"mean": 1.23456, "std": 0.00123}) == "1.2346 ± 0.0012"
+    assert report.closed({"mean": 0.90, "std": 0.0}, base, ref) == "50%"
+    assert report.fmt({"mean": 1.23456, "std": 0.00123}) == "1.2346 ± 0.0012"
 
 
 def test_unknown_table_row_or_option_is_one_line_exit_2(capsys):
-    assert lab.main(["nope"]) == 2
-    assert lab.main(["distill", "--rows=nope"]) == 2
+    assert runner.main(["nope"]) == 2
+    assert runner.main(["distill", "--rows=nope"]) == 2
     with pytest.raises(SystemExit) as e:
-        lab.main(["distill", "--jobs=2"])
+        runner.main(["distill", "--jobs=2"])
     assert e.value.code == 2
-    assert lab.main(["distill", "--seeds=0"]) == 2
+    assert runner.main(["distill", "--seeds=0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 4 and all(line.startswith("error: ") for line in err)
 
@@ -151,17 +159,17 @@ def test_unknown_table_row_or_option_is_one_line_exit_2(capsys):
 def test_a_dlm_table_scores_masked_val_losses_and_the_conversion_diagnostics(tmp_path):
     _shards(str(tmp_path / "shards"), 1000)
     tiny = " ".join(TINY) + " --max_iters=3 --eval_interval=3"
-    table = lab.Table("d", "tiny dlm", [
-        lab.Row("ar", "source", f"--stage=2 --init_from=scratch {tiny}", shown=False),
-        lab.Row("mean", "mean init", f"--stage=dlm --init_from={{run}}/ar/ckpt.pt {tiny}", needs=("ar",))],
+    table = tables.Table("d", "tiny dlm", [
+        tables.Row("ar", "source", f"--stage=2 --init_from=scratch {tiny}", shown=False),
+        tables.Row("mean", "mean init", f"--stage=dlm --init_from={{run}}/ar/ckpt.pt {tiny}", needs=("ar",))],
         baseline="mean", dlm_t=(0.15, 0.85), measures={"spikes": "spikes", "ratio_mask": "mask ratio"})
-    t = lab.Lab(table, seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
+    t = runner.Lab(table, seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
     t.shipped = str(tmp_path / "shards")
     for r in table.rows:
         r.args += f" --data={t.shipped}"
     t.run(["mean"], log=lambda line: None)
     res = t.result("mean", 0)
-    want = [lab.dlm_val_loss(os.path.join(t.run_dir("mean", 0), "ckpt.pt"), t.shipped, p)[0] for p in (0.15, 0.85)]
+    want = [runner.dlm_val_loss(os.path.join(t.run_dir("mean", 0), "ckpt.pt"), t.shipped, p)[0] for p in (0.15, 0.85)]
     assert [res["masked_val_t0.15"], res["masked_val_t0.85"]] == want and res["val_loss"] == statistics.mean(want)
     assert res["clipped_frac"] == 0 and res["spikes"] == 0 and res["ratio_mask"] > 1
     assert list(t.summary()) == ["mean"]  # the AR source is run, not shown
@@ -173,8 +181,8 @@ def test_a_dlm_table_scores_masked_val_losses_and_the_conversion_diagnostics(tmp
 
 def test_dlm_ratios_average_all_steps_and_the_first_ten():
     steps = [{"step": s, "ratio_mask": float(s), "ratio_other": 2.0 * s} for s in range(1, 13)]
-    assert lab._ratios(steps) == {"ratio_mask": 6.5, "ratio_other": 13.0, "ratio_mask_start": 5.5,
-                                  "ratio_other_start": 11.0}
+    assert runner._ratios(steps) == {"ratio_mask": 6.5, "ratio_other": 13.0, "ratio_mask_start": 5.5,
+                                     "ratio_other_start": 11.0}
 
 # -----------------------------------------------------------------------------
 # nothing lost: committed tables, preempted runs, signals, damaged files
@@ -184,7 +192,7 @@ def _fake_result(t, row, seed, val_loss, steps=3):
     """A result.json as lab writes it, without training (the rows of _table() run 3 steps)."""
     os.makedirs(t.run_dir(row, seed), exist_ok=True)
     res = {"row": row, "seed": seed, "val_loss": val_loss, "val_tokens": 992, "scored": "ckpt.pt", "argv": [],
-           "also": {}, "steps": steps, "ms_per_step_median": 1.0, "max_logit": None, "optimizer_bytes": 0,
+           "extra_val_loss": {}, "steps": steps, "ms_per_step_median": 1.0, "max_logit": None, "optimizer_bytes": 0,
            "wall_s": 0.0, "curve": [[steps, val_loss]], "logit_curve": []}
     with open(os.path.join(t.run_dir(row, seed), "result.json"), "w") as f:
         json.dump(res, f)
@@ -219,25 +227,25 @@ def _one_error_line(capsys):
     return err[0]
 
 
-_LAB_INIT = lab.Lab.__init__
+_LAB_INIT = runner.Lab.__init__
 
 
 def _results_in(monkeypatch, d):
-    """Every Lab, lab.main's too, writes its table to d (never to the committed lab/results)."""
-    monkeypatch.setattr(lab.Lab, "__init__", lambda self, *a, **k: _LAB_INIT(self, *a, **{**k, "results": str(d)}))
+    """Every Lab, runner.main's too, writes its table to d (never to the committed lab/results)."""
+    monkeypatch.setattr(runner.Lab, "__init__", lambda self, *a, **k: _LAB_INIT(self, *a, **{**k, "results": str(d)}))
 
 
 @pytest.fixture
 def tiny_main(tmp_path, monkeypatch):
-    """lab.main on _table() (as table "t"), its results under tmp_path/results: returns the results dir."""
-    monkeypatch.setattr(lab, "TABLES", {"t": _table})
+    """runner.main on _table() (as table "t"), its results under tmp_path/results: returns the results dir."""
+    monkeypatch.setattr(tables, "TABLES", {"t": _table})
     _results_in(monkeypatch, tmp_path / "results")
     return str(tmp_path / "results")
 
 
 def test_a_report_never_replaces_committed_rows_with_fewer_runs(tmp_path, capsys):
     results = str(tmp_path / "results")
-    full = lab.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "full"), results=results)
+    full = runner.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "full"), results=results)
     for row in "abc":
         for s in (0, 1, 2):
             _fake_result(full, row, s, 1.0 + 0.1 * s)
@@ -246,8 +254,8 @@ def test_a_report_never_replaces_committed_rows_with_fewer_runs(tmp_path, capsys
     assert json.loads(committed["t.json"])["summary"]["a"]["n"] == 3
     capsys.readouterr()
     # an empty root (a fresh clone), and one seed of every row: the 3-run rows stay, with one line saying so
-    empty = lab.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "empty"), results=results)
-    one = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "one"), results=results)
+    empty = runner.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "empty"), results=results)
+    one = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "one"), results=results)
     for row in "abc":
         _fake_result(one, row, 0, 2.0)
     for t in (empty, one):
@@ -258,7 +266,7 @@ def test_a_report_never_replaces_committed_rows_with_fewer_runs(tmp_path, capsys
     # a row with as many runs replaces its committed one; the others keep theirs
     for s in (0, 1, 2):
         _fake_result(one, "a", s, 3.0)
-    lab.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "one"), results=results).report()
+    runner.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "one"), results=results).report()
     table = json.load(open(os.path.join(results, "t.json")))
     assert table["summary"]["a"]["mean"] == 3.0 and table["summary"]["b"]["mean"] == pytest.approx(1.1)
     assert sorted((r["row"], r["seed"], r["val_loss"]) for r in table["runs"] if r["row"] == "b") == [
@@ -270,7 +278,7 @@ def test_a_fresh_machine_takes_finished_runs_from_the_committed_table_not_retrai
     holds with today's exact flags from there (train.py is never started for it), except a run whose checkpoint a row
     still to run starts from (the next seed's teacher too), a run with other flags, and one short of max_iters."""
     results, root = str(tmp_path / "results"), str(tmp_path / "runs")
-    first = lab.Lab(_table(), seeds=(0, 1), root=root, results=results)
+    first = runner.Lab(_table(), seeds=(0, 1), root=root, results=results)
     for row in "abc":
         for s in (0, 1):
             res = _fake_result(first, row, s, 1.0 + s)
@@ -278,7 +286,7 @@ def test_a_fresh_machine_takes_finished_runs_from_the_committed_table_not_retrai
             _write(os.path.join(first.run_dir(row, s), "result.json"), json.dumps(res))
     first.report(log=lambda line: None)
     shutil.rmtree(root)  # another machine: the committed table only
-    fresh = lambda: lab.Lab(_table(), seeds=(0, 1), root=root, results=results, python="/nonexistent/python")
+    fresh = lambda: runner.Lab(_table(), seeds=(0, 1), root=root, results=results, python="/nonexistent/python")
     t, logs = fresh(), []
     t.run(["a", "b", "c"], log=logs.append)  # a train.py start would fail loudly
     assert len([line for line in logs if "not trained again" in line]) == 6
@@ -306,7 +314,7 @@ def test_a_full_disk_while_writing_the_table_keeps_every_committed_page(tmp_path
     """The page, its JSON and its plots land together (common.atomic_write each), or none of them does."""
     import errno
     results = str(tmp_path / "results")
-    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=results)
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=results)
     for row in "abc":
         _fake_result(t, row, 0, 1.0)
     t.report()
@@ -319,21 +327,21 @@ def test_a_full_disk_while_writing_the_table_keeps_every_committed_page(tmp_path
         f.write("{half")
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(json, "dump", full_disk)
-    with pytest.raises(lab.LabError, match="No space left"):
+    with pytest.raises(tables.LabError, match="No space left"):
         t.report()
     assert _snapshot(results) == committed  # every page as it was, and no .tmp beside them
 
 
 def test_report_in_a_fresh_clone_keeps_the_committed_muon_table(tmp_path, monkeypatch, capsys):
-    assert lab.Lab(lab.TABLES["muon"]()).results == os.path.join(lab.ROOT, "lab", "results")  # the committed pages
+    assert runner.Lab(tables.TABLES["muon"]()).results == os.path.join(runner.ROOT, "lab", "results")  # the committed pages
     results = tmp_path / "results"
     results.mkdir()
     for ext in ("json", "md"):
-        (results / f"muon.{ext}").write_bytes(open(os.path.join(lab.ROOT, "lab", "results", f"muon.{ext}"), "rb").read())
+        (results / f"muon.{ext}").write_bytes(open(os.path.join(runner.ROOT, "lab", "results", f"muon.{ext}"), "rb").read())
     _results_in(monkeypatch, results)
     before = _snapshot(str(results))
     for extra in ([], ["--seeds=1"]):
-        assert lab.main(["muon", "--report", f"--root={tmp_path / 'empty'}", *extra]) == 0
+        assert runner.main(["muon", "--report", f"--root={tmp_path / 'empty'}", *extra]) == 0
         assert _snapshot(str(results)) == before
 
 
@@ -344,19 +352,19 @@ def test_a_run_refused_by_the_lock_writes_nothing_to_the_table(tmp_path, tiny_ma
     (root / "seed0" / "a" / ".lock").write_text(str(os.getpid()))  # a live process holds the run directory
     os.makedirs(tiny_main)
     (tmp_path / "results" / "t.md").write_text("committed page\n")
-    assert lab.main(["t", "--seeds=1", "--rows=a", f"--root={root}"]) == 1
+    assert runner.main(["t", "--seeds=1", "--rows=a", f"--root={root}"]) == 1
     line = _one_error_line(capsys)
     assert "a seed 0 failed" in line and "another run" in line
     assert _snapshot(tiny_main) == {"t.md": b"committed page\n"}
 
 
 def test_a_run_that_stopped_before_max_iters_is_not_scored_and_is_resumed(tmp_path):
-    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
-                python=shutil.which("true"))  # "train.py" exits 0 at once, as one sent SIGTERM does after saving
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python=shutil.which("true"))  # "train.py" exits 0 at once, as one sent SIGTERM does after saving
     good = [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in (1, 2)]
     _finished_ckpt(t, "a", 0, step=2, records=good + ['{"step": 3, "ms'])  # 2 of the row's 3 steps, a torn line
     logs = []
-    with pytest.raises(lab.LabError) as e:
+    with pytest.raises(tables.LabError) as e:
         t.run(["a"], log=logs.append)
     assert "step 2 of 3" in str(e.value) and any("--resume=True" in line for line in logs)
     assert open(os.path.join(t.run_dir("a", 0), "metrics.jsonl")).read() == "".join(good)  # train.py appends after it
@@ -365,7 +373,7 @@ def test_a_run_that_stopped_before_max_iters_is_not_scored_and_is_resumed(tmp_pa
     _fake_result(t, "a", 0, 1.0, steps=2)
     assert t.result("a", 0) is None
     logs.clear()
-    with pytest.raises(lab.LabError):
+    with pytest.raises(tables.LabError):
         t.run(["a"], log=logs.append)
     assert not any("skipped" in line for line in logs) and any("--resume=True" in line for line in logs)
 
@@ -380,11 +388,11 @@ def test_a_signal_to_lab_reaches_train_py_which_saves_and_nothing_is_written(tmp
     _shards(str(tmp_path / "shards"), 1000)
     root, results = tmp_path / "runs", tmp_path / "results"
     args = " ".join(TINY) + f" --max_iters=100000 --eval_interval=100000 --data={tmp_path / 'shards'}"
-    driver = (f"import sys\nfrom lab import tables as lab\n"
-              f"lab.TABLES = {{'t': lambda: lab.Table('t', 'tiny', [lab.Row('a', 'row a', '--stage=1 {args}')])}}\n"
-              f"init = lab.Lab.__init__\nlab.Lab.__init__ = lambda self, *a, **k: init(self, *a, **{{**k, 'results': {str(results)!r}}})\n"
-              f"sys.exit(lab.main(['t', '--seeds=1', '--root={root}']))\n")
-    p = subprocess.Popen([sys.executable, "-c", driver], cwd=lab.ROOT, env=dict(ENV, PYTHONPATH=lab.ROOT),
+    driver = (f"import sys\nfrom lab import runner, tables\n"
+              f"tables.TABLES = {{'t': lambda: tables.Table('t', 'tiny', [tables.Row('a', 'row a', '--stage=1 {args}')])}}\n"
+              f"init = runner.Lab.__init__\nrunner.Lab.__init__ = lambda self, *a, **k: init(self, *a, **{{**k, 'results': {str(results)!r}}})\n"
+              f"sys.exit(runner.main(['t', '--seeds=1', '--root={root}']))\n")
+    p = subprocess.Popen([sys.executable, "-c", driver], cwd=runner.ROOT, env=dict(ENV, PYTHONPATH=runner.ROOT),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = root / "seed0" / "a" / "metrics.jsonl"
     deadline = time.time() + 120
@@ -411,21 +419,21 @@ def test_a_signal_to_lab_reaches_train_py_which_saves_and_nothing_is_written(tmp
 
 
 def test_a_corrupt_or_foreign_result_json_is_one_line_naming_it(tmp_path, tiny_main, capsys):
-    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
     _fake_result(t, "a", 0, 1.0)
     path = os.path.join(t.run_dir("a", 0), "result.json")
     for text in ('{"row": "a", "val_lo', "[1, 2, 3]", '{"hello": "world"}', '{"row": "b", "seed": 0, "val_loss": 1.0}'):
         with open(path, "w") as f:
             f.write(text)
-        assert lab.main(["t", "--seeds=1", "--report", f"--root={t.root}"]) == 1
+        assert runner.main(["t", "--seeds=1", "--report", f"--root={t.root}"]) == 1
         assert path in _one_error_line(capsys)
         assert open(path).read() == text and _snapshot(tiny_main) == {}
 
 
 def test_a_torn_last_metrics_line_is_tolerated_and_a_corrupt_one_is_named(tmp_path):
     _shards(str(tmp_path / "shards"), 1000)
-    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
-                python=shutil.which("false"))  # the run is finished: scored without starting train.py
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python=shutil.which("false"))  # the run is finished: scored without starting train.py
     t.shipped = str(tmp_path / "shards")
     good = [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in (1, 2, 3)]
     _finished_ckpt(t, "a", 0, step=3, records=good + ['{"step": 4, "ms'])  # killed while writing a line
@@ -435,35 +443,81 @@ def test_a_torn_last_metrics_line_is_tolerated_and_a_corrupt_one_is_named(tmp_pa
     metrics = os.path.join(t.run_dir("a", 0), "metrics.jsonl")
     with open(metrics, "w") as f:
         f.write(good[0] + '{"step": 2, "ms\n' + good[2])
-    with pytest.raises(lab.LabError) as e:
+    with pytest.raises(tables.LabError) as e:
         t.run(["a"], log=lambda line: None)
     assert metrics in str(e.value) and "line 2" in str(e.value)
     assert not os.path.exists(os.path.join(t.run_dir("a", 0), "result.json"))
 
 
+def test_every_result_records_the_commit_lab_ran_at(tmp_path, monkeypatch):
+    """result.json, and each run in the table's JSON, hold `git rev-parse HEAD` of the checkout lab runs from;
+    "unknown" outside a git checkout, or without git."""
+    import subprocess
+    _shards(str(tmp_path / "shards"), 1000)
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python=shutil.which("false"))  # the run is finished: scored without starting train.py
+    t.shipped = str(tmp_path / "shards")
+    _finished_ckpt(t, "a", 0, step=3)
+    t.run(["a"], log=lambda line: None)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=runner.ROOT, capture_output=True, text=True).stdout.strip()
+    assert len(head) == 40 and t.result("a", 0)["commit"] == head
+    t.report(log=lambda line: None)
+    assert [r["commit"] for r in json.load(open(tmp_path / "results" / "t.json"))["runs"]] == [head]
+    with monkeypatch.context() as m:
+        m.setattr(runner, "ROOT", str(tmp_path))  # not a git checkout
+        assert runner._commit() == "unknown"
+    monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH
+    assert runner._commit() == "unknown"
+
+
+def test_runs_stored_with_the_old_extra_corpus_key_still_load_and_adopt(tmp_path):
+    """The committed tables' runs (and older result.json files) hold the other corpora's val loss under "also": lab
+    reads them as extra_val_loss, so the committed Python columns still load and their runs are still adopted."""
+    for name, row in (("mix", "prose"), ("smollm2", "stage2")):
+        path = os.path.join(runner.ROOT, "lab", "results", f"{name}.json")
+        runs = report._committed_runs(path)[row]
+        assert [r["extra_val_loss"]["python"] for r in runs] == json.load(open(path))["summary"][row]["python"]["values"]
+        assert not any("also" in r for r in runs)
+    results, root = str(tmp_path / "results"), str(tmp_path / "runs")
+    t = runner.Lab(_table(), seeds=(0,), root=root, results=results, python="/nonexistent/python")
+    t.table.extra_corpora = {"python": "Python val loss"}
+    old = []
+    for row in "abc":
+        res = _fake_result(t, row, 0, 1.0)
+        del res["extra_val_loss"]
+        old.append({**res, "also": {"python": 2.5}, "argv": t.argv(t.rows[row], 0, resume=False)[1:]})
+    _write(os.path.join(t.run_dir("a", 0), "result.json"), json.dumps(old[0]))  # an older result.json
+    assert t.result("a", 0)["extra_val_loss"] == {"python": 2.5}
+    os.makedirs(results)
+    _write(os.path.join(results, "t.json"), json.dumps({"table": "t", "seeds": [0], "summary": {}, "runs": old}))
+    shutil.rmtree(root)  # another machine: the committed table only
+    assert sorted(t.adopt(t.order(["c"]), log=lambda line: None)) == [("a", 0), ("b", 0), ("c", 0)]
+    assert t.summary()["c"]["python"]["mean"] == 2.5 and "also" not in t.result("c", 0)
+
+
 def test_an_unwritable_results_dir_is_one_line_and_changes_nothing(tmp_path, tiny_main, monkeypatch, capsys):
-    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
     for row in "abc":
         _fake_result(t, row, 0, 1.0)
     (tmp_path / "afile").write_text("not a directory\n")
     bad = str(tmp_path / "afile" / "results")  # root may write anywhere: a file in the path stops everyone
     _results_in(monkeypatch, bad)
-    assert lab.main(["t", "--seeds=1", "--report", f"--root={t.root}"]) == 1
+    assert runner.main(["t", "--seeds=1", "--report", f"--root={t.root}"]) == 1
     line = _one_error_line(capsys)
     assert bad in line and "nothing was changed" in line
     assert (tmp_path / "afile").read_text() == "not a directory\n"
-    assert lab.main(["t", "--seeds=1", f"--root={t.root}"]) == 1  # checked before any training
+    assert runner.main(["t", "--seeds=1", f"--root={t.root}"]) == 1  # checked before any training
     assert bad in _one_error_line(capsys)
 
 
 def test_ctrl_c_while_scoring_is_one_line_and_loses_nothing(tmp_path, tiny_main, monkeypatch, capsys):
-    t = lab.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
     _finished_ckpt(t, "a", 0, step=3)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(lab, "full_val_loss", interrupted)
-    assert lab.main(["t", "--seeds=1", "--rows=a", f"--root={t.root}"]) == 1
+    monkeypatch.setattr(runner, "full_val_loss", interrupted)
+    assert runner.main(["t", "--seeds=1", "--rows=a", f"--root={t.root}"]) == 1
     line = _one_error_line(capsys)
     assert "python -m lab t" in line
     assert os.path.exists(os.path.join(t.run_dir("a", 0), "ckpt.pt"))
@@ -472,11 +526,12 @@ def test_ctrl_c_while_scoring_is_one_line_and_loses_nothing(tmp_path, tiny_main,
 
 def test_tables_measured_before_the_lr_table_pin_its_old_defaults():
     """The CPU stage-2 preset changed (lr 2e-2, lambda warm-up 600); earlier tables must still run at 3e-3 / 200."""
-    for r in lab.TABLES["order"]().rows + lab.TABLES["muon"]().rows:
+    for r in tables.TABLES["order"]().rows + tables.TABLES["muon"]().rows:
         assert "--lambda_warmup_steps=200" in r.args and "--muon_lr=" in r.args
-    assert lab.TABLES["order"]().rows[0].args.endswith("--lr=3e-3 --muon_lr=3e-3 --lambda_warmup_steps=200")
-    assert "--lr=1e-2" in lab.TABLES["muon"]().rows[-1].args and "--lr=3e-3" not in lab.TABLES["muon"]().rows[-1].args
-    assert all("--lr=3e-3 --muon_lr=3e-3 --lambda" not in r.args for r in lab.TABLES["warmup"]().rows)
+    assert tables.TABLES["order"]().rows[0].args.endswith("--lr=3e-3 --muon_lr=3e-3 --lambda_warmup_steps=200")
+    assert ("--lr=1e-2" in tables.TABLES["muon"]().rows[-1].args
+            and "--lr=3e-3" not in tables.TABLES["muon"]().rows[-1].args)
+    assert all("--lr=3e-3 --muon_lr=3e-3 --lambda" not in r.args for r in tables.TABLES["warmup"]().rows)
 
 
 def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_table(tmp_path):
@@ -487,15 +542,17 @@ def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_tabl
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32))
     built = []
-    table = lab.Table("t", "tiny", [lab.Row("fp", "built", "", build=lambda lb: built.append(lb) or model, once=True)])
-    t = lab.Lab(table, seeds=(0, 1, 2), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
-                python="/nonexistent/python")  # a train.py start would fail loudly
+    table = tables.Table("t", "tiny", [tables.Row("fp", "built", "", build=lambda lb: built.append(lb) or model,
+                                                  once=True)])
+    t = runner.Lab(table, seeds=(0, 1, 2), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python="/nonexistent/python")  # a train.py start would fail loudly
     t.shipped = d
     t.run(["fp"], log=lambda line: None)
     assert len(built) == 1 and t.max_iters("fp") == 0 and t.result("fp", 1) is None
     res = t.result("fp", 0)
     assert res["steps"] == 0 and res["val_tokens"] == 5 * 32
-    assert res["val_loss"] == pytest.approx(lab.common.whole_val_loss(model, d)[0])
+    assert res["commit"] == runner._commit() != "unknown"
+    assert res["val_loss"] == pytest.approx(common.whole_val_loss(model, d)[0])
     t.run(["fp"], log=lambda line: None)  # done: not built again
     assert len(built) == 1 and t.summary()["fp"]["n"] == 1
     t.report(log=lambda line: None)
@@ -507,15 +564,15 @@ def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_tabl
 def test_the_smollm2_table_is_the_issues_rows_at_equal_tokens():
     """Every trained row of the SmolLM2 table at the same batch and tokens per step; stage 3 and its control from the
     same seed's stage 2, for the same steps; the four untrained rows once; train.py accepts every row's flags."""
-    table = lab.TABLES["smollm2"]()
-    t = lab.Lab(table)
+    table = tables.TABLES["smollm2"]()
+    t = runner.Lab(table)
     rows = {r.name: r for r in table.rows}
     assert list(rows) == ["fp", "ptq", "subln", "subln_cal", "stage2", "stage2_now", "control", "stage3"]
     assert all(rows[n].once and rows[n].build for n in ("fp", "ptq", "subln", "subln_cal"))
     for name in ("stage2", "stage2_now", "control", "stage3"):
-        assert lab.SMOL_COMMON in rows[name].args and not rows[name].once
-    assert t.max_iters("stage2") == t.max_iters("stage2_now") == lab.SMOL_STEPS
-    assert t.max_iters("stage3") == t.max_iters("control") == lab.SMOL_STAGE3
+        assert tables.SMOL_COMMON in rows[name].args and not rows[name].once
+    assert t.max_iters("stage2") == t.max_iters("stage2_now") == tables.SMOL_STEPS
+    assert t.max_iters("stage3") == t.max_iters("control") == tables.SMOL_STAGE3
     assert rows["stage3"].needs == rows["control"].needs == ("stage2",)
     assert rows["stage3"].args.replace("--kd_logits=1", "--kd_logits=0") == rows["control"].args
     assert "--lambda_warmup_steps=0" in rows["stage2_now"].args.split()
@@ -525,26 +582,26 @@ def test_the_smollm2_table_is_the_issues_rows_at_equal_tokens():
 def test_pairs_are_compared_beneath_the_table_by_the_same_rule(tmp_path):
     """Table.pairs (stage 3 against its control, the warm-up against none): each pair's difference and verdict,
     for the val loss and every other corpus, under the 2-std rule of the table's own "vs" column."""
-    t = lab.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
-    t.table.pairs, t.table.also = (("c", "b"), ("b", "a")), {"python": "Python val loss"}
+    t = runner.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
+    t.table.pairs, t.table.extra_corpora = (("c", "b"), ("b", "a")), {"python": "Python val loss"}
     for s in (0, 1, 2):
         for row, v in (("a", 2.0), ("b", 2.0 + 0.01 * s), ("c", 1.9 + 0.01 * s)):
             res = _fake_result(t, row, s, v)
-            res["also"] = {"python": v + (0.95 if row == "c" else 1.0)}
+            res["extra_val_loss"] = {"python": v + (0.95 if row == "c" else 1.0)}
             _write(os.path.join(t.run_dir(row, s), "result.json"), json.dumps(res))
     lines = t.markdown(t.found()).splitlines()
     assert lines[-4:] == ["| comparison | val loss: difference | Python val loss: difference | ", "|---|---|---|",
                           "| c vs b | -0.1000 (better) | -0.1500 (better) | ",
                           "| b vs a | +0.0100 (no measurable difference) | +0.0100 (no measurable difference) | "]
-    assert lab.Table("t", "", []).pairs == () and "comparison" not in lab.Lab(_table()).markdown({})
+    assert tables.Table("t", "", []).pairs == () and "comparison" not in runner.Lab(_table()).markdown({})
 
 
 def test_rows_run_once_compare_exactly_and_seeded_rows_by_their_own_noise():
     """A row no seed changes (Row.once) has no std: against another such row the difference is exact; against a
     seeded row, only the seeded row's noise decides; a seeded row of one seed still gets no verdict."""
     once = {"mean": 16.0, "std": None, "n": 1, "once": True}
-    assert lab.versus({"mean": 3.0, "std": None, "n": 1, "once": True}, once) == "-13.0000 (better, exact: no seed involved)"
-    assert lab.versus({"mean": 7.0, "std": 0.1, "n": 3}, once) == "-9.0000 (better)"
-    assert lab.versus({"mean": 15.9, "std": 0.1, "n": 3}, once) == "-0.1000 (no measurable difference)"
-    assert "too few seeds" in lab.versus({"mean": 7.0, "std": None, "n": 1}, once)
-    assert lab.fmt(once) == "16.0000 (one run: no seed involved)" and lab.fmt({"mean": 7.0, "std": None}) == "7.0000 (1 seed)"
+    assert report.versus({"mean": 3.0, "std": None, "n": 1, "once": True}, once) == "-13.0000 (better, exact: no seed involved)"
+    assert report.versus({"mean": 7.0, "std": 0.1, "n": 3}, once) == "-9.0000 (better)"
+    assert report.versus({"mean": 15.9, "std": 0.1, "n": 3}, once) == "-0.1000 (no measurable difference)"
+    assert "too few seeds" in report.versus({"mean": 7.0, "std": None, "n": 1}, once)
+    assert report.fmt(once) == "16.0000 (one run: no seed involved)" and report.fmt({"mean": 7.0, "std": None}) == "7.0000 (1 seed)"

@@ -330,8 +330,8 @@ def test_constant_and_moderate_schedules():
 @pytest.mark.slow
 def test_final_val_loss_is_over_the_whole_val_split_per_source_and_weighted(tmp_path):
     """Two shipped corpora mixed 3:1: every evaluation logs each source's val loss and their 3:1 total; the
-    final one reads every val window once and equals lab/tables.py's independent whole-split scoring of the checkpoint."""
-    from lab import tables as lab
+    final one reads every val window once and equals lab/runner.py's independent whole-split scoring of the checkpoint."""
+    from lab import runner
     out = str(tmp_path / "o")
     p = run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--eval_whole=True", "--max_iters=4",
             "--eval_interval=2", "--data=shakespeare:0.75,python:0.25")
@@ -343,7 +343,7 @@ def test_final_val_loss_is_over_the_whole_val_split_per_source_and_weighted(tmp_
         assert r["val_loss"] == pytest.approx(0.75 * by["shakespeare_byte"] + 0.25 * by["python_byte"], rel=1e-12)
     ckpt = os.path.join(out, "stage2", "ckpt.pt")
     for name, by in evals[-1]["val_loss_by_source"].items():
-        want, _ = lab.full_val_loss(ckpt, os.path.join(ROOT, "data", name))
+        want, _ = runner.full_val_loss(ckpt, os.path.join(ROOT, "data", name))
         assert by == pytest.approx(want, abs=1e-5), name
     assert "python_byte" in p.stdout and "over the whole val split" in p.stdout
 
