@@ -1,9 +1,10 @@
 """GPT.from_pretrained (tools/pretrained.py) against transformers itself, offline: tiny random-initialised Llama,
 Mistral and Qwen3 models built with transformers (no download: grouped-query attention, head_dim != width/heads,
 q/k norms, tied and separate heads), saved with save_pretrained (or written as a GGUF file with llama.cpp's q/k row
-permutation) or taken from memory (from_transformers) and loaded as our GPT, give transformers' logits and greedy continuations; every config field we do
-not compute exactly is refused in one line that names it. Measured on 2 CPU cores: max |diff| 0 (bit-identical
-logits) on every case below; the assertion allows 1e-5 of the largest logit (fp32 rounding).
+permutation) or taken from memory (from_transformers) and loaded as our GPT, give transformers' logits and greedy
+continuations; every config field we do not compute exactly is refused in one line that names it. Measured on 2
+CPU cores: max |diff| 0 (bit-identical logits) on every case below; the assertion allows 1e-5 of the largest logit
+(fp32 rounding).
 Run: python -m pytest tests/test_pretrained.py"""
 
 import json

@@ -11,6 +11,7 @@ the number the lab also scores. A masked-diffusion model (--stage=dlm) is scored
 (lessons/dlm.py) with masks drawn from a generator seeded the same at every evaluation.
 Test: python -m pytest tests/test_train.py
 """
+
 import dataclasses
 import os
 import time

@@ -17,6 +17,7 @@ from model import GPT
 from quant import set_lambda
 from tools import checkpoint, common, seams
 from tools.flags import die
+from tools.pretrained import from_pretrained
 
 
 @dataclass
@@ -136,7 +137,6 @@ def pretrained_start(cfg, model_conf, source):
 def import_model(source, block_size, flag):
     """A pretrained model as published (tools/pretrained.py: full precision, no SubLN); a model we cannot carry is
     one error line naming the config field."""
-    from tools.pretrained import from_pretrained  # transformers: imported only by a run that needs it
     try:
         return from_pretrained(source, block_size=block_size)
     except (ValueError, OSError) as e:
@@ -165,7 +165,8 @@ def starting_model(run, model_conf):
     conf = st.model_conf or model_conf
     if st.pretrained is not None:
         calibrate = conf.subln and cfg.subln_gain == "calibrated"
-        return convert_pretrained(st.pretrained, conf, calibration_batches(cfg, run.train_loader) if calibrate else None)
+        batches = calibration_batches(cfg, run.train_loader) if calibrate else None
+        return convert_pretrained(st.pretrained, conf, batches)
     model = GPT(conf)
     if st.ckpt is not None:
         checkpoint.load_weights(model, st.ckpt["model"], st.path, st.insert_subln)
