@@ -8,7 +8,8 @@ and up as one, over the stacked weights, each quantised by its own gamma first (
 embedding, the LM head and the norms stay full precision. SubLN adds one more RMSNorm right before
 o_proj and right before down_proj, which keeps the inputs of those two quantised matrices well scaled.
 Grouped-query attention (n_kv_head < n_head K/V heads, each shared by n_head / n_kv_head query heads), a head_dim
-of its own and Qwen3's q/k norms let `GPT.from_pretrained` load Llama, Mistral and Qwen3 models with their logits.
+of its own and Qwen3's q/k norms make this model, with quant=False and subln=False, transformers' Llama, Mistral and
+Qwen3: `GPT.from_pretrained` loads them with their logits (the import itself: tools/pretrained.py).
 
 Sources: BitNet b1.58 2B4T (HF modeling_bitnet) for the layout, BitDistill (arXiv 2510.13998, Stage 1)
 for SubLN; RoPE (arXiv 2104.09864); GQA (arXiv 2305.13245); the document mask packs documents as in "Efficient
@@ -86,7 +87,7 @@ def project(x, layers, fused=True):
     return [m(x) for m in layers]
 
 
-class Attend(nn.Module):
+class SDPA(nn.Module):
     """softmax(q k^T / sqrt(hd) + mask) v, all heads at once: q (B, nh, T, hd), k, v (B, nkv, T, hd) -> (B, nh, T, hd).
     Grouped-query attention (nkv < nh): K/V head j serves the nh / nkv consecutive query heads from j * nh / nkv on,
     as transformers' repeat_kv."""
@@ -115,7 +116,7 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.causal = config.causal
         self.fused = config.fused
-        self.attend = Attend()  # a module of its own, so a lesson can hook q and k (QK-clip: lessons/muon_variants.py)
+        self.attend = SDPA()  # a module of its own, so a lesson can hook q and k (QK-clip: lessons/muon_variants.py)
 
     def forward(self, x, cos, sin, mask, want_qkv=False, cache=None):
         B, T, C = x.size()
@@ -217,42 +218,10 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, source, block_size=None):
-        """A published Llama-family (llama, mistral) or Qwen3 model as our GPT, in full precision and without SubLN
-        (quant=False, subln=False: the stages convert it), with transformers' logits. source: a Hugging Face model
-        directory (config.json + safetensors), a hub id (downloaded where there is a network) or a .gguf file
-        (transformers dequantises it through the gguf package and undoes llama.cpp's q/k row permutation).
-        block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id.
-        model.source and model.hf_config say where it came from. A model we would not compute exactly is
-        refused before its weights are read: ValueError, one line naming the config field (config_from_hf)."""
-        import os
-        from transformers import AutoConfig, AutoModelForCausalLM  # here: a copied model.py needs only torch
-        path, kw = str(source), {}
-        if path.endswith(".gguf"):
-            path, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
-        hf_config = AutoConfig.from_pretrained(path, **kw)
-        config = config_from_hf(hf_config, block_size)  # refuses here, before any weight is read
-        hf, info = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32,
-                                                        output_loading_info=True, **kw)
-        if info["missing_keys"]:  # transformers would have initialised them at random
-            raise ValueError(f"tie_word_embeddings = {hf_config.tie_word_embeddings}: {source} lacks "
-                             f"{sorted(info['missing_keys'])}, which transformers would fill at random")
-        if config.tie_embeddings and not torch.equal(hf.get_input_embeddings().weight, hf.lm_head.weight):
-            raise ValueError(f"tie_word_embeddings = True, but {source} has an lm_head that differs from its embedding "
-                             "(transformers keeps both, untied): set it to false in the config")
-        theirs = hf.state_dict()
-        with torch.device("meta"):  # no random init and no second copy: our parameters take transformers' tensors
-            model = cls(config)
-        names = {name: hf_name(name) for name in model.state_dict()}
-        extra = set(theirs) - set(names.values())
-        if extra:  # weights our model has no place for (biases under another name, ...)
-            raise ValueError(f"model_type = {hf_config.model_type!r}, but {source} holds weights model.py has no "
-                             f"place for: {sorted(extra)[:4]}")
-        model.load_state_dict({ours: theirs[name] for ours, name in names.items()}, assign=True)
-        if config.tie_embeddings:  # assign made two parameters of the one tensor: one parameter again
-            model.lm_head.weight = model.wte.weight
-        model.rope_cos, model.rope_sin = precompute_rope(config.head_size(), config.block_size, config.rope_theta)
-        model.source, model.hf_config = str(source), hf_config
-        return model
+        """A published Llama, Mistral or Qwen3 model (a Hugging Face directory, a hub id or a .gguf file) as our
+        GPT in full precision without SubLN, with transformers' logits: tools.pretrained.from_pretrained."""
+        from tools.pretrained import from_pretrained  # transformers' world lives there; model.py needs only torch
+        return from_pretrained(source, block_size)
 
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
@@ -333,55 +302,12 @@ class GPT(nn.Module):
         return self.lm_head(self.norm_f(x[:, [-1], :]))  # (B, 1, V)
 
 
-# -----------------------------------------------------------------------------
-# pretrained models: transformers' Llama, Mistral and Qwen3 are this model with quant=False and subln=False
-
-
-def hf_name(name):
-    """Our parameter name -> transformers' (Llama, Mistral, Qwen3): h.0.attn.q_proj.weight ->
-    model.layers.0.self_attn.q_proj.weight, h.0.attn_norm.weight -> model.layers.0.input_layernorm.weight."""
-    for ours, theirs in (("wte.", "model.embed_tokens."), ("norm_f.", "model.norm."), ("h.", "model.layers.")):
-        if name.startswith(ours):
-            name = theirs + name[len(ours):]
-    for ours, theirs in ((".attn_norm.", ".input_layernorm."), (".mlp_norm.", ".post_attention_layernorm."),
-                         (".attn.", ".self_attn.")):
-        name = name.replace(ours, theirs)
-    return name
-
-
-def config_from_hf(hf, block_size=None):
-    """Our GPTConfig (quant=False, subln=False) for a transformers config of model_type llama, mistral or qwen3.
-    Refuses, in one ValueError line naming the field, what this model does not compute exactly."""
-    def refuse(field, value, why):
-        raise ValueError(f"{field} = {value!r} in the model's config: {why} (from_pretrained takes llama, "
-                         "mistral and qwen3 models with plain RoPE, full attention, SiLU and no biases)")
-    if hf.model_type not in ("llama", "mistral", "qwen3"):
-        refuse("model_type", hf.model_type, "an architecture model.py does not implement")
-    rope = getattr(hf, "rope_parameters", None) or {"rope_theta": getattr(hf, "rope_theta", 10000.0)}
-    if rope.get("rope_type", "default") != "default":  # transformers 5 keeps config.json's rope_scaling here
-        refuse("rope_scaling", rope, f"RoPE scaling ({rope['rope_type']}) is not implemented")
-    for field, why in (("use_sliding_window", "sliding-window attention is not implemented"),
-                       ("sliding_window", "sliding-window attention is not implemented"),
-                       ("attention_bias", "our projections have no bias"), ("mlp_bias", "our MLP has no bias"),
-                       ("num_experts", "mixture-of-experts is not implemented"),
-                       ("num_local_experts", "mixture-of-experts is not implemented")):
-        if getattr(hf, field, None) not in (None, False, 0):
-            refuse(field, getattr(hf, field), why)
-    if hf.hidden_act != "silu":
-        refuse("hidden_act", hf.hidden_act, "our MLP is silu(gate) * up")
-    if hf.num_attention_heads % (hf.num_key_value_heads or hf.num_attention_heads):
-        refuse("num_key_value_heads", hf.num_key_value_heads,
-               f"it must divide num_attention_heads {hf.num_attention_heads}")
-    eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, (list, tuple)) else hf.eos_token_id
-    if eos is None:
-        refuse("eos_token_id", None, "our shards start each document with it (eot)")
-    return GPTConfig(vocab_size=hf.vocab_size, block_size=block_size or min(hf.max_position_embeddings, 2048),
-                     n_layer=hf.num_hidden_layers, n_head=hf.num_attention_heads,
-                     n_kv_head=hf.num_key_value_heads or hf.num_attention_heads, n_embd=hf.hidden_size,
-                     head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-                     qk_norm=hf.model_type == "qwen3", mlp_hidden=hf.intermediate_size, quant=False, subln=False,
-                     tie_embeddings=bool(hf.tie_word_embeddings), rope_theta=float(rope["rope_theta"]),
-                     norm_eps=hf.rms_norm_eps, eot=int(eos))
+def __getattr__(name):
+    """model.hf_name and model.config_from_hf: the import of published models, in tools/pretrained.py."""
+    if name in ("hf_name", "config_from_hf"):
+        from tools import pretrained
+        return getattr(pretrained, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

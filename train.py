@@ -39,7 +39,6 @@ import torch.distributed as dist
 import data
 from tokenizer import get_tokenizer
 from distill import match_layers
-from model import GPT
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tools import checkpoint, common, plumbing, seams, start
 from tools.config import (build_config, check_resume, check_run, model_config, parse_args,
@@ -311,7 +310,7 @@ def setup(argv):
     overrides = parse_args(argv)
     cfg = build_config(overrides)
     if "tokenizer" not in overrides and not cfg.resume:  # the stage before began from a pretrained model: its tokenizer
-        tok = plumbing.previous_stage_tokenizer(cfg)
+        tok = start.previous_stage_tokenizer(cfg)
         if tok is not None and tok != cfg.tokenizer:
             cfg = build_config({**overrides, "tokenizer": tok})
     run = Run(cfg, Runtime.from_env(cfg.device), os.path.join(cfg.out_dir, cfg.run_name or stage_dir(cfg.stage)))
@@ -363,12 +362,8 @@ def build(run, resume, teachers):
     run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
     run.train_loader, run.val_loaders = plumbing.make_loaders(cfg, rt, resume)
 
-    model_conf = run.start.model_conf or model_conf  # a pretrained model's architecture
-    run.model = GPT(model_conf)
-    if run.start.ckpt is not None:
-        checkpoint.load_weights(run.model, run.start.ckpt["model"], run.start.path, run.start.insert_subln)
-    if run.start.pretrained is not None and model_conf.subln and cfg.subln_gain == "calibrated":
-        seams.calibrate_subln(run.model, plumbing.calibration_batches(cfg, run.train_loader))
+    run.model = start.starting_model(run, model_conf)  # its weights; a pretrained model converted
+    model_conf = run.model.config
     rt.log(run.start.note)
     if cfg.quant_start:
         q = quant_start_step(cfg)
@@ -390,13 +385,7 @@ def build(run, resume, teachers):
     if earlier:
         checkpoint.remove_run(run.out_dir)  # --overwrite=True, and only now that everything else has loaded
         rt.log(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {run.out_dir}")
-    if run.start.pretrained is not None:  # what the conversion costs before any training, on the same val rows
-        set_lambda(run.model, 0.0)
-        fp = plumbing.estimate_val_loss(run, model=run.start.pretrained.to(rt.device))[0]
-        rt.log(f"step 0: val loss {plumbing.estimate_val_loss(run)[0]:.4f} at lambda 0"
-               f"{' with SubLN (' + cfg.subln_gain + ' gain)' if model_conf.subln else ''}, against {fp:.4f} for "
-               f"{run.start.path} as published")
-        run.start.pretrained = None  # frees it (a teacher, if any, is loaded on its own)
+    start.report_conversion(run, plumbing.estimate_val_loss)  # a pretrained start: the conversion's cost at step 0
     rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, quant={model_conf.quant}, "
            f"subln={model_conf.subln}, vocab={model_conf.vocab_size}, device={rt.device}, dtype={dtype}, world={rt.world} "
            f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'}), "

@@ -30,7 +30,7 @@ import data
 import quant
 from lessons import dlm
 from model import GPT
-from tools import common, plumbing
+from tools import common, plumbing, start
 from tools.flags import die, parse
 
 
@@ -73,7 +73,7 @@ def main(argv):
             f"python -m tools.get_model smollm2 fetches SmolLM2-135M", 2)
     if args.out:
         common.check_output("--out", args.out, "text", overwrite=args.overwrite)
-    fp = plumbing.import_model(args.model, args.block_size, "--model")
+    fp = start.import_model(args.model, args.block_size, "--model")
     shards = plumbing.shipped_dir("shakespeare", SimpleNamespace(tokenizer=args.model, data_order="sequential"))
     val = np.asarray(data.read_shard(os.path.join(shards, "val_000.bin")))
     windows = min(args.windows, len(val) // args.block_size)

@@ -164,7 +164,7 @@ class MuonVariant(Muon):
 def max_logit_per_head(q, k, mask=None, is_causal=True, rows=1):
     """Each head's largest q_i.k_j / sqrt(hd) over the allowed positions of the first `rows` rows of the batch:
     (n_head,) fp32. q (B, nh, T, hd), k (B, nkv, T, hd): each K head serves nh / nkv query heads (GQA, as
-    model.Attend); mask: None (causal if is_causal, else every position) or bool with True = allowed, (B, 1, T, T)
+    model.SDPA); mask: None (causal if is_causal, else every position) or bool with True = allowed, (B, 1, T, T)
     as model.document_mask makes it, or without the batch dim."""
     n = min(rows, q.size(0))
     k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)  # (B, nh, T, hd): every query head's keys
@@ -224,7 +224,7 @@ class QKClip:
     def _record(self, max_logit, attend, args, kwargs):
         if not (attend.training and torch.is_grad_enabled()):  # evaluation, or generation (under no_grad)
             return
-        a = dict(zip(("q", "k", "v", "mask", "is_causal"), args), **kwargs)  # Attend.forward's arguments
+        a = dict(zip(("q", "k", "v", "mask", "is_causal"), args), **kwargs)  # SDPA.forward's arguments
         s = max_logit_per_head(a["q"], a["k"], a.get("mask"), a.get("is_causal", True), self.rows)
         with torch.no_grad():
             max_logit.copy_(torch.maximum(max_logit, s))

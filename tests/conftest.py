@@ -96,15 +96,17 @@ def smollm2():
 
 @pytest.fixture(scope="session")
 def smollm2_models(smollm2):
-    """(ours, transformers') SmolLM2-135M as published, in float32, eval mode, each loaded from the GGUF once per
-    test run (dequantising it takes over 10 s each on 2 cores): GPT.from_pretrained's import and the reference it
-    must equal. Read them; a test that trains builds its own model from ours.state_dict()."""
+    """(ours, transformers') SmolLM2-135M as published, in float32, eval mode: transformers' own load of the GGUF
+    (dequantising it takes over 10 s on 2 cores), once per test run, and ours made from that model in memory by
+    tools.pretrained.from_transformers, the step GPT.from_pretrained takes after its own load of a file: the
+    reference, and the import that must equal it. The two share their weight tensors: read them; a test that
+    trains builds its own model from ours.state_dict()."""
     import torch
     from transformers import AutoModelForCausalLM
-    from model import GPT
-    ours = GPT.from_pretrained(smollm2, block_size=64).eval()
+    from tools.pretrained import from_transformers
     theirs = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2),
                                                   dtype=torch.float32).eval()
+    ours = from_transformers(theirs, smollm2, block_size=64).eval()
     return ours, theirs
 
 

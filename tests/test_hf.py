@@ -359,7 +359,7 @@ def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logit
     layer's scale. A wrong head order, K/V sharing, scale, rope or norm moves every position of every layer."""
     import dataclasses
     from tokenizer import get_tokenizer
-    fp = smollm2_models[0]  # GPT.from_pretrained(smollm2, block_size=64), shared: read, never trained
+    fp = smollm2_models[0]  # SmolLM2 imported (block_size=64), shared: read, never trained
     ours = GPT(dataclasses.replace(fp.config, quant=True, subln=True))
     assert ours.load_state_dict(fp.state_dict(), strict=False).unexpected_keys == []  # + SubLN gains and lambdas
     quant.set_lambda(ours, 1.0)

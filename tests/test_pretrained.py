@@ -1,9 +1,10 @@
-"""GPT.from_pretrained (model.py) against transformers itself, offline: tiny random-initialised Llama, Mistral and
-Qwen3 models built with transformers (no download: grouped-query attention, head_dim != width/heads, q/k norms,
-tied and separate heads), saved with save_pretrained (or written as a GGUF file with llama.cpp's q/k row
-permutation) and loaded by model.py, give transformers' logits and greedy continuations; every config field we do
-not compute exactly is refused in one line that names it. Measured on 2 CPU cores: max |diff| 0 (bit-identical
-logits) on every case below; the assertion allows 1e-5 of the largest logit (fp32 rounding).
+"""GPT.from_pretrained (tools/pretrained.py) against transformers itself, offline: tiny random-initialised Llama,
+Mistral and Qwen3 models built with transformers (no download: grouped-query attention, head_dim != width/heads,
+q/k norms, tied and separate heads), saved with save_pretrained (or written as a GGUF file with llama.cpp's q/k row
+permutation) or taken from memory (from_transformers) and loaded as our GPT, give transformers' logits and greedy
+continuations; every config field we do not compute exactly is refused in one line that names it. Measured on 2
+CPU cores: max |diff| 0 (bit-identical logits) on every case below; the assertion allows 1e-5 of the largest logit
+(fp32 rounding).
 Run: python -m pytest tests/test_pretrained.py"""
 
 import json
@@ -14,7 +15,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from model import GPT, GPTConfig, config_from_hf
+import model as model_py
+from model import GPT, GPTConfig
+from tools import pretrained
+from tools.pretrained import config_from_hf, from_transformers
 from quant import set_lambda
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -74,6 +78,27 @@ def test_logits_equal_transformers(tmp_path, name):
     with torch.no_grad():
         diff, tol = max_diff(model(x, x)[0], hf(x).logits)
     assert diff <= tol, (name, diff)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen3-tied"])
+def test_a_transformers_model_in_memory_converts_to_the_same_model_as_its_files(tmp_path, name):
+    """from_transformers (what from_pretrained runs after transformers' load) on the model itself: the same config,
+    bit-identical logits, and our parameters are its tensors (no copy)."""
+    path, hf = tiny(tmp_path, name)
+    ours, from_files = from_transformers(hf, "in memory").eval(), GPT.from_pretrained(path).eval()
+    assert ours.config == from_files.config and ours.source == "in memory" and ours.hf_config is hf.config
+    assert ours.h[0].attn.q_proj.weight.data_ptr() == hf.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(ours(x, x)[0], from_files(x, x)[0])
+
+
+def test_model_keeps_its_public_names_for_the_import():
+    """model.py delegates the import of published models to tools/pretrained.py; its names still resolve there."""
+    assert model_py.hf_name is pretrained.hf_name and model_py.config_from_hf is pretrained.config_from_hf
+    assert model_py.hf_name("h.3.attn.q_proj.weight") == "model.layers.3.self_attn.q_proj.weight"
+    with pytest.raises(AttributeError):
+        getattr(model_py, "from_transformers")  # only the names model.py had
 
 
 def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
@@ -193,7 +218,7 @@ def test_the_real_smollm2_scores_our_val_text_as_transformers_does(smollm2, smol
     import gzip
 
     from tokenizer import get_tokenizer
-    ours, theirs = smollm2_models  # GPT.from_pretrained(smollm2) and transformers' own load of the same file
+    ours, theirs = smollm2_models  # our import of transformers' own load of the file, and that load
     with gzip.open(os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare.jsonl.gz"), "rt") as f:
         text = [json.loads(line)["text"] for line in f][-1]  # a play from the end (the val documents)
     ids = torch.tensor(get_tokenizer(smollm2).encode(text)[:4 * 65]).view(4, 65)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train
-from tools import config, plumbing
+from tools import config, plumbing, start
 from zclip import ZClip
 from conftest import ROOT, TINY, fails, records, run
 
@@ -46,7 +46,7 @@ def test_nonsense_values_stop_with_one_line_before_any_data_or_model(tmp_path, c
     def too_late(*args, **kwargs):
         raise AssertionError("the flag was checked only after data or a model was set up")
     monkeypatch.setattr(plumbing, "make_loaders", too_late)
-    monkeypatch.setattr(train, "GPT", too_late)
+    monkeypatch.setattr(start, "starting_model", too_late)  # where train.py builds the model
     msg = fails(capsys, flag, f"--out_dir={tmp_path}", code=2)
     assert flag.split(",")[0] in msg and all(f in msg for f in facts), msg  # the flag, what it must be
     assert not os.listdir(tmp_path)  # nothing written

@@ -1,7 +1,8 @@
 """
-The plumbing of train.py, fenced off from the lesson: what a run holds (Run, Start) and the --stage=dlm
-conversion's start and loss, where the data comes from and its loaders, stage 3's frozen teachers, the optimizer
-groups, the checkpoint average, the one host read of a step, saving, and evaluation with the log lines.
+The plumbing of train.py, fenced off from the lesson: what a run holds (Run); where its data comes from (a shipped
+corpus named or a directory of shards, checked against the run's tokenizer) and its loaders; stage 3's frozen
+teachers and the BitDistill loss; the optimizer groups; saving a checkpoint (and the checkpoint average beside
+it); the line a rank prints when another rank is lost; evaluation and the log lines of evaluations and steps.
 
 Evaluation: each val source's mean token loss and their mixing-weighted total, logged and written to
 metrics.jsonl. Every evaluation reads the first eval_iters batches of each source, the same rows every time; the
@@ -28,41 +29,11 @@ from tools.common import (ROOT, check_input, is_model_source, load_gpt, same_sou
 from tools.config import TrainConfig, check_teacher, parse_data, parse_teacher_weights
 from tools.flags import die
 from tools.runtime import Runtime
+from tools.start import Start, import_model
 from zclip import ZClip
 
-SHIPPED = ("shakespeare", "python")  # --data names of the corpora in data/ (prepare.CORPORA)
-
-def shipped_dir(name, cfg):
-    """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the first time. A
-    pretrained model's tokenizer is named by its source's last part (common.source_slug)."""
-    root = os.path.join(ROOT, "data", f"{name}_{source_slug(cfg.tokenizer)}")
-    scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
-    if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
-                                                                not os.path.exists(scores)):
-        print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; tokenising the "
-              f"shipped corpus {name} (once)")
-        prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root, corpus=name)
-    try:
-        prepare.check_shipped(root, name)  # data of one's own prepared into it is not that corpus
-    except ValueError as e:
-        die(str(e), 2)
-    return root
-
-
 # -----------------------------------------------------------------------------
-# what train.py's set-up builds: where a run starts, the run itself, and the --stage=dlm conversion
-
-
-@dataclass
-class Start:
-    step: int = 0              # > 0 when resuming
-    ckpt: dict = None          # the checkpoint whose weights the model loads (None: from scratch)
-    path: str = ""             # where that checkpoint is
-    insert_subln: bool = False  # load fp weights without SubLN; the SubLN gains keep their unit init
-    note: str = ""             # what the run says about it
-    model_conf: object = None  # the GPTConfig to build when not the flags' (a pretrained model's architecture)
-    pretrained: object = None  # --init_from=<a pretrained model>: that model as published (GPT, fp, no SubLN)
-
+# the run, and where its data comes from
 
 
 @dataclass
@@ -93,50 +64,24 @@ class Run:
         return os.path.join(self.out_dir, checkpoint.LATEST)
 
 
+SHIPPED = ("shakespeare", "python")  # --data names of the corpora in data/ (prepare.CORPORA)
 
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "head_dim", "qk_norm", "mlp_hidden", "rope_theta",
-                "norm_eps", "tie_embeddings")  # what a pretrained model fixes and no flag sets
-
-
-def import_model(source, block_size, flag):
-    """A pretrained model as published (model.GPT.from_pretrained: full precision, no SubLN); a model we cannot
-    carry is one error line naming the config field."""
+def shipped_dir(name, cfg):
+    """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the first time. A
+    pretrained model's tokenizer is named by its source's last part (common.source_slug)."""
+    root = os.path.join(ROOT, "data", f"{name}_{source_slug(cfg.tokenizer)}")
+    scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
+    if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
+                                                                not os.path.exists(scores)):
+        print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; tokenising the "
+              f"shipped corpus {name} (once)")
+        prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root, corpus=name)
     try:
-        return GPT.from_pretrained(source, block_size=block_size)
-    except (ValueError, OSError) as e:
-        die(f"{flag}={source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 2)
-
-
-def calibration_batches(cfg, train_loader, n=8):
-    """The first n training batches of a fresh sequential loader over the run's data (the run's own loader, and
-    so its position and RNG, untouched): what --subln_gain=calibrated measures."""
-    sources = dict(zip(train_loader.dirs, train_loader.weights.tolist()))
-    loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, order="sequential")
-    return [loader.next_batch() for _ in range(n)]
-
-
-def previous_stage_tokenizer(cfg):
-    """--init_from=auto in stage 2 or 3: the tokenizer the previous stage's checkpoint was trained with when it
-    began from a pretrained model (that model's own), else None."""
-    path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", checkpoint.LATEST)
-    if cfg.init_from != "auto" or cfg.stage not in (2, 3) or not os.path.exists(path):
-        return None
-    try:
-        tok = (checkpoint.load(path, ("config",), mmap=True).get("config") or {}).get("tokenizer")
-    except checkpoint.CheckpointError:
-        return None  # starting_weights says what is wrong with it
-    return tok if is_model_source(tok or "") else None
-
-
-def adopt_architecture(model_conf, ckpt):
-    """The model config a run starting from ckpt builds: the flags' (model_conf), except that a checkpoint of a
-    run that began from a pretrained model (its tokenizer is that model's) keeps that model's architecture."""
-    tok = (ckpt.get("config") or {}).get("tokenizer", "byte")
-    if tok in ("byte", "gpt2"):
-        return model_conf
-    args = ckpt["model_args"]
-    return dataclasses.replace(model_conf, **{k: args[k] for k in ARCHITECTURE if k in args})
+        prepare.check_shipped(root, name)  # data of one's own prepared into it is not that corpus
+    except ValueError as e:
+        die(str(e), 2)
+    return root
 
 
 # where docs/gpu-node.md prepares FineWeb-Edu for the CUDA preset

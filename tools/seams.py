@@ -79,9 +79,9 @@ class DlmStage:
         return dataclasses.replace(conf, vocab_size=conf.vocab_size + 1, causal=False, doc_mask=False)
 
     def start(self, model_conf):
-        """The stage-2 model (or --init_from) with the mask token added (dlm.add_mask_token)."""
+        """The stage-2 model (or --init_from) with the mask token added (dlm.add_mask_token): (its checkpoint dict,
+        the path it came from, the run's note), which start.starting_weights makes the run's Start."""
         from lessons import dlm
-        from tools.plumbing import Start
         cfg = self.cfg
         path = os.path.join(cfg.out_dir, "stage2", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
         if cfg.init_from == "scratch" or not os.path.exists(path):
@@ -95,9 +95,9 @@ class DlmStage:
                                       doc_mask=ckpt["model_args"].get("doc_mask", False))
         checkpoint.check_fits(ckpt["model_args"], ar_conf, path)
         model, mask_id = dlm.add_mask_token(ar, cfg.dlm_mask_init, seed=cfg.seed)
-        return Start(0, {"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, path,
-                     note=f"stage dlm: the AR model in {path} with a mask token (id {mask_id}, {cfg.dlm_mask_init} "
-                          f"init), bidirectional attention{', Dream shift' if cfg.dlm_shift else ''}")
+        return ({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config)}, path,
+                f"stage dlm: the AR model in {path} with a mask token (id {mask_id}, {cfg.dlm_mask_init} init), "
+                f"bidirectional attention{', Dream shift' if cfg.dlm_shift else ''}")
 
     def loss_fn(self, run):
         """The masked-diffusion loss, with the outlier ratios of the mask token and of the other tokens at the

@@ -1,17 +1,38 @@
 """
 Where a run of train.py starts: the three-stage recipe of BitDistill (arXiv 2510.13998, sec. 3: SubLN refinement,
 continued pre-training, distillation) turned into "which weights does this run load". train.py's set-up asks
-starting_weights once, before the model is built; a pretrained model as published (GPT.from_pretrained) goes
-through pretrained_start, which inserts SubLN in front of o_proj and down_proj (unit gain, the paper's; or
---subln_gain=calibrated: g = mean rms of the input, lessons/subln.py).
+starting_weights once, before the model is built (a Start), then starting_model for the model itself. A pretrained
+model as published (tools/pretrained.py) is converted by convert_pretrained: the same architecture and weights,
+every hidden linear a BitLinear, and SubLN inserted in front of o_proj and down_proj (unit gain, the paper's; or
+--subln_gain=calibrated: g = mean rms of the input, lessons/subln.py); report_conversion prints what that costs
+at step 0. A run that began from a pretrained model keeps its architecture and tokenizer in the stages after it.
 Test: python -m pytest tests/test_train.py tests/test_convert.py tests/test_fault.py
 """
 import dataclasses
 import os
+from dataclasses import dataclass
 
-from tools import checkpoint, common, plumbing
+import data
+from model import GPT
+from quant import set_lambda
+from tools import checkpoint, common, seams
 from tools.flags import die
-from tools.plumbing import Start
+from tools.pretrained import from_pretrained
+
+
+@dataclass
+class Start:
+    step: int = 0              # > 0 when resuming
+    ckpt: dict = None          # the checkpoint whose weights the model loads (None: from scratch or pretrained)
+    path: str = ""             # where that checkpoint (or the pretrained model) is
+    insert_subln: bool = False  # load fp weights without SubLN; the SubLN gains keep their unit init
+    note: str = ""             # what the run says about it
+    model_conf: object = None  # the GPTConfig to build when not the flags' (a pretrained model's architecture)
+    pretrained: object = None  # --init_from=<a pretrained model>: that model as published (GPT, fp, no SubLN)
+
+
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "head_dim", "qk_norm", "mlp_hidden", "rope_theta",
+                "norm_eps", "tie_embeddings")  # what a pretrained model fixes and no flag sets
 
 
 def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None):
@@ -26,14 +47,15 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
       --init_from=<a pretrained model> (a Hugging Face directory, a hub id or a GGUF file), stage 1 or 2: its weights
                as published, SubLN inserted in front of o_proj and down_proj (unit gain, or --subln_gain=calibrated)
     Every checkpoint is checked against this run's shape before anything is loaded; a run that started from a
-    pretrained model keeps that model's architecture (plumbing.adopt_architecture)."""
+    pretrained model keeps that model's architecture (adopt_architecture)."""
     if resume_ckpt is not None:
-        model_conf = plumbing.adopt_architecture(model_conf, resume_ckpt)
+        model_conf = adopt_architecture(model_conf, resume_ckpt)
         checkpoint.check_fits(resume_ckpt["model_args"], model_conf, resume_path)
         return Start(resume_ckpt["step"], resume_ckpt, resume_path, model_conf=model_conf,
                      note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
-    if run_lesson is not None:  # a stage of a lesson's own (--stage=dlm)
-        return run_lesson.start(model_conf)
+    if run_lesson is not None:  # a stage of a lesson's own (--stage=dlm): (checkpoint, its path, the note)
+        ckpt, path, note = run_lesson.start(model_conf)
+        return Start(0, ckpt, path, note=note)
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
         return Start(note=f"stage {cfg.stage}: training from scratch")
     path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
@@ -46,7 +68,7 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
         return pretrained_start(cfg, model_conf, path)
     common.check_input("--init_from", path)  # an HF export of ours: named as such
     ckpt = checkpoint.load(path)
-    model_conf = plumbing.adopt_architecture(model_conf, ckpt)
+    model_conf = adopt_architecture(model_conf, ckpt)
     checkpoint.check_fits(ckpt["model_args"], model_conf, path)
     if cfg.stage == 3 and not ckpt["model_args"].get("quant"):
         die(f"{path} is a full-precision model (quant=False), and stage 3 distils a ternary student; make the "
@@ -62,18 +84,44 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
     return Start(0, ckpt, path, insert, note, model_conf)
 
 
+def adopt_architecture(model_conf, ckpt):
+    """The model config a run starting from ckpt builds: the flags' (model_conf), except that a checkpoint of a
+    run that began from a pretrained model (its tokenizer is that model's) keeps that model's architecture."""
+    tok = (ckpt.get("config") or {}).get("tokenizer", "byte")
+    if tok in ("byte", "gpt2"):
+        return model_conf
+    args = ckpt["model_args"]
+    return dataclasses.replace(model_conf, **{k: args[k] for k in ARCHITECTURE if k in args})
+
+
+def previous_stage_tokenizer(cfg):
+    """--init_from=auto in stage 2 or 3: the tokenizer the previous stage's checkpoint was trained with when it
+    began from a pretrained model (that model's own), else None."""
+    path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", checkpoint.LATEST)
+    if cfg.init_from != "auto" or cfg.stage not in (2, 3) or not os.path.exists(path):
+        return None
+    try:
+        tok = (checkpoint.load(path, ("config",), mmap=True).get("config") or {}).get("tokenizer")
+    except checkpoint.CheckpointError:
+        return None  # starting_weights says what is wrong with it
+    return tok if common.is_model_source(tok or "") else None
+
+
+# -----------------------------------------------------------------------------
+# a pretrained model: imported as published, converted, and what the conversion costs
+
+
 def pretrained_start(cfg, model_conf, source):
-    """--init_from=<a pretrained model>: BitDistill's stage 1 on it. Its weights in full precision, and SubLN, an
-    RMSNorm in front of o_proj and down_proj, inserted with unit gain (the paper; --subln_gain=calibrated sets each
-    to the mean rms of its input instead, build() measures it); in stage 2 every hidden linear is then a BitLinear
-    whose lambda warms up from 0. The architecture (GQA, head_dim, q/k norms, MLP width, tied head) is the model's."""
+    """--init_from=<a pretrained model>: BitDistill's stage 1 on it (convert_pretrained, run by starting_model); in
+    stage 2 every hidden linear is then a BitLinear whose lambda warms up from 0. The architecture (GQA, head_dim,
+    q/k norms, MLP width, tied head) is the model's; quant, subln, doc_mask and block_size are the run's."""
     if cfg.stage not in (1, 2):
         die(f"--init_from={source} is a pretrained model: stage 1 or 2 starts from it (stage 3 distils from it: "
             f"--teacher={source})", 2)
     if cfg.tokenizer in ("byte", "gpt2"):  # ids of another vocabulary would index the wrong embedding rows
-        die(f"--tokenizer={cfg.tokenizer} is not the tokenizer of {source}; drop --tokenizer (the model's own is "
-            f"the default) and make shards with it: python -m tools.prepare --tokenizer={source} ...", 2)
-    fp = plumbing.import_model(source, cfg.block_size, "--init_from")
+        die(f"--tokenizer={cfg.tokenizer} is not the tokenizer of {source}; drop --tokenizer (the model's own is the "
+            f"default) and make shards with it: python -m tools.prepare --tokenizer={source} ...", 2)
+    fp = import_model(source, cfg.block_size, "--init_from")
     if fp.config.vocab_size < model_conf.vocab_size:
         die(f"--tokenizer={cfg.tokenizer} has {model_conf.vocab_size} tokens but {source} only "
             f"{fp.config.vocab_size}; drop --tokenizer (the model's own is the default)", 2)
@@ -83,7 +131,66 @@ def pretrained_start(cfg, model_conf, source):
     note = (f"stage {cfg.stage}: starting from the pretrained {source} ({fp.config.n_layer} layers, width "
             f"{fp.config.n_embd}, {fp.config.n_head} heads / {fp.config.n_kv_head or fp.config.n_head} kv heads)"
             + (f", SubLN inserted with {gain} gain" if arch.subln else ""))
-    start = Start(0, {"model": fp.state_dict(), "model_args": dataclasses.asdict(arch)}, source, arch.subln, note,
-                  arch)
-    start.pretrained = fp  # the model as published: build() scores it beside the converted one at step 0
-    return start
+    return Start(0, None, source, note=note, model_conf=arch, pretrained=fp)
+
+
+def import_model(source, block_size, flag):
+    """A pretrained model as published (tools/pretrained.py: full precision, no SubLN); a model we cannot carry is
+    one error line naming the config field."""
+    try:
+        return from_pretrained(source, block_size=block_size)
+    except (ValueError, OSError) as e:
+        die(f"{flag}={source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 2)
+
+
+def convert_pretrained(fp, conf=None, batches=None):
+    """BitDistill's stage-1 conversion: a pretrained model as published (fp: GPT, full precision, no SubLN) -> a new
+    GPT of conf (default: fp's config with quant=True, subln=True) holding fp's weights; every hidden linear a
+    BitLinear when conf.quant (lambda_ as built, 1: set_lambda before use); with conf.subln an RMSNorm in front of
+    o_proj and down_proj, unit gain (the paper), or given batches [(x, y), ...] each gain the mean rms of its input
+    over them (lessons/subln.py; measured at the lambda_ as built). fp is left as it was."""
+    conf = conf or dataclasses.replace(fp.config, quant=True, subln=True)
+    model = GPT(conf)
+    checkpoint.load_weights(model, fp.state_dict(), getattr(fp, "source", "the pretrained model"), conf.subln)
+    if batches is not None and conf.subln:
+        seams.calibrate_subln(model, batches)
+    return model
+
+
+def starting_model(run, model_conf):
+    """The model a run begins with, as run.start says: model_conf's (or the start's own architecture) with the
+    starting checkpoint's weights, or the pretrained model converted (--subln_gain=calibrated: measured on the
+    run's first training batches, calibration_batches)."""
+    st, cfg = run.start, run.cfg
+    conf = st.model_conf or model_conf
+    if st.pretrained is not None:
+        calibrate = conf.subln and cfg.subln_gain == "calibrated"
+        batches = calibration_batches(cfg, run.train_loader) if calibrate else None
+        return convert_pretrained(st.pretrained, conf, batches)
+    model = GPT(conf)
+    if st.ckpt is not None:
+        checkpoint.load_weights(model, st.ckpt["model"], st.path, st.insert_subln)
+    return model
+
+
+def calibration_batches(cfg, train_loader, n=8):
+    """The first n training batches of a fresh sequential loader over the run's data (the run's own loader, and
+    so its position and RNG, untouched): what --subln_gain=calibrated measures."""
+    sources = dict(zip(train_loader.dirs, train_loader.weights.tolist()))
+    loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, order="sequential")
+    return [loader.next_batch() for _ in range(n)]
+
+
+def report_conversion(run, estimate_val_loss):
+    """A run that starts from a pretrained model logs what the conversion costs before any training: the val loss
+    of the converted model at lambda 0 beside the model's as published, on the same val rows (estimate_val_loss:
+    tools/plumbing.py's, which imports this file). Then the published model is freed (a teacher is loaded apart)."""
+    st = run.start
+    if st.pretrained is None:
+        return
+    set_lambda(run.model, 0.0)
+    fp = estimate_val_loss(run, model=st.pretrained.to(run.rt.device))[0]
+    subln = f" with SubLN ({run.cfg.subln_gain} gain)" if run.model.config.subln else ""
+    run.rt.log(f"step 0: val loss {estimate_val_loss(run)[0]:.4f} at lambda 0{subln}, against {fp:.4f} for "
+               f"{st.path} as published")
+    st.pretrained = None
