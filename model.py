@@ -9,7 +9,7 @@ embedding, the LM head and the norms stay full precision. SubLN adds one more RM
 o_proj and right before down_proj, which keeps the inputs of those two quantised matrices well scaled.
 Grouped-query attention (n_kv_head < n_head K/V heads, each shared by n_head / n_kv_head query heads), a head_dim
 of its own and Qwen3's q/k norms make this model, with quant=False and subln=False, transformers' Llama, Mistral and
-Qwen3: `GPT.from_pretrained` loads them with their logits (the import itself: tools/pretrained.py).
+Qwen3 (tools/pretrained.py loads them, with their logits).
 
 Sources: BitNet b1.58 2B4T (HF modeling_bitnet) for the layout, BitDistill (arXiv 2510.13998, Stage 1)
 for SubLN; RoPE (arXiv 2104.09864); GQA (arXiv 2305.13245); the document mask packs documents as in "Efficient
@@ -216,13 +216,6 @@ class GPT(nn.Module):
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    @classmethod
-    def from_pretrained(cls, source, block_size=None):
-        """A published Llama, Mistral or Qwen3 model (a Hugging Face directory, a hub id or a .gguf file) as our
-        GPT in full precision without SubLN, with transformers' logits: tools.pretrained.from_pretrained."""
-        from tools.pretrained import from_pretrained  # transformers' world lives there; model.py needs only torch
-        return from_pretrained(source, block_size)
-
     def _init_weights(self, module):
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -300,14 +293,6 @@ class GPT(nn.Module):
         for block, layer_cache in zip(self.h, cache):
             x, _ = block(x, cos, sin, None, cache=layer_cache)
         return self.lm_head(self.norm_f(x[:, [-1], :]))  # (B, 1, V)
-
-
-def __getattr__(name):
-    """model.hf_name and model.config_from_hf: the import of published models, in tools/pretrained.py."""
-    if name in ("hf_name", "config_from_hf"):
-        from tools import pretrained
-        return getattr(pretrained, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,7 @@ def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
     import quant
     from kernels.packed_linear import freeze_ternary
     from model import GPT
+    from tools import pretrained
     from tools.common import is_model_source
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
@@ -207,7 +208,7 @@ def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
     if source.endswith(".gguf"):
         path, kw = os.path.dirname(os.path.abspath(source)), {"gguf_file": os.path.basename(source)}
     theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-    fp = GPT.from_pretrained(source, block_size=T)
+    fp = pretrained.from_pretrained(source, block_size=T)
     qat = GPT(dataclasses.replace(fp.config, quant=True, subln=True))
     qat.load_state_dict(fp.state_dict(), strict=False)
     quant.set_lambda(qat, 1.0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 import data
-from tools import checkpoint, common
+from tools import checkpoint, common, pretrained
 from tools.common import ROOT
 from tools.flags import die
 
@@ -268,17 +268,16 @@ def _smol_model(subln, lam, gain="unit"):
     (unit gain, or calibrated on the first 8 training batches of 4 x T as train.py --subln_gain=calibrated)."""
     def build(lab):
         import quant
-        from model import GPT
-        from tools import seams
-        fp = GPT.from_pretrained(os.path.join(ROOT, SMOL), block_size=SMOL_T)
+        from tools import start
+        fp = pretrained.from_pretrained(os.path.join(ROOT, SMOL), block_size=SMOL_T)
         if subln is None:
             return fp.eval()  # the model as published: no BitLinear at all
-        model = GPT(dataclasses.replace(fp.config, quant=True, subln=subln))
-        model.load_state_dict(fp.state_dict(), strict=False)  # + lambda buffers, SubLN gains at 1
+        batches = None
         if gain == "calibrated":
             loader = data.DataLoader(_shipped_dir("shakespeare", lab.table.tokenizer), "train", 4, SMOL_T,
                                      order="sequential")
-            seams.calibrate_subln(model, [loader.next_batch() for _ in range(8)])
+            batches = [loader.next_batch() for _ in range(8)]
+        model = start.convert_pretrained(fp, dataclasses.replace(fp.config, quant=True, subln=subln), batches)
         quant.set_lambda(model, lam)
         return model.eval()
     return build

@@ -12,7 +12,7 @@ LESSONS = {"lessons/dlm.py": "model", "lessons/muon_variants.py": "muon", "lesso
            "lessons/clean.py": None}  # an extra lesson imports at most the core file it builds on
 ALLOWED = {"torch", "numpy", "tiktoken", "triton"}
 LAZY = {"transformers"}  # only inside a function (a model's tokenizer), as nanoGPT's model.py
-DELEGATES = {"model.py": {"tools"}}  # only inside a function: GPT.from_pretrained, model.hf_name (tools/pretrained.py)
+
 
 
 def _tree(path):
@@ -52,11 +52,10 @@ def test_concept_files_import_only_the_standard_library_and_their_core_file():
     stdlib = set(sys.stdlib_module_names)
     for path in CONCEPTS:
         tree = _tree(path)
-        lazy = LAZY | DELEGATES.get(path, set())
-        extra = _imports(tree) - stdlib - ALLOWED - lazy - ({"quant"} if path == "model.py" else set())
+        extra = _imports(tree) - stdlib - ALLOWED - LAZY - ({"quant"} if path == "model.py" else set())
         top = _imports(ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
                                   type_ignores=[]))
-        assert not extra and not top & lazy, (path, extra, top & lazy)
+        assert not extra and not top & LAZY, (path, extra, top & LAZY)
     for path, core in LESSONS.items():
         extra = _imports(_tree(path)) - stdlib - ALLOWED - ({core} if core else set())
         assert not extra, (path, extra)

@@ -1,4 +1,4 @@
-"""GPT.from_pretrained (tools/pretrained.py) against transformers itself, offline: tiny random-initialised Llama,
+"""tools/pretrained.py's from_pretrained against transformers itself, offline: tiny random-initialised Llama,
 Mistral and Qwen3 models built with transformers (no download: grouped-query attention, head_dim != width/heads,
 q/k norms, tied and separate heads), saved with save_pretrained (or written as a GGUF file with llama.cpp's q/k row
 permutation) or taken from memory (from_transformers) and loaded as our GPT, give transformers' logits and greedy
@@ -15,10 +15,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import model as model_py
 from model import GPT, GPTConfig
 from tools import pretrained
-from tools.pretrained import config_from_hf, from_transformers
+from tools.pretrained import config_from_hf, from_pretrained, from_transformers
 from quant import set_lambda
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -66,7 +65,7 @@ def ids(seed=1, B=3, T=40):
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_equal_transformers(tmp_path, name):
     path, hf = tiny(tmp_path, name)
-    model = GPT.from_pretrained(path).eval()
+    model = from_pretrained(path).eval()
     c, (model_type, kw) = model.config, CASES[name]
     assert (c.n_head, c.kv_heads(), c.head_size()) == (4, kw["num_key_value_heads"], kw.get("head_dim", 16))
     assert (c.quant, c.subln, c.qk_norm, c.tie_embeddings) == (False, False, model_type == "qwen3",
@@ -85,20 +84,12 @@ def test_a_transformers_model_in_memory_converts_to_the_same_model_as_its_files(
     """from_transformers (what from_pretrained runs after transformers' load) on the model itself: the same config,
     bit-identical logits, and our parameters are its tensors (no copy)."""
     path, hf = tiny(tmp_path, name)
-    ours, from_files = from_transformers(hf, "in memory").eval(), GPT.from_pretrained(path).eval()
+    ours, from_files = from_transformers(hf, "in memory").eval(), from_pretrained(path).eval()
     assert ours.config == from_files.config and ours.source == "in memory" and ours.hf_config is hf.config
     assert ours.h[0].attn.q_proj.weight.data_ptr() == hf.model.layers[0].self_attn.q_proj.weight.data_ptr()
     x = ids()
     with torch.no_grad():
         assert torch.equal(ours(x, x)[0], from_files(x, x)[0])
-
-
-def test_model_keeps_its_public_names_for_the_import():
-    """model.py delegates the import of published models to tools/pretrained.py; its names still resolve there."""
-    assert model_py.hf_name is pretrained.hf_name and model_py.config_from_hf is pretrained.config_from_hf
-    assert model_py.hf_name("h.3.attn.q_proj.weight") == "model.layers.3.self_attn.q_proj.weight"
-    with pytest.raises(AttributeError):
-        getattr(model_py, "from_transformers")  # only the names model.py had
 
 
 def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
@@ -132,7 +123,7 @@ def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
         w.add_tensor(names[key.removesuffix(".weight")] + ".weight", np.ascontiguousarray(t))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
 
-    model = GPT.from_pretrained(tmp_path / "tiny.gguf", block_size=32).eval()
+    model = from_pretrained(tmp_path / "tiny.gguf", block_size=32).eval()
     assert model.config.block_size == 32 and model.config.kv_heads() == 2 and not model.config.tie_embeddings
     x = ids(T=32)
     with torch.no_grad():
@@ -143,7 +134,7 @@ def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "qwen3-tied"])
 def test_greedy_generation_with_kv_cache_equals_transformers(tmp_path, name):
     path, hf = tiny(tmp_path, name)
-    model = GPT.from_pretrained(path).eval()
+    model = from_pretrained(path).eval()
     hf.generation_config.eos_token_id = None  # no early stop: the same number of tokens
     prompt = ids(seed=3, B=2, T=6)
     theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
@@ -155,7 +146,7 @@ def test_a_ternary_model_at_lambda_zero_without_subln_still_equals_transformers(
     """quant=True puts every hidden matrix in a BitLinear and the pre-norms in QuantRMSNorm: at lambda 0 both are
     exactly full precision, so the logits stay transformers'; at lambda 1 they do not."""
     path, hf = tiny(tmp_path, "qwen3-untied")
-    fp = GPT.from_pretrained(path)
+    fp = from_pretrained(path)
     q = GPT(GPTConfig(**{**vars(fp.config), "quant": True}))
     missing, unexpected = q.load_state_dict(fp.state_dict(), strict=False)
     assert not unexpected and all(k.endswith("lambda_") for k in missing)
@@ -194,7 +185,7 @@ def test_each_unsupported_config_field_is_one_valueerror_naming_it(tmp_path, fie
     model_type, kw = REFUSED[field]
     hf_config(model_type, **kw).save_pretrained(tmp_path)  # config.json only: refused before any weight is read
     with pytest.raises(ValueError) as e:
-        GPT.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
     assert str(e.value).startswith(f"{field} = ") and "\n" not in str(e.value), str(e.value)
 
 
@@ -207,7 +198,7 @@ def test_a_head_that_does_not_fit_tie_word_embeddings_is_refused(tmp_path, case)
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     with pytest.raises(ValueError) as e:
-        GPT.from_pretrained(path)
+        from_pretrained(path)
     assert str(e.value).startswith("tie_word_embeddings = ") and "\n" not in str(e.value), str(e.value)
 
 
