@@ -47,8 +47,9 @@ import torch
 import torch.nn.functional as F
 
 import data
-from tools import checkpoint, common, runtime
+from tools import checkpoint, common, plumbing, prepare, runtime
 from tools.common import ROOT
+from tools.load import load_gpt
 from tools.flags import die, parse
 SEEDS = (0, 1, 2)
 
@@ -142,7 +143,6 @@ def _write_teacher_data(lab, seed):
     out = os.path.join(lab.seed_dir(seed), "teacher_data")
     if os.path.exists(os.path.join(out, "meta.json")):
         return
-    from tools import prepare
     import sample
     jsonl = os.path.join(lab.seed_dir(seed), "teacher_data.jsonl")
     torch.manual_seed(seed)
@@ -268,10 +268,10 @@ def _warmup_table():
 
 
 def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
-    """Mean next-token loss of a checkpoint over every val window of shard_dir once (common.whole_val_loss, the
+    """Mean next-token loss of a checkpoint over every val window of shard_dir once (plumbing.whole_val_loss, the
     number train.py's final evaluation prints). Returns (loss, n_tokens)."""
     try:
-        return common.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
+        return plumbing.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
     except ValueError as e:
         raise LabError(str(e)) from None
 
@@ -302,9 +302,9 @@ def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
 
 
 def _load(path, device="cpu"):
-    """The GPT of a run's checkpoint (common.load_gpt); its one-line error as a LabError."""
+    """The GPT of a run's checkpoint (load.load_gpt); its one-line error as a LabError."""
     try:
-        return common.load_gpt(path, device)[0]
+        return load_gpt(path, device)[0]
     except checkpoint.CheckpointError as e:
         raise LabError(str(e)) from None
 
@@ -429,7 +429,7 @@ class Lab:
         self.root = root or os.path.join("out", "lab", table.name)
         self.results = results or os.path.join(ROOT, "lab", "results")  # where the table is written
         self.rows = {r.name: r for r in table.rows}
-        self.shipped = os.path.join(ROOT, "data", f"shakespeare_{common.source_slug(table.tokenizer)}")
+        self.shipped = os.path.join(ROOT, "data", f"shakespeare_{prepare.source_slug(table.tokenizer)}")
         self.child, self.signals = None, None  # the train.py running now; the signals lab receives (run())
         self._max_iters = {}
 
@@ -621,8 +621,8 @@ class Lab:
         if not os.path.exists(os.path.join(self.shipped, "meta.json")):  # no run has made its shards yet
             _shipped_dir("shakespeare", self.table.tokenizer)
         try:
-            loss, n = common.whole_val_loss(model, self.shipped, 16, "cpu")
-            also = {name: common.whole_val_loss(model, _shipped_dir(name, self.table.tokenizer), 16, "cpu")[0]
+            loss, n = plumbing.whole_val_loss(model, self.shipped, 16, "cpu")
+            also = {name: plumbing.whole_val_loss(model, _shipped_dir(name, self.table.tokenizer), 16, "cpu")[0]
                     for name in self.table.also}
         except ValueError as e:
             raise LabError(str(e)) from None
@@ -836,8 +836,7 @@ def _mean_of(vals):
 
 def _shipped_dir(name, tokenizer="byte"):
     """data/<name>_<tokenizer>, the shards of a shipped corpus, prepared if missing (as train.py does)."""
-    d = os.path.join(ROOT, "data", f"{name}_{common.source_slug(tokenizer)}")
-    from tools import prepare
+    d = os.path.join(ROOT, "data", f"{name}_{prepare.source_slug(tokenizer)}")
     if not os.path.exists(os.path.join(d, "meta.json")):
         prepare.prepare(tokenizer=tokenizer, out_dir=d, corpus=name)
     try:

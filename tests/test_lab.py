@@ -495,7 +495,7 @@ def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_tabl
     assert len(built) == 1 and t.max_iters("fp") == 0 and t.result("fp", 1) is None
     res = t.result("fp", 0)
     assert res["steps"] == 0 and res["val_tokens"] == 5 * 32
-    assert res["val_loss"] == pytest.approx(lab.common.whole_val_loss(model, d)[0])
+    assert res["val_loss"] == pytest.approx(lab.plumbing.whole_val_loss(model, d)[0])
     t.run(["fp"], log=lambda line: None)  # done: not built again
     assert len(built) == 1 and t.summary()["fp"]["n"] == 1
     t.report(log=lambda line: None)

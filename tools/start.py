@@ -9,8 +9,9 @@ Test: python -m pytest tests/test_train.py tests/test_convert.py tests/test_faul
 import dataclasses
 import os
 
-from tools import checkpoint, common, plumbing
+from tools import checkpoint, outputs, plumbing
 from tools.flags import die
+from tools.load import is_model_source
 from tools.plumbing import Start
 
 
@@ -42,9 +43,9 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
             return Start(note=f"stage 2: no stage-1 checkpoint at {path}; training the ternary model from scratch")
         die(f"no checkpoint at {path} to start stage {cfg.stage} from; make it with: "
             f"python train.py --stage={max(cfg.stage - 1, 1)}")
-    if common.is_model_source(path):
+    if is_model_source(path):
         return pretrained_start(cfg, model_conf, path)
-    common.check_input("--init_from", path)  # an HF export of ours: named as such
+    outputs.check_input("--init_from", path)  # an HF export of ours: named as such
     ckpt = checkpoint.load(path)
     model_conf = plumbing.adopt_architecture(model_conf, ckpt)
     checkpoint.check_fits(ckpt["model_args"], model_conf, path)
