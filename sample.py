@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tools import checkpoint, common
+from tools import checkpoint, common, outputs
 from tokenizer import get_tokenizer
 from lessons import dlm
-from tools.export import FORMAT
+from tools.load import FORMAT, load_gpt, saved_tokenizer
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from tools.flags import die, parse
 
@@ -60,15 +60,15 @@ class SampleConfig:
 
 
 def load_model(path, device, packed=False):
-    """(model, tokenizer) from a training checkpoint, an average or a packed export (common.load_gpt); packed=True
+    """(model, tokenizer) from a training checkpoint, an average or a packed export (load.load_gpt); packed=True
     freezes the former to 2-bit codes and gamma."""
     try:
-        model, obj = common.load_gpt(path)
+        model, obj = load_gpt(path)
     except checkpoint.CheckpointError as e:  # missing, truncated, corrupt or foreign: one line naming the file
         die(str(e))
-    if common.saved_tokenizer(obj) is None:
+    if saved_tokenizer(obj) is None:
         die(f"{path}: no tokenizer in its config; sample a checkpoint that train.py or tools/export.py wrote")
-    tok = get_tokenizer(common.saved_tokenizer(obj))  # load_gpt checked that it fits the vocabulary
+    tok = get_tokenizer(saved_tokenizer(obj))  # load_gpt checked that it fits the vocabulary
     if obj.get("format") == FORMAT:
         print(bytes_line(weight_bytes(model)) + " (packed export)")
     elif packed:
@@ -183,9 +183,9 @@ def _check_args(args):
         die(f"--device={device}: no CUDA device here; use --device=cpu", 2)
     if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
         die(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
-    common.check_input("--ckpt", args["ckpt"])
+    outputs.check_input("--ckpt", args["ckpt"])
     if args["jsonl"]:  # before any checkpoint is read: nothing is sampled for a file that cannot be kept
-        common.check_output("--jsonl", args["jsonl"], "text", overwrite=args["overwrite"],
+        outputs.check_output("--jsonl", args["jsonl"], "text", overwrite=args["overwrite"],
                             inputs=[("--ckpt", args["ckpt"])])
 
 

@@ -198,7 +198,7 @@ def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
     from kernels.packed_linear import freeze_ternary
     from model import GPT
     from tools import pretrained
-    from tools.common import is_model_source
+    from tools.load import is_model_source
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
     if not is_model_source(source):
@@ -293,8 +293,8 @@ def val_windows(shard_dir, T, n):
 
 @torch.no_grad()
 def window_loss(model, windows, batch=16):
-    """Mean next-token cross-entropy over the windows (common.token_loss_sums), in eval mode (then train mode)."""
-    from tools.common import token_loss_sums
+    """Mean next-token cross-entropy over the windows (plumbing.token_loss_sums), in eval mode (then train mode)."""
+    from tools.plumbing import token_loss_sums
     model.eval()
     batches = ((w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(batch))
     total, n = token_loss_sums(lambda x, y: model(x, y)[1], batches, windows.device).tolist()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import data
 from tokenizer import get_tokenizer
-from tools import common, export, plumbing
+from tools import common, export, outputs, plumbing
 from tools.flags import die, parse
 
 
@@ -52,10 +52,10 @@ def main(argv):
     ckpt, path = args["ckpt"], args["gguf"] or os.path.join(os.path.dirname(args["ckpt"]), "model.gguf")
     if args["windows"] < 1:
         die(f"--windows={args['windows']}: expected an integer >= 1", 2)
-    common.check_input("--ckpt", ckpt)  # and the outputs, before anything is read or written
-    common.check_output("--gguf", path, "gguf", os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
+    outputs.check_input("--ckpt", ckpt)  # and the outputs, before anything is read or written
+    outputs.check_output("--gguf", path, "gguf", os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
     if args["out"]:
-        common.check_output("--out", args["out"], "text", overwrite=args["overwrite"],
+        outputs.check_output("--out", args["out"], "text", overwrite=args["overwrite"],
                             inputs=[("--ckpt", ckpt), ("--gguf", path)])
     try:
         from llama_cpp import Llama

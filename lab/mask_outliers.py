@@ -30,8 +30,9 @@ import data
 import quant
 from lessons import dlm
 from model import GPT
-from tools import common, plumbing, start
+from tools import outputs, plumbing, start
 from tools.flags import die, parse
+from tools.load import is_model_source
 
 
 @dataclass
@@ -68,11 +69,11 @@ def main(argv):
     args = OutlierFlags(**parse(argv, OutlierFlags, __doc__))
     if args.windows < 1 or not 0 < args.t < 1:
         die(f"--windows={args.windows} --t={args.t}: expected windows >= 1 and 0 < t < 1", 2)
-    if not common.is_model_source(args.model):
+    if not is_model_source(args.model):
         die(f"--model={args.model}: not a pretrained model (a Hugging Face directory, a hub id or a .gguf file); "
             f"python -m tools.get_model smollm2 fetches SmolLM2-135M", 2)
     if args.out:
-        common.check_output("--out", args.out, "text", overwrite=args.overwrite)
+        outputs.check_output("--out", args.out, "text", overwrite=args.overwrite)
     fp = start.import_model(args.model, args.block_size, "--model")
     shards = plumbing.shipped_dir("shakespeare", SimpleNamespace(tokenizer=args.model, data_order="sequential"))
     val = np.asarray(data.read_shard(os.path.join(shards, "val_000.bin")))

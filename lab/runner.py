@@ -47,7 +47,7 @@ import data
 from lab import tables
 from lab.report import Report, _committed_runs, _current_keys
 from lab.tables import LabError, _shipped_dir
-from tools import checkpoint, common, runtime
+from tools import checkpoint, common, load, plumbing, prepare, runtime
 from tools.common import ROOT
 from tools.flags import parse
 
@@ -63,10 +63,10 @@ class Stopped(LabError):
 
 
 def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
-    """Mean next-token loss of a checkpoint over every val window of shard_dir once (common.whole_val_loss, the
+    """Mean next-token loss of a checkpoint over every val window of shard_dir once (plumbing.whole_val_loss, the
     number train.py's final evaluation prints). Returns (loss, n_tokens)."""
     try:
-        return common.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
+        return plumbing.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
     except ValueError as e:
         raise LabError(str(e)) from None
 
@@ -97,9 +97,9 @@ def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
 
 
 def _load(path, device="cpu"):
-    """The GPT of a run's checkpoint (common.load_gpt); its one-line error as a LabError."""
+    """The GPT of a run's checkpoint (load.load_gpt); its one-line error as a LabError."""
     try:
-        return common.load_gpt(path, device)[0]
+        return load.load_gpt(path, device)[0]
     except checkpoint.CheckpointError as e:
         raise LabError(str(e)) from None
 
@@ -118,7 +118,7 @@ class Lab(Report):
         self.root = root or os.path.join("out", "lab", table.name)
         self.results = results or os.path.join(ROOT, "lab", "results")  # where the table is written
         self.rows = {r.name: r for r in table.rows}
-        self.shipped = os.path.join(ROOT, "data", f"shakespeare_{common.source_slug(table.tokenizer)}")
+        self.shipped = os.path.join(ROOT, "data", f"shakespeare_{prepare.source_slug(table.tokenizer)}")
         self.child, self.signals = None, None  # the train.py running now; the signals lab receives (run())
         self._max_iters = {}
 
@@ -315,8 +315,8 @@ class Lab(Report):
         if not os.path.exists(os.path.join(self.shipped, "meta.json")):  # no run has made its shards yet
             _shipped_dir("shakespeare", self.table.tokenizer)
         try:
-            loss, n = common.whole_val_loss(model, self.shipped, 16, "cpu")
-            extra_val_loss = {name: common.whole_val_loss(model, self.corpus_dir(name), 16, "cpu")[0]
+            loss, n = plumbing.whole_val_loss(model, self.shipped, 16, "cpu")
+            extra_val_loss = {name: plumbing.whole_val_loss(model, self.corpus_dir(name), 16, "cpu")[0]
                               for name in self.table.extra_corpora}
         except ValueError as e:
             raise LabError(str(e)) from None

@@ -1,6 +1,7 @@
-"""tools/common.py: a write that fails or is stopped leaves the old file (or directory) whole and no temporary one;
-file_kind tells every kind of output apart; check_output refuses what would lose a file; StopSignal; load_gpt builds
-the same model from a checkpoint, an average or a packed export, loads old checkpoints, and names what is not one.
+"""tools/common.py: a write that fails or is stopped leaves the old file (or directory) whole and no temporary one,
+and removes only what its own writers left; StopSignal. tools/outputs.py: file_kind tells every kind of output apart;
+check_output refuses what would lose a file. tools/load.py: load_gpt builds the same model from a checkpoint, an
+average or a packed export, loads old checkpoints, and names what is not one.
 Run: python -m pytest tests/test_common.py"""
 
 import dataclasses
@@ -15,7 +16,7 @@ import torch
 from conftest import fails
 from kernels.packed_linear import freeze_ternary
 from model import GPT, GPTConfig
-from tools import checkpoint, common, export
+from tools import checkpoint, common, export, load, outputs
 
 TINY = GPTConfig(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_embd=32)  # the byte tokenizer's vocabulary
 
@@ -60,26 +61,47 @@ def test_atomic_dir_swaps_in_the_whole_directory_or_nothing(tmp_path):
 
 
 def test_atomic_dir_clears_what_dead_writers_left_but_not_a_running_writers_directories(tmp_path):
-    """Leftovers carry their writer's pid: a killed export's .tmp (and an old directory, with path present) go;
-    another export still writing beside the same path (two exports into one directory) keeps its own."""
+    """Leftovers carry their writer's host and pid: a killed export's .tmp (and an old directory, with path
+    present) go; another export still writing beside the same path (two exports into one directory) keeps its own;
+    a name without a writer's pid (.d.tmp-k1ll3d) is not provably a writer's and stays."""
     import subprocess
     import sys
     path = str(tmp_path / "d")
     os.mkdir(path)
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = done.stdout.strip()  # a pid that has exited
+    dead, host = done.stdout.strip(), common._host()  # a pid that has exited
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        for n in (f".d.tmp-{dead}-x1", f".d.old-{dead}", f".d.tmp-{live.pid}-y2", f".d.old-{live.pid}", ".d.tmp-k1ll3d"):
+        for n in (f".d.tmp_{host}_{dead}_a1", f".d.old_{host}_{dead}_a1", f".d.tmp_{host}_{live.pid}_b2",
+                  f".d.old_{host}_{live.pid}_b2", ".d.tmp-k1ll3d"):
             os.mkdir(tmp_path / n)
         with common.atomic_dir(path) as tmp:
-            assert os.path.basename(tmp).startswith(f".d.tmp-{os.getpid()}-")
+            assert os.path.basename(tmp).startswith(f".d.tmp_{host}_{os.getpid()}_")
             open(os.path.join(tmp, "a"), "w").write("1")
-        assert sorted(os.listdir(tmp_path)) == [f".d.old-{live.pid}", f".d.tmp-{live.pid}-y2", "d"]
+        assert sorted(os.listdir(tmp_path)) == [f".d.old_{host}_{live.pid}_b2", ".d.tmp-k1ll3d",
+                                                f".d.tmp_{host}_{live.pid}_b2", "d"]
     finally:
         live.kill()
         live.wait()
 
+
+def test_atomic_dir_leaves_a_users_directories_named_like_its_leftovers_alone(tmp_path):
+    """Only what a writer provably left is removed or put back: a directory beside --out whose name carries no
+    writer's host and pid (.hf.old-backup, .hf.tmp-mine, ...) is the user's, also when --out is missing (where a
+    writer killed mid-swap would have left its old directory)."""
+    names = (".hf.old-backup", ".hf.tmp-mine", ".hf.old_backup", ".hf.tmp_mine")
+    for n in names:
+        os.mkdir(tmp_path / n)
+        (tmp_path / n / "mine.txt").write_text(n)
+    path = str(tmp_path / "hf")
+    for new in ("1", "2"):  # --out missing, then there
+        with common.atomic_dir(path) as tmp:
+            open(os.path.join(tmp, "a"), "w").write(new)
+        assert os.listdir(path) == ["a"] and open(os.path.join(path, "a")).read() == new
+        assert sorted(os.listdir(tmp_path)) == sorted(names + ("hf",))
+        assert all((tmp_path / n / "mine.txt").read_text() == n for n in names)
+    os.rename(path, tmp_path / "elsewhere")
+    assert common.swapped_out(path) is None  # no old directory of a writer: nothing to tell a reader
 
 def test_atomic_dir_puts_the_old_directory_back_when_the_second_rename_fails(tmp_path, monkeypatch):
     path, renames = str(tmp_path / "d"), []
@@ -89,7 +111,7 @@ def test_atomic_dir_puts_the_old_directory_back_when_the_second_rename_fails(tmp
 
     def second_fails(src, dst):
         renames.append(dst)
-        if len(renames) == 2:  # path -> .d.old-<pid> went through; tmp -> path does not
+        if len(renames) == 2:  # path -> .d.old_<owner>_<random> went through; tmp -> path does not
             raise OSError(errno.EIO, "Input/output error")
         real(src, dst)
     monkeypatch.setattr(os, "rename", second_fails)
@@ -128,23 +150,23 @@ def saved(tmp_path_factory):
 
 def test_file_kind_tells_every_output_apart(saved, tmp_path):
     d, model = saved
-    assert common.file_kind(str(d / "ckpt.pt")) == ("checkpoint", None)
-    assert common.file_kind(str(d / "avg.pt")) == ("average", None)
-    assert common.file_kind(str(d / "packed.pt")) == ("packed", str(d / "ckpt.pt"))
+    assert outputs.file_kind(str(d / "ckpt.pt")) == ("checkpoint", None)
+    assert outputs.file_kind(str(d / "avg.pt")) == ("average", None)
+    assert outputs.file_kind(str(d / "packed.pt")) == ("packed", str(d / "ckpt.pt"))
     export.write_gguf(model, "byte", str(tmp_path / "m.gguf"), source="/runs/a/ckpt.pt")
-    assert common.file_kind(str(tmp_path / "m.gguf")) == ("gguf", "/runs/a/ckpt.pt")
+    assert outputs.file_kind(str(tmp_path / "m.gguf")) == ("gguf", "/runs/a/ckpt.pt")
     hf = str(tmp_path / "hf")
     export.write_hf(model, "byte", hf, source="/runs/a/ckpt.pt")
-    assert common.file_kind(hf) == ("hf", "/runs/a/ckpt.pt")
-    assert common.file_kind(os.path.join(hf, "model.safetensors")) == ("hf-file", hf)
+    assert outputs.file_kind(hf) == ("hf", "/runs/a/ckpt.pt")
+    assert outputs.file_kind(os.path.join(hf, "model.safetensors")) == ("hf-file", hf)
     os.rename(os.path.join(hf, "model.safetensors"), tmp_path / "model.safetensors")  # outside an export of ours
-    assert common.file_kind(str(tmp_path / "model.safetensors"))[0] == "safetensors"
+    assert outputs.file_kind(str(tmp_path / "model.safetensors"))[0] == "safetensors"
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "notes.txt").write_text("words\n")
     (tmp_path / "bytes").write_bytes(bytes(range(256)))
-    assert [common.file_kind(str(tmp_path / n))[0] for n in ("metrics.jsonl", "notes.txt", "bytes")] == [
+    assert [outputs.file_kind(str(tmp_path / n))[0] for n in ("metrics.jsonl", "notes.txt", "bytes")] == [
         "metrics", "text", "other"]
-    assert common.file_kind(str(tmp_path)) == ("directory", None)
+    assert outputs.file_kind(str(tmp_path)) == ("directory", None)
 
 
 def test_check_output_refuses_the_input_another_kind_and_another_source(saved, tmp_path, capsys):
@@ -153,24 +175,24 @@ def test_check_output_refuses_the_input_another_kind_and_another_source(saved, t
     src = os.path.abspath(ckpt)
 
     def refusal(path, kind, source=src, overwrite=False, code=2):
-        return fails(capsys, code=code, main=lambda argv: common.check_output(
+        return fails(capsys, code=code, main=lambda argv: outputs.check_output(
             "--out", path, kind, source, overwrite, [("--ckpt", ckpt)]))
     for overwrite in (False, True):
         assert "same file as --ckpt" in refusal(numbered, "packed", overwrite=overwrite)  # a hard link of the input
         msg = refusal(str(d / "avg.pt"), "packed", overwrite=overwrite)  # another kind: never
         assert "checkpoint average" in msg and "another kind" in msg
-    common.check_output("--out", packed, "packed", src)  # made from the same checkpoint: a re-export replaces it
+    outputs.check_output("--out", packed, "packed", src)  # made from the same checkpoint: a re-export replaces it
     msg = refusal(packed, "packed", source="/elsewhere/ckpt.pt")
     assert "another checkpoint" in msg and ckpt in msg and "--overwrite=True" in msg
-    common.check_output("--out", packed, "packed", "/elsewhere/ckpt.pt", True)  # asked for
+    outputs.check_output("--out", packed, "packed", "/elsewhere/ckpt.pt", True)  # asked for
     msg = refusal(str(tmp_path / "no" / "packed.pt"), "packed", code=1)
     assert "does not exist" in msg and "mkdir -p" in msg
     assert "is a directory" in refusal(str(tmp_path), "packed")
-    common.check_output("--out", str(tmp_path / "new.pt"), "packed", src)  # nothing there: fine
+    outputs.check_output("--out", str(tmp_path / "new.pt"), "packed", src)  # nothing there: fine
     run = tmp_path / "run"
     run.mkdir()
     (run / "ckpt.pt").write_bytes(open(ckpt, "rb").read())
-    msg = fails(capsys, code=2, main=lambda argv: common.check_output(
+    msg = fails(capsys, code=2, main=lambda argv: outputs.check_output(
         "--out", str(tmp_path), "hf", src, True, [("--ckpt", str(run / "ckpt.pt"))]))
     assert "holds --ckpt" in msg  # swapping in a new directory there would delete the checkpoint
 
@@ -230,8 +252,8 @@ def test_load_gpt_builds_the_same_model_from_a_checkpoint_an_average_and_an_expo
     with torch.no_grad():
         want = model(idx, idx)[0]
         for name in ("ckpt.pt", "avg.pt", "packed.pt"):
-            got, obj = common.load_gpt(str(d / name))
-            assert not got.training and common.saved_tokenizer(obj) == "byte"
+            got, obj = load.load_gpt(str(d / name))
+            assert not got.training and load.saved_tokenizer(obj) == "byte"
             assert torch.allclose(got(idx, idx)[0], want, atol=1e-5), name  # packed: integer path, same codes
 
 
@@ -240,7 +262,7 @@ def test_load_gpt_loads_a_checkpoint_with_model_args_an_older_version_wrote(save
     ckpt = torch.load(d / "ckpt.pt", weights_only=True)
     ckpt["model_args"] = dict(ckpt["model_args"], track_max_logit=True, max_logit_rows=1)  # before QK-clip's hook
     torch.save(ckpt, tmp_path / "old.pt")
-    got, _ = common.load_gpt(str(tmp_path / "old.pt"))
+    got, _ = load.load_gpt(str(tmp_path / "old.pt"))
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in got.state_dict().items())
 
 
@@ -257,11 +279,11 @@ def test_load_gpt_names_what_is_not_a_checkpoint_and_which_program_reads_it(save
              os.path.join(hf, "nanobitnet.json"): ("HF export directory", "from_pretrained")}
     for path, facts in cases.items():
         with pytest.raises(checkpoint.CheckpointError) as e:
-            common.load_gpt(path)
+            load.load_gpt(path)
         msg = str(e.value)
         assert path in msg and all(f in msg for f in facts) and ckpt in msg and "corrupt" not in msg, msg
     with pytest.raises(checkpoint.CheckpointError, match="train one first"):
-        common.load_gpt(str(tmp_path / "missing.pt"))
+        load.load_gpt(str(tmp_path / "missing.pt"))
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(checkpoint.CheckpointError, match="corrupt or truncated"):
-        common.load_gpt(str(tmp_path / "bad.pt"))
+        load.load_gpt(str(tmp_path / "bad.pt"))

@@ -240,7 +240,7 @@ def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp
     import types
     from conftest import fails
     from lab import check_llamacpp
-    from tools import common
+    from tools import outputs
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlama))
     run(f"--out_dir={tmp_path}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=4")
     d = tmp_path / "stage2"
@@ -260,7 +260,7 @@ def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp
     assert digest() == before
     gguf, result = str(tmp_path / "m.gguf"), str(tmp_path / "r.json")
     assert check_llamacpp.main([f"--ckpt={ckpt}", f"--gguf={gguf}", f"--out={result}", *small]) == 0
-    assert json.load(open(result))["tokens"] == 32 and common.file_kind(gguf) == ("gguf", ckpt)
+    assert json.load(open(result))["tokens"] == 32 and outputs.file_kind(gguf) == ("gguf", ckpt)
     msg = fails(capsys, f"--ckpt={ckpt}", f"--gguf={gguf}", f"--out={result}", *small, code=2,
                 main=check_llamacpp.main)  # the GGUF of the same checkpoint may go; an earlier result stays
     assert f"--out={result}" in msg and "already exists" in msg and "--overwrite=True" in msg, msg

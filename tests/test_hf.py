@@ -250,15 +250,20 @@ def test_a_sigterm_during_an_hf_export_leaves_the_old_or_the_new_directory_and_s
 
 
 def test_an_hf_export_clears_what_a_killed_export_left_beside_out(tmp_path):
-    """Issue 35: a SIGKILLed HF export left .hf.tmp-* directories that nothing removed; killed between its two
-    renames, it leaves the old directory under .hf.old-*, which goes back to --out."""
+    """Issue 35: a SIGKILLed HF export left .hf.tmp_<owner> directories that nothing removed; killed between its two
+    renames, it leaves the old directory under .hf.old_<owner>, which goes back to --out."""
+    import subprocess
+    import sys
+    from tools import common
     ckpt, out = _save_ckpt(str(tmp_path / "ckpt.pt")), str(tmp_path / "hf")
     export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={out}"])
     before = _snapshot(out)
-    half = tmp_path / ".hf.tmp-k1ll3d"  # a half-written directory
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    owner = f"{common._host()}_{done.stdout.strip()}_ab12"  # the host and pid of an export that was killed
+    half = tmp_path / f".hf.tmp_{owner}"  # a half-written directory
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"half")
-    os.rename(out, tmp_path / ".hf.old-12345")  # killed between the renames: --out is missing for a moment
+    os.rename(out, tmp_path / f".hf.old_{owner}")  # killed between the renames: --out is missing for a moment
     export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={out}"])
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "hf"] and _snapshot(out) == before
 

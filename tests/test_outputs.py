@@ -1,6 +1,6 @@
 """No output path eats a checkpoint: tools/export.py --out and sample.py --jsonl refuse a file that is a checkpoint,
 an average or another kind of file (even with --overwrite=True), and another checkpoint's export unless
---overwrite=True (tools/common.py check_output); what the exports write for a masked-diffusion or a
+--overwrite=True (tools/outputs.py check_output); what the exports write for a masked-diffusion or a
 full-precision model. Run: python -m pytest tests/test_outputs.py"""
 
 import hashlib
@@ -13,7 +13,7 @@ import torch
 
 import sample
 from conftest import TINY, fails, run
-from tools import common, export
+from tools import export, outputs
 
 
 def _sha(path):
@@ -43,7 +43,7 @@ def test_an_export_never_lands_on_a_checkpoint_or_an_average(runs, capsys):
             msg = fails(capsys, *argv, *asked, code=2, main=export.main)
             assert victim in msg and "another kind" in msg and ("checkpoint" in msg or "average" in msg), msg
     assert {p: _sha(p) for p in (s1, avg)} == before  # nothing changed
-    assert common.file_kind(s1)[0] == "checkpoint" and common.file_kind(avg)[0] == "average"
+    assert outputs.file_kind(s1)[0] == "checkpoint" and outputs.file_kind(avg)[0] == "average"
     os.remove(avg)
 
 
@@ -52,7 +52,7 @@ def test_a_re_export_replaces_its_own_export_but_not_another_checkpoints(runs, c
     out = str(tmp_path / "packed.pt")
     export.main([f"--ckpt={s2}", f"--out={out}"])
     export.main([f"--ckpt={s2}", f"--out={out}"])  # the same checkpoint again: fine
-    assert common.file_kind(out) == ("packed", os.path.abspath(s2))
+    assert outputs.file_kind(out) == ("packed", os.path.abspath(s2))
     other = str(tmp_path / "other.pt")
     shutil.copy(s2, other)
     first = _sha(out)
@@ -63,7 +63,7 @@ def test_a_re_export_replaces_its_own_export_but_not_another_checkpoints(runs, c
     msg = fails(capsys, f"--ckpt={s2}", f"--out={gguf}", code=2, main=export.main)  # a packed export over a GGUF
     assert "GGUF" in msg and "another kind" in msg
     export.main([f"--ckpt={other}", f"--out={out}", "--overwrite=True"])  # asked for: replaced
-    assert common.file_kind(out) == ("packed", os.path.abspath(other))
+    assert outputs.file_kind(out) == ("packed", os.path.abspath(other))
 
 
 def test_a_gguf_export_replaces_its_own_gguf_but_not_another_checkpoints(runs, capsys, tmp_path):
@@ -74,13 +74,13 @@ def test_a_gguf_export_replaces_its_own_gguf_but_not_another_checkpoints(runs, c
     gguf = str(tmp_path / "m.gguf")
     export.main([f"--ckpt={s2}", "--format=gguf", f"--out={gguf}"])
     export.main([f"--ckpt={s2}", "--format=gguf", f"--out={gguf}"])  # the same checkpoint again: fine
-    assert common.file_kind(gguf) == ("gguf", os.path.abspath(s2))
+    assert outputs.file_kind(gguf) == ("gguf", os.path.abspath(s2))
     first = _sha(gguf)
     msg = fails(capsys, f"--ckpt={other}", "--format=gguf", f"--out={gguf}", code=2, main=export.main)
     assert gguf in msg and "another checkpoint" in msg and s2 in msg and "--overwrite=True" in msg, msg
     assert _sha(gguf) == first and not os.path.exists(gguf + ".tmp")
     export.main([f"--ckpt={other}", "--format=gguf", f"--out={gguf}", "--overwrite=True"])  # asked for: replaced
-    assert common.file_kind(gguf) == ("gguf", os.path.abspath(other))
+    assert outputs.file_kind(gguf) == ("gguf", os.path.abspath(other))
 
 
 def test_sample_jsonl_refuses_a_checkpoint_an_existing_file_and_a_missing_directory(runs, capsys, tmp_path):

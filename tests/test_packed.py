@@ -36,7 +36,7 @@ import kernels.ternary_matmul as tm  # noqa: E402
 if not ON_GPU and not tm.INTERPRETED:
     tm = importlib.reload(tm)  # packed_linear calls tm.<name>, so it sees the reloaded module
 
-from tools import export  # noqa: E402
+from tools import export, load  # noqa: E402
 import quant  # noqa: E402
 from conftest import fails  # noqa: E402
 from kernels.packed_linear import PackedBitLinear, freeze_ternary, weight_bytes  # noqa: E402
@@ -216,7 +216,7 @@ def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(idx, idx)[0], frozen(idx, idx)[0])
     with pytest.raises(ValueError) as e:  # the file, the format it should have, and how to make one
-        export.model_from_packed({"model": {}}, "some.pt")
+        load.model_from_packed({"model": {}}, "some.pt")
     assert all(f in str(e.value) for f in ("some.pt", "nanobitnet-packed-v1", "python -m tools.export")), e.value
 
 

@@ -85,11 +85,11 @@ def _fake_run(d, steps=3):
 
 def test_plot_replaces_its_own_png_but_another_png_only_with_overwrite(tmp_path, capsys):
     """Issue 35: --out overwrote any PNG (even a committed lab/results figure) without --overwrite."""
-    from tools import common
+    from tools import outputs
     a, b = _fake_run(tmp_path / "a"), _fake_run(tmp_path / "b")
     plot.main([a])
     plot.main([a])  # the same run again: its own curves.png is replaced
-    assert common.file_kind(os.path.join(a, "curves.png")) == ("png", os.path.join(a, "metrics.jsonl"))
+    assert outputs.file_kind(os.path.join(a, "curves.png")) == ("png", os.path.join(a, "metrics.jsonl"))
     figure = tmp_path / "figure.png"  # a PNG that tools.plot did not draw from run a (a committed figure)
     figure.write_bytes(open(os.path.join(a, "curves.png"), "rb").read()[:8] + b"not drawn from run a")
     other = os.path.join(b, "curves.png")
@@ -105,7 +105,7 @@ def test_plot_replaces_its_own_png_but_another_png_only_with_overwrite(tmp_path,
     assert "text file" in msg and notes.read_text() == "my notes, not an image\n", msg
     assert {p: open(p, "rb").read() for p in (str(figure), other)} == before
     plot.main([a, f"--out={figure}", "--overwrite=True"])  # asked for: replaced
-    assert common.file_kind(str(figure)) == ("png", os.path.join(a, "metrics.jsonl"))
+    assert outputs.file_kind(str(figure)) == ("png", os.path.join(a, "metrics.jsonl"))
 
 
 def test_plot_on_a_full_disk_keeps_the_previous_png_and_leaves_no_tmp(tmp_path, capsys, monkeypatch):

@@ -20,7 +20,7 @@ import torch
 
 import data
 from tokenizer import get_tokenizer
-from tools import prepare
+from tools import common, prepare
 from conftest import ENV, ROOT
 
 DOCS_TXT = "First document.\nIt has two lines.\n"
@@ -232,8 +232,8 @@ def test_prepare_killed_at_any_write_or_rename_leaves_the_old_dataset_or_the_new
     # exception (clean-up runs: the old dataset must be back), and as a kill (the disk copied just before it)
     d = _write_corpus(tmp_path)
     (tmp_path / "empty.txt").write_text("")
-    owner = f"{prepare._host()}_{_dead_pid()}"  # the temporary directories look like a killed process's
-    monkeypatch.setattr(prepare, "_owner", lambda: owner)
+    owner = f"{common._host()}_{_dead_pid()}"  # the temporary directories look like a killed process's
+    monkeypatch.setattr(common, "_owner", lambda: owner)
     parent = tmp_path / "ds"
     out = parent / "o"
     old_run = dict(sources=[str(d / "*")], out_dir=str(out), val_every=3, shard_tokens=10)
@@ -314,7 +314,7 @@ def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
     d = _write_corpus(tmp_path)
     parent = tmp_path / "ds"
     parent.mkdir()
-    dead_pid, host = _dead_pid(), prepare._host()
+    dead_pid, host = _dead_pid(), common._host()
     day_old = time.time() - 2 * 86400
     names = {f".o.tmp_{host}_{dead_pid}_abc123": "stale", f".o.old_{host}_{dead_pid}_abc123": "stale",
              f".o.tmp_{host}_1_abc123": "live", f".o.tmp_{host}_{os.getpid()}_abc123": "live",  # running
@@ -328,6 +328,23 @@ def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
     prepare.prepare([str(d / "*")], out_dir=str(parent / "o"), val_every=3)
     assert _hidden(parent) == sorted(n for n, state in names.items() if state == "live")
 
+
+def test_prepare_leaves_a_users_old_looking_directories_alone_and_does_not_report_them(tmp_path):
+    """A directory beside out_dir named like a leftover but without a writer's host and pid is the user's: not
+    restored as out_dir, not removed however old, not named to a reader as the previous dataset."""
+    d = _write_corpus(tmp_path)
+    parent = tmp_path / "ds"
+    parent.mkdir()
+    names = (".o.old_backup", ".o.old-backup", ".o.tmp-mine", ".o.tmp_mine")
+    two_days_old = time.time() - 2 * 86400
+    for n in names:
+        (parent / n).mkdir()
+        (parent / n / "train_000.bin").write_bytes(n.encode())
+        os.utime(parent / n, (two_days_old, two_days_old))
+    assert prepare.check_not_mid_swap(str(parent / "o")) is None
+    prepare.prepare([str(d / "*")], out_dir=str(parent / "o"), val_every=3)
+    assert _hidden(parent) == sorted(names) and _files(parent / "o")["train_000.bin"] not in [n.encode() for n in names]
+    assert all((parent / n / "train_000.bin").read_bytes() == n.encode() for n in names)
 
 def test_prepare_replaces_a_directory_that_another_prepare_created_meanwhile(tmp_path, monkeypatch):
     # two nodes sharing a disk both prepare the shipped corpus on a first run: the later swap still succeeds

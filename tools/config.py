@@ -18,7 +18,7 @@ import torch
 
 from model import GPTConfig
 from tools import checkpoint
-from tools.common import is_model_source
+from tools.load import is_model_source
 from tools.flags import die, parse, to_bool
 
 @dataclass

@@ -1,5 +1,5 @@
 """
-Export a trained ternary checkpoint as packed 2-bit weights, and load such an export back.
+Export a trained ternary checkpoint as packed 2-bit weights, and load such an export back (tools/load.py builds it).
 
   python -m tools.export                                              (out/stage2/ckpt.pt -> out/stage2/packed.pt)
   python -m tools.export --ckpt=out/stage3/ckpt.pt --out=out/stage3/packed.pt
@@ -38,12 +38,10 @@ import numpy as np
 import torch
 
 from quant import weight_quant
-from tools import checkpoint, common
+from tools import checkpoint, common, outputs
 from tools.flags import die, parse
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
-from model import GPT
-
-FORMAT = "nanobitnet-packed-v1"
+from tools.load import FORMAT, load_gpt, saved_tokenizer
 
 
 @dataclass
@@ -66,43 +64,24 @@ def packed_state(model, tokenizer):
     return {"format": FORMAT, "model_args": dataclasses.asdict(model.config), "tokenizer": tokenizer, "packed": packed, "fp": fp}
 
 
-def model_from_packed(obj, source="export"):
-    """Rebuild a GPT whose hidden projections are PackedBitLinear from an export dict; ValueError if it does not fit."""
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(f"{source}: not a packed export (format {found!r}, expected {FORMAT!r}); "
-                         "make one with: python -m tools.export --ckpt=<ckpt.pt>")
-    model = freeze_ternary(GPT(common.gpt_config(obj["model_args"])))  # the packed structure; weights come below
-    state = dict(obj["fp"])
-    for name, p in obj["packed"].items():
-        m = model.get_submodule(name)
-        if not isinstance(m, PackedBitLinear) or (m.in_features, m.out_features) != (p["in_features"], p["out_features"]):
-            raise ValueError(f"{source}: {name} ({p['in_features']} -> {p['out_features']}) does not fit the model "
-                             f"that model_args describe ({m})")
-        state[f"{name}.w_packed"], state[f"{name}.w_scale"] = p["w_packed"], p["w_scale"]
-    model.load_state_dict(state)  # strict: every tensor of the model must come from the file
-    model.dlm_shift = obj.get("dlm_shift", True)  # a masked-diffusion export: how it reads its predictions
-    return model.eval()
-
-
 def load_packed(path):
-    """(model, tokenizer name) of an export written by this script (common.load_gpt reads every saved model)."""
-    model, obj = common.load_gpt(path)
-    return model, common.saved_tokenizer(obj)
+    """(model, tokenizer name) of an export written by this script (load.load_gpt reads every saved model)."""
+    model, obj = load_gpt(path)
+    return model, saved_tokenizer(obj)
 
 
 def load_training_checkpoint(ckpt_path):
     """(model, tokenizer name) of a training checkpoint or an average; one error line for anything else."""
     try:
-        model, obj = common.load_gpt(ckpt_path)
+        model, obj = load_gpt(ckpt_path)
     except checkpoint.CheckpointError as e:  # missing, truncated, corrupt or foreign: one line naming the file
         die(str(e))
     if obj.get("format") == FORMAT:
         die(f"{ckpt_path} is already a packed export ({FORMAT}), not a training checkpoint; sample it as it is: "
             f"python sample.py --ckpt={ckpt_path}")
-    if common.saved_tokenizer(obj) is None:
+    if saved_tokenizer(obj) is None:
         die(f"{ckpt_path}: no tokenizer in its config; export a checkpoint that train.py wrote")
-    return model, common.saved_tokenizer(obj)
+    return model, saved_tokenizer(obj)
 
 
 def export(ckpt_path, out_path):
@@ -144,10 +123,10 @@ def main(argv):
         die(f"--format={fmt}: expected packed (our 2-bit export), gguf (llama.cpp) or hf (transformers)", 2)
     out_path = args["out"] or os.path.join(os.path.dirname(ckpt), {"packed": "packed.pt", "gguf": "model.gguf",
                                                                    "hf": "hf"}[fmt])
-    common.check_input("--ckpt", ckpt)
+    outputs.check_input("--ckpt", ckpt)
     if fmt == "hf":
         return export_hf(ckpt, out_path, args["overwrite"])
-    common.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
+    outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
     with common.stoppable("--out", out_path):
         if fmt == "gguf":
             return export_gguf(ckpt, out_path)
@@ -224,7 +203,7 @@ def gguf_tensors(model):
 
 def write_gguf(model, tokenizer, path, source=None):
     """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") as a GGUF file for llama.cpp's
-    bitnet architecture; source: the checkpoint it came from, kept as metadata (common.file_kind reads it).
+    bitnet architecture; source: the checkpoint it came from, kept as metadata (outputs.file_kind reads it).
     Returns {GGML type name: number of tensors}. ValueError if llama.cpp cannot hold it."""
     import gguf  # here: only this export needs the package
     c = model.config
@@ -259,7 +238,7 @@ def write_gguf(model, tokenizer, path, source=None):
     w.add_file_type(gguf.LlamaFileType.MOSTLY_TQ2_0 if c.quant else gguf.LlamaFileType.ALL_F32)
     _add_vocab(w, tokenizer, c.vocab_size)
     if source:
-        w.add_string(common.GGUF_SOURCE, source)  # llama.cpp ignores keys it does not know
+        w.add_string(outputs.GGUF_SOURCE, source)  # llama.cpp ignores keys it does not know
     counts = {}
     for name, arr, kind in gguf_tensors(model):
         t = getattr(gguf.GGMLQuantizationType, kind)
@@ -581,12 +560,12 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
     if missing:
         die(f"--format=hf needs {', '.join(missing)} (pip install -r requirements.txt)")
     from safetensors import SafetensorError
-    common.check_output("--out", out_dir, "hf", os.path.abspath(ckpt_path), overwrite, [("--ckpt", ckpt_path)])
+    outputs.check_output("--out", out_dir, "hf", os.path.abspath(ckpt_path), overwrite, [("--ckpt", ckpt_path)])
     model, tokenizer = load_training_checkpoint(ckpt_path)
     why = hf_refusal(model)
     if why:
         die(f"{ckpt_path}: cannot export for transformers' bitnet: {why}")
-    earlier = common.hf_marker(out_dir) or {}
+    earlier = outputs.hf_marker(out_dir) or {}
     with common.stoppable("--out", out_dir):
         try:
             with common.atomic_dir(out_dir) as tmp:

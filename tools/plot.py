@@ -7,7 +7,7 @@ gradient norm before and after clipping (clipped steps marked), to one PNG besid
 
 The PNG names the metrics.jsonl it was drawn from (its Source text chunk): plotting the same run again replaces it;
 any other PNG (another run's, a committed figure) is replaced only with --overwrite=True, and a file of another
-kind never (tools/common.py check_output). The PNG is written whole or not at all (common.atomic_write).
+kind never (tools/outputs.py check_output). The PNG is written whole or not at all (common.atomic_write).
 Each curve is drawn from the records that hold it: a series an older log lacks is left out with a note naming it;
 the steps skipped as non-finite (no loss, no update) are marked on the loss panel and counted in the last line.
 
@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tools import common, runtime
+from tools import common, outputs, runtime
 from tools.flags import die, parse
 
 
@@ -136,7 +136,7 @@ def plot(run_dir, out, steps, evals):
     fig.tight_layout()
     try:
         with common.atomic_write(out) as tmp:
-            fig.savefig(tmp, dpi=100, format="png", metadata={common.PNG_SOURCE: path})
+            fig.savefig(tmp, dpi=100, format="png", metadata={outputs.PNG_SOURCE: path})
     finally:
         plt.close(fig)
     return len(clipped), len(bad), notes
@@ -160,7 +160,7 @@ def main(argv):
         steps, evals = read_metrics(dirs[0])
     except ValueError as e:
         die(str(e))
-    common.check_output("--out", out, "png", _source(dirs[0]), flags.get("overwrite", False))
+    outputs.check_output("--out", out, "png", _source(dirs[0]), flags.get("overwrite", False))
     try:
         with common.stoppable("--out", out):
             n_clip, n_bad, notes = plot(dirs[0], out, steps, evals)

@@ -7,8 +7,9 @@ it); the line a rank prints when another rank is lost; evaluation and the log li
 Evaluation: each val source's mean token loss and their mixing-weighted total, logged and written to
 metrics.jsonl. Every evaluation reads the first eval_iters batches of each source, the same rows every time; the
 final one (--eval_whole=True, the default) reads every window of every val split once (data.DataLoader.sweep),
-the number the lab also scores. A masked-diffusion model (--stage=dlm) is scored by its own loss
-(lessons/dlm.py) with masks drawn from a generator seeded the same at every evaluation.
+the number the lab also scores (whole_val_loss; token_loss_sums is the one sum behind train.py's, the lab's and the
+benchmarks' val losses). A masked-diffusion model (--stage=dlm) is scored by its own loss (lessons/dlm.py) with
+masks drawn from a generator seeded the same at every evaluation.
 Test: python -m pytest tests/test_train.py
 """
 
@@ -24,8 +25,10 @@ from distill import BitDistillLoss
 from model import GPT, precompute_rope
 from muon import configure_muon
 from tools import checkpoint, prepare
-from tools.common import (ROOT, check_input, is_model_source, load_gpt, same_source, source_slug,
-                          token_loss_sums)
+from tools.common import ROOT
+from tools.outputs import check_input
+from tools.load import is_model_source, load_gpt
+from tools.prepare import same_source, source_slug
 from tools.config import TrainConfig, check_teacher, parse_data, parse_teacher_weights
 from tools.flags import die
 from tools.runtime import Runtime
@@ -69,7 +72,7 @@ SHIPPED = ("shakespeare", "python")  # --data names of the corpora in data/ (pre
 
 def shipped_dir(name, cfg):
     """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the first time. A
-    pretrained model's tokenizer is named by its source's last part (common.source_slug)."""
+    pretrained model's tokenizer is named by its source's last part (prepare.source_slug)."""
     root = os.path.join(ROOT, "data", f"{name}_{source_slug(cfg.tokenizer)}")
     scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
     if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
@@ -312,6 +315,37 @@ class Progress:
             self.last = time.time()
             left = (self.last - self.t0) * (self.total - i) / i
             self.rt.log(f"  evaluating {self.name}: batch {i} of {self.total}, {left:.0f}s left")
+
+
+def token_loss_sums(loss_fn, batches, device, every=None):
+    """(sum over batches of loss * targets, targets) as a 2-element tensor, no host read: loss_fn(x, y) is the mean
+    loss over the targets of y that are not -1 (a whole-split sweep pads its last rows with -1; an all-padding
+    batch adds 0). every(i): called before batch i, e.g. to print progress. The caller divides (after summing the
+    tensor over the ranks, if several share the batches)."""
+    sums = torch.zeros(2, device=device)
+    for i, (x, y) in enumerate(batches):
+        if every is not None:
+            every(i)
+        x, y = x.to(device), y.to(device)
+        n = (y != -1).sum()
+        loss = loss_fn(x, y).float()
+        sums += torch.stack([torch.where(n > 0, loss * n, 0.0), n.float()])
+    return sums
+
+
+def whole_val_loss(model, shard_dir, batch_size=16, device="cpu"):
+    """A model's mean next-token loss over every val window of shard_dir once (data.DataLoader.sweep), the number
+    train.py's final evaluation prints and the lab scores. Returns (loss, tokens)."""
+    loader = data.DataLoader(shard_dir, "val", batch_size, model.config.block_size, order="sequential")
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        sums = token_loss_sums(lambda x, y: model(x, y)[1], loader.sweep(), device)
+    model.train(was_training)
+    total, n = sums.tolist()
+    if n == 0:
+        raise ValueError(f"{shard_dir}: no val window of {model.config.block_size + 1} tokens")
+    return total / n, int(n)
 
 
 def log_eval(run, rec):

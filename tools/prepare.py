@@ -8,8 +8,8 @@ i % val_every == val_every - 1, so the split is by document and the same corpus 
 shards. Each document is written as [eot] + tokens into {train,val}_000.bin, ... of exactly shard_tokens tokens
 (the last shorter; uint16 ids, llm.c's version 1, or uint32, version 2, when the vocabulary exceeds 65,536), each with its difficulty scores (<shard>.difficulty.npy, difficulty(): what
 --data_order=curriculum sorts by), plus a meta.json. The dataset is built in a temporary directory beside
-out_dir, which then replaces out_dir whole (_swap), so a failed, stopped or
-killed run leaves an older dataset intact, and a loader never sees a mix of two runs.
+out_dir, which then replaces out_dir whole (tools/common.py atomic_dir), so a failed, stopped or killed run leaves
+an older dataset intact, and a loader never sees a mix of two runs.
 
 Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to data/shakespeare_<tokenizer>/):
     python -m tools.prepare --tokenizer=byte
@@ -35,17 +35,14 @@ if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no tr
 
 import contextlib
 import dataclasses
-import errno
 import glob
+import hashlib
 import gzip
 import json
 import os
 import re
 import shutil
-import socket
-import stat
 import sys
-import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -55,7 +52,7 @@ import numpy as np
 import data
 from tokenizer import get_tokenizer
 from lessons import clean
-from tools.common import ROOT, same_source, source_slug
+from tools.common import ROOT, atomic_dir, stoppable, swapped_out
 from tools.flags import die, parse
 
 DATA_DIR = os.path.join(ROOT, "data")  # shipped assets, default outputs
@@ -238,52 +235,47 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     given, out_dir = out_dir, out_dir or default_out_dir(sources, paths, tok.name, corpus)
     _check_not_shipped(out_dir, tok.name, paths, clean_as, default=not given)  # before anything is read
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # shard version 1 (llm.c's), else 2 (ours, data.py)
-    tmp_dir = None
     try:
         real = _check_out_dir(out_dir)  # the directory that gets replaced (out_dir may be a symlink to it)
         os.makedirs(os.path.dirname(real), exist_ok=True)
-        _recover(real)  # what killed runs left beside it
-        tmp_dir = _make_tmp_dir(real)
-        train, val = (_ShardWriter(tmp_dir, split, dtype, shard_tokens, tok.decode_bytes) for split in ("train", "val"))
-        i, held = 0, None  # held: the latest train document, kept back in case it must be the only val one
-        progress = Progress(paths)
-        docs = iter_documents(paths, progress)
-        for chunk in _chunks(docs if cleaner is None else filter(cleaner.keep, docs)):
-            encoded = tok.encode_batch(chunk)  # batched: tiktoken encodes the chunk on all threads
-            progress.tokens_added(sum(len(ids) + 1 for ids in encoded))
-            for ids in encoded:
-                doc = np.empty(1 + len(ids), dtype=dtype)
-                doc[0], doc[1:] = tok.eot, ids  # eot first: it marks where the document starts
-                if i % val_every == val_every - 1:
-                    val.add(doc)
-                else:
-                    if held is not None:
-                        train.add(held)
-                    held = doc
-                i += 1
-        progress.show(done=True)
-        if i < 2:  # checked before anything is written
-            what = "empty corpus: no non-empty document" if i == 0 else "only one document"
-            if cleaner is not None and cleaner.removed:
-                what += f" left after cleaning ({cleaner.report()}; --clean=none keeps them all)"
-            raise ValueError(f"{what} in {', '.join(paths)}; the train/val split is by document, so give at "
-                             f"least 2 (e.g. several .txt files or .jsonl lines)")
-        (val if val.ndocs == 0 else train).add(held)
-        n_train, n_val = train.close(), val.close()
-        meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, dtype=np.dtype(dtype).name,
-                    n_docs_train=train.ndocs, n_docs_val=val.ndocs, train_tokens=train.ntok, val_tokens=val.ntok,
-                    train_shards=n_train, val_shards=n_val, sources=paths, val_every=val_every,
-                    cleaning=cleaner.summary() if cleaner else None,
-                    difficulty=f"zlib compression ratio per {data.DIFFICULTY_CHUNK} tokens, <shard>.difficulty.npy")
-        with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-        _swap(tmp_dir, real)
+        with atomic_dir(real) as tmp_dir:  # which first clears what killed runs left beside it
+            train, val = (_ShardWriter(tmp_dir, split, dtype, shard_tokens, tok.decode_bytes)
+                          for split in ("train", "val"))
+            i, held = 0, None  # held: the latest train document, kept back in case it must be the only val one
+            progress = Progress(paths)
+            docs = iter_documents(paths, progress)
+            for chunk in _chunks(docs if cleaner is None else filter(cleaner.keep, docs)):
+                encoded = tok.encode_batch(chunk)  # batched: tiktoken encodes the chunk on all threads
+                progress.tokens_added(sum(len(ids) + 1 for ids in encoded))
+                for ids in encoded:
+                    doc = np.empty(1 + len(ids), dtype=dtype)
+                    doc[0], doc[1:] = tok.eot, ids  # eot first: it marks where the document starts
+                    if i % val_every == val_every - 1:
+                        val.add(doc)
+                    else:
+                        if held is not None:
+                            train.add(held)
+                        held = doc
+                    i += 1
+            progress.show(done=True)
+            if i < 2:  # checked before anything is written
+                what = "empty corpus: no non-empty document" if i == 0 else "only one document"
+                if cleaner is not None and cleaner.removed:
+                    what += f" left after cleaning ({cleaner.report()}; --clean=none keeps them all)"
+                raise ValueError(f"{what} in {', '.join(paths)}; the train/val split is by document, so give at "
+                                 f"least 2 (e.g. several .txt files or .jsonl lines)")
+            (val if val.ndocs == 0 else train).add(held)
+            n_train, n_val = train.close(), val.close()
+            meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, dtype=np.dtype(dtype).name,
+                        n_docs_train=train.ndocs, n_docs_val=val.ndocs, train_tokens=train.ntok, val_tokens=val.ntok,
+                        train_shards=n_train, val_shards=n_val, sources=paths, val_every=val_every,
+                        cleaning=cleaner.summary() if cleaner else None,
+                        difficulty=f"zlib compression ratio per {data.DIFFICULTY_CHUNK} tokens, <shard>.difficulty.npy")
+            with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=2)
     except OSError as e:  # writing failed (a full disk, no permission): the sources were read without error
         raise ValueError(f"{out_dir}: cannot write the new dataset ({e.strerror or e}); free disk space or pass "
                          f"another --out_dir; nothing in {out_dir} was changed") from None
-    finally:  # also on KeyboardInterrupt or a signal turned into an exception: no half dataset stays behind
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
     seconds = time.time() - t0
     print(f"{cleaner.report() if cleaner else 'cleaning: none (--clean=prose|code|dedup to filter)'}\n"
           f"{tok.name} tokens of {len(paths)} file(s) -> {out_dir} in {seconds:.1f}s, "
@@ -343,28 +335,22 @@ def adopt(src, out_dir, tokenizer):
             meta["dtype"] = tokens.dtype.name
             meta["sources"].append(os.path.abspath(path))
         meta.update({f"{split}_tokens": ntok, f"{split}_shards": len(shards), f"n_docs_{split}": ndocs})
-    tmp_dir = None
     try:
         real = _check_out_dir(out_dir)
         os.makedirs(os.path.dirname(real), exist_ok=True)
-        _recover(real)
-        tmp_dir = _make_tmp_dir(real)
-        for split, shards in found.items():
-            for k, (_, path) in enumerate(sorted(shards)):
-                dst = os.path.join(tmp_dir, f"{split}_{k:03d}.bin")
-                try:
-                    os.link(path, dst)
-                except OSError:  # another file system (or no hard links there): a copy
-                    shutil.copyfile(path, dst)
-        with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-        _swap(tmp_dir, real)
+        with atomic_dir(real) as tmp_dir:
+            for split, shards in found.items():
+                for k, (_, path) in enumerate(sorted(shards)):
+                    dst = os.path.join(tmp_dir, f"{split}_{k:03d}.bin")
+                    try:
+                        os.link(path, dst)
+                    except OSError:  # another file system (or no hard links there): a copy
+                        shutil.copyfile(path, dst)
+            with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=2)
     except OSError as e:
         raise ValueError(f"{out_dir}: cannot write the dataset ({e.strerror or e}); nothing in {out_dir} was "
                          f"changed") from None
-    finally:
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
     print(f"adopted {len(found['train'])} train and {len(found['val'])} val shard(s) from {src} -> {out_dir} "
           f"({meta['train_tokens']:,} + {meta['val_tokens']:,} {tok.name} tokens, not re-tokenised; no difficulty "
           f"scores, so not for --data_order=curriculum)")
@@ -399,7 +385,7 @@ def _check_numbering(src, split, shards):
 
 def default_out_dir(sources, paths, tokenizer_name, corpus="shakespeare"):
     """data/<corpus>_<tokenizer> for a shipped corpus, else data/<first source's stem>_<tokenizer>; a model's
-    tokenizer by the last part of its source (common.source_slug: SmolLM2-135M-Instruct.Q4_1 for its .gguf)."""
+    tokenizer by the last part of its source (source_slug: SmolLM2-135M-Instruct.Q4_1 for its .gguf)."""
     stem = re.sub(r"\.(txt|jsonl|jsonl\.gz|parquet)$", "", os.path.basename(paths[0]))
     return os.path.join(DATA_DIR, f"{corpus if sources is None else stem}_{source_slug(tokenizer_name)}")
 
@@ -467,12 +453,7 @@ def _utf8(raw, path, offset):
                          f"convert the file to UTF-8 first (e.g. iconv -f latin1 -t utf-8)") from None
 
 # -----------------------------------------------------------------------------
-# replacing out_dir: one directory swap, and recovery from a run killed in the middle of it
-# The temporary directories are named .<name>.tmp_<host>_<pid>_<random> (the new dataset being built) and
-# .<name>.old_<host>_<pid>_<random> (the dataset being replaced), so that a later run can tell whether the
-# process that owns one is gone: only then (or after a day, for another machine's) is it removed.
-
-STALE_AFTER_S = 86400  # a temporary directory whose owner cannot be checked (another host) is stale after a day
+# where the dataset goes: out_dir, its name, and who may write into it
 
 
 def _check_out_dir(out_dir):
@@ -491,7 +472,24 @@ def _check_out_dir(out_dir):
     return real
 
 
-# the name of a shipped corpus's directory: data/<corpus>_<common.source_slug(tokenizer)>
+def source_slug(name):
+    """A file-name-safe short name of a tokenizer or model source: byte and gpt2 as they are, a model by its last
+    part without the extension and a hash of where it is (two models of one name do not share shards):
+    data/models/SmolLM2-135M-Instruct.Q4_1.gguf -> SmolLM2-135M-Instruct.Q4_1-<8 hex digits>."""
+    if name in ("byte", "gpt2"):
+        return name
+    base = os.path.basename(os.path.normpath(name))
+    base = base[:-len(".gguf")] if base.endswith(".gguf") else base
+    where = os.path.realpath(name) if os.path.exists(name) else name
+    return (re.sub(r"[^A-Za-z0-9._-]+", "-", base) or "model") + "-" + hashlib.sha1(where.encode()).hexdigest()[:8]
+
+
+def same_source(a, b):
+    """Whether two tokenizer or model names are the same one: equal names, or two paths to the same file or folder."""
+    return a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b))
+
+
+# the name of a shipped corpus's directory: data/<corpus>_<source_slug(tokenizer)>
 SHIPPED_DIR = re.compile(r"(?P<corpus>[^_]+)_(?P<tok>byte|gpt2|[A-Za-z0-9._-]+-[0-9a-f]{8})")
 
 
@@ -543,95 +541,12 @@ def check_shipped(d, corpus):
                          f"move it elsewhere (and pass that path as --data), then the shipped corpus is prepared again")
 
 
-def _swap(new, out):
-    """Replace directory out by directory new (same parent) with two renames. A kill between the two leaves
-    out missing, the old dataset complete at .<name>.old_* and the new one at .<name>.tmp_*: the next run's
-    _recover renames the old one back; check_not_mid_swap says where it is meanwhile."""
-    old = os.path.join(os.path.dirname(out), os.path.basename(new).replace(".tmp_", ".old_", 1))
-    for _ in range(10):  # retried only when another tools/prepare.py swaps the same out (nodes sharing a disk)
-        try:
-            if not os.path.lexists(out):
-                os.rename(new, out)
-                return
-            os.rename(out, old)
-        except OSError as e:
-            if e.errno in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST) and os.path.isdir(new):
-                continue
-            raise
-        try:
-            os.rename(new, out)
-        finally:
-            if os.path.lexists(out):  # swapped: the old dataset goes (a loader reading it keeps its open files)
-                shutil.rmtree(old, ignore_errors=True)
-            else:  # the second rename failed or was interrupted: put the old dataset back
-                os.rename(old, out)
-        return
-    raise OSError(errno.EBUSY, f"{out} kept changing while tools/prepare.py tried to replace it")
-
-
-def _make_tmp_dir(out):
-    """An empty .<name>.tmp_<host>_<pid>_<random> beside out, with out's permissions (or the umask's for a new
-    one; not mkdtemp's 0700, which would hide the dataset from other users once it is swapped in)."""
-    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp_{_owner()}_{os.urandom(4).hex()}")
-    os.mkdir(path)
-    if os.path.isdir(out):
-        os.chmod(path, stat.S_IMODE(os.stat(out).st_mode))
-    return path
-
-
-def _host():
-    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
-
-
-def _owner():
-    return f"{_host()}_{os.getpid()}"
-
-
-def _is_stale(parent, name, owner):
-    """Whether temporary directory parent/name, owner = the part of its name after .tmp_ or .old_, is left over
-    from a run that is gone."""
-    m = re.match(r"([A-Za-z0-9-]+)_(\d+)_", owner)
-    if m and m.group(1) == _host():
-        pid = int(m.group(2))
-        if os.name == "posix":
-            try:
-                os.kill(pid, 0)  # signal 0: only asks whether the process exists
-            except ProcessLookupError:
-                return True
-            except PermissionError:  # it exists, as another user's process
-                return False
-            return False
-    try:  # another host's, or an older tools/prepare.py's .<out>.tmp_<random>: by age
-        return time.time() - os.stat(os.path.join(parent, name)).st_mtime > STALE_AFTER_S
-    except FileNotFoundError:
-        return False
-
-
-def _recover(out):
-    """Before a run: if a kill between _swap's renames left no out, rename the old dataset back; then remove
-    every temporary directory of out whose run is gone."""
-    parent, name = os.path.split(out)
-    prefixes = (f".{name}.tmp_", f".{name}.old_")  # the same length
-    stale = [n for n in os.listdir(parent) if n.startswith(prefixes) and _is_stale(parent, n, n[len(prefixes[0]):])]
-    old = sorted((n for n in stale if n.startswith(f".{name}.old_")),
-                 key=lambda n: os.stat(os.path.join(parent, n)).st_mtime)
-    if old and not os.path.lexists(out):
-        os.rename(os.path.join(parent, old[-1]), out)
-        print(f"restored {out} from {old[-1]}, left by a tools/prepare.py killed while replacing it")
-        stale.remove(old[-1])
-    for n in stale:
-        shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
-
-
 def check_not_mid_swap(d):
-    """For a reader that finds no dataset d: if a tools/prepare.py was killed between _swap's two renames, raise
-    a ValueError saying where the previous dataset is (the next tools/prepare.py run restores it, _recover)."""
-    parent, name = os.path.split(os.path.abspath(d))
-    if os.path.exists(d) or not os.path.isdir(parent):
-        return
-    old = sorted(n for n in os.listdir(parent) if n.startswith(f".{name}.old_"))
+    """For a reader that finds no dataset d: if a tools/prepare.py was killed between the two renames that swap a
+    dataset in (common.atomic_dir), raise a ValueError saying where the previous dataset is (the next run puts it
+    back)."""
+    old = swapped_out(d)
     if old:
-        old = os.path.join(parent, old[-1])
         raise ValueError(f"{d}: missing, but {old} holds its previous dataset (a tools/prepare.py was killed while "
                          f"replacing it); restore it: mv {old} {d} (or re-run tools/prepare.py, which restores it first)")
 
@@ -658,20 +573,12 @@ def upgrade_loader_state(sd, loader):
 # -----------------------------------------------------------------------------
 
 
-class _Stopped(BaseException):
-    """SIGTERM, turned into an exception by main() so that prepare()'s clean-up runs (see _on_sigterm)."""
-
-
-def _on_sigterm(signum, frame):
-    raise _Stopped
-
-
 def _default_for(sources, tokenizer, corpus):
     try:
         return default_out_dir(sources or None, _expand_sources(sources) if sources else [SHAKESPEARE], tokenizer,
                                corpus)
-    except ValueError:
-        return "--out_dir"
+    except ValueError:  # a bad source: prepare() says so at once
+        return "<its default>"
 
 
 @dataclass
@@ -700,30 +607,21 @@ def main(argv):
         get_tokenizer(opts["tokenizer"])
     except (ValueError, ImportError) as e:
         die(f"--tokenizer={opts['tokenizer']}: {e}", 2)
-    # only here, not in prepare(): train.py calls prepare() and has its own signal handling
-    main_thread = threading.current_thread() is threading.main_thread()  # signal.signal works only there
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    if opts["adopt"] and (sources or opts["out_dir"] is None):  # checked before any shard is read
+        die(f"--adopt={opts['adopt']}: takes the shard directory and an --out_dir for the adopted dataset "
+            f"(e.g. --out_dir=data/fineweb10B_{source_slug(opts['tokenizer'])}), and no source files", 2)
+    # SIGTERM or Ctrl-C: one line saying whether out_dir is as it was or already the whole new dataset. Only here,
+    # not in prepare(): train.py calls prepare() and has its own signal handling
     try:
-        if opts["adopt"]:
-            if sources or opts["out_dir"] is None:  # checked before any shard is read
-                die(f"--adopt={opts['adopt']}: takes the shard directory and an --out_dir for the adopted dataset "
-                    f"(e.g. --out_dir=data/fineweb10B_{source_slug(opts['tokenizer'])}), and no source files", 2)
-            out_dir = adopt(opts["adopt"], opts["out_dir"], opts["tokenizer"])
-            return 0
-        kw = {k: v for k, v in opts.items() if k not in ("clean", "adopt")}
-        out_dir = prepare(sources or None, clean_as=opts["clean"], **kw)
+        with stoppable("--out_dir", opts["out_dir"] or _default_for(sources, opts["tokenizer"], opts["corpus"])):
+            if opts["adopt"]:
+                adopt(opts["adopt"], opts["out_dir"], opts["tokenizer"])
+                return 0
+            kw = {k: v for k, v in opts.items() if k not in ("clean", "adopt")}
+            out_dir = prepare(sources or None, clean_as=opts["clean"], **kw)
     except ValueError as e:  # a bad corpus, a full disk: one line that says what to fix, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (_Stopped, KeyboardInterrupt) as e:
-        how, code = ("SIGTERM", 128 + signal.SIGTERM) if isinstance(e, _Stopped) else ("Ctrl-C", 128 + signal.SIGINT)
-        where = opts["out_dir"] or _default_for(sources, opts["tokenizer"], opts["corpus"])
-        print(f"error: stopped by {how} before it finished; {where} keeps its previous dataset, if it had "
-              f"one; run the same command again to prepare it", file=sys.stderr)
-        return code
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     sample = data.read_shard(os.path.join(out_dir, "train_000.bin"))[:48].tolist()
     print(f"first train tokens: {sample}\ndecoded: {get_tokenizer(opts['tokenizer']).decode(sample)!r}")
     return 0

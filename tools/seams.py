@@ -17,7 +17,7 @@ import os
 import torch
 
 from tools import checkpoint
-from tools.common import load_gpt
+from tools.load import load_gpt
 from tools.config import DLM, avg_interval
 from tools.flags import die
 

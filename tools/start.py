@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import data
 from model import GPT
 from quant import set_lambda
-from tools import checkpoint, common, seams
+from tools import checkpoint, outputs, seams
 from tools.flags import die
+from tools.load import is_model_source
 from tools.pretrained import from_pretrained
 
 
@@ -64,9 +65,9 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
             return Start(note=f"stage 2: no stage-1 checkpoint at {path}; training the ternary model from scratch")
         die(f"no checkpoint at {path} to start stage {cfg.stage} from; make it with: "
             f"python train.py --stage={max(cfg.stage - 1, 1)}")
-    if common.is_model_source(path):
+    if is_model_source(path):
         return pretrained_start(cfg, model_conf, path)
-    common.check_input("--init_from", path)  # an HF export of ours: named as such
+    outputs.check_input("--init_from", path)  # an HF export of ours: named as such
     ckpt = checkpoint.load(path)
     model_conf = adopt_architecture(model_conf, ckpt)
     checkpoint.check_fits(ckpt["model_args"], model_conf, path)
@@ -104,7 +105,7 @@ def previous_stage_tokenizer(cfg):
         tok = (checkpoint.load(path, ("config",), mmap=True).get("config") or {}).get("tokenizer")
     except checkpoint.CheckpointError:
         return None  # starting_weights says what is wrong with it
-    return tok if common.is_model_source(tok or "") else None
+    return tok if is_model_source(tok or "") else None
 
 
 # -----------------------------------------------------------------------------

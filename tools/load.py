@@ -1,0 +1,114 @@
+"""
+A GPT from any file we write, and which names are pretrained models as published instead.
+
+    load_gpt(path) -> (model, the loaded dict)   a training checkpoint, a checkpoint average (avg.pt), a packed export
+    model_from_packed(obj)                       a packed export's dict (tools/export.py writes it) as a GPT
+    gpt_config(model_args), saved_tokenizer(obj) the model's shape and the tokenizer a saved dict names
+    is_model_source(name)                        a GGUF, a Hugging Face model directory or a hub id: GPT.from_pretrained
+                                                 builds it (--init_from, --teacher, --tokenizer)
+
+A GGUF or an HF export of ours passed where a checkpoint is read is named as such (outputs.why_not_a_checkpoint).
+Test: python -m pytest tests/test_common.py tests/test_packed.py tests/test_sample.py
+"""
+
+import math
+import os
+
+from model import GPT, GPTConfig
+from tokenizer import get_tokenizer
+from tools import checkpoint
+from tools.outputs import hf_marker, why_not_a_checkpoint
+
+FORMAT = "nanobitnet-packed-v1"  # a packed export's "format" (tools/export.py's docstring shows the dict)
+LEGACY_MODEL_ARGS = ("track_max_logit", "max_logit_rows")  # QK-clip's tracking is a hook now (lessons/muon_variants.py)
+
+
+def gpt_config(model_args):
+    """The GPTConfig of a checkpoint's or an export's model_args; keys of older versions that no longer shape the
+    model are dropped."""
+    return GPTConfig(**{k: v for k, v in model_args.items() if k not in LEGACY_MODEL_ARGS})
+
+
+def saved_tokenizer(obj):
+    """The tokenizer name ("byte", "gpt2") a checkpoint's config or an export names, or None."""
+    return obj.get("tokenizer") if "format" in obj else (obj.get("config") or {}).get("tokenizer")
+
+
+def load_gpt(path, device="cpu"):
+    """Build the GPT saved at path: a training checkpoint, a checkpoint average (avg.pt) or a packed export (whose
+    hidden matrices come back as PackedBitLinear). Returns (model in eval mode on device, the loaded dict:
+    model_args, and the config of a checkpoint or the format of an export; saved_tokenizer(obj) names its
+    tokenizer). model.dlm_shift says how a masked-diffusion model reads its predictions.
+    Raises checkpoint.CheckpointError, one line naming the file: missing, corrupt, a tokenizer that does not fit
+    the vocabulary, or no checkpoint at all (a GGUF, an HF export directory, its model.safetensors or
+    nanobitnet.json: what it is and which command takes it)."""
+    why = why_not_a_checkpoint(path)
+    if why:
+        raise checkpoint.CheckpointError(f"{path} {why}")
+    if not os.path.exists(path):
+        raise checkpoint.CheckpointError(f"no checkpoint at {path}; train one first: python train.py --stage=2")
+    if os.path.isdir(path):
+        raise checkpoint.CheckpointError(f"{path} is a directory; pass the checkpoint file in it, e.g. "
+                                         f"{os.path.join(path, checkpoint.LATEST)}")
+    obj = checkpoint.load(path, required=("model_args",))
+    if not isinstance(obj["model_args"], dict):
+        raise checkpoint.CheckpointError(f"{path}: not a checkpoint of ours (model_args is not a dict)")
+    packed = str(obj.get("format", "")).startswith("nanobitnet-packed")
+    name, causal = saved_tokenizer(obj), obj["model_args"].get("causal", True)
+    # the tokenizer against the vocabulary, before any weight is read: a mismatch means the file mixes two runs
+    if name is not None and "vocab_size" in obj["model_args"]:
+        try:
+            tok = get_tokenizer(name)
+        except ValueError as e:
+            raise checkpoint.CheckpointError(f"{path}: {e}; the file was not written by train.py or tools/export.py")
+        vocab = obj["model_args"]["vocab_size"] - (not causal)  # a masked-diffusion model has one extra token
+        if not tok.vocab_size <= vocab <= 64 * math.ceil(tok.vocab_size / 64):  # --pad_vocab rounds up to 64
+            raise checkpoint.CheckpointError(
+                f"{path}: tokenizer {name!r} has {tok.vocab_size} tokens but the model's vocabulary is {vocab}; the "
+                "file mixes two runs: re-export it from its training checkpoint: python -m tools.export --ckpt=<ckpt.pt>")
+    try:
+        if packed:
+            model = model_from_packed(obj, path)
+        else:
+            model = GPT(gpt_config(obj["model_args"]))
+            model.load_state_dict(obj["model"])
+            model.dlm_shift = (obj.get("config") or {}).get("dlm_shift", True)
+    except Exception as e:  # a foreign or mismatched file: one line naming it, no traceback
+        why = str(e) if packed and isinstance(e, ValueError) else \
+            f"{path}: cannot load checkpoint ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+        raise checkpoint.CheckpointError(why) from None
+    return model.to(device).eval(), obj
+
+
+def model_from_packed(obj, source="export"):
+    """Rebuild a GPT whose hidden projections are PackedBitLinear from an export dict; ValueError if it does not fit."""
+    from kernels.packed_linear import PackedBitLinear, freeze_ternary  # here: it imports Triton, which takes seconds
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{source}: not a packed export (format {found!r}, expected {FORMAT!r}); "
+                         "make one with: python -m tools.export --ckpt=<ckpt.pt>")
+    model = freeze_ternary(GPT(gpt_config(obj["model_args"])))  # the packed structure; weights come below
+    state = dict(obj["fp"])
+    for name, p in obj["packed"].items():
+        m = model.get_submodule(name)
+        if not isinstance(m, PackedBitLinear) or (m.in_features, m.out_features) != (p["in_features"], p["out_features"]):
+            raise ValueError(f"{source}: {name} ({p['in_features']} -> {p['out_features']}) does not fit the model "
+                             f"that model_args describe ({m})")
+        state[f"{name}.w_packed"], state[f"{name}.w_scale"] = p["w_packed"], p["w_scale"]
+    model.load_state_dict(state)  # strict: every tensor of the model must come from the file
+    model.dlm_shift = obj.get("dlm_shift", True)  # a masked-diffusion export: how it reads its predictions
+    return model.eval()
+
+
+def is_model_source(name):
+    """True when name is a pretrained model as published (GPT.from_pretrained takes it): a GGUF file, a Hugging
+    Face model directory (config.json), or a hub id ("org/name", not a path on this machine)."""
+    if not name or name in ("auto", "scratch", "byte", "gpt2"):
+        return False
+    if os.path.isfile(name):
+        return name.endswith(".gguf")
+    if os.path.isdir(name):  # a model (config.json) or a tokenizer alone (for --tokenizer)
+        return any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "tokenizer.json",
+                                                                    "tokenizer_config.json")) and not hf_marker(name)
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.endswith((".pt", ".gguf", ".bin")) and not name.startswith(".")

@@ -1,0 +1,185 @@
+"""
+What a file on disk is, and what an output may replace: one `error:` line before a command reads or writes anything.
+
+    file_kind(path) -> (kind, source)     what is there, and which checkpoint or run it was made from
+    check_input(flag, path)               the model file a command reads is not a directory, a GGUF or an HF export
+    check_output(flag, path, kind, ...)   writing a `kind` file at path would lose nothing
+    why_not_a_checkpoint(path)            a GGUF or an HF export where a checkpoint is read: which program reads it
+
+The output rules: an output never replaces what its command reads (ckpt.pt is a hard link to ckpt_<step>.pt, so
+files are compared, not names), never a file of another kind (a training checkpoint, a packed export, a GGUF, an
+HF export directory, a metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
+--overwrite=True. A file of its own kind made from the same source (a re-export) is replaced.
+Test: python -m pytest tests/test_common.py tests/test_outputs.py
+"""
+
+import json
+import os
+import struct
+
+from tools.flags import die
+
+KINDS = {  # file_kind's names, in the words an error line uses
+    "checkpoint": "a training checkpoint", "average": "a checkpoint average (avg.pt)",
+    "packed": "a packed export (tools/export.py)", "gguf": "a GGUF file (tools/export.py --format=gguf)",
+    "hf": "an HF export directory (tools/export.py --format=hf)", "hf-file": "a file of an HF export directory",
+    "safetensors": "a safetensors weights file", "metrics": "a run's metrics log", "png": "a PNG image",
+    "text": "a text file", "directory": "a directory", "other": "a file of another kind",
+}
+HF_MARKER = "nanobitnet.json"  # in every HF export directory of ours: its format, source checkpoint and file names
+GGUF_SOURCE = "nanobitnet.source"  # the GGUF metadata key holding the checkpoint it was exported from
+PNG_SOURCE = "Source"  # the PNG text chunk holding the metrics.jsonl a plot was drawn from
+
+
+def hf_marker(d):
+    """The nanobitnet.json of an HF export of ours in directory d, or None."""
+    try:
+        with open(os.path.join(d, HF_MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) and str(marker.get("format", "")).startswith("nanobitnet-hf") else None
+
+
+def file_kind(path):
+    """(kind, source) of what is at path: kind is a key of KINDS; source is the absolute path of what it was made
+    from (the checkpoint of an export, the metrics.jsonl of a plot), or None. Reads only headers and metadata."""
+    if os.path.isdir(path):
+        marker = hf_marker(path)
+        return ("hf", marker.get("source")) if marker else ("directory", None)
+    marker = hf_marker(os.path.dirname(path) or ".")
+    if marker and os.path.basename(path) in marker.get("files", ()):
+        return "hf-file", os.path.dirname(os.path.abspath(path))
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return "other", None
+    if head[:4] == b"GGUF":
+        return "gguf", _gguf_source(path)
+    if head[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png", _png_source(head)
+    if head[:4] == b"PK\x03\x04":  # torch.save's zip format
+        return _torch_kind(path)
+    if len(head) > 8 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < 1 << 27:
+        return "safetensors", None  # an 8-byte header length, then the JSON header
+    if os.path.basename(path) == "metrics.jsonl":
+        return "metrics", None
+    try:
+        head.decode("utf-8")
+        return "text", None
+    except UnicodeDecodeError:
+        return "other", None
+
+
+def _torch_kind(path):
+    import torch
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return "other", None
+    if isinstance(obj, dict) and str(obj.get("format", "")).startswith("nanobitnet-packed"):
+        return "packed", obj.get("source")
+    if isinstance(obj, dict) and "averaged" in obj:
+        return "average", None
+    return ("checkpoint", None) if isinstance(obj, dict) and "model" in obj else ("other", None)
+
+
+def _gguf_source(path):
+    try:
+        import gguf
+        field = gguf.GGUFReader(path).fields.get(GGUF_SOURCE)
+        return field.contents() if field is not None else None
+    except Exception:  # no gguf package, or a file it cannot read: the source is unknown
+        return None
+
+
+def _png_source(head):
+    """The PNG_SOURCE text chunk among the chunks before the image data (PNG: length, type, data, CRC)."""
+    i = 8
+    while i + 8 <= len(head):
+        n, kind = struct.unpack(">I4s", head[i:i + 8])
+        if kind == b"IDAT":
+            break
+        key, _, value = head[i + 8:i + 8 + n].partition(b"\0")
+        if kind == b"tEXt" and key == PNG_SOURCE.encode():
+            return value.decode("latin-1")
+        i += 12 + n
+    return None
+
+
+def why_not_a_checkpoint(path):
+    """None, or a sentence saying that path is a model which load.load_gpt does not build (a GGUF, an HF export or
+    one of its files) and which program reads it."""
+    kind, source = file_kind(path) if os.path.exists(path) else (None, None)
+    if kind == "hf-file" or (kind == "safetensors" and hf_marker(os.path.dirname(path) or ".")):
+        kind, source = "hf", hf_marker(os.path.dirname(path) or ".").get("source")
+        path = os.path.dirname(os.path.abspath(path))
+        what = f"is a file of the HF export directory {path}"
+    elif kind in ("gguf", "hf", "safetensors"):
+        what = f"is {KINDS[kind]}"
+    else:
+        return None
+    takes = {"gguf": f"llama.cpp reads it (llama-cli -m {path})",
+             "hf": f"transformers reads it: AutoModelForCausalLM.from_pretrained({path!r})",
+             "safetensors": "transformers or safetensors read it"}[kind]
+    return (f"{what}, not a checkpoint: {takes}; pass the training checkpoint" +
+            (f" it was exported from ({source})" if source else " (ckpt.pt)"))
+
+
+def check_input(flag, path):
+    """Stop (exit 2, one line naming the flag) when the model file a command reads is a directory, a GGUF or an HF
+    export: say what it is and what to pass. A missing or corrupt file is load_gpt's to report."""
+    why = why_not_a_checkpoint(path)
+    if why:
+        die(f"{flag}={path} {why}", 2)
+    if os.path.isdir(path):
+        die(f"{flag}={path} is a directory; pass the checkpoint file in it, e.g. {flag}={os.path.join(path, 'ckpt.pt')}",
+            2)
+
+
+def check_output(flag, path, kind, source=None, overwrite=False, inputs=()):
+    """Stop the command (one line via die: the flag, what is there, the fix) before it writes a `kind` file (a
+    directory for "hf") made from `source` at path, when that would lose something (the rules in the docstring).
+    inputs: (flag, path) pairs of what the command reads. Exit 2; 1 for a directory that is missing or read-only."""
+    for in_flag, in_path in inputs:
+        same = os.path.abspath(in_path) == os.path.abspath(path) or (
+            os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path))
+        if same:
+            die(f"{flag}={path} is the same file as {in_flag}={in_path}: writing there would destroy what this command "
+                f"reads; pass another {flag}", 2)
+        if kind == "hf" and os.path.isdir(path) and os.path.exists(in_path) and os.path.realpath(in_path).startswith(
+                os.path.join(os.path.realpath(path), "")):
+            where = "is the directory of" if os.path.samefile(os.path.dirname(in_path) or ".", path) else "holds"
+            die(f"{flag}={path} {where} {in_flag}={in_path}; the export needs a directory of its own, e.g. "
+                f"{flag}={os.path.join(path, 'hf')}", 2)
+    if kind == "hf" and os.path.exists(path) and not os.path.isdir(path):
+        die(f"{flag}={path} is a file; --format=hf writes a directory (config.json, model.safetensors, ...): pass a new "
+            f"or empty directory", 2)
+    if kind != "hf" and os.path.isdir(path):
+        example = {"packed": "packed.pt", "gguf": "model.gguf", "png": "curves.png"}.get(kind, "<name>")
+        die(f"{flag}={path} is a directory; pass a file name, e.g. {flag}={os.path.join(path, example)}", 2)
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d):
+        d = os.path.dirname(path)
+        die(f"{flag}={path}: directory {d} does not exist; create it (mkdir -p {d}) or pass another {flag}")
+    if not os.access(d, os.W_OK):
+        die(f"{flag}={path}: directory {d} is not writable; pass another {flag}")
+    if not os.path.exists(path):
+        return
+    have, have_source = file_kind(path)
+    if kind == "hf" and have == "directory":  # our files beside theirs: nothing of theirs is lost
+        found = sorted(os.listdir(path))
+        if found and not overwrite:
+            die(f"{flag}={path} is a directory with other files in it ({', '.join(found[:3])}"
+                f"{', ...' * (len(found) > 3)}), not an HF export of ours; pass a new or empty directory, or "
+                f"--overwrite=True to write our files into it (files of other names stay)", 2)
+        return
+    if have != kind:
+        die(f"{flag}={path} is {KINDS[have]}, not {KINDS[kind]}: an output never replaces a file of another kind, not "
+            f"even with --overwrite=True; pass another {flag}, or move that file away first", 2)
+    if overwrite or (source and have_source and os.path.abspath(have_source) == os.path.abspath(source)):
+        return
+    made = f" made from another {'run' if kind == 'png' else 'checkpoint'} ({have_source})" if have_source else ""
+    die(f"{flag}={path} already exists ({KINDS[have]}{made}); pass another {flag}, or --overwrite=True to replace it",
+        2)
