@@ -30,7 +30,7 @@ import data
 import quant
 from lessons import dlm
 from model import GPT
-from tools import outputs, plumbing, start
+from tools import common, outputs, plumbing, start
 from tools.flags import die, parse
 from tools.load import is_model_source
 

@@ -17,7 +17,7 @@ import data
 from lab import report, runner, tables
 from conftest import ENV, TINY
 from model import GPT, GPTConfig
-from tools import common
+from tools import common, plumbing
 
 
 @pytest.fixture(autouse=True)
