@@ -6,7 +6,7 @@ and nothing is launched. The interpreter (TRITON_INTERPRET=1), which the kernel 
 kernels as NumPy and never meets the compiler, so a kernel that cannot compile for a GPU passes there; this
 catches it, and reports per kernel what only the compiled code shows:
 
-    regs     registers per thread, and spills (STL/LDL instructions in the SASS: local memory)
+    regs     registers per thread, spills (STL/LDL instructions in the SASS: local memory), shared memory
     mma      integer MMA instructions in the PTX (mma.sync ... .s8 on sm_80, wgmma ... .s8 on sm_90)
     dp4a     dp4a instructions in the PTX
     wload    the global loads whose address comes from the weight pointer, with their widths in bytes.
@@ -60,7 +60,7 @@ TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "GROUP_M")
 def _decode(name, cfg, out="*bf16", dp4a=True, write_acc=False):
     consts = dict(M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_G=cfg["BLOCK_G"], DP4A=dp4a, WRITE_ACC=write_acc)
     return dict(name=name, kind="decode", kernel=tm._decode_kernel, signature=dict(DECODE_ARGS, out_ptr=out),
-                constexprs=consts, options=dict(num_warps=cfg["num_warps"], num_stages=1))
+                constexprs=consts, options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
 
 
 def _prefill(name, cfg, out="*bf16", write_acc=False):
@@ -198,6 +198,7 @@ def main(argv=()):
             loads = (f", weight loads {r['n_wload']} x {'/'.join(map(str, r['wload_widths']))} B x {r['threads']} "
                      f"threads = {r['wload_bytes'] * r['threads']:,} B (tile {r['tile_bytes']:,} B{stages})")
         print(f"{r['target']} {r['name']}: {r['cubin_bytes']:,} bytes of cubin, {r['regs']} regs, {r['spills']} spills, "
+              f"{r['shared'] // 1024} KiB shared, "
               f"{r['n_mma']} MMA {' '.join(r['mma']) or '-'}, {r['dp4a']} dp4a{loads}, {r['seconds']}s")
     print("all configurations compiled" if not failed else f"{failed} configuration(s) failed")
     return 1 if failed else 0

@@ -315,12 +315,13 @@ SMS = 132  # an H100's SMs: the decode table gives at least two programs per SM 
 # decode: 4 int32 words (16-byte loads) per thread and row, BLOCK_G words of every row per loop step: "short" rows
 # (K <= 1024, at most 64 words) in one warp (16 threads along K, 2 rows at a time), longer ones 256 words (4096
 # elements) per step in two warps (64 threads along K, each holding all BLOCK_N rows, so x is loaded once per
-# program); "wide" (N >= 2 * 8 * SMS): 8 rows a program, else 2, for more programs
+# program); "wide" (N >= 2 * 8 * SMS): 8 rows a program, else 2, for more programs. num_stages = 1: no shared-memory
+# staging; a thread's 16-byte loads of all its rows are in flight at once, and many programs share each SM
 DECODE_CONFIGS = {
-    "short-narrow": dict(BLOCK_N=2, BLOCK_G=64, num_warps=1),
-    "short-wide": dict(BLOCK_N=8, BLOCK_G=64, num_warps=1),
-    "long-narrow": dict(BLOCK_N=2, BLOCK_G=256, num_warps=2),
-    "long-wide": dict(BLOCK_N=8, BLOCK_G=256, num_warps=2),
+    "short-narrow": dict(BLOCK_N=2, BLOCK_G=64, num_warps=1, num_stages=1),
+    "short-wide": dict(BLOCK_N=8, BLOCK_G=64, num_warps=1, num_stages=1),
+    "long-narrow": dict(BLOCK_N=2, BLOCK_G=256, num_warps=2, num_stages=1),
+    "long-wide": dict(BLOCK_N=8, BLOCK_G=256, num_warps=2, num_stages=1),
 }
 # prefill: by GPU generation (8: Ampere/Ada mma.sync, 9: Hopper wgmma) and M ("short": M <= 64, "tall": more);
 # BLOCK_G = 16 words = 64 elements of each plane per tl.dot, 256 elements per K step
