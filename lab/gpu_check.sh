@@ -3,7 +3,7 @@
 # names the device. Run it first on any machine with a GPU, and put its numbers in README with the device named.
 #   bash lab/gpu_check.sh            (about 10 min on one H100; OUT=... moves the logs from out/gpu_check/)
 # Steps (each one's full output goes to $OUT/<step>.log; a failing step does not stop the others):
-#   kernels      the Triton kernel and packed-inference tests, compiled and autotuned on CUDA (not the interpreter)
+#   kernels      the Triton kernel and packed-inference tests, compiled on CUDA (not the interpreter; dp4a itself)
 #   bench        python -m lab.bench: ternary kernel vs bf16 F.linear at M = 1, 16, 2048
 #   bench_train  python -m lab.bench --train: QAT vs bf16 step time, Muon's share, MFU
 #   train        the CUDA preset, stage 2 from scratch for STEPS (default 300) steps, timed: tokens/s
