@@ -3,43 +3,52 @@ Ternary x int8 matmul in Triton: y = (x_q @ W_q^T) * x_scale * gamma, with 2-bit
 
 BitNet b1.58 inference needs only integer arithmetic between the scales: W_q in {-1, 0, +1} and
 x_q in [-128, 127], so the product x_q @ W_q^T is a sum of small integers that an int32 accumulator
-holds exactly (|acc| <= 128 * K < 2**31 for K < 2**24). The scales are applied once, at the end. Sources: the
-quantisers of BitNet b1.58 (arXiv 2402.17764, section 2); W1.58A8 inference from 2-bit packed weights, BitNet
-b1.58 2B4T (arXiv 2504.12285). Byte layout, export file and this contract: docs/packed-format.md.
+holds exactly. The scales are applied once, at the end. Sources: the quantisers of BitNet b1.58
+(arXiv 2402.17764, section 2); W1.58A8 inference from 2-bit packed weights, BitNet b1.58 2B4T
+(arXiv 2504.12285) and its GPU kernel, whose weights are permuted offline so that one shift and one mask of an
+int32 word give four int8 codes for one dp4a. Byte layouts, export file and this contract: docs/packed-format.md.
 
-Packed weight layout (same as quant.pack_ternary):
+Weight layout, plane order (pack_planes; what the kernels and PackedBitLinear hold):
     code = W_q + 1 in {0, 1, 2}: 0b00 = -1, 0b01 = 0, 0b10 = +1        (0b11 is never written)
-    w_packed[n, k // 4] holds element k in bits 2*(k % 4) .. 2*(k % 4) + 1       (N, ceil(K/4)) uint8
-    K is padded to a multiple of 4 with code 0b01 (weight 0), so the padding adds nothing.
+    w[n, j] (N, Q) uint8, Q = ceil(K/4), holds elements k = j, j + Q, j + 2Q, j + 3Q in bits 0-1, 2-3, 4-5, 6-7
+    k >= K (up to 4Q) holds code 0b01 (weight 0), so the padding adds nothing.
+Read as little-endian int32 words, word g of a row holds k = 4g..4g+3 of each of the four planes, and
+    (word >> 2i) & 0x03030303 = the four codes of k = iQ + 4g .. iQ + 4g + 3, one per byte,
+which pair with the activations' int32 word iQ/4 + g: one shift, one mask and one dp4a do four multiply-adds.
+The export file keeps quant.pack_ternary's sequential order (k in bits 2*(k % 4) of byte k // 4);
+planes_from_packed and packed_from_planes convert, exactly, in either direction.
 
 Arithmetic, per output element:
-    acc[m, n] = sum_k x_q[m, k] * W_q[n, k]                int32, exact, order-independent
+    acc[m, n] = sum_k x_q[m, k] * W_q[n, k] = sum_k x_q[m, k] * code[n, k] - sum_k x_q[m, k]    int32, exact
     y[m, n]   = (float32(acc[m, n]) * x_scale[m]) * gamma   fp32, in this order, then cast to out_dtype
-x_scale = 1/s is the per-row scale from activation_quant, gamma the per-tensor weight scale; with several
-matrices stacked along N (q, k, v of one input, one launch), w_scale holds each row's own matrix's gamma.
+The kernels multiply by the codes (0, 1, 2) and subtract the row sum of x_q once, so the unpacking is one shift
+and one mask. Every partial sum is below 2 * 128 * K < 2**31 (K < 2**23, checked). x_scale = 1/s is the
+per-row scale from activation_quant, gamma the per-tensor weight scale; with several matrices stacked along N
+(q, k, v of one input, one launch), w_scale holds each row's own matrix's gamma.
 
-Why int8 tensor cores: tl.dot(int8, int8) -> int32 runs on the integer MMA units of Ampere (mma.s8)
-and Hopper (wgmma .s8), which is exact, twice the fp16 rate, and half the operand bytes. Each program
-decodes its 2-bit weight tile to an int8 tile in registers and feeds it to tl.dot; in global memory
-the weights stay packed (1/8 of the bf16 bytes), which is what matters when decoding is memory bound.
-The decode is the simplest one: the (BLOCK_N, BLOCK_K) tile of bytes w_packed[n, k // 4] is loaded
-with each byte repeated for its four k (same cache line, so DRAM traffic is unchanged), then
-(byte >> 2 * (k % 4)) & 3 minus 1.
+Two kernels, chosen by the row count M (or forced with config="decode"|"prefill"); one launch each, the scales
+in its epilogue, so a layer is two launches in all (quantize_activations, then this):
+    decode  (M <= 16): CUDA cores, bandwidth-bound. Each program owns BLOCK_N weight rows over the whole K and
+            loads each of their words once (16-byte loads), one dp4a per word and plane; the rows of x loop
+            inside the program (for M > 1 the weight words come again from L1/L2, never DRAM twice). No tensor
+            cores, no padding of M = 1 to 16 rows, no split-K: the table gives 2 rows a program where N is
+            small, so N = 576 is already 288 programs for the 132 SMs of an H100.
+    prefill (M > 16):  int8 tensor cores (mma.sync .s8 on Ampere, wgmma .s8 on Hopper). Each program loads its
+            weight words once per K step, unpacks each plane in registers to an int8 tile, and runs one tl.dot
+            per plane against the matching slice of x.
+The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS) are fixed per shape class and GPU generation: no autotuning,
+no tile larger than it needs to be, and a K loop of one step is not software-pipelined (num_stages = 1).
+kernels/cross_compile.py compiles every entry for sm_80 and sm_90 and reads the result (tests/test_cross_compile.py).
 
-Two launch shapes (chosen by M, or forced with config="decode"|"prefill"):
-    decode  (M <= 16): BLOCK_M = 16 (the rows, padded), narrow BLOCK_N, and split-K: SPLIT_K
-            programs per output tile each reduce a slice of K and atomically add their int32 partial
-            sums into a zeroed buffer; a second tiny kernel applies the scales. Integer addition is
-            associative, so split-K stays exact and deterministic. N = 4096 with BLOCK_N = 32 is only
-            128 programs for the 132 SMs of an H100, one each; SPLIT_K = 2..8 gives several per SM.
-    prefill (M > 16): bigger tiles (64-256 rows), no split-K, scales applied in the epilogue.
-On CUDA both are autotuned over a few configs keyed on (M bucket, N, K). Under the Triton
-interpreter (TRITON_INTERPRET=1, CPU) each uses one small fixed config: autotuning would only be slow.
+dp4a: the compiled decode kernel multiplies with PTX dp4a.s32.s32 (inline asm). The interpreter cannot run
+inline asm, so under TRITON_INTERPRET=1 (CPU tests) the same kernel uses _dp4a's pure-Triton form, which
+computes the same int32 (each byte sign-extended, multiplied, added); DP4A is a constexpr of the kernel.
 
 quantize_activations(x) is the fused per-row absmax int8 quantiser; it equals quant.activation_quant
 bit for bit (IEEE division via tl.math.div_rn, round-half-to-even, no FMA contraction).
 
 Test (CPU, interpreter):  python -m pytest tests/test_kernels.py
+Compiled code (no GPU):   python -m kernels.cross_compile
 Benchmark (GPU):          python -m lab.bench
 Demo:                     python kernels/ternary_matmul.py    (CPU: TRITON_INTERPRET=1 python ...)
 """
@@ -52,75 +61,181 @@ import triton
 import triton.language as tl
 
 # triton.jit reads TRITON_INTERPRET when it decorates, i.e. when this module is imported; this mirrors it.
-# The kernels use only builtins of triton.language, none of its own @triton.jit helpers (tl.zeros,
-# tl.cdiv, tl.max are jit functions, fixed as compiled or interpreted when triton is first imported),
-# so re-importing this module after setting TRITON_INTERPRET=1 is enough to switch it to the interpreter.
+# The kernels use only builtins of triton.language and this module's own @triton.jit helpers, none of
+# triton.language's jit functions (tl.zeros, tl.cdiv, tl.sum are jit functions, fixed as compiled or interpreted
+# when triton is first imported), so re-importing this module after setting TRITON_INTERPRET=1 is enough to
+# switch it to the interpreter.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+K_MAX = 2**23  # 2 * 128 * K < 2**31: the largest partial sum of codes (0..2) times int8 stays in int32
+
+# -----------------------------------------------------------------------------
+# weight layouts (torch, any device)
+
+_PLANE_SHIFTS = (0, 2, 4, 6)
+
+
+def pack_planes(w_q):
+    """(N, K) int8 in {-1, 0, 1} -> (N, ceil(K/4)) uint8 in plane order: byte j holds k = j + iQ in bits 2i."""
+    N, K = w_q.shape
+    Q = (K + 3) // 4
+    codes = torch.ones((N, 4 * Q), dtype=torch.uint8, device=w_q.device)  # code 0b01 (weight 0) past K
+    codes[:, :K] = (w_q.to(torch.int16) + 1).to(torch.uint8)
+    planes = codes.view(N, 4, Q)  # (N, plane i, byte j): element k = iQ + j
+    return (planes[:, 0] | planes[:, 1] << 2 | planes[:, 2] << 4 | planes[:, 3] << 6).contiguous()
+
+
+def _codes(w, order):
+    """(N, Q) uint8 -> (N, 4Q) codes in k order, from "planes" or "sequential" (quant.pack_ternary) bytes."""
+    shifts = torch.tensor(_PLANE_SHIFTS, dtype=torch.uint8, device=w.device)
+    codes = (w.unsqueeze(-1) >> shifts) & 3  # (N, Q, 4): byte j, slot i
+    return (codes.transpose(1, 2) if order == "planes" else codes).reshape(w.shape[0], -1)
+
+
+def _pack_codes(codes, order):
+    """(N, 4Q) codes in k order -> (N, Q) uint8 bytes in the given order."""
+    N = codes.shape[0]
+    slots = codes.view(N, 4, -1) if order == "planes" else codes.view(N, -1, 4).transpose(1, 2)  # (N, i, j)
+    return (slots[:, 0] | slots[:, 1] << 2 | slots[:, 2] << 4 | slots[:, 3] << 6).contiguous()
+
+
+def planes_from_packed(w_packed):
+    """quant.pack_ternary's sequential bytes -> plane order, same shape; exact (every code keeps its k)."""
+    return _pack_codes(_codes(w_packed, "sequential"), "planes")
+
+
+def packed_from_planes(w_planes):
+    """Plane order -> quant.pack_ternary's sequential bytes (the export file's order); the inverse of the above."""
+    return _pack_codes(_codes(w_planes, "planes"), "sequential")
+
+
+def _weight_words(w, K):
+    """(N, ceil(K/4)) plane-order bytes -> (N, ceil(K/16)) int32 words whose planes are 4 * ceil(K/16) bytes.
+    A view when ceil(K/4) is a multiple of 4 (K % 16 == 0 or >= 13); otherwise the codes are re-laid in planes
+    of 4 * ceil(K/16) bytes, a copy on every call (no model here has such a K: its dimensions are multiples of 16)."""
+    Q, KW = w.shape[1], (K + 15) // 16
+    if Q == 4 * KW:
+        w = w.contiguous()
+        return (w if w.data_ptr() % 4 == 0 else w.clone()).view(torch.int32)
+    codes = torch.ones((w.shape[0], 16 * KW), dtype=torch.uint8, device=w.device)
+    codes[:, :K] = _codes(w, "planes")[:, :K]
+    return _pack_codes(codes, "planes").view(torch.int32)
+
+
+def _x_words(x2, K, KW):
+    """(M, K) int8 -> (M, 4 * KW) int32 words, x zero-padded to 16 * KW; a view when K == 16 * KW."""
+    if K == 16 * KW and x2.data_ptr() % 4 == 0:
+        return x2.view(torch.int32)
+    xp = torch.zeros((x2.shape[0], 16 * KW), dtype=torch.int8, device=x2.device)
+    xp[:, :K] = x2
+    return xp.view(torch.int32)
+
 
 # -----------------------------------------------------------------------------
 # kernels
 
 
 @triton.jit
-def _ternary_matmul_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, acc_ptr,  # x_q (M, K) int8, x_scale (M,), w (N, K/4) uint8, gamma, y, acc
-    M, N, K, M_BUCKET,  # M_BUCKET is only an autotuning key (a power of two), unused in the body
-    stride_xm, stride_wn, stride_om, stride_ws,  # stride_ws: 0 = one gamma, 1 = one per output row (stacked layers)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,     # programs along K per output tile (needs ATOMIC_ACC when > 1)
-    ATOMIC_ACC: tl.constexpr,  # atomically add the int32 partial sums into acc_ptr (zeroed by the host)
-    WRITE_ACC: tl.constexpr,   # without ATOMIC_ACC: store the raw int32 accumulator instead of y
-):
-    tl.static_assert(SPLIT_K == 1 or ATOMIC_ACC, "split-K needs the atomic int32 accumulator")
-    tl.static_assert(BLOCK_K % 4 == 0, "BLOCK_K must be a multiple of 4 (four codes per byte)")
-    pid_m = tl.program_id(0)  # m fastest: neighbouring programs share one weight tile (read from L2)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
+def _add(a, b):
+    return a + b
 
+
+@triton.jit
+def _dp4a(a, b, c, DP4A: tl.constexpr):
+    """c + sum over the four bytes of a * b, each byte a signed int8 (int32 in and out, wrapping like dp4a)."""
+    if DP4A:  # compiled: the PTX instruction
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:  # the interpreter: byte j sign-extended is (v << (24 - 8j)) >> 24 (arithmetic shift)
+        return (c + ((a << 24) >> 24) * ((b << 24) >> 24) + ((a << 16) >> 24) * ((b << 16) >> 24)
+                + ((a << 8) >> 24) * ((b << 8) >> 24) + (a >> 24) * (b >> 24))
+
+
+@triton.jit
+def _decode_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, 4KW) int32 words, x_scale (M,), w (N, KW) int32 words, gamma, y
+    M, N, KW,  # KW = int32 words per weight row = ceil(K/16); each of the four planes of x is KW words
+    stride_xm, stride_wn, stride_om, stride_ws,  # in elements; stride_ws: 0 = one gamma, 1 = one per output row
+    BLOCK_N: tl.constexpr,  # weight rows per program, over the whole K
+    BLOCK_G: tl.constexpr,  # words of each row per loop step (4 per thread: 16-byte loads)
+    DP4A: tl.constexpr,     # PTX dp4a (compiled) or its pure-Triton form (interpreter)
+    WRITE_ACC: tl.constexpr,  # store the int32 accumulator instead of y
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, BLOCK_G)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
+    gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
+    for m in range(M):  # the rows of x; this program's weight words are re-read from L1/L2 for m > 0
+        x_row = x_ptr + tl.cast(m, tl.int64) * stride_xm
+        acc = tl.full((BLOCK_N, BLOCK_G), 0, tl.int32)  # per-lane partial sums of x * code
+        xsum = tl.full((1, BLOCK_G), 0, tl.int32)  # per-lane partial sums of x
+        ones = tl.full((1, BLOCK_G), 0x01010101, tl.int32)  # four int8 ones (a tensor: int32 in the interpreter too)
+        for g0 in range(0, KW, BLOCK_G):
+            g = (g0 + offs_g)[None, :]  # (1, BG)
+            g_mask = g < KW
+            w = tl.load(w_rows + g, mask=n_mask[:, None] & g_mask, other=0)  # (BN, BG) int32, each word once
+            for i in tl.static_range(4):  # plane i: k = iQ + 4g .. iQ + 4g + 3, Q = 4 * KW
+                xi = tl.load(x_row + i * KW + g, mask=g_mask, other=0)  # (1, BG) int32: four int8 of x
+                acc = _dp4a((w >> (2 * i)) & 0x03030303, xi, acc, DP4A)  # four codes (0..2) times four x
+                xsum = _dp4a(xi, ones, xsum, DP4A)
+        total = tl.reduce(acc, 1, _add) - tl.reduce(xsum, 1, _add)  # (BN,): x @ code - sum(x) = x @ W_q
+        out = out_ptr + tl.cast(m, tl.int64) * stride_om + offs_n
+        if WRITE_ACC:
+            tl.store(out, total, mask=n_mask)
+        else:  # same order as the reference: (acc * x_scale) * gamma
+            y = total.to(tl.float32) * tl.load(xs_ptr + m) * gamma
+            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, K) int8, x_scale (M,), w (N, KW) int32 words, gamma, y
+    M, N, K, KW, stride_xm, stride_wn, stride_om, stride_ws,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # weight words per row per K step: 4 * BLOCK_G elements of each of the four planes
+    GROUP_M: tl.constexpr,  # programs that share a weight tile run next to each other (it stays in L2)
+    WRITE_ACC: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    first_m = pid // (GROUP_M * num_n) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_kk = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_c = tl.arange(0, 4 * BLOCK_G)  # elements of one plane in one K step
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BLOCK_M, 1)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BLOCK_N, 1)
-    # every K block starts at a multiple of BLOCK_K (a multiple of 4), so k % 4 == kk % 4
-    shift = ((offs_kk % 4) * 2).to(tl.uint8)[None, :]  # (1, BLOCK_K)
-
-    acc = tl.full((BLOCK_M, BLOCK_N), 0, dtype=tl.int32)
-    for kb in range(pid_k, (K + BLOCK_K - 1) // BLOCK_K, SPLIT_K):  # this program's K blocks, interleaved
-        offs_k = kb * BLOCK_K + offs_kk
-        k_mask = offs_k < K
-        # x beyond K (and beyond M) is 0, so whatever weight sits there contributes nothing
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)  # (BM, BK) int8
-        # each byte is loaded once per k it holds (4x, same cache line); masked bytes read as 0b01010101
-        packed = tl.load(w_rows + (offs_k // 4)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0x55)
-        w = ((packed >> shift) & 3).to(tl.int8) - 1  # (BN, BK) in {-1, 0, 1}
-        acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)  # (BM, BN) int32, exact
-
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BM, 1)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
+    byte_shift = (8 * tl.arange(0, 4))[None, None, :]  # (1, 1, 4)
+    Q = 4 * KW  # elements per plane
+    acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
+    xsum = tl.full((BLOCK_M, 1), 0, tl.int32)
+    for g0 in range(0, KW, BLOCK_G):
+        g = g0 + offs_g
+        w = tl.load(w_rows + g[None, :], mask=n_mask[:, None] & (g < KW)[None, :], other=0)  # (BN, BG) int32, once
+        c_mask = 4 * g0 + offs_c < Q  # within the plane (x of the next plane must not enter xsum)
+        for i in tl.static_range(4):
+            k = i * Q + 4 * g0 + offs_c  # (4BG,) the elements of plane i in this step
+            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (c_mask & (k < K))[None, :], other=0)  # (BM, 4BG)
+            codes = ((w[:, :, None] >> (byte_shift + 2 * i)) & 3).to(tl.int8)  # (BN, BG, 4): byte b of word g
+            codes = tl.reshape(codes, (BLOCK_N, 4 * BLOCK_G))  # (BN, 4BG): element 4g + b, as x
+            acc = tl.dot(x, tl.trans(codes), acc, out_dtype=tl.int32)  # int8 tensor cores, exact
+            xsum += tl.reduce(x.to(tl.int32), 1, _add, keep_dims=True)
+    acc = acc - xsum  # x @ code - sum(x) = x @ W_q
     out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC_ACC:
-        tl.atomic_add(acc_ptr + out_offs, acc, mask=out_mask, sem="relaxed")  # int adds: order-free
-    elif WRITE_ACC:
-        tl.store(acc_ptr + out_offs, acc, mask=out_mask)
+    if WRITE_ACC:
+        tl.store(out_ptr + out_offs, acc, mask=out_mask)
     else:
         xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)  # (BM,) fp32
         gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
         y = acc.to(tl.float32) * xs[:, None] * gamma[None, :]  # same order as the reference: (acc * x_scale) * gamma
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _scale_kernel(acc_ptr, xs_ptr, ws_ptr, out_ptr, N, stride_om, stride_ws, BLOCK_N: tl.constexpr):
-    """Epilogue of the split-K path: y[m, :] = (float(acc[m, :]) * x_scale[m]) * gamma[:] (one, or per row n)."""
-    row = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    offs = row.to(tl.int64) * stride_om + offs_n
-    acc = tl.load(acc_ptr + offs, mask=mask, other=0)
-    y = acc.to(tl.float32) * tl.load(xs_ptr + row) * tl.load(ws_ptr + offs_n * stride_ws, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -192,44 +307,51 @@ def _quantize_activations_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_x, BLOCK_K: tl
 
 
 # -----------------------------------------------------------------------------
-# configurations: autotuned on CUDA, one fixed small config under the interpreter
+# configurations: fixed tables, one entry per shape class (and GPU generation for prefill); no autotuning
 
-DECODE_MAX_M = 16  # up to this many rows, use the decode configuration
+DECODE_MAX_M = 16  # up to this many rows, use the decode kernel
+SMS = 132  # an H100's SMs: the decode table gives at least two programs per SM where N allows
 
-
-def _cfg(bm, bn, bk, split_k, warps, stages):
-    return triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k), num_warps=warps, num_stages=stages)
-
-
-DECODE_CONFIGS = [  # N=4096 with BLOCK_N=32 is 128 tiles; SPLIT_K multiplies the program count
-    _cfg(16, 32, 128, 1, 4, 4),
-    _cfg(16, 32, 128, 2, 4, 4),
-    _cfg(16, 32, 256, 4, 4, 4),
-    _cfg(16, 64, 128, 4, 4, 4),
-    _cfg(16, 64, 256, 8, 4, 3),
-    _cfg(16, 128, 128, 8, 4, 3),
-]
-PREFILL_CONFIGS = [
-    _cfg(128, 128, 64, 1, 8, 3),
-    _cfg(128, 256, 64, 1, 8, 3),
-    _cfg(256, 128, 64, 1, 8, 3),
-    _cfg(64, 128, 128, 1, 4, 4),
-    _cfg(128, 64, 128, 1, 4, 4),
-    _cfg(64, 64, 128, 1, 4, 4),
-]
-# interpreter: GPU-legal shapes (tl.dot on int8 needs K >= 32); decode keeps SPLIT_K = 2 so the
-# atomic split-K path is exercised on CPU too
+# decode: 4 int32 words (16-byte loads) per thread and row, BLOCK_G words of every row per loop step: "short" rows
+# (K <= 1024, at most 64 words) in one warp (16 threads along K, 2 rows at a time), longer ones 256 words (4096
+# elements) per step in two warps (64 threads along K, each holding all BLOCK_N rows, so x is loaded once per
+# program); "wide" (N >= 2 * 8 * SMS): 8 rows a program, else 2, for more programs. num_stages = 1: no shared-memory
+# staging; a thread's 16-byte loads of all its rows are in flight at once, and many programs share each SM
+DECODE_CONFIGS = {
+    "short-narrow": dict(BLOCK_N=2, BLOCK_G=64, num_warps=1, num_stages=1),
+    "short-wide": dict(BLOCK_N=8, BLOCK_G=64, num_warps=1, num_stages=1),
+    "long-narrow": dict(BLOCK_N=2, BLOCK_G=256, num_warps=2, num_stages=1),
+    "long-wide": dict(BLOCK_N=8, BLOCK_G=256, num_warps=2, num_stages=1),
+}
+# prefill: by GPU generation (8: Ampere/Ada mma.sync, 9: Hopper wgmma) and M ("short": M <= 64, "tall": more);
+# BLOCK_G = 16 words = 64 elements of each plane per tl.dot, 256 elements per K step
+PREFILL_CONFIGS = {
+    (8, "short"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_G=16, GROUP_M=8, num_warps=4, num_stages=3),
+    (8, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_G=16, GROUP_M=8, num_warps=8, num_stages=3),
+    (9, "short"): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_G=16, GROUP_M=8, num_warps=4, num_stages=3),
+    (9, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_G=16, GROUP_M=8, num_warps=8, num_stages=3),
+}
+# interpreter: small GPU-legal shapes (a plane slice of 4 * 8 = 32 elements is the smallest int8 tl.dot);
+# BLOCK_G = 8 words makes K = 256 two loop steps
 INTERPRETER_CONFIGS = {
-    "decode": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=2),
-    "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, SPLIT_K=1),
+    "decode": dict(BLOCK_N=2, BLOCK_G=8),
+    "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_G=8, GROUP_M=8),
 }
 
-if INTERPRETED:
-    _decode_kernel = _prefill_kernel = _ternary_matmul_kernel
-else:
-    _key = ["M_BUCKET", "N", "K"]
-    _decode_kernel = triton.autotune(DECODE_CONFIGS, key=_key, reset_to_zero=["acc_ptr"])(_ternary_matmul_kernel)
-    _prefill_kernel = triton.autotune(PREFILL_CONFIGS, key=_key)(_ternary_matmul_kernel)
+
+def decode_config(N, K):
+    """The DECODE_CONFIGS key for an (N, K) weight."""
+    return f"{'short' if (K + 15) // 16 <= 64 else 'long'}-{'wide' if N >= 2 * 8 * SMS else 'narrow'}"
+
+
+def prefill_config(M, K, arch):
+    """The PREFILL_CONFIGS entry for M rows and arch (the CUDA capability's major), with num_stages = 1 when the
+    K loop has one step: nothing to overlap, and no software pipeline around a loop of one iteration."""
+    cfg = dict(PREFILL_CONFIGS[(9 if arch >= 9 else 8, "short" if M <= 64 else "tall")])
+    if (K + 15) // 16 <= cfg["BLOCK_G"]:
+        cfg["num_stages"] = 1
+    return cfg
+
 
 # -----------------------------------------------------------------------------
 # host wrappers
@@ -249,8 +371,9 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
                    return_acc=False):
     """y = (x_q @ W_q^T) * x_scale * gamma with W_q unpacked on the fly from w_packed.
 
-    x_q (..., K) int8, x_scale (..., 1) fp32, w_packed (N, ceil(K/4)) uint8, w_scale fp32 with one element
-    (gamma), or N: one gamma per output row, for several matrices stacked along N (q, k, v in one call).
+    x_q (..., K) int8, x_scale (..., 1) fp32, w_packed (N, ceil(K/4)) uint8 in plane order (pack_planes, or
+    planes_from_packed of quant.pack_ternary's bytes), w_scale fp32 with one element (gamma), or N: one gamma per
+    output row, for several matrices stacked along N (q, k, v in one call).
     Returns y (..., N) in out_dtype (float32 or bfloat16), or with return_acc=True the exact int32
     accumulator x_q @ W_q^T instead. out= writes into a given contiguous (..., N) tensor.
     config: "decode", "prefill" or None (decode when the row count is <= DECODE_MAX_M).
@@ -259,11 +382,13 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
         raise TypeError(f"x_q: expected int8 (..., K), got {x_q.dtype} {tuple(x_q.shape)}; quantise with quantize_activations")
     if w_packed.dtype != torch.uint8 or w_packed.dim() != 2:
         raise TypeError(f"w_packed: expected uint8 (N, ceil(K/4)), got {w_packed.dtype} {tuple(w_packed.shape)}; "
-                        "pack with quant.pack_ternary")
+                        "pack with kernels.ternary_matmul.pack_planes")
     lead, K = x_q.shape[:-1], x_q.shape[-1]
     N, M = w_packed.shape[0], math.prod(lead)
     if w_packed.shape[1] != (K + 3) // 4:
         raise ValueError(f"w_packed has {w_packed.shape[1]} bytes per row, expected ceil(K/4) = {(K + 3) // 4} for K = {K}")
+    if K >= K_MAX:
+        raise ValueError(f"K = {K}: the int32 accumulator is exact only for K < {K_MAX}")
     if x_scale.dtype != torch.float32 or x_scale.numel() != M:
         raise ValueError(f"x_scale: expected float32 with {M} elements (one per row), got {x_scale.dtype} {tuple(x_scale.shape)}")
     if w_scale.dtype != torch.float32 or w_scale.numel() not in (1, N):
@@ -274,11 +399,6 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     if config not in (None, "decode", "prefill"):
         raise ValueError(f"config: expected 'decode', 'prefill' or None, got {config!r}")
     _check_device(x_q, x_scale, w_packed, w_scale)
-    x2 = x_q.reshape(M, K).contiguous()  # (M, K)
-    w = w_packed.contiguous()  # (N, ceil(K/4))
-    xs = x_scale.reshape(M).contiguous()
-    ws = w_scale.reshape(-1).contiguous()  # (1,) or (N,)
-    stride_ws = 0 if ws.numel() == 1 else 1
     res_dtype = torch.int32 if return_acc else out_dtype
     if out is None:
         out = torch.empty((*lead, N), dtype=res_dtype, device=x_q.device)
@@ -287,20 +407,30 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     if M == 0 or N == 0:
         return out
     y = out.view(M, N)  # (M, N)
+    if K == 0:  # an empty sum
+        y.zero_()
+        return out
+    x2 = x_q.reshape(M, K).contiguous()  # (M, K)
+    xs = x_scale.reshape(M).contiguous()
+    ws = w_scale.reshape(-1).contiguous()  # (1,) or (N,)
+    stride_ws = 0 if ws.numel() == 1 else 1
+    KW = (K + 15) // 16
+    w = _weight_words(w_packed, K)  # (N, KW) int32: a view for K % 16 == 0
 
-    decode = M <= DECODE_MAX_M if config is None else config == "decode"
-    fixed = INTERPRETER_CONFIGS["decode" if decode else "prefill"] if INTERPRETED else {}
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])
-    m_bucket = min(triton.next_power_of_2(M), 4096)
-    if decode:  # split-K partial sums meet in an int32 buffer, then one pass applies the scales
-        acc = y.zero_() if return_acc else torch.zeros((M, N), dtype=torch.int32, device=x_q.device)
-        _decode_kernel[grid](x2, xs, w, ws, acc, acc, M, N, K, m_bucket, x2.stride(0), w.stride(0), N, stride_ws,
-                             ATOMIC_ACC=True, WRITE_ACC=False, **fixed)
-        if not return_acc:
-            _scale_kernel[(M, triton.cdiv(N, 1024))](acc, xs, ws, y, N, N, stride_ws, BLOCK_N=1024)
+    if M <= DECODE_MAX_M if config is None else config == "decode":
+        xw = _x_words(x2, K, KW)  # (M, 4 KW) int32: a view for K % 16 == 0
+        cfg = dict(INTERPRETER_CONFIGS["decode"]) if INTERPRETED else dict(DECODE_CONFIGS[decode_config(N, K)])
+        grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
+        _decode_kernel[grid](xw, xs, w, ws, y, M, N, KW, xw.stride(0), w.stride(0), N, stride_ws,
+                             DP4A=not INTERPRETED, WRITE_ACC=return_acc, **cfg)
     else:
-        _prefill_kernel[grid](x2, xs, w, ws, y, y, M, N, K, m_bucket, x2.stride(0), w.stride(0), N, stride_ws,
-                              ATOMIC_ACC=False, WRITE_ACC=return_acc, **fixed)
+        if INTERPRETED:
+            cfg = dict(INTERPRETER_CONFIGS["prefill"])
+        else:
+            cfg = prefill_config(M, K, torch.cuda.get_device_capability(x_q.device)[0])
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+        _prefill_kernel[grid](x2, xs, w, ws, y, M, N, K, KW, x2.stride(0), w.stride(0), N, stride_ws,
+                              WRITE_ACC=return_acc, **cfg)
     return out
 
 
@@ -335,10 +465,11 @@ def quantize_activations(x, *, block_k=None):
 
 
 def unpack_ternary_reference(w_packed, K):
-    """(N, ceil(K/4)) uint8 -> (N, K) int8 in {-1, 0, 1}: element k is bits 2*(k%4).. of byte k//4."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=w_packed.device)
-    codes = (w_packed.to(torch.int32).unsqueeze(-1) >> shifts) & 3  # (N, ceil(K/4), 4)
-    return (codes.reshape(w_packed.shape[0], -1)[:, :K] - 1).to(torch.int8)
+    """(N, ceil(K/4)) uint8 in plane order -> (N, K) int8 in {-1, 0, 1}: element k is bits 2*(k // Q) of byte k % Q."""
+    N, Q = w_packed.shape
+    k = torch.arange(K, device=w_packed.device)
+    codes = (w_packed[:, k % Q].to(torch.int32) >> (2 * (k // Q)).to(torch.int32)) & 3  # (N, K)
+    return (codes - 1).to(torch.int8)
 
 
 def ternary_matmul_reference(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, return_acc=False):
@@ -366,9 +497,7 @@ if __name__ == "__main__":
     x = torch.randn(M, K, device=device)
     x_q, x_scale = quantize_activations(x)
     w_q = torch.randint(-1, 2, (N, K), dtype=torch.int8, device=device)
-    codes = torch.cat([w_q.to(torch.uint8) + 1, torch.ones(N, (-K) % 4, dtype=torch.uint8, device=device)], 1)
-    codes = codes.view(N, -1, 4)
-    w_packed = codes[..., 0] | codes[..., 1] << 2 | codes[..., 2] << 4 | codes[..., 3] << 6  # (N, ceil(K/4))
+    w_packed = pack_planes(w_q)  # (N, ceil(K/4)): byte j holds k = j, j + 25, j + 50, j + 75
     gamma = torch.tensor(0.02, device=device)
     print(f"x_q {tuple(x_q.shape)} int8, row absmax -> 127:", x_q.abs().amax(-1).tolist())
     for config in ("decode", "prefill"):

@@ -1,7 +1,7 @@
 """
 Benchmarks. Every speed number in the results pages comes from one of these commands.
 
-  python -m lab.bench            Triton ternary matmul vs bf16 F.linear at decode and prefill shapes (CUDA only;
+  python -m lab.bench            Triton ternary matmul (decode: dp4a, prefill: int8 MMA) vs bf16 F.linear (CUDA only;
                              prints a note and exits 0 without a GPU)
   python -m lab.bench --data     tokeniser throughput on the shipped corpus (target: gpt2 >= 2M tokens/s on 2 cores)
   python -m lab.bench --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the hidden matrices of the CPU model
@@ -450,7 +450,7 @@ def bench_kernels():
         return
     import torch.nn.functional as F
     from triton.testing import do_bench
-    from kernels.ternary_matmul import quantize_activations, ternary_matmul
+    from kernels.ternary_matmul import DECODE_MAX_M, quantize_activations, ternary_matmul
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
 
@@ -464,9 +464,12 @@ def bench_kernels():
         n = max(2, math.ceil(256 * 2**20 / nbytes))  # > 256 MiB in all: never resident in L2
         return [make() for _ in range(n)]
 
-    print(f"{'M':>5} {'N':>6} {'K':>6} | {'bf16 us':>9} {'ternary us':>10} {'speedup':>7} | "
-          f"{'ternary GB/s':>12} {'% copy':>6}")
+    # ternary us: the matmul kernel alone (decode: CUDA-core dp4a, M <= 16; prefill: int8 tensor cores); linear us: a
+    # whole PackedBitLinear's two launches, quantize_activations then ternary_matmul, from the bf16 input
+    print(f"{'M':>5} {'N':>6} {'K':>6} {'kernel':>7} | {'bf16 us':>9} {'ternary us':>10} {'speedup':>7} | "
+          f"{'ternary GB/s':>12} {'% copy':>6} | {'linear us':>9}")
     shapes = [(m, n, k) for m in (1, 16, 2048) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008))]
+    shapes += [(1, 576, 576), (1, 1536, 576), (1, 576, 1536), (4, 4096, 4096)]  # SmolLM2-135M's layers; a batch of 4
     for M, N, K in shapes:
         ws = rotated(lambda: torch.randn(N, K, device=dev, dtype=torch.bfloat16), N * K * 2)
         wp = rotated(lambda: torch.randint(0, 256, (N, (K + 3) // 4), device=dev, dtype=torch.uint8),
@@ -483,11 +486,16 @@ def bench_kernels():
         def run_ternary():
             j[0] = (j[0] + 1) % len(wp)
             return ternary_matmul(x_q, x_scale, wp[j[0]], gamma, out_dtype=torch.bfloat16)
-        t_bf16, t_tern = do_bench(run_bf16), do_bench(run_ternary)  # ms, median
+        def run_linear():
+            j[0] = (j[0] + 1) % len(wp)
+            xq, xs = quantize_activations(x)
+            return ternary_matmul(xq, xs, wp[j[0]], gamma, out_dtype=torch.bfloat16)
+        t_bf16, t_tern, t_lin = do_bench(run_bf16), do_bench(run_ternary), do_bench(run_linear)  # ms, median
         moved = N * ((K + 3) // 4) + M * K + M * N * 2 + M * 4  # packed weights, int8 x, bf16 y, scales
         gbs = moved / (t_tern / 1e3) / 1e9
-        print(f"{M:5d} {N:6d} {K:6d} | {t_bf16 * 1e3:9.1f} {t_tern * 1e3:10.1f} {t_bf16 / t_tern:7.2f} | "
-              f"{gbs:12.0f} {100 * gbs * 1e9 / copy_bw:6.1f}")
+        kind = "decode" if M <= DECODE_MAX_M else "prefill"
+        print(f"{M:5d} {N:6d} {K:6d} {kind:>7} | {t_bf16 * 1e3:9.1f} {t_tern * 1e3:10.1f} {t_bf16 / t_tern:7.2f} | "
+              f"{gbs:12.0f} {100 * gbs * 1e9 / copy_bw:6.1f} | {t_lin * 1e3:9.1f}")
     for M, K in ((1, 4096), (16, 4096), (2048, 4096), (2048, 11008)):
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         t = do_bench(lambda: quantize_activations(x))

@@ -1,7 +1,8 @@
 """kernels/cross_compile.py: every Triton kernel configuration compiles to a cubin for sm_80 and sm_90 on this
-CPU-only machine (no launch), and a kernel that cannot compile for a GPU is caught, which the interpreter
-running tests/test_kernels.py would not do. Subprocesses: the interpreter flag that test_kernels.py sets in
-this process must be unset for compiling."""
+CPU-only machine (no launch), what the compiled code holds is checked (registers, MMA, dp4a, weight loads), and a
+kernel that cannot compile for a GPU is caught, which the interpreter running tests/test_kernels.py would not do.
+Subprocesses: the interpreter flag that test_kernels.py sets in this process must be unset for compiling."""
+import json
 import os
 import subprocess
 import sys
@@ -14,13 +15,56 @@ ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_N
                                                                          "TRITON_DEFAULT_FP_FUSION": "1"}
 
 
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """One run of python -m kernels.cross_compile: (the process, its per-kernel reports)."""
+    path = tmp_path_factory.mktemp("cross") / "reports.json"
+    p = subprocess.run([sys.executable, "-m", "kernels.cross_compile", f"--json={path}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=900)
+    return p, json.loads(path.read_text()) if path.exists() else []
+
+
 @pytest.mark.slow
-def test_cross_compile_every_kernel_configuration_for_sm80_and_sm90():
-    p = subprocess.run([sys.executable, "-m", "kernels.cross_compile"], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=900)
+def test_cross_compile_every_kernel_configuration_for_sm80_and_sm90(compiled):
+    p, reports = compiled
     lines = [line for line in p.stdout.splitlines() if "bytes of cubin" in line]
     assert p.returncode == 0 and "all configurations compiled" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
-    assert len(lines) == 2 * 19 and sum(line.startswith("sm_90 ") for line in lines) == 19
+    n = len(reports) // 2  # every job on both targets, each one line
+    assert n >= 16 and len(lines) == 2 * n and sum(line.startswith("sm_90 ") for line in lines) == n
+    assert {r["target"] for r in reports} == {"sm_80", "sm_90"} and not any("error" in r for r in reports)
+
+
+@pytest.mark.slow
+def test_compiled_kernels_no_spills_integer_mma_only_in_prefill_and_each_weight_byte_loaded_once(compiled):
+    """Read from the compiled code (kernels/cross_compile.py says how):
+    - no kernel spills registers (no STL/LDL in the SASS, no stack frame);
+    - the prefill kernel's PTX holds integer MMA: mma.sync ... .s32.s8.s8 on sm_80, wgmma ... .s32.s8.s8 on sm_90;
+    - the decode kernel holds no MMA at all, and dp4a where DP4A is set (none in its pure-Triton form);
+    - weight loads: the global loads whose address register is computed from the weight pointer parameter
+      (followed through the PTX's register arithmetic) are 16 bytes wide, and their widths summed over a K step's
+      instructions times the threads equal the step's weight tile (BLOCK_N * BLOCK_G words of 4 bytes), times the
+      pipeline stages where the loop is software-pipelined (cp.async; its prologue issues num_stages - 1 steps
+      ahead): each packed byte is loaded once. (The kernel before plane order fails this: 1-byte loads, 4x the
+      tile, each byte loaded once per code.)"""
+    _, reports = compiled
+    assert reports
+    for r in reports:
+        where = f"{r['target']} {r['name']}"
+        assert r["spills"] == 0 and r["stack"] == 0, where
+        if r["kind"] == "prefill":
+            want = "wgmma.mma_async" if r["target"] == "sm_90" else "mma.sync"
+            assert r["mma"] and all(m.startswith(want) and ".s32.s8.s8" in m for m in r["mma"]), where
+            assert r["n_mma"] > 0 and r["dp4a"] == 0, where
+        elif r["kind"] == "decode":
+            assert r["mma"] == [] and r["n_mma"] == 0, where
+            assert (r["dp4a"] > 0) == ("pure-Triton" not in r["name"]), where
+        if r["kind"] in ("decode", "prefill"):
+            assert r["wload_widths"] == [16], where
+            stages = r["num_stages"] if r["wload_pipelined"] else 1
+            assert r["wload_bytes"] * r["threads"] == r["tile_bytes"] * stages, where
+            assert r["wload_pipelined"] == (r["num_stages"] > 1), where  # prefill's K loop, unless one step
+    names = {r["name"] for r in reports}
+    assert any("pure-Triton" in n for n in names) and sum(r["kind"] == "prefill" for r in reports) >= 8
 
 
 BAD = '''

@@ -2,7 +2,7 @@
 Tests for kernels/ternary_matmul.py against independent torch computations and quant.py.
 
 Without a CUDA device the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1), so these tests
-are part of the normal suite everywhere and are never skipped. On a GPU they run compiled and autotuned.
+are part of the normal suite everywhere and are never skipped. On a GPU they run compiled (dp4a, int8 MMA).
 
     python -m pytest tests/test_kernels.py
 """
@@ -30,6 +30,15 @@ if not ON_GPU and not tm.INTERPRETED:
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _dp4a_probe(a_ptr, b_ptr, c_ptr, out_ptr, BLOCK: tl.constexpr, DP4A: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tm._dp4a(tl.load(a_ptr + offs), tl.load(b_ptr + offs), tl.load(c_ptr + offs), DP4A))
+
 
 def _case_data(M, K, N, seed):
     """Fresh random int8 activations, ternary weights (packed by quant.pack_ternary) and scales."""
@@ -44,7 +53,7 @@ def _case_data(M, K, N, seed):
 # M in {1, 3, 17, 64} x K in {4, 60, 100, 256}, N cycling through odd sizes; each in both configurations
 MK = [(M, K) for M in (1, 3, 17, 64) for K in (4, 60, 100, 256)]
 SHAPES = [(M, K, (1, 33, 37)[i % 3]) for i, (M, K) in enumerate(MK)]
-CONFIGS = ["decode", "prefill"]  # forced, so both code paths (split-K atomics, fused epilogue) run on CPU
+CONFIGS = ["decode", "prefill"]  # forced, so both kernels (dp4a on CUDA cores, int8 tl.dot) run on CPU for every M
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -52,7 +61,7 @@ CONFIGS = ["decode", "prefill"]  # forced, so both code paths (split-K atomics, 
 def test_ternary_matmul_integer_part_exact_and_scaled_within_1e6(M, K, N, config):
     x_q, w_q, x_scale, w_scale = _case_data(M, K, N, seed=M * 100_003 + K * 101 + N * 2 + CONFIGS.index(config))
     x_q, x_scale, w_scale = x_q.to(DEVICE), x_scale.to(DEVICE), w_scale.to(DEVICE)
-    w_packed = quant.pack_ternary(w_q).to(DEVICE)
+    w_packed = tm.pack_planes(w_q).to(DEVICE)
 
     # integer part: bitwise equal to x_q @ W_q^T in int64, from the codes before packing
     acc_expected = (x_q.cpu().long() @ w_q.long().T).int()
@@ -82,7 +91,7 @@ def test_ternary_matmul_one_gamma_per_row_for_stacked_matrices(config):
     x_q, w_q, x_scale, _ = _case_data(17, 60, 37, seed=7)
     w_scale = torch.rand(37, generator=torch.Generator().manual_seed(8)) + 0.01
     x_q, x_scale, w_scale = x_q.to(DEVICE), x_scale.to(DEVICE), w_scale.to(DEVICE)
-    w_packed = quant.pack_ternary(w_q).to(DEVICE)
+    w_packed = tm.pack_planes(w_q).to(DEVICE)
     expected = (x_q.cpu().long() @ w_q.long().T).float() * x_scale.cpu() * w_scale.cpu()  # (17, 37)
     y_ref = tm.ternary_matmul_reference(x_q, x_scale, w_packed, w_scale)
     y = tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, config=config)
@@ -100,7 +109,7 @@ def test_ternary_matmul_extreme_accumulator_and_leading_dims(config):
     w_q = torch.stack([torch.ones(K), -torch.ones(K)]).to(torch.int8)  # (N, K)
     x_scale = torch.full((2, 1, 1), 0.5, device=DEVICE)
     gamma = torch.tensor(0.25, device=DEVICE)
-    acc = tm.ternary_matmul(x_q, x_scale, quant.pack_ternary(w_q).to(DEVICE), gamma, config=config, return_acc=True)
+    acc = tm.ternary_matmul(x_q, x_scale, tm.pack_planes(w_q).to(DEVICE), gamma, config=config, return_acc=True)
     assert acc.shape == (2, 1, N)
     assert acc[..., 0].eq(-128 * K).all() and acc[..., 1].eq(128 * K).all()
 
@@ -110,8 +119,74 @@ def test_reference_unpack_matches_quant_unpack_ternary():
     for K in (1, 4, 5, 99):
         w_q = (torch.randint(0, 3, (6, K), generator=g) - 1).to(torch.int8)
         packed = quant.pack_ternary(w_q)
-        assert torch.equal(tm.unpack_ternary_reference(packed, K), w_q)
+        assert torch.equal(tm.unpack_ternary_reference(tm.planes_from_packed(packed), K), w_q)
         assert torch.equal(quant.unpack_ternary(packed, K), w_q)
+
+
+def test_plane_order_layout_and_conversions():
+    """pack_planes: byte j holds k = j + iQ in bits 2i (Q = ceil(K/4)); the sequential bytes of quant.pack_ternary
+    convert to it and back exactly, padding included."""
+    w_q = torch.tensor([[-1, 0, 1, 1, 1]], dtype=torch.int8)  # K = 5, Q = 2: byte 0 = k 0, 2, 4, (6); byte 1 = k 1, 3, (5, 7)
+    planes = tm.pack_planes(w_q)
+    # byte 0: codes 0 (k0), 2 (k2), 2 (k4), 1 (pad) -> 0b01101000; byte 1: 1 (k1), 2 (k3), 1, 1 -> 0b01011001
+    assert planes.tolist() == [[0b01101000, 0b01011001]]
+    assert torch.equal(tm.planes_from_packed(quant.pack_ternary(w_q)), planes)
+    g = torch.Generator().manual_seed(3)
+    for K in (1, 3, 4, 16, 37, 64, 100):
+        w_q = (torch.randint(0, 3, (5, K), generator=g) - 1).to(torch.int8)
+        seq, planes = quant.pack_ternary(w_q), tm.pack_planes(w_q)
+        assert planes.shape == seq.shape == (5, (K + 3) // 4) and planes.dtype == torch.uint8
+        assert torch.equal(tm.planes_from_packed(seq), planes) and torch.equal(tm.packed_from_planes(planes), seq)
+        assert torch.equal(tm.unpack_ternary_reference(planes, K), w_q)
+        # the kernels' int32 words: word g, shifted by 2i and masked, is the codes of k = iQ' + 4g .. + 3, one a byte
+        words = tm._weight_words(planes, K)
+        KW = (K + 15) // 16
+        assert words.dtype == torch.int32 and words.shape == (5, KW)
+        codes = (words.view(torch.uint8).view(5, KW * 4).unsqueeze(1) >> torch.tensor([0, 2, 4, 6]).view(1, 4, 1).to(
+            torch.uint8)) & 3  # (N, plane i, byte j): k = 4 KW i + j
+        padded = torch.ones(5, 16 * KW, dtype=torch.int8)
+        padded[:, :K] = w_q + 1
+        assert torch.equal(codes.reshape(5, -1).to(torch.int8), padded)
+
+
+def test_dp4a_pure_triton_form_is_the_signed_byte_dot_product():
+    """The interpreter's _dp4a (DP4A=False): c + sum_j a_j * b_j over the four bytes, each a signed int8, wrapping in
+    int32: what PTX dp4a.s32.s32 computes (the compiled path; tests/test_cross_compile.py finds it in the PTX)."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(-2**31, 2**31, (64,), generator=g, dtype=torch.int64).to(torch.int32)
+    b = torch.randint(-2**31, 2**31, (64,), generator=g, dtype=torch.int64).to(torch.int32)
+    a[:4] = torch.tensor([0x80808080, 0x7F7F7F7F, 0x03030303, -1], dtype=torch.int64).to(torch.int32)
+    b[:4] = torch.tensor([0x80808080, 0x80808080, 0x01010101, -1], dtype=torch.int64).to(torch.int32)
+    c = torch.randint(-2**31, 2**31, (64,), generator=g, dtype=torch.int64).to(torch.int32)
+    c[:4] = torch.tensor([2**31 - 1, 0, 5, -2**31], dtype=torch.int64).to(torch.int32)
+    out = torch.empty_like(c, device=DEVICE)
+    _dp4a_probe[(1,)](a.to(DEVICE), b.to(DEVICE), c.to(DEVICE), out, BLOCK=64, DP4A=ON_GPU)  # dp4a itself on a GPU
+    ab = (a.view(torch.int8).view(64, 4).long() * b.view(torch.int8).view(64, 4).long()).sum(1)
+    expected = ((c.long() + ab + 2**31) % 2**32 - 2**31).to(torch.int32)  # int32 wrap-around
+    assert torch.equal(out.cpu(), expected)
+    assert expected[:4].tolist() == [2**31 - 1 + 4 * 16384 - 2**32, -4 * 127 * 128, 5 + 12, -2**31 + 4]
+
+
+def test_decode_and_prefill_on_a_k_whose_rows_are_whole_words_but_not_16_aligned():
+    """K = 62: ceil(K/4) = 16 bytes, so the weights are used as int32 words in place, and x is zero-padded to 64."""
+    x_q, w_q, x_scale, w_scale = _case_data(3, 62, 5, seed=11)
+    expected = (x_q.long() @ w_q.long().T).int()
+    for config in CONFIGS:
+        acc = tm.ternary_matmul(x_q.to(DEVICE), x_scale.to(DEVICE), tm.pack_planes(w_q).to(DEVICE),
+                                w_scale.to(DEVICE), config=config, return_acc=True)
+        assert torch.equal(acc.cpu(), expected), config
+
+
+def test_config_tables_fit_the_problem():
+    """Fixed tables, no autotuning: a prefill whose K loop is one step is not software-pipelined (a pipelined
+    one-iteration loop is the plausible cause of the hang this kernel once had at M=17, K=60, N=1); the decode table
+    gives enough programs for 132 SMs; every entry is one that kernels/cross_compile.py compiles."""
+    assert tm.prefill_config(17, 60, 9)["num_stages"] == 1 and tm.prefill_config(17, 60, 8)["num_stages"] == 1
+    assert tm.prefill_config(2048, 4096, 9)["num_stages"] == 3 and tm.prefill_config(2048, 4096, 9)["BLOCK_M"] == 128
+    assert tm.prefill_config(17, 4096, 8)["BLOCK_M"] == 64
+    for N, K in ((4096, 4096), (576, 576), (192, 576), (1, 60), (11008, 4096), (4096, 11008)):
+        cfg = tm.DECODE_CONFIGS[tm.decode_config(N, K)]
+        assert -(-N // cfg["BLOCK_N"]) >= min(2 * tm.SMS, N // 2), (N, K)  # programs: 2 a SM, or 1 per 2 rows
 
 
 def test_ternary_matmul_matches_bitlinear_forward():
@@ -121,7 +196,7 @@ def test_ternary_matmul_matches_bitlinear_forward():
     x = torch.randn(2, 3, 100)
     w_q, gamma = quant.weight_quant(lin.weight.detach())
     x_q, x_scale = tm.quantize_activations(x.to(DEVICE))
-    y = tm.ternary_matmul(x_q, x_scale, quant.pack_ternary(w_q).to(DEVICE), gamma.to(DEVICE))
+    y = tm.ternary_matmul(x_q, x_scale, tm.pack_planes(w_q).to(DEVICE), gamma.to(DEVICE))
     with torch.no_grad():
         y_fake = lin(x)
     assert y.shape == (2, 3, 37)

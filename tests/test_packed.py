@@ -199,11 +199,19 @@ def test_weight_bytes_measures_latent_and_packed_hidden_matrices():
 
 
 def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
-    frozen = freeze_ternary(_tiny_model())
+    model = _tiny_model()
+    sequential = {n: quant.pack_ternary(quant.weight_quant(m.weight.detach())[0])
+                  for n, m in model.named_modules() if isinstance(m, quant.BitLinear)}
+    frozen = freeze_ternary(model)
     path = str(tmp_path / "packed.pt")
     torch.save(export.packed_state(frozen, "byte"), path)
     obj = torch.load(path, weights_only=True)  # plain tensors, ints and strings only
     assert obj["format"] == "nanobitnet-packed-v1" and obj["tokenizer"] == "byte"
+    # the file holds quant.pack_ternary's bytes, as every export so far; in memory the layers hold plane order
+    assert sequential.keys() == obj["packed"].keys()
+    assert all(torch.equal(obj["packed"][n]["w_packed"], b) for n, b in sequential.items())
+    assert all(torch.equal(frozen.get_submodule(n).w_packed, tm.pack_planes(quant.unpack_ternary(b, 4 * b.shape[1])))
+               for n, b in sequential.items())  # every K here is a multiple of 4
     assert set(obj["packed"]) == {n for n, m in frozen.named_modules() if isinstance(m, PackedBitLinear)}
     assert not any(k.endswith("lambda_") or k.rpartition(".")[0] in obj["packed"] for k in obj["fp"])
     packed_bytes = sum(p["w_packed"].numel() * p["w_packed"].element_size() for p in obj["packed"].values())

@@ -12,7 +12,7 @@ needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma (kernels/packed_
 a plain dict that loads with torch.load(weights_only=True):
 
     {"format": "nanobitnet-packed-v1", "model_args": asdict(GPTConfig), "tokenizer": "byte" | "gpt2",
-     "packed": {module name: {"w_packed": (N, ceil(K/4)) uint8, "w_scale": 0-d fp32 gamma,
+     "packed": {module name: {"w_packed": (N, ceil(K/4)) uint8 (quant.pack_ternary's order), "w_scale": 0-d fp32 gamma,
                               "in_features": K, "out_features": N}},
      "fp": {every other state-dict tensor: embedding, LM head, norms; no latent weights, no lambda_}}
 
@@ -41,6 +41,7 @@ from quant import weight_quant
 from tools import checkpoint, common, outputs
 from tools.flags import die, parse
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
+from kernels.ternary_matmul import packed_from_planes
 from tools.load import FORMAT, load_gpt, saved_tokenizer
 
 
@@ -55,7 +56,8 @@ class ExportConfig:
 
 def packed_state(model, tokenizer):
     """The export dict of a frozen model (every hidden projection a PackedBitLinear)."""
-    packed = {name: {"w_packed": m.w_packed, "w_scale": m.w_scale, "in_features": m.in_features,
+    # the file keeps quant.pack_ternary's sequential order; PackedBitLinear holds the kernels' plane order
+    packed = {name: {"w_packed": packed_from_planes(m.w_packed), "w_scale": m.w_scale, "in_features": m.in_features,
                      "out_features": m.out_features}
               for name, m in model.named_modules() if isinstance(m, PackedBitLinear)}
     if not packed:

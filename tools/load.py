@@ -83,6 +83,7 @@ def load_gpt(path, device="cpu"):
 def model_from_packed(obj, source="export"):
     """Rebuild a GPT whose hidden projections are PackedBitLinear from an export dict; ValueError if it does not fit."""
     from kernels.packed_linear import PackedBitLinear, freeze_ternary  # here: it imports Triton, which takes seconds
+    from kernels.ternary_matmul import planes_from_packed  # the file's sequential order -> the kernels' planes
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(f"{source}: not a packed export (format {found!r}, expected {FORMAT!r}); "
@@ -94,14 +95,14 @@ def model_from_packed(obj, source="export"):
         if not isinstance(m, PackedBitLinear) or (m.in_features, m.out_features) != (p["in_features"], p["out_features"]):
             raise ValueError(f"{source}: {name} ({p['in_features']} -> {p['out_features']}) does not fit the model "
                              f"that model_args describe ({m})")
-        state[f"{name}.w_packed"], state[f"{name}.w_scale"] = p["w_packed"], p["w_scale"]
+        state[f"{name}.w_packed"], state[f"{name}.w_scale"] = planes_from_packed(p["w_packed"]), p["w_scale"]
     model.load_state_dict(state)  # strict: every tensor of the model must come from the file
     model.dlm_shift = obj.get("dlm_shift", True)  # a masked-diffusion export: how it reads its predictions
     return model.eval()
 
 
 def is_model_source(name):
-    """True when name is a pretrained model as published (GPT.from_pretrained takes it): a GGUF file, a Hugging
+    """True when name is a pretrained model as published (tools/pretrained.py takes it): a GGUF file, a Hugging
     Face model directory (config.json), or a hub id ("org/name", not a path on this machine)."""
     if not name or name in ("auto", "scratch", "byte", "gpt2"):
         return False
