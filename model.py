@@ -126,7 +126,9 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(B, T, nkv, hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)               # (B, nkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # generation: keys and values of the earlier positions are kept, not recomputed
+        if hasattr(cache, "extend"):  # a static cache (tools/decode.py): written in place, returns what to attend
+            k, v = cache.extend(k, v)
+        elif cache is not None:  # generation: keys and values of the earlier positions are kept, not recomputed
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v  # nkv heads: GQA's smaller cache
@@ -266,7 +268,8 @@ class GPT(nn.Module):
         """Sample max_new_tokens continuations of idx (B, T), cropping the context to block_size. A KV cache
         keeps each layer's keys and values, so a step runs the new token only; when the context reaches
         block_size it is cropped and refilled, which computes exactly what the uncropped forward would.
-        (Activations are quantised per token, so cached positions are what a full forward computes.)"""
+        (Activations are quantised per token, so cached positions are what a full forward computes.)
+        tools/decode.py takes the same steps from a preallocated cache, and on CUDA replays one captured step."""
         cache, pos = None, 0
         for _ in range(max_new_tokens):
             if self.config.doc_mask:  # document-restarted positions: no cache, the plain forward
@@ -277,12 +280,7 @@ class GPT(nn.Module):
                 logits, pos = self._decode(ctx, cache, 0), ctx.size(1)
             else:
                 logits, pos = self._decode(idx[:, -1:], cache, pos), pos + 1
-            logits = logits[:, -1, :] / max(temperature, 1e-6)  # (B, V)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            idx_next = torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
-            idx = torch.cat((idx, idx_next), dim=1)
+            idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
         return idx
 
     def _decode(self, idx, cache, pos):
@@ -293,6 +291,15 @@ class GPT(nn.Module):
         for block, layer_cache in zip(self.h, cache):
             x, _ = block(x, cos, sin, None, cache=layer_cache)
         return self.lm_head(self.norm_f(x[:, [-1], :]))  # (B, 1, V)
+
+
+def sample_next(logits, temperature=1.0, top_k=None):
+    """The next token (B, 1) drawn from the last position's logits (B, V) at temperature, among the top_k."""
+    logits = logits / max(temperature, 1e-6)
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
 
 
 if __name__ == "__main__":

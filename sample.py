@@ -5,6 +5,7 @@ Sample text from a trained checkpoint.
   python sample.py --ckpt=out/stage1/ckpt.pt --start="ROMEO:" --max_new_tokens=300 --temperature=0.8
   python sample.py --packed=True                     (ternary model run from 2-bit packed weights)
   python sample.py --ckpt=out/stage2/packed.pt       (a packed export from tools/export.py)
+  python sample.py --decode=eager                    (on CUDA: model.generate's exact logits, no CUDA graph)
   python sample.py --dlm=True                        (out/dlm/ckpt.pt, the masked-diffusion model: dlm.generate
                                                       fills --max_new_tokens masks in --steps steps, choosing
                                                       which to keep by --remasking=random or low_confidence)
@@ -15,7 +16,9 @@ Sample text from a trained checkpoint.
 The tokenizer and model shape come from the checkpoint, so any stage's ckpt.pt works. With --packed=True
 every BitLinear is frozen to 2-bit codes plus gamma (kernels/packed_linear.py) before sampling: the fp
 latent weights are dropped and the integer inference path runs (Triton on CUDA, torch on CPU).
-Greedy decoding is --top_k=1; --temperature must be a finite number >= 1e-6 (0 is refused, not read as greedy).
+Decoding runs from a static KV cache (tools/decode.py): on CUDA one captured decode step is replayed per token
+(--decode=graph, the default there; compile adds torch.compile), elsewhere the eager step (model.generate's logits
+bit for bit); --decode=eager on CUDA too. Greedy decoding is --top_k=1; --temperature must be a finite number >= 1e-6 (0 is refused, not read as greedy).
 --dlm=True fills prompt and continuation in one block_size context: a longer --max_new_tokens is refused.
 
 Test: python -m pytest tests/test_sample.py tests/test_packed.py
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tools import checkpoint, common, outputs
+from tools import checkpoint, common, decode, outputs
 from tokenizer import get_tokenizer
 from lessons import dlm
 from tools.load import FORMAT, load_gpt, saved_tokenizer
@@ -52,6 +55,7 @@ class SampleConfig:
     seed: int = 1337             # seeds the sampling
     device: str = "auto"         # auto = cuda if available, else cpu; or cpu, cuda, cuda:<index>
     packed: bool = False         # freeze every BitLinear to 2-bit codes + gamma and run the integer path
+    decode: str = "auto"         # auto = graph on CUDA, else eager; eager, fixed, graph, compile (tools/decode.py)
     jsonl: str = ""              # write num_samples documents to this .jsonl (a teacher-written corpus) instead
     overwrite: bool = False      # --jsonl: replace an existing file there
     dlm: bool = False            # the checkpoint is a masked-diffusion model (--stage=dlm): fill masks, not next tokens
@@ -97,13 +101,14 @@ def main(argv):
     if args["jsonl"]:
         with common.stoppable("--jsonl", args["jsonl"]):
             n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"],
-                             args["temperature"], args["top_k"], args["start"])
+                             args["temperature"], args["top_k"], args["start"], mode=args["decode"])
         print(f"wrote {args['num_samples']} samples, {n} characters, to {args['jsonl']}")
         return
     ids = [tok.eot] + tok.encode(args["start"])  # documents start with end-of-text in the shards
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, ...]
+    decoder = decode.Decoder(model, args["decode"])  # one static cache (and CUDA graph) for every sample
     for _ in range(args["num_samples"]):
-        y = model.generate(x, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"])
+        y = decoder.generate(x, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"])
         print(tok.decode(y[0, 1:].tolist()))
         print("---------------")
 
@@ -129,17 +134,18 @@ def sample_dlm(model, tok, args, device):
         print("---------------")
 
 
-def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0, top_k=None, start="", batch_size=64):
+def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0, top_k=None, start="", batch_size=64,
+                 mode="auto"):
     """Teacher-generated data: num_samples documents sampled from the model, each cut at its first end-of-text,
     written as jsonl ({"text": ...} per line, tools/prepare.py's input), all or nothing (common.atomic_write).
-    Returns the number of characters written."""
+    mode: tools/decode.py's. Returns the number of characters written."""
     ids = torch.tensor([tok.eot] + tok.encode(start), dtype=torch.long)  # a document starts after end-of-text
     device = next(model.parameters()).device
-    chars = 0
+    chars, decoder = 0, decode.Decoder(model, mode)
     with common.atomic_write(path) as tmp, open(tmp, "w") as f:
         for i in range(0, num_samples, batch_size):
             x = ids.to(device).expand(min(batch_size, num_samples - i), -1)
-            y = model.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)[:, 1:].tolist()
+            y = decoder.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)[:, 1:].tolist()
             for row in y:
                 row = row[:row.index(tok.eot)] if tok.eot in row else row  # the model ended the document
                 text = tok.decode(row)
@@ -168,6 +174,8 @@ def _check_args(args):
         die(f"--temperature={t:g}: expected at least {MIN_TEMPERATURE:g}, the smallest temperature model.generate "
             f"samples at (below it, it would use {MIN_TEMPERATURE:g} without a word); for greedy decoding use "
             f"--top_k=1", 2)
+    if args["decode"] not in ("auto",) + decode.MODES:
+        die(f"--decode={args['decode']}: expected auto, {', '.join(decode.MODES)}", 2)
     if args["remasking"] not in ("random", "low_confidence"):
         die(f"--remasking={args['remasking']}: expected random or low_confidence", 2)
     if not 0 <= args["seed"] < 2**64:
@@ -183,6 +191,9 @@ def _check_args(args):
         die(f"--device={device}: no CUDA device here; use --device=cpu", 2)
     if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
         die(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+    if args["decode"] in ("graph", "compile") and (dev[0] == "cpu" or not torch.cuda.is_available()):
+        die(f"--decode={args['decode']} replays a CUDA graph: it needs a CUDA device (--device={device}); use "
+            f"--decode=eager or fixed", 2)
     outputs.check_input("--ckpt", args["ckpt"])
     if args["jsonl"]:  # before any checkpoint is read: nothing is sampled for a file that cannot be kept
         outputs.check_output("--jsonl", args["jsonl"], "text", overwrite=args["overwrite"],

@@ -8,6 +8,9 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
   python -m lab.bench --train    full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT, eager and
                              compiled, with the QAT/dense ratio, Muon's share and MFU (GPU); CPU or CUDA preset
   python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours fp vs the nanoGPT baseline
+  python -m lab.bench --decode   batch-1 greedy decoding, tokens/s: fp bf16 vs packed ternary, model.generate and
+                             tools/decode.py's static KV cache, eager and replayed as a CUDA graph (CUDA preset's
+                             model; on CPU a tiny fp32 model, eager only), with the packed/fp ratio from one run
   python -m lab.bench --quality  time to quality: wall time for the quick start (python train.py --stage=2) and a
                              nanoGPT-shaped fp baseline to reach the same val loss, as a ratio from one run
 
@@ -503,12 +506,67 @@ def bench_kernels():
               f"{(M * K * 3 + M * 4) / (t / 1e3) / 1e9:6.0f} GB/s")
 
 
+def bench_decode(new_tokens=128, prompt_len=16):
+    """Batch-1 greedy decoding of new_tokens after a prompt_len-token prompt (its prefill timed too), tokens/s: the fp
+    model and the packed ternary one (kernels/packed_linear.py), each by model.generate (dynamic KV cache) and by
+    tools/decode.py (static KV cache: eager; on CUDA also one captured CUDA graph, plain and torch.compiled). CUDA: the
+    CUDA preset's shape in bf16; CPU: a tiny model in fp32. Each decoder decodes 8 tokens first (capture, compile).
+    "same" counts the tokens equal to model.generate's (random weights: near-ties, so float rounding can differ)."""
+    from kernels.packed_linear import freeze_ternary
+    from model import GPT, GPTConfig
+    from tools import config, decode
+    cuda = torch.cuda.is_available()
+    dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    if cuda:
+        shape = {s: config.model_config(config.build_config({"device": dev, "stage": s}), 50257, 50256) for s in (1, 2)}
+    else:
+        tiny = dict(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=64)
+        shape = {1: GPTConfig(**tiny, quant=False), 2: GPTConfig(**tiny, quant=True)}
+    torch.manual_seed(0)
+    models = {"fp": GPT(shape[1]).to(dev, dtype).eval(), "packed": freeze_ternary(GPT(shape[2]).to(dev, dtype).eval())}
+    c = shape[1]
+    print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; model {c.n_layer}x{c.n_embd}, {c.n_head} heads, vocab {c.vocab_size}, "
+          f"block_size {c.block_size}; {str(dtype).removeprefix('torch.')}; batch 1, greedy, {new_tokens} new tokens "
+          f"after a {prompt_len}-token prompt")
+    prompt = torch.randint(0, c.vocab_size, (1, prompt_len), device=dev, generator=torch.Generator(dev).manual_seed(0))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    modes = {"generate": "model.generate (dynamic KV cache)", "eager": "static KV cache, eager"}
+    if cuda:
+        modes |= {"graph": "static KV cache, CUDA graph", "compile": "static KV cache, torch.compile + CUDA graph"}
+    print(f"{'run':54s} {'tokens/s':>9s} {'same':>9s}")
+    tps = {}
+    for name, model in models.items():
+        want = model.generate(prompt, new_tokens, top_k=1)
+        for mode, label in modes.items():
+            row = f"{name + (' ' + str(dtype).removeprefix('torch.') if name == 'fp' else ' ternary')}: {label}"
+            try:
+                gen = model.generate if mode == "generate" else decode.Decoder(model, mode).generate
+                gen(prompt, 8, top_k=1)  # warm-up: captures the graph, compiles
+                sync()
+                t0 = time.perf_counter()
+                out = gen(prompt, new_tokens, top_k=1)
+                sync()
+                tps[name, mode] = new_tokens / (time.perf_counter() - t0)
+            except Exception as e:  # a step that cannot be captured or compiled: say why, time the others
+                print(f"{row:54s} failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
+                continue
+            same = int((out[0, prompt_len:] == want[0, prompt_len:]).cumprod(0).sum())
+            print(f"{row:54s} {tps[name, mode]:9.1f} {f'{same}/{new_tokens}':>9s}")
+    ratio = lambda a, b: f"{tps[a] / tps[b]:.2f}" if a in tps and b in tps else "-"  # noqa: E731
+    print("packed / fp tokens/s: " + ", ".join(f"{m} {ratio(('packed', m), ('fp', m))}" for m in modes))
+    print("static cache / model.generate tokens/s: " + "; ".join(
+        f"{n}: " + ", ".join(f"{m} {ratio((n, m), (n, 'generate'))}" for m in modes if m != "generate") for n in models))
+    return tps
+
+
 @dataclass
 class BenchFlags:
     data: bool = False           # tokeniser throughput on the shipped corpus
     muon: bool = False           # Newton-Schulz in bf16 vs fp32 on the CPU model's hidden matrices
     train: bool = False          # full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
     profile: bool = False        # where the CPU step time goes (torch.profiler)
+    decode: bool = False         # batch-1 greedy decoding tokens/s: fp vs packed, eager vs one CUDA graph a step
     quality: bool = False        # time to quality: ours vs a nanoGPT-shaped fp baseline, to the same val loss
     target: float = 0.0          # --quality: the val loss to reach (finite, > 0); 0 = the baseline's final val loss
     train_args: str = ""         # --quality: more train.py flags for our run and the shape of both, e.g. "--lr=3e-3"
@@ -529,7 +587,7 @@ def main(argv):
     if model and "train" not in flags:
         die("--model is an option of --train; add --train", 2)
     run = dict(data=bench_data, muon=bench_muon, train=lambda: bench_pretrained(model) if model else bench_train(),
-               profile=bench_profile,
+               profile=bench_profile, decode=bench_decode,
                quality=lambda: bench_quality(**opts))
     (run[next(iter(flags))] if flags else bench_kernels)()
 

@@ -5,7 +5,9 @@
 # Every step runs under its own `timeout` (a native hang kills only that step, which is then reported as "timeout")
 # and writes its whole output to $OUT/<step>.log; a failing step does not stop the others:
 #   kernels_<file>  each kernel test file in its own pytest process, compiled on CUDA (not the interpreter)
-#   bench           python -m lab.bench: ternary kernel vs bf16 F.linear at M = 1, 16, 2048
+#   decode_graph    tests/gpu_decode.py: the decode step captured as a CUDA graph gives the eager step's tokens
+#   bench           python -m lab.bench: ternary kernel vs bf16 F.linear at M = 1, 16, 2048; then --decode: batch-1
+#                   greedy tokens/s of the CUDA preset, fp bf16 and packed, model.generate, eager and graphed
 #   bench_train     python -m lab.bench --train: nanoGPT-shaped baseline vs our fp and QAT steps, same run
 #   train           the CUDA preset, stage 2 from scratch for STEPS (default 100) steps, timed: tokens/s
 # Exit status: 0 if every step passed, 1 if a step failed or timed out, 2 without a CUDA GPU (nothing is run).
@@ -29,12 +31,13 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, keep its ou
   tail -n 3 "$OUT/$name.log"
   echo "$name $rc $((SECONDS - t0))" >> "$OUT/status"
 }
-# the budget (seconds): 50 + 50 + 80 + 140 + 90 = 410, 5 s of grace each and 30 for the summary: 7 min 45 s at most
-step kernels_test_kernels 50 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n0 tests/test_kernels.py
-step kernels_test_packed 50 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n0 tests/test_packed.py
-step bench 80 "$PYTHON" -m lab.bench
-step bench_train 140 "$PYTHON" -m lab.bench --train
-step train 90 "$PYTHON" train.py --stage=2 --device=cuda --init_from=scratch --max_iters="$STEPS" \
+# the budget (seconds): 45 + 45 + 40 + 100 + 120 + 70 = 420, 5 s of grace each and 30 for the summary: 8 min at most
+step kernels_test_kernels 45 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n0 tests/test_kernels.py
+step kernels_test_packed 45 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n0 tests/test_packed.py
+step decode_graph 40 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n0 tests/gpu_decode.py
+step bench 100 bash -c "\"$PYTHON\" -m lab.bench && \"$PYTHON\" -m lab.bench --decode"
+step bench_train 120 "$PYTHON" -m lab.bench --train
+step train 70 "$PYTHON" train.py --stage=2 --device=cuda --init_from=scratch --max_iters="$STEPS" \
   --eval_interval="$STEPS" --out_dir="$OUT/run" --overwrite=True
 timeout 30 "$PYTHON" - "$OUT" <<'PY'
 import json, os, statistics, sys, torch, triton
@@ -50,7 +53,7 @@ for line in open(os.path.join(out, "status")):
     log = open(os.path.join(out, f"{name}.log"), errors="replace").read().splitlines()
     entry = dict(state=state, exit=int(rc), seconds=int(secs), log=f"{name}.log")
     print(f"{name:22s} {state:16s} {secs:>5s} s   log: {out}/{name}.log")
-    if name.startswith("kernels"):
+    if name.startswith(("kernels", "decode")):
         entry["pytest"] = next((l for l in reversed(log) if " passed" in l or " failed" in l), "(no pytest summary)")
         print("  " + entry["pytest"])
     elif name in ("bench", "bench_train"):

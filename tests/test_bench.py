@@ -136,3 +136,19 @@ def test_train_with_a_pretrained_model_times_ours_against_transformers_and_gener
     ratios = re.search(r"ours fp / transformers: ([0-9.]+); ours QAT / transformers: ([0-9.]+)", out)
     assert ratios and all(float(r) > 0 for r in ratios.groups()), out
     assert "--model is an option of --train" in fails(capsys, f"--model={src}", code=2, main=bench.main)
+
+
+def test_decode_prints_tokens_per_second_of_fp_and_packed_and_their_ratio_on_cpu(capsys):
+    """python -m lab.bench --decode on CPU: a tiny fp32 model, eager only (CUDA adds the graphed rows). Four rows,
+    the static cache's tokens are model.generate's (all 128: exact on CPU), and each printed packed/fp ratio is the
+    quotient of the printed tokens/s (rounded to 0.1) of the same run."""
+    bench.main(["--decode"])
+    out = capsys.readouterr().out
+    rows = {(m, mode): (float(t), s) for m, mode, t, s in re.findall(
+        r"^(fp|packed) [\w]+: (model\.generate|static KV cache, eager)\S* *\D*?([\d.]+) +(\d+/\d+)$", out, re.M)}
+    assert len(rows) == 4 and all(t > 0 and s == "128/128" for t, s in rows.values()), out
+    assert "CUDA graph" not in out and "float32; batch 1, greedy, 128 new tokens" in out
+    ratios = dict(re.findall(r"(generate|eager) ([\d.]+)", re.search(r"^packed / fp tokens/s: (.*)$", out, re.M)[1]))
+    for key, mode in (("generate", "model.generate"), ("eager", "static KV cache, eager")):
+        want = rows["packed", mode][0] / rows["fp", mode][0]
+        assert abs(float(ratios[key]) - want) < 0.006 + 0.002 * want, (key, out)

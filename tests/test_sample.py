@@ -53,6 +53,8 @@ FLAG_REFUSALS = {  # argv (--ckpt is MISSING), facts in the error line; all exit
     "start-not-utf8": (["--start=\udcff"], ["--start", "UTF-8"]),  # an undecodable byte in argv
     "top_k-not-an-int": (["--top_k=many"], ["--top_k=many", "int"]),
     "packed-not-a-bool": (["--packed=maybe"], ["--packed=maybe", "true or false"]),
+    "decode-unknown": (["--decode=fast"], ["--decode=fast", "auto, eager, fixed, graph, compile"]),
+    "decode-graph-on-cpu": (["--decode=graph", "--device=cpu"], ["--decode=graph", "CUDA", "--decode=eager"]),
     "unknown-flag": (["--bogus=1"], ["'--bogus=1'", "ckpt, start"]),
     "no-value": (["--top_k"], ["--top_k", "value"]),  # tools/flags.py's wording (tests/test_flags.py pins it)
 }
@@ -162,6 +164,26 @@ def test_temperature_near_zero_samples_the_greedy_continuation(files, tmp_path, 
     sample.main([*flags, "--num_samples=2", f"--jsonl={tmp_path / 't.jsonl'}"])
     text = tok.decode(row[:row.index(tok.eot)] if tok.eot in row else row)
     assert [json.loads(line)["text"] for line in open(tmp_path / "t.jsonl")] == [text, text]
+
+
+def test_every_cpu_decode_mode_prints_the_greedy_continuation(files, capsys):
+    """sample.py decodes from tools/decode.py's static cache: --decode=eager (the CPU default) and fixed (the step a
+    CUDA graph captures, run eagerly) print the greedy continuation of full forwards, past block_size (16)."""
+    model, tok = sample.load_model(str(files / "ckpt.pt"), "cpu")
+    row = _greedy_cropped(model, [tok.eot] + tok.encode("\n"), 24, 16)[1:]
+    for mode in ("auto", "eager", "fixed"):
+        sample.main([f"--ckpt={files / 'ckpt.pt'}", "--max_new_tokens=24", "--device=cpu", "--top_k=1",
+                     "--num_samples=1", f"--decode={mode}"])
+        assert capsys.readouterr().out == tok.decode(row) + "\n---------------\n", mode
+
+
+def _greedy_cropped(model, ids, n, block_size):
+    """_greedy with the context cropped to the last block_size tokens, as model.generate crops it."""
+    idx = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            idx = torch.cat([idx, model(idx[:, -block_size:])[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx[0].tolist()
 
 
 @pytest.fixture(scope="module")
