@@ -192,7 +192,7 @@ def make_loaders(cfg, rt, resume):
                                               order="sequential"), w / total)
                        for name, (d, w) in zip(names, sources.items())}
         if resume is not None:
-            train_loader.load_state_dict(prepare.upgrade_loader_state(resume["loader"], train_loader))
+            train_loader.load_state_dict(checkpoint.upgrade(resume, train_loader)["loader"])  # older layouts too
     except ValueError as e:
         die(str(e))
     have = [data.read_meta(d).get("train_tokens") for d in sources]
