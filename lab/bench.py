@@ -189,10 +189,11 @@ def bench_train(steps=10, warmup=3):
 
 
 def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
-    """A pretrained model's real shape (issue 36): training steps of transformers' own model, ours fp and ours
-    ternary QAT on one batch (fp32, this process's threads, AdamW for all, so the models are what differs), then
-    greedy generation of new_tokens after the same prompt: transformers' generate, ours fp, and our packed ternary
-    model (kernels/: int8 activations, 2-bit weights); finally where a QAT step's time goes (torch.profiler)."""
+    """A pretrained model's real shape (lab/results/smollm2-speed.md: SmolLM2-135M): training steps of
+    transformers' own model, ours fp and ours ternary QAT on one batch (fp32, this process's threads, AdamW for all,
+    so the models are what differs), then greedy generation of new_tokens after the same prompt: transformers'
+    generate, ours fp, and our packed ternary model (kernels/: int8 activations, 2-bit weights); finally where a
+    QAT step's time goes (torch.profiler)."""
     import copy
     import quant
     from kernels.packed_linear import freeze_ternary

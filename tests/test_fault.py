@@ -382,7 +382,7 @@ def test_a_fresh_run_refuses_an_out_dir_holding_another_run_unless_told(tmp_path
     out, d = str(tmp_path), tmp_path / "stage1"
     run(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=4", "--eval_interval=4")
     before = digest(d / "ckpt.pt")
-    msg = fails(capsys, f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=0")  # once replaced ckpt.pt silently
+    msg = fails(capsys, f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=0")  # would replace ckpt.pt
     assert str(d) in msg and "--resume=True" in msg and "--overwrite=True" in msg and "--run_name" in msg
     assert digest(d / "ckpt.pt") == before and not (d / ".lock").exists()
     train.main([f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=2", "--eval_interval=2", "--overwrite=True"])

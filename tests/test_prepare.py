@@ -632,7 +632,7 @@ def test_a_bad_tokenizer_is_one_line_before_anything_is_read(tmp_path, capsys):
     assert "no such .gguf file" in line and not os.path.exists(tmp_path / "o")
 
 # -----------------------------------------------------------------------------
-# issue 35: what --adopt and prepare must refuse (one line, nothing on disk changed) instead of losing or hiding data
+# what --adopt and prepare must refuse (one line, nothing on disk changed) instead of losing or hiding data
 
 
 def _refused(capsys, argv, code=1):

@@ -166,7 +166,7 @@ def test_lambda_warmup_is_linear_then_one():
 def test_logged_ms_per_step_does_not_depend_on_log_interval(tmp_path, monkeypatch, every):
     """ms and tok/s are per step, averaged over the steps since the last log line. A fake clock makes every
     step take exactly 0.25 s (and evaluation and checkpoints none), so each line must say 250 ms whatever
-    --log_interval is (it once divided one step's time by log_interval)."""
+    --log_interval is (not one step's time divided by log_interval)."""
     from tools import runtime
     clock = [1000.0]
     monkeypatch.setattr(runtime, "time", type("FakeTime", (), {"time": staticmethod(lambda: clock[0])}))
@@ -444,7 +444,7 @@ def test_step_records_log_the_clipping_statistics_under_zclips_names_and_old_fil
     assert evals == {"step": 1, "val_loss": 2.5}
 
 
-# ----------------------------------------------------------------------------- issue 35: the CPU stage-2 preset
+# ----------------------------------------------------------------------------- the CPU stage-2 preset
 # and the gradient scale of accumulation, pinned directly
 
 

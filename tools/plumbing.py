@@ -36,7 +36,7 @@ def shipped_dir(name, cfg):
     """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the first time. A
     pretrained model's tokenizer is named by its source's last part (common.source_slug)."""
     root = os.path.join(ROOT, "data", f"{name}_{source_slug(cfg.tokenizer)}")
-    scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
+    scores = os.path.join(root, "train_000.difficulty.npy")  # the curriculum needs them
     if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
                                                                 not os.path.exists(scores)):
         print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; tokenising the "
