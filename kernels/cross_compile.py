@@ -7,7 +7,7 @@ NumPy and never meets the compiler, so a kernel that cannot compile for a GPU pa
 
     python -m kernels.cross_compile            # every configuration, sm_80 and sm_90; prints one line each
 Test:
-    python -m pytest tests/test_kernels.py -k cross_compile
+    python -m pytest tests/test_cross_compile.py
 """
 
 import os

@@ -33,7 +33,7 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
         return Start(resume_ckpt["step"], resume_ckpt, resume_path, model_conf=model_conf,
                      note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
     if run_lesson is not None:  # a stage of a lesson's own (--stage=dlm)
-        return run_lesson.start(model_conf)
+        return Start(**run_lesson.start(model_conf))
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
         return Start(note=f"stage {cfg.stage}: training from scratch")
     path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
