@@ -33,8 +33,9 @@ from tools.flags import die, parse
 
 
 def bench_data():
+    from tokenizer import TOKENIZERS
     from tools import prepare
-    for name in ("byte", "gpt2"):
+    for name in TOKENIZERS:  # the built-in ones
         prepare.tokenize_throughput(name)  # warm-up: builds the encoder, reads the corpus
         rates = sorted(prepare.tokenize_throughput(name) for _ in range(3))
         print(f"{name:5s} tokeniser: {rates[1] / 1e6:7.2f} M tokens/s (median of 3, encode_batch on the "

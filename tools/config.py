@@ -27,6 +27,7 @@ from tools.seams import DLM_STAGE, LessonFlags
 
 @dataclass
 class CoreFlags:
+    """train.py's own flags, in five groups; each field's comment is its --help line."""
     # recipe: which stage, where it starts, and how it goes ternary (train.py's schedules; tools/start.py)
     stage: int = 2               # 1 = fp pre-training, 2 = ternary continued pre-training, 3 = distillation,
                                  # dlm = the stage-2 model converted to a masked-diffusion LM (lessons/dlm.py)
@@ -209,11 +210,12 @@ def check_config(cfg):
     if cfg.tokenizer not in TOKENIZERS and not is_model_source(cfg.tokenizer):
         die(f"--tokenizer={cfg.tokenizer}: expected byte, gpt2, or a pretrained model's (a Hugging Face directory, "
             f"a hub id or a .gguf file; by default --init_from's)", 2)
-    choices = dict(stage=(1, 2, 3, DLM_STAGE), dlm_mask_init=("mean", "random"), subln_gain=("unit", "calibrated"), schedule=("cosine", "wsd", "moderate", "constant"),
-                   data_order=("sequential", "shuffle", "curriculum"), optimizer=("muon", "adamw"),
-                   muon_state=("fp32", "linear8", "dynamic8"),
-                   muon_adjust_lr=("original", "match_rms_adamw"), distill_preset=("logits", "summarization", "classification"),
-                   dtype=("auto", "float32", "bfloat16", "float16"), compile=("auto", "true", "false"))
+    choices = dict(stage=(1, 2, 3, DLM_STAGE), distill_preset=("logits", "summarization", "classification"),
+                   optimizer=("muon", "adamw"), muon_adjust_lr=("original", "match_rms_adamw"),
+                   schedule=("cosine", "wsd", "moderate", "constant"), data_order=("sequential", "shuffle", "curriculum"),
+                   dtype=("auto", "float32", "bfloat16", "float16"), compile=("auto", "true", "false"),
+                   dlm_mask_init=("mean", "random"), muon_state=("fp32", "linear8", "dynamic8"),
+                   subln_gain=("unit", "calibrated"))
     for key, valid in choices.items():
         if getattr(cfg, key) not in valid:
             die(f"--{key}={getattr(cfg, key)}: expected one of {', '.join(map(str, valid))}", 2)
@@ -241,6 +243,7 @@ def check_config(cfg):
             die(f"--{key}={v}: expected a finite number {what}", 2)
     if not (math.isfinite(cfg.quant_start) and cfg.quant_start >= 0 and (cfg.quant_start < 1 or cfg.quant_start.is_integer())):
         die(f"--quant_start={cfg.quant_start}: expected a fraction of max_iters in [0, 1) or a whole step >= 1", 2)
+    # the step it stands for, and that it comes before max_iters: train.py (quant_start_step, check_quant_start)
     if cfg.quant_start and cfg.stage != 2:
         die(f"--quant_start={cfg.quant_start} switches a stage-2 run from 16-bit to ternary; stage {cfg.stage} has "
             f"no such switch (stage 1 is full precision throughout, stage 3 ternary throughout)", 2)
@@ -366,7 +369,7 @@ FIXED_ON_RESUME = ("seed", "muon_state", "normuon", "avg_checkpoints", "avg_inte
 
 def check_resume(cfg, overrides, saved, path):
     """Refuse (one line) a resume that cannot be honoured; return a note for what it changes on purpose.
-    cfg is this command's config before the saved one is applied (its stage names the directory it resumes)."""
+    cfg: the flags given on this command line alone (its stage names the directory it resumes)."""
     if cfg.overwrite:
         die("--resume=True continues the run in its directory and --overwrite=True would delete it; pass one of "
             "them", 2)
