@@ -111,7 +111,7 @@ class DataLoader:
         self.reset()
 
     def reset(self):
-        """Back to the start of every source with a re-seeded RNG (used to evaluate on val). Shards are mapped
+        """Back to the start of every source with a re-seeded RNG (each evaluation on val begins so). Shards are mapped
         again, so shards that tools/prepare.py replaced since raise DataChanged at the next batch."""
         self.cursor = [0] * len(self.dirs)  # per source: how many of its windows were read
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
@@ -249,8 +249,8 @@ def window_difficulty(shards, lengths, T):
         try:
             chunks = np.load(difficulty_path(path))
         except (OSError, ValueError):
-            raise ValueError(f"{difficulty_path(path)}: missing or unreadable, and the curriculum order needs it "
-                             f"(shards prepared before difficulty scores existed?); {_fix(path)}") from None
+            raise ValueError(f"{difficulty_path(path)}: missing or unreadable, and the curriculum order needs it; "
+                             f"{_fix(path)}") from None
         if len(chunks) != -(-n // DIFFICULTY_CHUNK):
             raise ValueError(f"{difficulty_path(path)}: {len(chunks)} scores for {n} tokens in chunks of "
                              f"{DIFFICULTY_CHUNK}: not this shard's; {_fix(path)}")
@@ -319,7 +319,7 @@ def _check_block_size(shards, lengths, T):
 
 def _check_meta(dirs, split, lengths):
     """Each meta.json (optional: a directory of shards alone is fine) against the shards found beside it, then
-    one tokenizer across sources. An older meta.json has no shard count: its token count is still checked."""
+    one tokenizer across sources. A meta.json without a shard count has its token count checked alone."""
     tokenizers = {}
     for d, ns in zip(dirs, lengths):
         if not os.path.exists(os.path.join(d, "meta.json")):
@@ -356,9 +356,10 @@ def _check_meta_json(path):
 
 def _check_state(loader, sd):
     """A state_dict() of a loader reading the same sources in the same order."""
-    if "pos" in sd:  # (shard, offset) per source, written before data orders existed
-        raise ValueError("loader state from before data orders existed (it holds \"pos\"); convert it first: "
-                         "loader.load_state_dict(tools.prepare.upgrade_loader_state(state, loader))")
+    missing = [k for k in ("dirs", "split", "order", "span", "cursor", "rng") if k not in sd]
+    if missing:
+        raise ValueError(f"loader state with keys {', '.join(sorted(sd))} lacks {', '.join(missing)}: not a "
+                         f"DataLoader.state_dict() (a training checkpoint's goes through tools.checkpoint.upgrade)")
     names = [os.path.basename(os.path.normpath(d)) for d in loader.dirs]
     if sd["dirs"] != names or sd["split"] != loader.split:
         raise ValueError(f"loader state is for {sd['split']} of {sd['dirs']} but this loader reads {loader.split} "
@@ -388,7 +389,7 @@ def shard_identity(path):
 
 
 def _open_shard(path, identity):
-    """path opened for reading; with identity given, a file that is no longer that one raises DataChanged."""
+    """path opened for reading; with identity given, another file at path (or none) raises DataChanged."""
     d = os.path.dirname(path) or "."
     changed = (f"{d}: the shards changed while this run was reading them ({os.path.basename(path)} %s; "
                f"python -m tools.prepare re-ran?); restart the run, or --resume=True from its last checkpoint")
@@ -411,7 +412,7 @@ if __name__ == "__main__":
     if sys.argv[1:] in (["-h"], ["--help"]):
         print(__doc__)
         sys.exit(0)
-    if sys.argv[1:]:  # by habit: the tokenising command used to live here
+    if sys.argv[1:]:  # flags belong to the tokenising command: name it
         print(f"error: data.py takes no flags; tokenising is: python -m tools.prepare {' '.join(sys.argv[1:])}",
               file=sys.stderr)
         sys.exit(2)

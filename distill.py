@@ -176,7 +176,9 @@ def hidden_state_loss(student_hiddens, teacher_hiddens, layer_weights=None):
 
 class BitDistillLoss:
     """L = CE + kd_logits * LD + kd_relation * AD + kd_hidden * hidden. Overrides beat the preset; the default
-    preset is "logits" (kd_logits 1, kd_relation 0), so q/k/v and hidden states are needed only when asked for."""
+    preset is "logits" (kd_logits 1, kd_relation 0), so q/k/v and hidden states are needed only when asked for.
+    A call returns {loss, ce, kd_logits: L_LD, kd_relation: L_AD, kd_hidden: L_hidden}: each term unweighted,
+    under the name of the weight that scales it (the names train.py logs them under in metrics.jsonl)."""
 
     def __init__(self, preset="logits", kd_logits=None, kd_relation=None, kd_hidden=0.0,
                  temperature=5.0, relation_temperature=1.0, n_relation_heads=32, distill_layer=-1,
@@ -222,7 +224,7 @@ class BitDistillLoss:
                                  f"pass them or set kd_hidden=0")
             hidden = hidden_state_loss(student_hiddens, teacher_hiddens, late_layer_weights(len(student_hiddens)))
         loss = ce + self.kd_logits * ld + self.kd_relation * ad + self.kd_hidden * hidden
-        return dict(loss=loss, ce=ce, ld=ld, ad=ad, hidden=hidden)
+        return dict(loss=loss, ce=ce, kd_logits=ld, kd_relation=ad, kd_hidden=hidden)
 
     def __repr__(self):
         return (f"BitDistillLoss(preset={self.preset!r}, kd_logits={self.kd_logits}, kd_relation={self.kd_relation}, "

@@ -156,9 +156,7 @@ class Muon(torch.optim.Optimizer):
         p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
 
     def load_state_dict(self, state_dict):
-        if set(state_dict) == {"muon", "adamw"}:  # a checkpoint of the two-optimizer form (bottom of file)
-            state_dict = _merged_state_dict(state_dict["muon"], state_dict["adamw"])
-        saved = [g.get("kind", "muon") for g in state_dict["param_groups"]]
+        saved = [g.get("kind", "muon") for g in state_dict["param_groups"]]  # no kind: Muon's, as add_param_group
         kinds = [g["kind"] for g in self.param_groups]
         if saved != kinds:
             raise ValueError(f"the saved param groups are of kinds {saved}, this optimizer's of kinds {kinds}; "
@@ -166,7 +164,7 @@ class Muon(torch.optim.Optimizer):
                              "muon, adamw, adamw)")
         super().load_state_dict(state_dict)
         for group, kind in zip(self.param_groups, kinds):
-            group.setdefault("kind", kind)  # a Muon saved before groups had kinds
+            group.setdefault("kind", kind)
 
 
 def split_muon_params(model, head_names=("lm_head",)):
@@ -278,19 +276,6 @@ def _adamw_step(opt, params, group):
                      [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=None,
                      fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-
-
-# ----------------------------------------------------------------------------- checkpoints of the two-optimizer form
-# Before issue 33, MuonWithAdamW held a Muon and a torch.optim.AdamW and saved {"muon": ..., "adamw": ...}, each
-# numbering its own parameters from 0. One optimizer numbers them over its groups in order: Muon's, then AdamW's.
-
-
-def _merged_state_dict(muon, adamw):
-    """The one-optimizer state_dict of an old {"muon": muon, "adamw": adamw} pair: groups tagged, ids renumbered."""
-    n = sum(len(g["params"]) for g in muon["param_groups"])
-    groups = ([{**g, "kind": "muon"} for g in muon["param_groups"]] +
-              [{**g, "kind": "adamw", "params": [i + n for i in g["params"]]} for g in adamw["param_groups"]])
-    return {"state": {**muon["state"], **{i + n: s for i, s in adamw["state"].items()}}, "param_groups": groups}
 
 
 # ----------------------------------------------------------------------------- distributed Muon (DDP, FSDP2)

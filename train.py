@@ -41,7 +41,7 @@ from tokenizer import get_tokenizer
 from distill import match_layers
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tools import checkpoint, common, plumbing, seams, start
-from tools.config import (build_config, check_resume, check_run, model_config, parse_args,
+from tools.config import (TrainConfig, build_config, check_resume, check_run, model_config, parse_args,
                           stage_dir, teacher_paths)
 from tools.flags import die
 from tools.plumbing import Run, log_step, save
@@ -93,11 +93,23 @@ def quant_start_step(cfg):
     return round(q * cfg.max_iters) if q < 1 else int(q)
 
 
-def check_lambda_on_resume(step, old, new, path):
-    """A resumed run continues its lambda schedule: flags given now (--lambda_warmup_steps, --quant_start, or
-    --max_iters with a fractional --quant_start) that would move lambda at the next step are refused in one line;
-    a change that only moves steps still ahead of the warm-up is allowed and said."""
-    keys = [k for k in ("lambda_warmup_steps", "quant_start", "max_iters") if getattr(old, k) != getattr(new, k)]
+def check_quant_start(cfg):
+    """A --quant_start at or past the run's last step would leave its stage-2 checkpoint full precision: refused.
+    (Its range, and that only stage 2 takes it, are checked with every other flag in tools/config.py.)"""
+    q = quant_start_step(cfg)
+    if cfg.quant_start and q >= cfg.max_iters:
+        die(f"--quant_start={cfg.quant_start} is step {q}, not before --max_iters={cfg.max_iters}: the run would "
+            f"never go ternary and its stage-2 checkpoint would be full precision; pass a smaller --quant_start", 2)
+
+
+def check_lambda_on_resume(step, saved, new, path):
+    """A resumed run continues its lambda schedule (saved: the checkpoint's config, a dict): flags given now
+    (--lambda_warmup_steps, --quant_start, or --max_iters with a fractional --quant_start) that would move lambda
+    at the next step are refused in one line; a change that only moves steps still ahead of the warm-up is allowed
+    and said."""
+    schedule = ("lambda_warmup_steps", "quant_start", "max_iters")
+    old = dataclasses.replace(new, **{k: saved.get(k, getattr(type(new), k)) for k in schedule})
+    keys = [k for k in schedule if getattr(old, k) != getattr(new, k)]
     was, now = lambda_at(step, old), lambda_at(step, new)
     flags = " ".join(f"--{k}={getattr(new, k)}" for k in keys)
     if was != now:
@@ -135,7 +147,7 @@ def train_step(run, step, stop_requested):
         loss_sum += loss.detach().float()
     clear_weight_quant(model)  # the weights are about to change
     stats = clip_gradients([p for p in model.parameters() if p.grad is not None], run.clipper, cfg.grad_clip)
-    stats.update({k: v for k, v in (parts or {}).items() if k != "loss"})  # stage 3: ce, logits, relation, hidden
+    stats.update({k: v for k, v in (parts or {}).items() if k != "loss"})  # stage 3: ce and the kd_* terms
     for cb in run.callbacks:
         stats.update(cb.watch())  # e.g. QK-clip's max attention logit
     out = read_step(loss_sum / run.accum, stop_requested, stats)  # the one host read of the step
@@ -208,48 +220,49 @@ def training_loop(run):
     """The steps from run.start.step to max_iters, with evaluation, checkpoints, logs and the stop rules."""
     cfg, rt = run.cfg, run.rt
     step = start = run.start.step
-    val_loss, n_bad, bad_run = None, 0, 0
+    val_loss, skipped_steps, skipped_in_a_row = None, 0, 0
     timer = StepTimer()  # ms per step, averaged between log lines
     with common.StopSignal() as stop:
-        # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         while True:
-            lam = set_step_lambda(run, step)  # evaluation and checkpoint see the model that step `step` trains
             last = step >= cfg.max_iters
             if step > start or last:
                 evaluate = last or step % cfg.eval_interval == 0
-                if evaluate:
-                    val_loss = plumbing.evaluate(run, step, lam, whole=last and cfg.eval_whole)  # logged, recorded
                 if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
+                    lam = set_step_lambda(run, step)  # both see the model that step `step` trains
+                    if evaluate:
+                        val_loss = plumbing.evaluate(run, step, lam, whole=last and cfg.eval_whole)  # logged
                     save(run, step)
                     timer.reset()  # evaluation and checkpoint time are not step time
             if last:
                 break
+            # ---------------------------------------------------------------- TRAINING SECTION BEGIN
             out = train_step(run, step, stop.requested is not None)
+            # ---------------------------------------------------------------- TRAINING SECTION END
             step += 1
             timer.steps += 1
-            n_bad, bad_run = (n_bad, 0) if out["ok"] else (n_bad + 1, bad_run + 1)
+            skipped_steps, skipped_in_a_row = ((skipped_steps, 0) if out["ok"] else
+                                               (skipped_steps + 1, skipped_in_a_row + 1))
             if not out["ok"] or step % cfg.log_interval == 0:
-                log_step(run, step, out, n_bad, bad_run, timer)
+                log_step(run, step, out, skipped_steps, skipped_in_a_row, timer)
             if not out["ok"] and not checkpoint.all_finite(run.model):  # skipping cannot mend broken weights
                 die(f"step {step}: the weights are no longer finite (the update of an earlier step overflowed: is "
                     f"--lr or --muon_lr too high?); nothing was saved over {run.ckpt_path}; lower the lr and "
                     f"continue from it with --resume=True")
-            if bad_run >= cfg.max_bad_steps:
+            if skipped_in_a_row >= cfg.max_bad_steps:
                 save(run, step)
-                die(f"{bad_run} steps in a row with a non-finite loss or gradient, the last at step {step}; "
-                    f"saved {run.ckpt_path} (weights as after step {step - bad_run}); lower --lr or check the "
-                    f"data, then continue with --resume=True")
+                die(f"{skipped_in_a_row} steps in a row with a non-finite loss or gradient, the last at step {step}; "
+                    f"saved {run.ckpt_path} (weights as after step {step - skipped_in_a_row}); lower --lr or check "
+                    f"the data, then continue with --resume=True")
             if out["stop"]:
                 save(run, step)
                 rt.log(f"{stop.requested or 'stop signal on another rank'}: finished step {step}, saved "
                        f"{run.ckpt_path}; continue with --resume=True")
                 break
-        # ---------------------------------------------------------------- TRAINING SECTION END
-    if step > start and n_bad == step - start:
-        die(f"all {n_bad} steps of this run were skipped as non-finite, so nothing was learned; see the log "
+    if step > start and skipped_steps == step - start:
+        die(f"all {skipped_steps} steps of this run were skipped as non-finite, so nothing was learned; see the log "
             f"above, lower --lr or check the data")
     if val_loss is not None and step >= cfg.max_iters:
-        skipped = f", {n_bad} of them skipped as non-finite" if n_bad else ""
+        skipped = f", {skipped_steps} of them skipped as non-finite" if skipped_steps else ""
         rt.log(f"final val loss {val_loss:.4f} ({stage_dir(cfg.stage)}, {step} steps{skipped}); checkpoint {run.ckpt_path}"
                + unfinished_warmup(run, step))
     rt.close()
@@ -308,25 +321,28 @@ def setup(argv):
     """Config, runtime, starting weights, data, model, optimizer, ZClip and loss: everything the loop needs.
     Every input is checked before anything is written, so a bad flag or file costs nothing already saved."""
     overrides = parse_args(argv)
-    cfg = build_config(overrides)
-    if "tokenizer" not in overrides and not cfg.resume:  # the stage before began from a pretrained model: its tokenizer
-        tok = start.previous_stage_tokenizer(cfg)
-        if tok is not None and tok != cfg.tokenizer:
-            cfg = build_config({**overrides, "tokenizer": tok})
-    run = Run(cfg, Runtime.from_env(cfg.device), os.path.join(cfg.out_dir, cfg.run_name or stage_dir(cfg.stage)))
+    given = TrainConfig(**overrides)  # the flags alone, no preset: enough to name the run's directory
+    out_dir = os.path.join(given.out_dir, given.run_name or stage_dir(given.stage))
+    resume, saved, notes = None, None, []
+    if given.resume:  # the saved run's config, the flags given now on top
+        path = os.path.join(out_dir, checkpoint.LATEST)
+        if not os.path.exists(path):
+            die(f"--resume=True but there is no checkpoint at {path}; start without --resume")
+        resume = checkpoint.load(path, ("model", "model_args", "config", "step", "optimizer", "loader"))
+        saved = resume["config"]
+        notes.append(check_resume(given, overrides, saved, path))
+    elif "tokenizer" not in overrides:  # the stage before began from a pretrained model: its tokenizer
+        tok = start.previous_stage_tokenizer(given)
+        overrides = {**overrides, "tokenizer": tok} if tok is not None else overrides
+    cfg = build_config(overrides, base=saved)
+    check_quant_start(cfg)
+    run = Run(cfg, Runtime.from_env(cfg.device), out_dir)
     run.device = run.rt.device
-    resume = None
-    if cfg.resume:
-        if not os.path.exists(run.ckpt_path):
-            die(f"--resume=True but there is no checkpoint at {run.ckpt_path}; start without --resume")
-        resume = checkpoint.load(run.ckpt_path, ("model", "model_args", "config", "step", "optimizer", "loader"))
-        note = check_resume(cfg, overrides, resume["config"], run.ckpt_path)
-        run.cfg = cfg = build_config(overrides, base=resume["config"])  # the saved run, flags given now on top
-        lam = resume["model_args"].get("quant") and check_lambda_on_resume(
-            resume["step"], build_config({}, base=resume["config"]), cfg, run.ckpt_path)
-        for line in (note, lam):
-            if line:
-                run.rt.log(line)
+    if resume is not None and resume["model_args"].get("quant"):
+        notes.append(check_lambda_on_resume(resume["step"], saved, cfg, run.ckpt_path))
+    for line in notes:
+        if line:
+            run.rt.log(line)
     teachers = teacher_paths(cfg)
     check_run(cfg, run.rt, run.out_dir, teachers)
     if run.rt.master:
@@ -355,7 +371,7 @@ def build(run, resume, teachers):
     run.start = start.starting_weights(cfg, model_conf, resume, run.ckpt_path, run.lesson)
 
     rt.start()
-    rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir), dataclasses.asdict(cfg))
+    rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir), {**dataclasses.asdict(cfg), "commit": run.commit})
     checkpoint.seed_all(cfg.seed)  # the same on every rank: identical initial weights
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = rt.device_type == "cuda"
     dtype = ("bfloat16" if rt.device_type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype

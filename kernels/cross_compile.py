@@ -24,6 +24,8 @@ strides multiples of 16 (Triton then emits 16-byte vector loads), M = 1 for the 
 
     python -m kernels.cross_compile                  # every configuration, sm_80 and sm_90; one line each
     python -m kernels.cross_compile --json=PATH      # and the reports as a JSON list (tests/test_cross_compile.py)
+Test:
+    python -m pytest tests/test_cross_compile.py
 """
 
 import json

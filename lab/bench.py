@@ -36,8 +36,9 @@ from tools.flags import die, parse
 
 
 def bench_data():
+    from tokenizer import TOKENIZERS
     from tools import prepare
-    for name in ("byte", "gpt2"):
+    for name in TOKENIZERS:  # the built-in ones
         prepare.tokenize_throughput(name)  # warm-up: builds the encoder, reads the corpus
         rates = sorted(prepare.tokenize_throughput(name) for _ in range(3))
         print(f"{name:5s} tokeniser: {rates[1] / 1e6:7.2f} M tokens/s (median of 3, encode_batch on the "
@@ -192,10 +193,11 @@ def bench_train(steps=10, warmup=3):
 
 
 def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
-    """A pretrained model's real shape (issue 36): training steps of transformers' own model, ours fp and ours
-    ternary QAT on one batch (fp32, this process's threads, AdamW for all, so the models are what differs), then
-    greedy generation of new_tokens after the same prompt: transformers' generate, ours fp, and our packed ternary
-    model (kernels/: int8 activations, 2-bit weights); finally where a QAT step's time goes (torch.profiler)."""
+    """A pretrained model's real shape (lab/results/smollm2-speed.md: SmolLM2-135M): training steps of
+    transformers' own model, ours fp and ours ternary QAT on one batch (fp32, this process's threads, AdamW for all,
+    so the models are what differs), then greedy generation of new_tokens after the same prompt: transformers'
+    generate, ours fp, and our packed ternary model (kernels/: int8 activations, 2-bit weights); finally where a
+    QAT step's time goes (torch.profiler)."""
     import copy
     import quant
     from kernels.packed_linear import freeze_ternary

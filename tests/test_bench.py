@@ -57,8 +57,8 @@ def test_quality_prints_the_ratio_of_the_two_times_to_the_same_target():
                                          ('--train_args="x', ['--train_args="x', "No closing quotation"])])
 def test_quality_refuses_an_impossible_target_or_unsplittable_train_args_before_training(flag, facts, capsys,
                                                                                           monkeypatch):
-    """Issue 35: --target=nan (or -1) ran the whole benchmark to report "not reached"; --train_args='"x' ended in
-    shlex's traceback. Both are one line, exit 2, before any run is set up (train.setup must not be reached)."""
+    """--target=nan (or -1) and --train_args='"x' (shlex cannot split it) are one line, exit 2, before any run is
+    set up (train.setup must not be reached): no benchmark runs only to report "not reached", no traceback."""
     import train
 
     def no_setup(argv):

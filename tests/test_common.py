@@ -267,8 +267,8 @@ def test_load_gpt_loads_a_checkpoint_with_model_args_an_older_version_wrote(save
 
 
 def test_load_gpt_names_what_is_not_a_checkpoint_and_which_program_reads_it(saved, tmp_path):
-    """Issue 35: a GGUF file, an HF export directory, model.safetensors or nanobitnet.json was called "corrupt or
-    truncated" (or a KeyError)."""
+    """A GGUF file, an HF export directory, model.safetensors or nanobitnet.json is named for what it is, not called
+    "corrupt or truncated" (nor a KeyError)."""
     d, model = saved
     ckpt = str(d / "ckpt.pt")
     gguf, hf = str(tmp_path / "model.gguf"), str(tmp_path / "hf")

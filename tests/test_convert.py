@@ -62,8 +62,8 @@ def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama
         *FLAGS, out)
     assert records(str(tmp_path))[-1]["step"] == 6
     run("--stage=3", f"--teacher={tiny_llama}", "--max_iters=2", "--eval_interval=2", *FLAGS, out)
-    steps = [r for r in records(str(tmp_path), stage=3) if "ld" in r]
-    assert steps and all(r["ld"] > 0 for r in steps)
+    steps = [r for r in records(str(tmp_path), stage=3) if "kd_logits" in r]
+    assert steps and all(r["kd_logits"] > 0 for r in steps)
 
 
 def test_a_model_we_cannot_carry_is_one_error_line_naming_the_field(tiny_llama, tmp_path, capsys):

@@ -271,8 +271,8 @@ def _digest(batches):
     return h.hexdigest()[:16]
 
 
-# sha256 of the first batches, computed with the loader as it was before data.py was reorganised (issue 33):
-# the measured numbers were trained on these batches, in this order
+# sha256 of the first batches: the measured numbers (lab/results) were trained on these batches, in this order, so
+# the loader must keep giving them
 PINNED = [  # (sources, order, seed, span, rank, world_size, B, T, batches, digest)
     ("a", "shuffle", 1337, 0, 0, 1, 4, 64, 20, "733b7f44bcecc1ba"),
     ("a", "shuffle", 7, 0, 0, 1, 4, 64, 20, "6a718bda7340981c"),
@@ -671,14 +671,14 @@ def test_curriculum_refuses_shards_without_scores_and_resume_with_another_order(
 
 
 def test_loader_refuses_a_state_from_before_orders_naming_the_converter(tmp_path):
-    """A checkpoint written before data orders kept (shard, offset) per source: tools/prepare.py converts it
-    (tests/test_prepare.py); the loader alone refuses it in one line rather than guess."""
+    """A loader state holding "pos", (shard, offset) per source, and no cursor: tools/checkpoint.py's upgrade
+    converts it (tests/test_fault.py); the loader alone refuses it in one line rather than guess."""
     d = _shards(tmp_path / "a", np.arange(20), np.arange(100, 125))
     loader = data.DataLoader(d, "train", B=1, T=8, order="sequential")
     sd = {k: v for k, v in loader.state_dict().items() if k not in ("order", "span", "cursor")}
     with pytest.raises(ValueError) as e:
         loader.load_state_dict(dict(sd, pos=[[1, 8]]))
-    assert "pos" in str(e.value) and "upgrade_loader_state" in str(e.value) and "\n" not in str(e.value)
+    assert "pos" in str(e.value) and "checkpoint.upgrade" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_difficulty_is_the_zlib_ratio_of_each_chunk_and_prepare_writes_it(tmp_path):

@@ -303,7 +303,7 @@ def test_total_equals_weighted_sum_recomputed_independently():
     ad = _loop_relation_loss(qs, qt, 2)
     w = late_layer_weights(2)
     hid = sum(wi * ((F.normalize(a, dim=-1) - F.normalize(b, dim=-1)) ** 2).mean() for wi, a, b in zip(w, hs, ht))
-    for key, ref in (("ce", ce), ("ld", ld), ("ad", ad), ("hidden", hid)):
+    for key, ref in (("ce", ce), ("kd_logits", ld), ("kd_relation", ad), ("kd_hidden", hid)):
         assert out[key].item() == pytest.approx(float(ref), rel=1e-5), key
     assert out["loss"].item() == pytest.approx(float(ce + 10 * ld + 1e5 * ad + 0.5 * hid), rel=1e-5)
 
@@ -317,15 +317,15 @@ def test_default_is_the_logits_preset_of_train_py():
     assert (d.kd_logits, d.kd_relation, d.kd_hidden, d.n_relation_heads, d.distill_layer) == (1.0, 0.0, 0.0, 32, -1)
     zs, zt, targets, *_ = _batch()
     out = d(zs, zt, targets)  # no q/k/v, no hidden states
-    assert out["ad"].item() == 0.0 and out["hidden"].item() == 0.0
-    assert torch.equal(out["loss"], out["ce"] + out["ld"])
+    assert out["kd_relation"].item() == 0.0 and out["kd_hidden"].item() == 0.0
+    assert torch.equal(out["loss"], out["ce"] + out["kd_logits"])
 
 
 def test_kd_relation_zero_allows_missing_qkv_and_hidden_off_by_default():
     zs, zt, targets, *_ = _batch()
     out = BitDistillLoss("summarization", kd_relation=0.0)(zs, zt, targets, None, None)
-    assert out["ad"].item() == 0.0 and out["hidden"].item() == 0.0
-    assert out["loss"].item() == pytest.approx((out["ce"] + out["ld"]).item(), rel=1e-6)
+    assert out["kd_relation"].item() == 0.0 and out["kd_hidden"].item() == 0.0
+    assert out["loss"].item() == pytest.approx((out["ce"] + out["kd_logits"]).item(), rel=1e-6)
     with pytest.raises(ValueError) as e:
         BitDistillLoss("summarization")(zs, zt, targets)
     msg = str(e.value)  # what is missing, and the fix: pass it or switch the loss off

@@ -106,10 +106,10 @@ def test_sampler_fills_every_masked_position_never_with_the_mask(temperature, re
 
 
 def test_a_tiny_temperature_samples_the_greedy_fill_and_a_non_finite_or_negative_one_is_refused():
-    """Issue 35: temperature 1e-39 divided the logits past float32's range (inf - inf = NaN in the softmax) and
-    torch.multinomial raised. Any temperature > 0 samples now; one this small leaves all the probability on the
-    argmax, so one step (every mask committed at once) fills in what greedy decoding (temperature 0) does. NaN
-    and -1 were read as greedy without a word (they fail `temperature > 0`); inf gave -inf / inf = NaN."""
+    """Any temperature > 0 samples, even 1e-39, which divides the logits past float32's range (inf - inf = NaN in
+    the softmax unless handled): one this small leaves all the probability on the argmax, so one step (every mask
+    committed at once) fills in what greedy decoding (temperature 0) does. NaN, -1 (they fail `temperature > 0`)
+    and inf (-inf / inf = NaN) are refused, not read as greedy."""
     m, mask_id = dlm.add_mask_token(_ar(), "random")
     prompt = torch.randint(0, 40, (1, 5), generator=torch.Generator().manual_seed(0))
     greedy = dlm.generate(m, prompt, gen_len=16, steps=1, mask_id=mask_id)

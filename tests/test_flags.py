@@ -109,8 +109,8 @@ def test_train_py_help_from_the_command_line():
     assert p.returncode == 0 and "--lambda_warmup_steps=200" in p.stdout and "--grad_accum=8" in p.stdout
 
 
-# train.py's renamed flags (issue 33: lambda and gamma are BitNet's quantisation blend and weight scale, so the
-# distillation weights are named for what they weigh; one suffix for both warm-ups)
+# train.py's renamed flags: lambda and gamma are BitNet's quantisation blend and weight scale, so the distillation
+# weights are named for what they weigh; both warm-ups count _steps
 OLD_NAMES = {"distill_lambda": "kd_logits", "distill_gamma": "kd_relation", "distill_hidden": "kd_hidden",
              "warmup_iters": "warmup_steps"}
 
@@ -168,9 +168,9 @@ def test_only_tools_flags_parses_command_lines():
 
 @pytest.mark.parametrize("module, func, home, cls", COMMANDS, ids=[c[0] for c in COMMANDS])
 def test_a_bare_flag_means_true_for_a_boolean_only_in_every_command(capsys, module, func, home, cls):
-    """Issue 35: a bare --out_dir was read as the string "true" (a run then wrote into ./true). Every flag of every
-    command given bare: a boolean is true; any other is one error line naming it, exit 2, before the command does
-    anything (its main() is called, so a command's own converters count too)."""
+    """Every flag of every command given bare: a boolean is true; any other (a bare --out_dir is not the string
+    "true", which would write into ./true) is one error line naming it, exit 2, before the command does anything
+    (its main() is called, so a command's own converters count too)."""
     import importlib
     main = getattr(importlib.import_module(module), func)
     flag_class = getattr(importlib.import_module(home), cls)
@@ -200,9 +200,9 @@ def test_die_names_the_global_rank_not_the_local_one(capsys, monkeypatch):
 
 
 def test_ctrl_c_while_a_command_loads_its_imports_stops_it_without_a_traceback():
-    """Issue 35: Ctrl-C in the first seconds of any command (torch, transformers, matplotlib loading) printed a
-    KeyboardInterrupt traceback. Each entry point stops at once instead (killed by SIGINT, as a shell expects),
-    and its flags.parse hands Ctrl-C back to Python (KeyboardInterrupt, which train.py's stop handler replaces)."""
+    """Ctrl-C in the first seconds of any command (torch, transformers, matplotlib loading) prints no
+    KeyboardInterrupt traceback: each entry point stops at once (killed by SIGINT, as a shell expects), and its
+    flags.parse hands Ctrl-C back to Python (KeyboardInterrupt, which train.py's stop handler replaces)."""
     import signal
     import subprocess
     import time

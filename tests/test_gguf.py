@@ -145,7 +145,7 @@ def test_vocabulary_metadata_byte_and_gpt2(tmp_path):
 
 
 def test_llama_cpp_starts_a_prompt_with_eot_as_every_training_document_starts(tmp_path):
-    """Issue 35: add_bos_token written False passed the suite. tools/prepare.py writes each document as [eot] + tokens
+    """add_bos_token is written True. tools/prepare.py writes each document as [eot] + tokens
     and sample.py prompts with [eot] + the start text, so the model has only ever seen text after an eot: the GGUF
     names eot as BOS (id 256 of the byte tokenizer) and tells llama.cpp to add it before the prompt."""
     path, m = str(tmp_path / "b.gguf"), _model()
@@ -168,8 +168,8 @@ def _save_ckpt(path):
                          ids=["ENOSPC", "numpy-tofile"])
 def test_a_gguf_export_on_a_full_disk_names_out_and_the_disk_and_keeps_the_old_file(tmp_path, capsys, monkeypatch,
                                                                                    error):
-    """Issue 35: a full disk during --format=gguf blamed the checkpoint. One line naming --out and the disk holding
-    it; the earlier GGUF at --out whole, no .tmp left."""
+    """A full disk during --format=gguf is one line naming --out and the disk holding it (not blaming the
+    checkpoint); the earlier GGUF at --out whole, no .tmp left."""
     ckpt, out = _save_ckpt(str(tmp_path / "ckpt.pt")), str(tmp_path / "m.gguf")
     gguf_export.main(["--format=gguf", f"--ckpt={ckpt}", f"--out={out}"])
     capsys.readouterr()
@@ -233,8 +233,8 @@ class _FakeLlama:
 @pytest.mark.slow
 @pytest.mark.slow  # trains a tiny run (a subprocess)
 def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp_path, capsys, monkeypatch):
-    """Issue 35: --out=<a checkpoint> rewrote it as JSON (its hard-linked ckpt_N.pt too), --gguf=<a checkpoint>
-    replaced it with a GGUF."""
+    """--out=<a checkpoint> and --gguf=<a checkpoint> are refused: neither rewrites the checkpoint (nor its
+    hard-linked ckpt_N.pt) as JSON or as a GGUF."""
     import hashlib
     import json
     import types

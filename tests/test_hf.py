@@ -136,10 +136,10 @@ def test_gpt2_tokenizer_encodes_as_ours_in_a_padded_vocabulary(tmp_path):
 
 
 def test_tie_word_embeddings_says_whether_the_head_is_the_embedding(tmp_path):
-    """Issue 35: hf_config always writing tie_word_embeddings=True passed every fast test: an untied model's config then
-    says its head is the embedding (transformers 5 keeps the file's own lm_head only because the two differ, with a
-    warning). A tied model says True; an untied one False, and loads with its own head (no training run: an untrained
-    model of the shape, written by write_hf and read back)."""
+    """hf_config's tie_word_embeddings follows the model: a tied model says True; an untied one False, and loads
+    with its own head (True would say its head is the embedding; transformers 5 keeps the file's own lm_head only
+    because the two differ, with a warning). No training run: an untrained model of the shape, written by write_hf
+    and read back."""
     import dataclasses
     tied = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)
     assert tied.tie_embeddings and export.hf_config(tied)["tie_word_embeddings"] is True
@@ -216,8 +216,8 @@ def _snapshot(d):
 @pytest.mark.parametrize("when", ["writing", "moving"])
 def test_a_sigterm_during_an_hf_export_leaves_the_old_or_the_new_directory_and_says_which(tmp_path, capsys,
                                                                                          monkeypatch, when):
-    """Issue 35: a SIGTERM between the file moves of --format=hf left old and new files mixed in --out while the
-    message said --out was unchanged."""
+    """A SIGTERM between the file moves of --format=hf leaves --out as it was, never old and new files mixed, and
+    the message says so truly."""
     import signal
     old_ckpt, new_ckpt = _save_ckpt(str(tmp_path / "old.pt")), _save_ckpt(str(tmp_path / "new.pt"))
     out, ref = str(tmp_path / "hf"), str(tmp_path / "ref")
@@ -250,8 +250,8 @@ def test_a_sigterm_during_an_hf_export_leaves_the_old_or_the_new_directory_and_s
 
 
 def test_an_hf_export_clears_what_a_killed_export_left_beside_out(tmp_path):
-    """Issue 35: a SIGKILLed HF export left .hf.tmp_<owner> directories that nothing removed; killed between its two
-    renames, it leaves the old directory under .hf.old_<owner>, which goes back to --out."""
+    """The .hf.tmp_<owner> directories a SIGKILLed HF export leaves are removed by the next export; killed between
+    its two renames, it leaves the old directory under .hf.old_<owner>, which goes back to --out."""
     import subprocess
     import sys
     from tools import common
@@ -269,7 +269,7 @@ def test_an_hf_export_clears_what_a_killed_export_left_beside_out(tmp_path):
 
 
 def test_an_hf_export_on_a_full_disk_is_one_line_and_keeps_the_old_directory(tmp_path, capsys, monkeypatch):
-    """Issue 35: --format=hf on a full disk ended in a traceback (SafetensorError)."""
+    """--format=hf on a full disk is one error line, not a traceback (SafetensorError)."""
     import safetensors.torch
     from safetensors import SafetensorError
     ckpt, out = _save_ckpt(str(tmp_path / "ckpt.pt")), str(tmp_path / "hf")

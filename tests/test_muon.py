@@ -1,6 +1,7 @@
 """Tests for muon.py: NS5 against an independent fp32 loop and the SVD, the momentum update against its closed
 form, bitwise parity with torch.optim.Muon (Muon groups) and torch.optim.AdamW (AdamW groups), the lr formulas by
-hand, parameter routing, exact resume (also from the old two-optimizer checkpoints), standard torch.optim.lr_scheduler
+hand, parameter routing, exact resume (also from a two-optimizer checkpoint, through tools/checkpoint.py's
+upgrade), standard torch.optim.lr_scheduler
 schedules, and that Muon+AdamW actually lowers a loss. Distributed Muon (DDP, FSDP2) is tested in tests/test_scale.py."""
 import copy
 import io
@@ -301,14 +302,16 @@ def test_state_dict_round_trip_resumes_bitwise():
 
 
 def _old_form_state_dict(muon, adamw):
-    """What MuonWithAdamW saved before issue 33, when it was a Muon and a torch.optim.AdamW side by side."""
+    """The two-optimizer form checkpoint.upgrade converts: a Muon (its groups without a kind) and a
+    torch.optim.AdamW side by side, {"muon": ..., "adamw": ...}, each numbering its parameters from 0."""
     sd = copy.deepcopy(muon.state_dict())
     for g in sd["param_groups"]:
-        del g["kind"]  # the old Muon's groups had no kind
+        del g["kind"]
     return {"muon": sd, "adamw": copy.deepcopy(adamw.state_dict())}
 
 
 def test_checkpoint_of_the_old_two_optimizer_form_loads_and_steps_as_the_old_class():
+    from tools import checkpoint
     torch.manual_seed(12)
     old_model = TinyLM(tied=False)
     muon_params, adamw_params = split_muon_params(old_model)
@@ -334,7 +337,9 @@ def test_checkpoint_of_the_old_two_optimizer_form_loads_and_steps_as_the_old_cla
     model = TinyLM(tied=False)
     model.load_state_dict(ckpt["model"])
     opt = configure_muon(model, muon_lr=0.5, adamw_lr=0.5, ns_dtype=torch.float32)  # the saved lrs must win
-    opt.load_state_dict(ckpt["opt"])
+    with pytest.raises(KeyError, match="param_groups"):  # Muon alone takes only its own form
+        opt.load_state_dict(ckpt["opt"])
+    opt.load_state_dict(checkpoint.upgrade({"optimizer": ckpt["opt"]}, loader=None)["optimizer"])
     assert [(g["kind"], g["lr"], g["weight_decay"]) for g in opt.param_groups] == [
         ("muon", 0.02, 0.1), ("adamw", 1e-3, 0.1), ("adamw", 1e-3, 0.0)]
     for it in range(2, 4):

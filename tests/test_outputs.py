@@ -67,7 +67,7 @@ def test_a_re_export_replaces_its_own_export_but_not_another_checkpoints(runs, c
 
 
 def test_a_gguf_export_replaces_its_own_gguf_but_not_another_checkpoints(runs, capsys, tmp_path):
-    """Issue 35: --format=gguf replaced another checkpoint's GGUF (the packed and HF formats refused that)."""
+    """--format=gguf refuses to replace another checkpoint's GGUF, as the packed and HF formats do."""
     s2 = os.path.join(runs, "stage2", "ckpt.pt")
     other = str(tmp_path / "other.pt")
     shutil.copy(s2, other)

@@ -229,7 +229,7 @@ def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
 
 
 def test_every_export_floors_gamma_where_training_does():
-    """Issue 35: BitLinear's training gamma was clamped at 1e-8 while weight_quant and the exports clamp at 1e-5.
+    """BitLinear's training gamma, weight_quant and the exports clamp gamma at the same floor (quant.GAMMA_MIN).
     Under the floor (q_proj all zero, down_proj tiny: mean|W| about 8e-8) the packed, GGUF and HF exports hold codes 0
     and gamma = quant.GAMMA_MIN, and the packed layer computes exactly what the training forward does: zero."""
     model = _tiny_model()
@@ -366,7 +366,7 @@ EXPORT_REFUSALS = {  # {d}: the run directory of run_dir; (argv, exit code, fact
                                 ["{d}/packed.pt", "already a packed export", "sample.py --ckpt={d}/packed.pt"]),
     "ckpt-is-a-directory": (["--ckpt={d}"], 2, ["--ckpt={d}", "directory", "--ckpt={d}/ckpt.pt"]),
     "unknown-flag": (["--bogus=1"], 2, ["'--bogus=1'", "ckpt, out"]),
-    "no-value": (["--ckpt"], 2, ["--ckpt needs a value", "--ckpt=out/stage2/ckpt.pt"]),  # tools/flags.py, issue 35
+    "no-value": (["--ckpt"], 2, ["--ckpt needs a value", "--ckpt=out/stage2/ckpt.pt"]),  # tools/flags.py
 }
 
 

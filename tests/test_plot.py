@@ -84,7 +84,7 @@ def _fake_run(d, steps=3):
 
 
 def test_plot_replaces_its_own_png_but_another_png_only_with_overwrite(tmp_path, capsys):
-    """Issue 35: --out overwrote any PNG (even a committed lab/results figure) without --overwrite."""
+    """--out replaces only this run's plot: another PNG (even a committed lab/results figure) needs --overwrite."""
     from tools import outputs
     a, b = _fake_run(tmp_path / "a"), _fake_run(tmp_path / "b")
     plot.main([a])
@@ -109,7 +109,7 @@ def test_plot_replaces_its_own_png_but_another_png_only_with_overwrite(tmp_path,
 
 
 def test_plot_on_a_full_disk_keeps_the_previous_png_and_leaves_no_tmp(tmp_path, capsys, monkeypatch):
-    """Issue 35: a full disk truncated the existing curves.png (no temp file and rename)."""
+    """A full disk leaves the existing curves.png whole (a temp file, then a rename)."""
     import errno
     import matplotlib.figure
     a = _fake_run(tmp_path / "a")
@@ -149,7 +149,7 @@ def _step(s, **drop):
                     "clipped": s == 2} for s in (1, 2, 3)], []),  # runtime.read_metrics maps them: nothing missing
 ])
 def test_plot_draws_the_series_a_record_holds_and_notes_a_missing_one(case, recs, notes, tmp_path, capsys):
-    """Issue 35: a record without lambda or the gradient norm (older logs) ended in a KeyError traceback."""
+    """Records without lambda or the gradient norm (a log of fewer series) plot what they hold, no KeyError."""
     d = _write_run(tmp_path / case, recs)
     plot.main([d])
     out = capsys.readouterr().out.splitlines()
@@ -163,7 +163,7 @@ def test_plot_draws_the_series_a_record_holds_and_notes_a_missing_one(case, recs
 
 
 def test_plot_marks_and_counts_the_steps_skipped_as_non_finite(tmp_path, capsys):
-    """Issue 35: a run with skipped non-finite steps. train.py logs a skipped step as {"skipped": 1, "loss": null,
+    """A run with skipped non-finite steps. train.py logs a skipped step as {"skipped": 1, "loss": null,
     "lambda", "bad_steps"} (no lr, no norms); a NaN loss is skipped too. Both are counted, not drawn as losses; a run
     whose every step was skipped is one error line."""
     skip = {"skipped": 1, "loss": None, "lambda": 0.5, "bad_steps": 1}
@@ -195,8 +195,8 @@ def _directory(path):
 @pytest.mark.parametrize("spoil, facts", [(_binary, ["binary data"]), (_binary_one_line, ["binary data"]),
                                           (_directory, ["is a directory", "out/stage2"]), (None, ["Permission denied"])])
 def test_an_unreadable_metrics_file_is_blamed_not_the_out_png(spoil, facts, tmp_path, capsys, monkeypatch):
-    """Issue 35: an unreadable metrics.jsonl (no permission, a directory, binary) was reported as "cannot write
-    --out" (or a traceback). Tests run as root here, where chmod 000 still reads: permission is denied by open."""
+    """An unreadable metrics.jsonl (no permission, a directory, binary) is one line naming it, never "cannot write
+    --out" or a traceback. Tests run as root here, where chmod 000 still reads: permission is denied by open."""
     import builtins
     import errno
     d = tmp_path / "r"

@@ -289,27 +289,6 @@ def test_prepare_killed_at_any_write_or_rename_leaves_the_old_dataset_or_the_new
     assert mid_swap == 1  # one point to stop at lies between the swap's two renames
 
 
-def test_a_loader_state_from_before_orders_is_upgraded_and_resumes_at_its_window(tmp_path):
-    """A checkpoint written before data orders kept (shard, offset) per source; it continues at that window."""
-    d = tmp_path / "a"
-    d.mkdir()
-    data.write_shard(str(d / "train_000.bin"), np.arange(20))  # windows of T=8 start at 0, 8 | 100, 108, 116
-    data.write_shard(str(d / "train_001.bin"), np.arange(100, 125))
-    loader = data.DataLoader(str(d), "train", B=1, T=8, order="sequential")
-    sd = {k: v for k, v in loader.state_dict().items() if k not in ("order", "span", "cursor")}
-
-    def starts(n):
-        return [int(loader.next_batch()[0][0, 0]) for _ in range(n)]
-    loader.load_state_dict(prepare.upgrade_loader_state(dict(sd, pos=[[1, 8]]), loader))
-    assert starts(4) == [108, 116, 0, 8]
-    loader.load_state_dict(prepare.upgrade_loader_state(dict(sd, pos=[[0, 16]]), loader))
-    assert starts(1) == [100]  # past shard 0's last window: the next shard's first
-    today = loader.state_dict()
-    assert prepare.upgrade_loader_state(today, loader) is today  # a state of today's loader: as it is
-    with pytest.raises(ValueError, match="shard 2 of .*2 train shards"):
-        prepare.upgrade_loader_state(dict(sd, pos=[[2, 0]]), loader)
-
-
 def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
     d = _write_corpus(tmp_path)
     parent = tmp_path / "ds"
@@ -670,7 +649,7 @@ def test_a_bad_tokenizer_is_one_line_before_anything_is_read(tmp_path, capsys):
     assert "no such .gguf file" in line and not os.path.exists(tmp_path / "o")
 
 # -----------------------------------------------------------------------------
-# issue 35: what --adopt and prepare must refuse (one line, nothing on disk changed) instead of losing or hiding data
+# what --adopt and prepare must refuse (one line, nothing on disk changed) instead of losing or hiding data
 
 
 def _refused(capsys, argv, code=1):

@@ -207,15 +207,15 @@ def test_cached_weight_quant_gives_identical_outputs_and_gradients():
 
 
 # -----------------------------------------------------------------------------
-# issue 35: mutants the suite let through
+# mutants of quant.py that only these tests catch
 
 
 @pytest.mark.parametrize("scale", [0.0, 1e-7], ids=["all-zero", "tiny"])
 def test_one_gamma_floor_for_the_training_forward_weight_quant_and_the_cache(scale):
-    """gamma = max(mean|W|, GAMMA_MIN), one constant: BitLinear's training gamma once clamped at 1e-8 while weight_quant
-    (and so every export) clamped at 1e-5. The floor decides only where mean|W| is below it: an all-zero matrix, or a
-    tiny one (mean|W| about 8e-8 here), whose codes are 0 under 1e-5 but +-1 under 1e-8. The training forward (fresh
-    or cached, lambda 1) must compute exactly weight_quant's integer form there: zero."""
+    """gamma = max(mean|W|, GAMMA_MIN), one constant for BitLinear's training gamma and weight_quant (and so every
+    export). The floor decides only where mean|W| is below it: an all-zero matrix, or a tiny one (mean|W| about
+    8e-8 here), whose codes are 0 under 1e-5 but +-1 under 1e-8. The training forward (fresh or cached, lambda 1)
+    must compute exactly weight_quant's integer form there: zero."""
     assert quant.GAMMA_MIN == 1e-5  # BitNet b1.58's floor, as docs and transformers' autobitlinear use
     torch.manual_seed(0)
     lin = BitLinear(16, 8)

@@ -218,7 +218,7 @@ def test_dlm_sampling_temperature_goes_from_greedy_to_near_uniform(dlm_ckpt, cap
 
 
 def test_dlm_max_new_tokens_past_the_context_is_refused_naming_the_largest_that_fits(dlm_ckpt, capsys, monkeypatch):
-    """Issue 35: --dlm=True --max_new_tokens=1000 printed about block_size tokens without a word. Prompt and
+    """--dlm=True --max_new_tokens past the context is refused, not cut short without a word. Prompt and
     continuation share one context (block_size 16 here; the prompt "\n" after end-of-text is 2 tokens): 14 is
     generated in full, 15 or 1000 is one line naming --max_new_tokens and 14."""
     from lessons import dlm
@@ -235,8 +235,8 @@ def test_dlm_max_new_tokens_past_the_context_is_refused_naming_the_largest_that_
 
 
 def test_a_gguf_or_an_hf_export_as_ckpt_says_what_it_is_and_which_program_reads_it(files, tmp_path, capsys):
-    """Issue 35: a GGUF file, an HF export directory, model.safetensors or nanobitnet.json given as --ckpt was called
-    "corrupt or truncated" (or "a directory")."""
+    """A GGUF file, an HF export directory, model.safetensors or nanobitnet.json given as --ckpt is named for what
+    it is, not called "corrupt or truncated" (nor "a directory")."""
     ckpt = str(files / "ckpt.pt")
     model, _ = sample.load_model(ckpt, "cpu")
     capsys.readouterr()

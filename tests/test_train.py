@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train
-from tools import config, plumbing, start
+from tools import config, plumbing, seams, start
 from zclip import ZClip
 from conftest import ROOT, TINY, fails, records, run
 
@@ -95,8 +95,8 @@ def test_stage1_lowers_val_loss_then_stage2_starts_from_it(tmp_path):
     recs3 = [r for r in records(out, stage=3) if "loss" in r]
     assert len(recs3) == 6 and all(r["lambda"] == 1.0 for r in recs3)
     for r in recs3:  # summarization preset: lambda 1, gamma 1e3
-        assert r["ld"] > 0 and r["ad"] > 0 and r["hidden"] == 0
-        assert r["loss"] == pytest.approx(r["ce"] + 1.0 * r["ld"] + 1e3 * r["ad"], rel=1e-5)
+        assert r["kd_logits"] > 0 and r["kd_relation"] > 0 and r["kd_hidden"] == 0
+        assert r["loss"] == pytest.approx(r["ce"] + 1.0 * r["kd_logits"] + 1e3 * r["kd_relation"], rel=1e-5)
     # the control: same stage-3 run with every distillation weight 0 is plain CE
     p = run("--stage=3", "--max_iters=2", "--eval_interval=2", "--kd_logits=0", "--kd_relation=0",
             "--run_name=control", f"--out_dir={out}", *BIGGER)
@@ -166,7 +166,7 @@ def test_lambda_warmup_is_linear_then_one():
 def test_logged_ms_per_step_does_not_depend_on_log_interval(tmp_path, monkeypatch, every):
     """ms and tok/s are per step, averaged over the steps since the last log line. A fake clock makes every
     step take exactly 0.25 s (and evaluation and checkpoints none), so each line must say 250 ms whatever
-    --log_interval is (it once divided one step's time by log_interval)."""
+    --log_interval is (not one step's time divided by log_interval)."""
     from tools import runtime
     clock = [1000.0]
     monkeypatch.setattr(runtime, "time", type("FakeTime", (), {"time": staticmethod(lambda: clock[0])}))
@@ -260,7 +260,8 @@ def test_stage3_two_identical_teachers_train_exactly_like_one(tmp_path):
     one, two = ([r for r in records(out, run_name=n) if "loss" in r] for n in ("one", "two"))
     assert len(one) == len(two) == 3
     for a, b in zip(one, two):
-        assert b["ld"] > 0 and b["ld"] == pytest.approx(a["ld"], rel=1e-4) and b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["kd_logits"] > 0 and b["kd_logits"] == pytest.approx(a["kd_logits"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -274,9 +275,9 @@ def test_stage3_teacher_of_another_width_and_depth(tmp_path):
     run("--stage=3", "--max_iters=2", "--eval_interval=2", "--kd_relation=10", "--kd_hidden=1",
         "--distill_relation_heads=2", f"--teacher={os.path.join(out, 'wide', 'ckpt.pt')}", f"--out_dir={out}", *TINY)
     recs = [r for r in records(out, stage=3) if "loss" in r]
-    assert all(r["ld"] > 0 and r["ad"] > 0 and r["hidden"] > 0 for r in recs)
-    assert recs[-1]["loss"] == pytest.approx(recs[-1]["ce"] + recs[-1]["ld"] + 10 * recs[-1]["ad"] + recs[-1]["hidden"],
-                                             rel=1e-5)
+    assert all(r["kd_logits"] > 0 and r["kd_relation"] > 0 and r["kd_hidden"] > 0 for r in recs)
+    r = recs[-1]
+    assert r["loss"] == pytest.approx(r["ce"] + r["kd_logits"] + 10 * r["kd_relation"] + r["kd_hidden"], rel=1e-5)
 
 
 def test_quant_start_trains_in_full_precision_then_ramps_lambda_from_the_switch():
@@ -324,7 +325,7 @@ def test_constant_and_moderate_schedules():
     assert train.lr_mult(79, cfg) == 1.0 and train.lr_mult(90, cfg) == pytest.approx(1 - (2 / 3) / 2)
     cfg = config.build_config({"schedule": "moderate", "min_lr_frac": 0.5, "max_iters": 100, "device": "cpu"})
     assert train.lr_mult(100, cfg) == pytest.approx(0.5)
-    assert config.avg_interval(dataclasses.replace(cfg, avg_checkpoints=6, max_iters=600)) == 20  # 0.2 * 600 / 6
+    assert seams.avg_interval(dataclasses.replace(cfg, avg_checkpoints=6, max_iters=600)) == 20  # 0.2 * 600 / 6
 
 
 @pytest.mark.slow
@@ -409,8 +410,8 @@ def test_evaluations_of_the_same_weights_read_the_same_val_rows_and_agree(setup_
 
 
 def test_teacher_weights_apply_to_the_teachers_in_the_order_given(setup_run, tmp_path):
-    """--teacher=a,b --teacher_weights=1,0 distils from a alone and 0,1 from b alone: stage 3's logged ld equals
-    logits_kd_loss (distill.py) of the student's logits against that teacher's logits, computed here."""
+    """--teacher=a,b --teacher_weights=1,0 distils from a alone and 0,1 from b alone: stage 3's logged kd_logits
+    equals logits_kd_loss (distill.py) of the student's logits against that teacher's logits, computed here."""
     from distill import logits_kd_loss
     from model import GPT, GPTConfig
     conf = GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32, quant=False)
@@ -428,7 +429,7 @@ def test_teacher_weights_apply_to_the_teachers_in_the_order_given(setup_run, tmp
         with torch.no_grad():
             s_logits = run.model(x, y)[0]
             want = [logits_kd_loss(s_logits, t(x, y)[0], run.cfg.distill_tau, mask=y != -1).item() for t in teachers]
-        assert parts["ld"].item() == pytest.approx(want[which], rel=1e-5), (weights, want)
+        assert parts["kd_logits"].item() == pytest.approx(want[which], rel=1e-5), (weights, want)
         assert want[which] != pytest.approx(want[1 - which], rel=1e-3)  # the teachers do differ
 
 
@@ -444,7 +445,33 @@ def test_step_records_log_the_clipping_statistics_under_zclips_names_and_old_fil
     assert evals == {"step": 1, "val_loss": 2.5}
 
 
-# ----------------------------------------------------------------------------- issue 35: the CPU stage-2 preset
+def test_metrics_jsonl_names_the_commit_of_the_code_that_wrote_each_run_and_each_resume(tmp_path):
+    """The first record a train.py process writes into metrics.jsonl names the commit of the code (git rev-parse HEAD
+    of this checkout, or "unknown" outside a git checkout); a resumed run's first record names its own."""
+    import subprocess
+    from tools import runtime
+    p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    want = p.stdout.strip() if p.returncode == 0 else "unknown"
+    flags = ["--stage=2", *TINY, "--eval_interval=2", f"--out_dir={tmp_path}"]
+    train.main([*flags, "--max_iters=2"])
+    train.main([*flags, "--max_iters=3", "--resume=True"])
+    recs = records(str(tmp_path))
+    assert [r.get("val_loss") is None for r in recs] == [True, True, False, True, False]  # steps 1, 2 | 3
+    assert [i for i, r in enumerate(recs) if "commit" in r] == [0, 3] and recs[0]["commit"] == recs[3]["commit"] == want
+    assert runtime.git_commit(str(tmp_path)) == "unknown"  # no checkout there
+
+
+def test_stage3_loss_terms_are_logged_under_their_weights_names_and_other_names_still_read(tmp_path):
+    """Stage 3's loss terms are logged as kd_logits, kd_relation and kd_hidden, each under the name of the flag that
+    weighs it; a metrics.jsonl holding them as ld, ad and hidden reads back under those names."""
+    from tools import runtime
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0, "ce": 1.5, "ld": 0.25, "ad": 0.125, "hidden": 0.0625}\n')
+    assert runtime.read_metrics(str(path)) == [
+        {"step": 1, "loss": 2.0, "ce": 1.5, "kd_logits": 0.25, "kd_relation": 0.125, "kd_hidden": 0.0625}]
+
+
+# ----------------------------------------------------------------------------- the CPU stage-2 preset
 # and the gradient scale of accumulation, pinned directly
 
 

@@ -304,6 +304,40 @@ def load_weights(model, state, path, insert_subln=False):
 
 
 
+# -----------------------------------------------------------------------------
+# checkpoints of an older layout
+
+
+def upgrade(ckpt, loader):
+    """ckpt (a training checkpoint's dict) in today's layout, changed in place and returned; a checkpoint of today's
+    layout passes unchanged. Called once per resumed run, where its loader exists (plumbing.make_loaders), before
+    any state is loaded. Every older layout this file knows of, and what it becomes:
+      optimizer  {"muon": a Muon's state, "adamw": a torch.optim.AdamW's}, each numbering its parameters from 0:
+                 one muon.Muon state, groups tagged with their kind, AdamW's parameter ids after Muon's
+      loader     "pos", [shard, offset] per source, read in shard order: order "sequential" with cursor = the
+                 number of that window, so the run continues at the same place (needs loader's shard lengths)"""
+    opt = ckpt.get("optimizer")
+    if isinstance(opt, dict) and set(opt) == {"muon", "adamw"}:
+        muon, adamw = opt["muon"], opt["adamw"]
+        n = sum(len(g["params"]) for g in muon["param_groups"])
+        groups = ([{**g, "kind": "muon"} for g in muon["param_groups"]] +
+                  [{**g, "kind": "adamw", "params": [i + n for i in g["params"]]} for g in adamw["param_groups"]])
+        ckpt["optimizer"] = {"state": {**muon["state"], **{i + n: st for i, st in adamw["state"].items()}},
+                             "param_groups": groups}
+    sd = ckpt.get("loader")
+    if isinstance(sd, dict) and "pos" in sd:
+        if len(sd["pos"]) != len(loader.dirs):
+            raise ValueError(f"loader state {sd['pos']} does not fit the {len(loader.dirs)} source(s) of this run")
+        for s, (k, off) in enumerate(sd["pos"]):
+            if not 0 <= k < len(loader.shards[s]):
+                raise ValueError(f"loader state points at shard {k} of {loader.dirs[s]}, which has "
+                                 f"{len(loader.shards[s])} {loader.split} shards; was the data prepared again?")
+        first = [np.concatenate([[0], np.cumsum([(n - 1) // loader.T for n in ns])]) for ns in loader.lengths]
+        cursor = [int(first[s][k]) + off // loader.T for s, (k, off) in enumerate(sd["pos"])]
+        ckpt["loader"] = dict({k: v for k, v in sd.items() if k != "pos"}, order="sequential", span=0, cursor=cursor)
+    return ckpt
+
+
 
 if __name__ == "__main__":
     import tempfile

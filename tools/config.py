@@ -4,8 +4,10 @@ dicts of overrides, and every check that needs only the flags.
 
   defaults (TrainConfig) -> device preset (cpu | cuda) -> stage preset (1 | 2 | 3 | dlm) -> command line
 
-`python train.py --help` lists every field with its default and comment. The schedules the fields describe
-(lr, lambda, continual QAT) are in train.py, where the step uses them.
+TrainConfig's fields, in order: CoreFlags' (recipe, model, optimizer, data, run) below, then the lessons'
+(tools/seams.py's LessonFlags, beside the seams they fill). `python train.py --help` lists every field with its
+default and comment. The schedules the fields describe (lr, lambda, continual QAT) are in train.py, where the
+step uses them, with the check of --quant_start against the run's length.
 Test: python -m pytest tests/test_train.py tests/test_flags.py
 """
 
@@ -17,99 +19,94 @@ from dataclasses import dataclass
 import torch
 
 from model import GPTConfig
+from tokenizer import TOKENIZERS
 from tools import checkpoint
 from tools.load import is_model_source
 from tools.flags import die, parse, to_bool
+from tools.seams import DLM_STAGE, LessonFlags
 
 @dataclass
-class TrainConfig:
+class CoreFlags:
+    """train.py's own flags, in five groups; each field's comment is its --help line."""
+    # recipe: which stage, where it starts, and how it goes ternary (train.py's schedules; tools/start.py)
     stage: int = 2               # 1 = fp pre-training, 2 = ternary continued pre-training, 3 = distillation,
-                                 # dlm = conversion of the stage-2 model to a masked-diffusion LM (lessons/dlm.py)
-    device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset below
-    out_dir: str = "out"         # checkpoints and metrics go to <out_dir>/stage<N>/
-    resume: bool = False         # continue from <out_dir>/stage<N>/ckpt.pt
-    overwrite: bool = False      # start afresh in an out_dir that holds another run, deleting its checkpoints
-    run_name: str = ""           # output subdirectory of out_dir; "" = stage<N>
+                                 # dlm = the stage-2 model converted to a masked-diffusion LM (lessons/dlm.py)
     init_from: str = "auto"      # auto: stage 2 <- stage-1 ckpt if present, else scratch; stage 3 <- stage-2 ckpt;
                                  # or a path (stage 1: an fp checkpoint, SubLN is inserted if it has none); or "scratch"
-    seed: int = 1337             # seeds the weights, the data order and every random draw
-    # data
-    tokenizer: str = "byte"      # byte (257 ids), gpt2 (50257 ids), or a pretrained model's (default: --init_from's)
-    data: str = ""               # shard dir or shipped corpus (shakespeare, python), or "dirA:0.7,python:0.3" to mix;
-                                 # "" = shakespeare
-    data_order: str = "shuffle"  # shuffle | sequential | curriculum (easy-to-hard over this run's rows);
-                                 # shuffle beats sequential by 0.17 val loss on the quick start (python -m lab order)
-    # model
-    n_layer: int = 4             # transformer blocks
-    n_head: int = 4              # attention heads (head size = n_embd / n_head)
-    n_embd: int = 128            # model width
-    block_size: int = 256        # context length in tokens
-    subln: bool = True           # SubLN: an RMSNorm before each attention output and FFN down projection (BitDistill)
-    subln_gain: str = "unit"     # inserted into a pretrained model (--init_from): unit (the paper) or calibrated
-                                 # (each gain the mean rms of its input, so the fp model's function barely changes)
-    doc_mask: bool = False       # attend within documents only (model.document_mask)
-    pad_vocab: bool = False      # round the vocabulary up to a multiple of 64 (faster matmuls on GPU)
-    # batch and length
-    batch_size: int = 16         # sequences per micro-batch
-    grad_accum: int = 1          # micro-batches per optimizer step
-    max_iters: int = 600         # optimizer steps of the run
-    eval_interval: int = 200     # steps between evaluations (each also writes a checkpoint)
-    eval_iters: int = 20         # batches per source at each evaluation
-    eval_whole: bool = True      # the final evaluation reads every window of the val split once
-    log_interval: int = 1        # steps between log lines
-    # optimizer and schedules
-    optimizer: str = "muon"      # muon (Muon for hidden matrices, AdamW for the rest) or adamw (AdamW for all)
-    normuon: bool = False        # NorMuon: per-neuron normalised Muon updates (lessons/muon_variants.py)
-    muon_state: str = "fp32"     # Muon momentum stored as fp32, linear8 or dynamic8 (8-bit blockwise)
-    qk_clip_tau: float = 0.0     # QK-clip (MuonClip) threshold on the max attention logit; 0 = off (Kimi K2: 100)
-    log_max_logit: bool = False  # log each step's max attention logit (on whenever qk_clip_tau > 0)
-    # --stage=dlm: the masked-diffusion conversion (lessons/dlm.py)
-    dlm_mask_init: str = "mean"  # the new mask token's embedding: mean (of the vocabulary) or random
-    dlm_shift: bool = True       # Dream's shift: position i's prediction read from position i - 1's output
-    lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw);
-                                 # stage 2 on CPU: 2e-2 (the cpu-stage2 preset, measured in lab/results/lr.md)
-    muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
-    muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
-    min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
-    schedule: str = "wsd"        # cosine (nanoGPT), wsd (warmup-stable-decay, MiniCPM), constant (after warmup),
-                                 # or moderate: wsd to min_lr_frac 1/3 (Luo et al.'s "moderate decay")
-    warmup_steps: int = 50       # linear lr warmup steps
-    decay_frac: float = 0.2      # wsd: decay over the last 20% of steps
-    weight_decay: float = 0.1    # decoupled weight decay of matrices and embeddings (not of norm gains)
-    beta1: float = 0.9           # AdamW beta1
-    beta2: float = 0.95          # AdamW beta2
-    zclip: bool = True           # ZClip adaptive clipping (zclip.py); False = clip_grad_norm_ at grad_clip
-    zclip_z_thresh: float = 2.5  # ZClip: a gradient norm this many std above its EMA mean is a spike
-    grad_clip: float = 1.0       # fixed max grad norm when zclip=False; 0 = no clipping at all
-    two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight decay -> 0
-    two_phase_lr_drop: float = 0.5  # --two_phase: lr multiplier of the second half
     lambda_warmup_steps: int = 200  # stage 2: lambda goes 0 -> 1 linearly over this many steps (cpu: 600)
     quant_start: float = 0.0     # stage 2: full precision until this step (>= 1) or fraction of max_iters (< 1),
                                  # then ternary, lambda ramping from there (continual QAT, arXiv 2502.11895)
-    # checkpoint averaging (lessons/averaging.py): an EMA over the last k snapshots, saved as <run>/avg.pt
-    avg_checkpoints: int = 0     # k; 0 = off (Luo et al.: 6)
-    avg_interval: int = 0        # steps between snapshots; 0 = decay_frac * max_iters / k (a WSD decay's window)
-    avg_alpha: float = 0.2       # EMA coefficient over the snapshots; 0 = their plain mean
-    # stage 3: BitDistill (distill.py), L = CE + kd_logits * logits KD + kd_relation * relation KD + kd_hidden * hidden
+    # recipe, stage 3: BitDistill (distill.py), L = CE + kd_logits * logits KD + kd_relation * relation KD + ...
     teacher: str = ""            # teacher checkpoint(s), "a.pt" or "a.pt,b.pt"; "" = <out_dir>/stage1/ckpt.pt
     teacher_weights: str = ""    # several teachers: weights of their logits mixture, "0.7,0.3"; "" = equal
     distill_preset: str = "logits"  # kd_logits 1, kd_relation 0 (measured best here); the paper's summarization:
                                     # kd_logits 1, kd_relation 1e3; classification: kd_logits 10, kd_relation 1e5
     kd_logits: float = -1.0      # weight of the logits KD; -1 = the preset's
     kd_relation: float = -1.0    # weight of the attention-relation KD; -1 = the preset's
+    kd_hidden: float = 0.0       # weight of the hidden-state KD (0 = off)
     distill_tau: float = 5.0     # logits-KD temperature
     distill_layer: int = -1      # layer whose Q/K/V relations are distilled; negative counts from the end
     distill_relation_heads: int = 4  # A_r; the paper's 32 needs H*d >= 32*d_r, too many for a 128-wide model
-    kd_hidden: float = 0.0       # weight of the hidden-state KD (0 = off)
-    # system
-    compile: str = "auto"        # auto = on for cuda only; true / false (also 1/0, yes/no, on/off)
-    dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32, bfloat16, float16
-    # scale-out and fault tolerance
-    fsdp: bool = False           # under torchrun: FSDP2 shards params, grads and optimizer state (else DDP)
+    # model
+    n_layer: int = 4             # transformer blocks
+    n_head: int = 4              # attention heads (head size = n_embd / n_head)
+    n_embd: int = 128            # model width
+    block_size: int = 256        # context length in tokens
+    subln: bool = True           # SubLN: an RMSNorm before each attention output and FFN down projection (BitDistill)
+    doc_mask: bool = False       # attend within documents only (model.document_mask)
+    pad_vocab: bool = False      # round the vocabulary up to a multiple of 64 (faster matmuls on GPU)
+    # optimizer: lr schedule, weight decay, clipping
+    optimizer: str = "muon"      # muon (Muon for hidden matrices, AdamW for the rest) or adamw (AdamW for all)
+    lr: float = 3e-3             # peak learning rate of AdamW (embeddings, head, norms; everything with adamw);
+                                 # stage 2 on CPU: 2e-2 (the cpu-stage2 preset, measured in lab/results/lr.md)
+    muon_lr: float = 3e-3        # peak Muon lr; Moonlight's match_rms_adamw scaling makes it comparable to AdamW's
+    muon_adjust_lr: str = "match_rms_adamw"  # or "original" (Keller Jordan: lr * sqrt(max(1, rows/cols)), lr ~0.02)
+    schedule: str = "wsd"        # cosine (nanoGPT), wsd (warmup-stable-decay, MiniCPM), constant (after warmup),
+                                 # or moderate: wsd to min_lr_frac 1/3 (Luo et al.'s "moderate decay")
+    warmup_steps: int = 50       # linear lr warmup steps
+    decay_frac: float = 0.2      # wsd: decay over the last 20% of steps
+    min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
+    two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight decay -> 0
+    two_phase_lr_drop: float = 0.5  # --two_phase: lr multiplier of the second half
+    weight_decay: float = 0.1    # decoupled weight decay of matrices and embeddings (not of norm gains)
+    beta1: float = 0.9           # AdamW beta1
+    beta2: float = 0.95          # AdamW beta2
+    zclip: bool = True           # ZClip adaptive clipping (zclip.py); False = clip_grad_norm_ at grad_clip
+    zclip_z_thresh: float = 2.5  # ZClip: a gradient norm this many std above its EMA mean is a spike
+    grad_clip: float = 1.0       # fixed max grad norm when zclip=False; 0 = no clipping at all
+    # data
+    tokenizer: str = "byte"      # byte (257 ids), gpt2 (50257 ids), or a pretrained model's (default: --init_from's)
+    data: str = ""               # shard dir or shipped corpus (shakespeare, python), or "dirA:0.7,python:0.3" to mix;
+                                 # "" = shakespeare
+    data_order: str = "shuffle"  # shuffle | sequential | curriculum (easy-to-hard over this run's rows);
+                                 # shuffle beats sequential by 0.17 val loss on the quick start (python -m lab order)
+    batch_size: int = 16         # sequences per micro-batch
+    grad_accum: int = 1          # micro-batches per optimizer step
+    # run: length, evaluation, logs, checkpoints, where and how it runs
+    max_iters: int = 600         # optimizer steps of the run
+    seed: int = 1337             # seeds the weights, the data order and every random draw
+    eval_interval: int = 200     # steps between evaluations (each also writes a checkpoint)
+    eval_iters: int = 20         # batches per source at each evaluation
+    eval_whole: bool = True      # the final evaluation reads every window of the val split once
+    log_interval: int = 1        # steps between log lines
+    wandb_project: str = ""      # also log every metrics.jsonl record to this Weights & Biases project (rank 0)
+    out_dir: str = "out"         # checkpoints and metrics go to <out_dir>/stage<N>/
+    run_name: str = ""           # output subdirectory of out_dir; "" = stage<N>
+    resume: bool = False         # continue from <out_dir>/stage<N>/ckpt.pt
+    overwrite: bool = False      # start afresh in an out_dir that holds another run, deleting its checkpoints
     checkpoint_interval: int = 0  # also checkpoint every N steps; 0 = at evals and at the end only
     keep_last: int = 1           # numbered checkpoints ckpt_<step>.pt kept; ckpt.pt always names the newest
     max_bad_steps: int = 10      # this many non-finite steps in a row: save and stop
-    wandb_project: str = ""      # also log every metrics.jsonl record to this Weights & Biases project (rank 0)
+    device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset below
+    dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32, bfloat16, float16
+    compile: str = "auto"        # auto = on for cuda only; true / false (also 1/0, yes/no, on/off)
+    fsdp: bool = False           # under torchrun: FSDP2 shards params, grads and optimizer state (else DDP)
+
+
+@dataclass
+class TrainConfig(LessonFlags, CoreFlags):
+    """Every flag of train.py: CoreFlags' above, then the lessons' (tools/seams.py, each beside the seam it fills).
+    A dataclass orders the fields of its bases from the last base to the first: CoreFlags' come first."""
 
 
 # Renamed flags, {old: new}: an old name on the command line stops with its new one (tools/flags.py), and a
@@ -139,10 +136,9 @@ STAGE_PRESETS = {
     1: dict(schedule="cosine"),
     2: dict(schedule="wsd"),
     3: dict(schedule="cosine"),
-    4: dict(schedule="wsd"),  # --stage=dlm
+    DLM_STAGE: dict(schedule="wsd"),
 }
-DLM = 4
-STAGE_NAMES = {"dlm": DLM}
+STAGE_NAMES = {"dlm": DLM_STAGE}
 
 def parse_args(argv):
     """--key=value pairs checked against TrainConfig's field types (tools/flags.py); --stage also takes dlm, and
@@ -211,14 +207,15 @@ def build_config(overrides, base=None):
 def check_config(cfg):
     """Every field's range in one place, checked before any data is tokenised or any model built: a value
     that would train nonsense (a negative lr, no layers, a NaN) stops here with one line naming the flag."""
-    if cfg.tokenizer not in ("byte", "gpt2") and not is_model_source(cfg.tokenizer):
+    if cfg.tokenizer not in TOKENIZERS and not is_model_source(cfg.tokenizer):
         die(f"--tokenizer={cfg.tokenizer}: expected byte, gpt2, or a pretrained model's (a Hugging Face directory, "
             f"a hub id or a .gguf file; by default --init_from's)", 2)
-    choices = dict(stage=(1, 2, 3, DLM), dlm_mask_init=("mean", "random"), subln_gain=("unit", "calibrated"), schedule=("cosine", "wsd", "moderate", "constant"),
-                   data_order=("sequential", "shuffle", "curriculum"), optimizer=("muon", "adamw"),
-                   muon_state=("fp32", "linear8", "dynamic8"),
-                   muon_adjust_lr=("original", "match_rms_adamw"), distill_preset=("logits", "summarization", "classification"),
-                   dtype=("auto", "float32", "bfloat16", "float16"), compile=("auto", "true", "false"))
+    choices = dict(stage=(1, 2, 3, DLM_STAGE), distill_preset=("logits", "summarization", "classification"),
+                   optimizer=("muon", "adamw"), muon_adjust_lr=("original", "match_rms_adamw"),
+                   schedule=("cosine", "wsd", "moderate", "constant"), data_order=("sequential", "shuffle", "curriculum"),
+                   dtype=("auto", "float32", "bfloat16", "float16"), compile=("auto", "true", "false"),
+                   dlm_mask_init=("mean", "random"), muon_state=("fp32", "linear8", "dynamic8"),
+                   subln_gain=("unit", "calibrated"))
     for key, valid in choices.items():
         if getattr(cfg, key) not in valid:
             die(f"--{key}={getattr(cfg, key)}: expected one of {', '.join(map(str, valid))}", 2)
@@ -246,10 +243,7 @@ def check_config(cfg):
             die(f"--{key}={v}: expected a finite number {what}", 2)
     if not (math.isfinite(cfg.quant_start) and cfg.quant_start >= 0 and (cfg.quant_start < 1 or cfg.quant_start.is_integer())):
         die(f"--quant_start={cfg.quant_start}: expected a fraction of max_iters in [0, 1) or a whole step >= 1", 2)
-    q = round(cfg.quant_start * cfg.max_iters) if cfg.quant_start < 1 else int(cfg.quant_start)
-    if cfg.quant_start and q >= cfg.max_iters:
-        die(f"--quant_start={cfg.quant_start} is step {q}, not before --max_iters={cfg.max_iters}: the run would "
-            f"never go ternary and its stage-2 checkpoint would be full precision; pass a smaller --quant_start", 2)
+    # the step it stands for, and that it comes before max_iters: train.py (quant_start_step, check_quant_start)
     if cfg.quant_start and cfg.stage != 2:
         die(f"--quant_start={cfg.quant_start} switches a stage-2 run from 16-bit to ternary; stage {cfg.stage} has "
             f"no such switch (stage 1 is full precision throughout, stage 3 ternary throughout)", 2)
@@ -299,13 +293,7 @@ def model_config(cfg, vocab_size, eot):
 
 def stage_dir(stage):
     """out_dir's subdirectory of a stage: stage1, stage2, stage3, dlm."""
-    return "dlm" if stage == DLM else f"stage{stage}"
-
-
-def avg_interval(cfg):
-    """Steps between the snapshots checkpoint averaging takes: --avg_interval, or by default the last decay_frac
-    of the run split into avg_checkpoints intervals (averaging stands in for a WSD decay over that window)."""
-    return cfg.avg_interval or max(1, round(cfg.decay_frac * cfg.max_iters / max(cfg.avg_checkpoints, 1)))
+    return "dlm" if stage == DLM_STAGE else f"stage{stage}"
 
 
 def teacher_paths(cfg):
@@ -334,7 +322,7 @@ def check_run(cfg, rt, out_dir, teachers):
     if cfg.grad_accum % world:
         die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
             f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
-    if world > 1 and cfg.stage == DLM:
+    if world > 1 and cfg.stage == DLM_STAGE:
         die("--stage=dlm runs in one process here (its loss calls the model directly, not the DDP wrapper)", 2)
     if world > 1 and (cfg.normuon or cfg.muon_state != "fp32" or cfg.qk_clip_tau > 0):
         die("--normuon, --muon_state and --qk_clip_tau run in one process here (each rank would record its own "
@@ -381,12 +369,12 @@ FIXED_ON_RESUME = ("seed", "muon_state", "normuon", "avg_checkpoints", "avg_inte
 
 def check_resume(cfg, overrides, saved, path):
     """Refuse (one line) a resume that cannot be honoured; return a note for what it changes on purpose.
-    cfg is this command's config before the saved one is applied (its stage names the directory it resumes)."""
+    cfg: the flags given on this command line alone (its stage names the directory it resumes)."""
     if cfg.overwrite:
         die("--resume=True continues the run in its directory and --overwrite=True would delete it; pass one of "
             "them", 2)
     if saved.get("stage") != cfg.stage:
-        was, now = (("dlm" if st == DLM else st) for st in (saved.get("stage"), cfg.stage))
+        was, now = (("dlm" if st == DLM_STAGE else st) for st in (saved.get("stage"), cfg.stage))
         die(f"{path} is a checkpoint of stage {was}, but this is --stage={now}; resume it with --stage={was} (and "
             f"its --run_name), or start stage {now} without --resume", 2)
     for key in FIXED_ON_RESUME:

@@ -38,8 +38,17 @@ def to_bool(val):
 
 
 def field_comments(cls):
-    """{field: its comment} from the class source: the trailing comment on the field's line, plus the comment
-    lines under it that continue it (indented well past the field; a comment at the field's indent is a heading)."""
+    """{field: its comment} from the class source (and its dataclass bases', a command's flags may come from
+    several: train.py's, tools/config.py): the trailing comment on the field's line, plus the comment lines under
+    it that continue it (indented well past the field; a comment at the field's indent is a heading)."""
+    out = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            out.update(_own_comments(base))
+    return out
+
+
+def _own_comments(cls):
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):

@@ -13,7 +13,7 @@ Run:
     python train.py --stage=2 --init_from=data/models/SmolLM2-135M-Instruct.Q4_1.gguf
 The test suite's real-weights tests take the file through the session fixture `smollm2` (tests/conftest.py).
 Test:
-    python -m pytest tests/test_tokenizer.py
+    python -m pytest tests/test_get_model.py
 """
 
 import signal

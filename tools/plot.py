@@ -8,7 +8,7 @@ gradient norm before and after clipping (clipped steps marked), to one PNG besid
 The PNG names the metrics.jsonl it was drawn from (its Source text chunk): plotting the same run again replaces it;
 any other PNG (another run's, a committed figure) is replaced only with --overwrite=True, and a file of another
 kind never (tools/outputs.py check_output). The PNG is written whole or not at all (common.atomic_write).
-Each curve is drawn from the records that hold it: a series an older log lacks is left out with a note naming it;
+Each curve is drawn from the records that hold it: a series the log lacks is left out with a note naming it;
 the steps skipped as non-finite (no loss, no update) are marked on the loss panel and counted in the last line.
 
 matplotlib is needed here only (pip install -r requirements.txt has it); training never imports it.

@@ -31,7 +31,7 @@ from tools.load import is_model_source, load_gpt
 from tools.prepare import same_source, source_slug
 from tools.config import TrainConfig, check_teacher, parse_data, parse_teacher_weights
 from tools.flags import die
-from tools.runtime import Runtime
+from tools.runtime import Runtime, git_commit
 from tools.start import Start, import_model
 from zclip import ZClip
 
@@ -61,6 +61,8 @@ class Run:
     lesson: object = None        # a lesson's own stage (tools/seams.py: --stage=dlm), else None
     eval_loss: object = None     # a lesson's evaluation loss (eval_loss(run) -> loss(x, y)); None: the model's CE
     unlock: object = None        # releases out_dir's lock (rank 0)
+    commit: str = dataclasses.field(default_factory=git_commit)  # the code's (log_record writes it once)
+    records: int = 0             # metrics.jsonl records this process has written
 
     @property
     def ckpt_path(self):
@@ -74,7 +76,7 @@ def shipped_dir(name, cfg):
     """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the first time. A
     pretrained model's tokenizer is named by its source's last part (prepare.source_slug)."""
     root = os.path.join(ROOT, "data", f"{name}_{source_slug(cfg.tokenizer)}")
-    scores = os.path.join(root, "train_000.difficulty.npy")  # prepared before difficulty scores existed?
+    scores = os.path.join(root, "train_000.difficulty.npy")  # the curriculum needs them
     if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
                                                                 not os.path.exists(scores)):
         print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; tokenising the "
@@ -140,7 +142,7 @@ def make_loaders(cfg, rt, resume):
                                               order="sequential"), w / total)
                        for name, (d, w) in zip(names, sources.items())}
         if resume is not None:
-            train_loader.load_state_dict(prepare.upgrade_loader_state(resume["loader"], train_loader))
+            train_loader.load_state_dict(checkpoint.upgrade(resume, train_loader)["loader"])  # older layouts too
     except ValueError as e:
         die(str(e))
     have = [data.read_meta(d).get("train_tokens") for d in sources]
@@ -357,24 +359,24 @@ def log_eval(run, rec):
     if "val_loss_avg" in rec:
         parts.append(f"; average of {run.average.count} checkpoints {rec['val_loss_avg']:.4f}")
     run.rt.log(" ".join(parts).replace(" ;", ";"))
-    run.rt.log_json(run.out_dir, rec)
+    log_record(run, rec)
 
 
-def log_step(run, step, out, n_bad, bad_run, timer):
+def log_step(run, step, out, skipped_steps, skipped_in_a_row, timer):
     """The step's log line and metrics.jsonl record: the loss, lr, lambda, the clipping statistics under their
     names in zclip.py (raw_norm, clipped_norm, was_clipped, z_score), speed, and what the loss and the callbacks
     added (stage 3's loss terms, QK-clip's max_logit, the DLM's outlier ratios)."""
     lam = out["lam"]
     if not out["ok"]:
-        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['raw_norm']} not finite, no "
-                   f"update ({bad_run} in a row, {n_bad} in all; max_bad_steps={run.cfg.max_bad_steps})")
-        run.rt.log_json(run.out_dir, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": n_bad})
+        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['raw_norm']} not finite, no update "
+                   f"({skipped_in_a_row} in a row, {skipped_steps} in all; max_bad_steps={run.cfg.max_bad_steps})")
+        log_record(run, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": skipped_steps})
         return
     dt = timer.lap()
     tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
     extra = {k: v for k, v in out.items() if k not in ("loss", "stop", "ok", "lam", "lr")}
     rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam, **extra, "ms": 1000 * dt,
-           "tok_per_s": tokens / dt, "bad_steps": n_bad}
+           "tok_per_s": tokens / dt, "bad_steps": skipped_steps}
     clip = {"raw_norm", "clipped_norm", "was_clipped", "z_score"}
     if "was_clipped" in rec:
         rec["was_clipped"] = int(rec["was_clipped"])
@@ -384,4 +386,13 @@ def log_step(run, step, out, n_bad, bad_run, timer):
     run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | {line} | "
                f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
                "".join(f" | {k} {v:.4f}" for k, v in extra.items() if k not in clip))
+    log_record(run, rec)
+
+
+def log_record(run, rec):
+    """Append rec to <out_dir>/metrics.jsonl (rank 0). The first record this process writes also names the commit
+    of the code that wrote it (runtime.git_commit: git rev-parse HEAD, or "unknown"), a resumed run's too."""
+    if run.records == 0:
+        rec = {**rec, "commit": run.commit}
+    run.records += 1
     run.rt.log_json(run.out_dir, rec)

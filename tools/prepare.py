@@ -551,26 +551,6 @@ def check_not_mid_swap(d):
                          f"replacing it); restore it: mv {old} {d} (or re-run tools/prepare.py, which restores it first)")
 
 # -----------------------------------------------------------------------------
-# a loader state of a checkpoint from before data orders existed (data.DataLoader refuses it as it is)
-
-
-def upgrade_loader_state(sd, loader):
-    """sd (a data.DataLoader.state_dict()) as the loader reads it today. A state written before data orders
-    existed holds "pos", [shard, offset] per source, read in shard order: it becomes order "sequential" with
-    cursor = the number of that window, so it resumes at the same place. Any other state is returned as it is."""
-    if "pos" not in sd:
-        return sd
-    if len(sd["pos"]) != len(loader.dirs):
-        raise ValueError(f"loader state {sd['pos']} does not fit the {len(loader.dirs)} source(s) of this run")
-    for s, (k, off) in enumerate(sd["pos"]):
-        if not 0 <= k < len(loader.shards[s]):
-            raise ValueError(f"loader state points at shard {k} of {loader.dirs[s]}, which has "
-                             f"{len(loader.shards[s])} {loader.split} shards; was the data prepared again?")
-    first = [np.concatenate([[0], np.cumsum([(n - 1) // loader.T for n in ns])]) for ns in loader.lengths]
-    cursor = [int(first[s][k]) + off // loader.T for s, (k, off) in enumerate(sd["pos"])]
-    return dict({k: v for k, v in sd.items() if k != "pos"}, order="sequential", span=0, cursor=cursor)
-
-# -----------------------------------------------------------------------------
 
 
 def _default_for(sources, tokenizer, corpus):

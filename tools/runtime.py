@@ -24,6 +24,7 @@ process: torchrun's environment on two nodes, cuda:<LOCAL_RANK>, wandb on rank 0
 
 import json
 import os
+import subprocess
 import time
 from dataclasses import dataclass
 
@@ -72,8 +73,9 @@ class Runtime:
         if self.master:
             with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
-            if self.wandb is not None:
-                self.wandb.log({k: v for k, v in rec.items() if k != "step" and v is not None}, step=rec["step"])
+            if self.wandb is not None:  # numbers only (the commit goes to the wandb run's config)
+                self.wandb.log({k: v for k, v in rec.items() if k != "step" and v is not None
+                                and not isinstance(v, str)}, step=rec["step"])
 
     def start_wandb(self, project, name, config):
         """--wandb_project: log to Weights & Biases on rank 0 only (one run per job, never one per rank) when
@@ -140,6 +142,16 @@ class Runtime:
         return dist.group.WORLD if self.world > 1 and not fsdp else None
 
 
+def git_commit(d=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+    """`git rev-parse HEAD` of the checkout holding d (by default this code's), or "unknown" where there is none
+    (a copy outside git, or no git installed)."""
+    try:
+        p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=d, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return p.stdout.strip() if p.returncode == 0 and p.stdout.strip() else "unknown"
+
+
 class StepTimer:
     """Wall time per step, averaged over the steps since the last lap (a log line) or reset (after an eval or a
     checkpoint, whose time is not step time). The loop counts steps with timer.steps += 1."""
@@ -156,13 +168,15 @@ class StepTimer:
         return dt
 
 
-# the clipping statistics' names in step records written before they took zclip.py's names
-OLD_NAMES = {"grad_norm_raw": "raw_norm", "grad_norm": "clipped_norm", "clipped": "was_clipped", "z": "z_score"}
+# other names a step record of a metrics.jsonl may hold, and the names log_step writes: the clipping statistics
+# (zclip.py's) and stage 3's loss terms (distill.BitDistillLoss's, each the name of the flag that weighs it)
+OLD_NAMES = {"grad_norm_raw": "raw_norm", "grad_norm": "clipped_norm", "clipped": "was_clipped", "z": "z_score",
+             "ld": "kd_logits", "ad": "kd_relation", "hidden": "kd_hidden"}
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl as log_json writes them (older step records' clipping statistics under
-    today's names). A torn last line (a run killed while writing it) is left out; an earlier line that is not a
+    """The records of a metrics.jsonl as log_json writes them (a step record's other names under log_step's,
+    OLD_NAMES). A torn last line (a run killed while writing it) is left out; an earlier line that is not a
     JSON object raises ValueError naming the file and the line."""
     with open(path, errors="replace") as f:
         lines = f.read().split("\n")  # a complete file ends with "\n": its last item is ""
