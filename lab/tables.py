@@ -65,7 +65,7 @@ class LabError(RuntimeError):
 
 def _distill_table():
     teacher_steps, student_init, stage3 = 1200, 400, 200
-    # measured in sequential order, the default until 2026-11-24: pinned, so the committed table reproduces
+    # the committed table was measured in sequential order (lab/results/order-notes.md): pinned, so it reproduces
     seq = "--data_order=sequential"
     s3 = (f"--stage=3 --max_iters={stage3} --eval_interval=50 --init_from={{run}}/student/ckpt.pt "
           f"--teacher={{run}}/teacher/ckpt.pt {seq}")
@@ -198,7 +198,7 @@ LRS = ("2e-3", "3e-3", "6e-3", "1e-2", "2e-2", "4e-2")  # 4e-2: added once 2e-2 
 
 
 def _lr_table():
-    """Issue 29: the peak learning rate of the quick start, swept (Muon and AdamW share it via match_rms_adamw)."""
+    """The peak learning rate of the quick start, swept (Muon and AdamW share it via match_rms_adamw)."""
     # every flag that the sweep holds fixed is pinned, so the table reproduces whatever the defaults become
     common = "--stage=2 --init_from=scratch --lambda_warmup_steps=200"
     rows = [Row(f"lr{lr}", f"peak lr {lr}",
@@ -216,7 +216,7 @@ WARMUPS = (0, 50, 200, 600)
 
 
 def _warmup_table():
-    """Issue 29: how long lambda should take from 0 (fp) to 1 (ternary), at the lr the lr table chose."""
+    """How long lambda should take from 0 (fp) to 1 (ternary), at the lr the lr table chose."""
     common = f"--stage=2 --init_from=scratch --lr={WARMUP_LR} --muon_lr={WARMUP_LR} --eval_interval=50"
     rows = [Row(f"warm{w}", f"lambda warm-up {w} steps" + (" (ternary from step 0)" if w == 0 else
                                                              " (lambda reaches 1 at the last step)" if w == 600 else ""),
@@ -230,7 +230,7 @@ def _warmup_table():
 
 
 def _dlm_table():
-    """Issue 16: converting the ternary AR model to a masked-diffusion LM; the mask token's init, lambda warm-up."""
+    """Converting the ternary AR model to a masked-diffusion LM; the mask token's init, lambda warm-up."""
     src = Row("ar", "the AR source model (stage 2 from scratch)", "--stage=2 --init_from=scratch", shown=False)
     conv = "--stage=dlm --init_from={run}/ar/ckpt.pt"
     rows = [src,
@@ -255,7 +255,7 @@ def _dlm_table():
                         "(all 600, or the first 10)"])
 
 
-# SmolLM2-135M to 1.58 bits (issue 36): what each stage buys on a real trained model. The budget fits about 4 hours
+# SmolLM2-135M to 1.58 bits: what each stage buys on a real trained model. The budget fits about 4 hours
 # on 2 CPU cores (lab/results/smollm2-notes.md): a tiny fraction of BitDistill's 10B tokens.
 SMOL = "data/models/SmolLM2-135M-Instruct.Q4_1.gguf"  # python -m tools.get_model smollm2
 SMOL_T, SMOL_STEPS, SMOL_STAGE3, SMOL_WARMUP = 256, 60, 30, 30
@@ -284,7 +284,7 @@ def _smol_model(subln, lam, gain="unit"):
 
 
 def _smollm2_table():
-    """Issue 36: SmolLM2-135M through BitDistill's stages on 2 CPU cores, against naive quantisation."""
+    """SmolLM2-135M through BitDistill's stages on 2 CPU cores, against naive quantisation."""
     s2 = f"--stage=2 --init_from={SMOL} --max_iters={SMOL_STEPS} --eval_interval={SMOL_STEPS // 4} {SMOL_COMMON}"
     s3 = (f"--stage=3 --init_from={{run}}/stage2/ckpt.pt --teacher={SMOL} --max_iters={SMOL_STAGE3} "
           f"--eval_interval={SMOL_STAGE3 // 3} {SMOL_COMMON}")
@@ -316,8 +316,8 @@ def _smollm2_table():
                         f"row closes"])
 
 
-# What every table before the lr table was measured at (the stage-2 defaults until 2026-11-24): their stage-2 rows
-# pin it, so each command still reproduces its committed table now that the CPU stage-2 defaults follow lr.md.
+# What every table before the lr table was measured at (the earlier CPU stage-2 defaults, lab/results/lr-notes.md):
+# their stage-2 rows pin it, so each command still reproduces its committed table (the defaults follow lr.md).
 OLD_STAGE2 = {"lr": "3e-3", "muon_lr": "3e-3", "lambda_warmup_steps": "200"}
 
 
