@@ -175,6 +175,7 @@ class Muon(torch.optim.Optimizer):
             us = torch._foreach_lerp(grads, bufs, beta) if group["nesterov"] else bufs
             o = zeropower_via_newtonschulz5(torch.stack(us), steps=group["ns_steps"], dtype=self.ns_dtype)
             torch._foreach_mul_(ps, 1 - lr * group["weight_decay"])
+            o = o.to(ps[0].dtype)  # exact (bf16 -> fp32), and one dtype keeps the foreach kernel fused on CUDA
             torch._foreach_add_(ps, list(o.unbind(0)), alpha=-adjusted_lr(lr, shape, group["adjust_lr_fn"]))
 
     def load_state_dict(self, state_dict):
