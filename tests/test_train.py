@@ -579,3 +579,47 @@ def test_the_compiled_training_step_has_no_graph_break_and_no_recompile_as_lambd
         run.model.train()
     assert counter.frame_count == 2 and not counters["graph_break"], dict(counters["graph_break"])
     assert lams == ([0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 1.0] if "--stage=2" in flags else [0.0] * 7)
+
+
+@pytest.mark.parametrize("flags", [("--zclip=True", "--grad_accum=2"), ("--zclip=False", "--grad_clip=1.0")])
+def test_a_training_step_reads_the_device_once(setup_run, monkeypatch, flags):
+    """train_step's one host read is read_step's: no .item(), float(t), bool(t) or `if t:` anywhere else in the
+    forward, backward, weight-quant cache, ZClip or clip_grad_norm_ (each is a host sync on a GPU; they all
+    dispatch to aten._local_scalar_dense). The optimizer step is left out: torch.optim keeps its step counters on
+    the CPU (fused AdamW on CUDA keeps them on the GPU), so its reads of them wait for nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads, self.paused = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and not self.paused:
+                self.reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    run = setup_run(*flags)
+    mode, read_step, opt_step = ScalarReads(), train.read_step, run.optimizer.step
+    calls = []
+
+    def unwatched(f, name):
+        def g(*a, **kw):
+            calls.append(name)
+            mode.paused = True
+            try:
+                return f(*a, **kw)
+            finally:
+                mode.paused = False
+        return g
+    monkeypatch.setattr(train, "read_step", unwatched(read_step, "read_step"))
+    monkeypatch.setattr(run.optimizer, "step", unwatched(opt_step, "opt.step"))
+    for step in range(4):
+        with mode:
+            out = train.train_step(run, step, False)
+        assert out["ok"] and math.isfinite(out["loss"])
+    assert calls == ["read_step", "opt.step"] * 4
+    assert mode.reads == [], len(mode.reads)
+    with mode:
+        float(run.model.wte.weight.detach().sum())  # the detector sees a host read
+    assert len(mode.reads) == 1
