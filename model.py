@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from quant import BitLinear, QuantRMSNorm, stacked_linear
+from quant import BitLinear, QuantRMSNorm, RMSNorm, stacked_linear
 
 
 def precompute_rope(head_dim, length, theta):
@@ -68,7 +68,7 @@ def make_linear(config, fan_in, fan_out, input_quantized):
 
 def make_norm(config, dim):
     """The norm before quantised projections: it quantises its output for them when quant (quant.QuantRMSNorm)."""
-    return QuantRMSNorm(dim, eps=config.norm_eps) if config.quant else nn.RMSNorm(dim, eps=config.norm_eps)
+    return QuantRMSNorm(dim, eps=config.norm_eps) if config.quant else RMSNorm(dim, eps=config.norm_eps)
 
 
 def project(x, layers, fused=True):
@@ -112,8 +112,8 @@ class Attention(nn.Module):
         self.o_proj = make_linear(config, nh * hd, C, input_quantized=config.subln)
         self.subln = make_norm(config, nh * hd) if config.subln else nn.Identity()
         # Qwen3: an RMSNorm over hd on each head of q and k, before RoPE (full precision: no BitLinear reads it)
-        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(hd, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.causal = config.causal
         self.fused = config.fused
         self.attend = SDPA()  # a module of its own, so a lesson can hook q and k (QK-clip: lessons/muon_variants.py)
@@ -206,7 +206,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.norm_f = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.norm_f = RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight

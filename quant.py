@@ -179,7 +179,17 @@ def unpack_ternary(packed, in_features):
 #   - lambda is a tensor, never a Python float: no recompilation as it warms up, and no host sync to read it.
 
 
-class QuantRMSNorm(nn.RMSNorm):
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm with its gain cast to the input's dtype, so that under bf16 autocast (a bf16 input, an fp32 gain)
+    torch dispatches to its fused RMSNorm kernel instead of the unfused fallback. In fp32 the cast is a no-op: the
+    same op on the same tensors as nn.RMSNorm, bit for bit. The parameter stays fp32 (the optimizer's copy)."""
+
+    def forward(self, x):
+        w = self.weight.to(x.dtype) if self.weight is not None else None
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
+class QuantRMSNorm(RMSNorm):
     """RMSNorm whose output is already the lambda-blended int8 fake-quantised activation.
 
     In our model every BitLinear reads the output of a norm (pre-norms feed q/k/v and gate/up, SubLN feeds

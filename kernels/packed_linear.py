@@ -106,7 +106,7 @@ def freeze_ternary(model, use_triton=None):
     """Replace every BitLinear in model by a PackedBitLinear, in place, and return the model.
 
     A QuantRMSNorm (a norm that fake-quantises its output for the BitLinears after it) becomes a plain
-    nn.RMSNorm with the same gain: PackedBitLinear quantises its own input, to the int8 codes the integer
+    quant.RMSNorm with the same gain: PackedBitLinear quantises its own input, to the int8 codes the integer
     product needs. Everything is checked before anything is replaced, so a refused model stays unchanged.
     Raises ValueError for a model without BitLinear (quant=False) and for any lambda_ != 1.
     """
@@ -123,7 +123,7 @@ def freeze_ternary(model, use_triton=None):
                 raise ValueError(f"lambda_ = {float(m.lambda_):.4g}, not 1: its output is not the int8 activation "
                                  "yet (lambda-warmup unfinished); train until lambda reaches 1 before packing")
             else:
-                new[name] = nn.RMSNorm(m.normalized_shape, eps=m.eps, device=m.weight.device, dtype=m.weight.dtype)
+                new[name] = quant.RMSNorm(m.normalized_shape, eps=m.eps, device=m.weight.device, dtype=m.weight.dtype)
                 new[name].weight = m.weight
         except ValueError as e:
             raise ValueError(f"{name or type(model).__name__}: {e}") from None

@@ -6,7 +6,8 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
   python -m lab.bench --data     tokeniser throughput on the shipped corpus (target: gpt2 >= 2M tokens/s on 2 cores)
   python -m lab.bench --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the hidden matrices of the CPU model
   python -m lab.bench --train    full training steps: nanoGPT baseline vs ours fp vs ours ternary QAT, eager and
-                             compiled, with the QAT/dense ratio, Muon's share and MFU (GPU); CPU or CUDA preset
+                             compiled, with the QAT/dense ratio, Muon's share and MFU (GPU); CPU or CUDA preset;
+                             then the top ops of each compiled step by self time (GPU kernels on CUDA)
   python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours fp vs the nanoGPT baseline
   python -m lab.bench --decode   batch-1 greedy decoding, tokens/s: fp bf16 vs packed ternary, model.generate and
                              tools/decode.py's static KV cache, eager and replayed as a CUDA graph (CUDA preset's
@@ -107,14 +108,17 @@ class NanoGPT(torch.nn.Module):
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, per GPU
 
 
-def bench_train(steps=10, warmup=3):
-    """ms/step and tokens/s of full training steps (forward, backward, clipping, optimizer) for one shape."""
+def bench_train(steps=10, warmup=3, shape=None, profile_steps=2):
+    """ms/step and tokens/s of full training steps (forward, backward, clipping, optimizer) for one shape: the
+    device preset's (shape: TrainConfig fields on top, e.g. a smaller model), then where a compiled step's time
+    goes, op by op (torch.profiler over profile_steps steps), for nanoGPT, ours fp and ours QAT."""
     from tools import config, plumbing
     from model import GPT
     from zclip import ZClip
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
-    base = config.build_config({"device": dev, "stage": 2})  # the device preset's model shape
+    shape = shape or {}
+    base = config.build_config({"device": dev, "stage": 2, **shape})  # the device preset's model shape
     B, T, V = base.batch_size, base.block_size, 50304 if base.tokenizer == "gpt2" else 257
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     if cuda:
@@ -127,10 +131,11 @@ def bench_train(steps=10, warmup=3):
           f"{'bf16 autocast' if cuda else 'fp32'}, Muon+ZClip unless noted")
     x = torch.randint(0, V, (B, T), device=dev)
     y = torch.randint(0, V, (B, T), device=dev)
+    profiles = {}
 
-    def run(label, quant, compile_=False, nanogpt=False, autocast=None, fused=True):
+    def run(label, quant, compile_=False, nanogpt=False, autocast=None, fused=True, profile_=False):
         torch.manual_seed(0)
-        cfg = config.build_config({"device": dev, "stage": 2 if quant else 1})
+        cfg = config.build_config({"device": dev, "stage": 2 if quant else 1, **shape})
         if nanogpt:
             model = NanoGPT(V, T, cfg.n_layer, cfg.n_head, cfg.n_embd).to(dev)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
@@ -140,10 +145,9 @@ def bench_train(steps=10, warmup=3):
         clipper = None if nanogpt else ZClip()
         step_model = torch.compile(model) if compile_ else model
         c = ctx if autocast is None else autocast
-        muon_ms, t_total, t_first = [], 0.0, 0.0
-        for i in range(warmup + steps):
-            sync()
-            t0 = time.perf_counter()
+        muon = any(g.get("kind") == "muon" for g in opt.param_groups)  # muon.Muon: time its Muon groups alone
+
+        def step(muon_ms=None):
             with c:
                 _, loss = step_model(x, y)
             loss.backward()
@@ -151,7 +155,7 @@ def bench_train(steps=10, warmup=3):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             else:
                 clipper.clip(model)
-            if any(g.get("kind") == "muon" for g in opt.param_groups):  # muon.Muon: time its Muon groups alone
+            if muon and muon_ms is not None:
                 sync()
                 t1 = time.perf_counter()
                 opt.step(kinds=("muon",))
@@ -161,6 +165,12 @@ def bench_train(steps=10, warmup=3):
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
+
+        muon_ms, t_total, t_first = [], 0.0, 0.0
+        for i in range(warmup + steps):
+            sync()
+            t0 = time.perf_counter()
+            step(muon_ms)
             sync()
             if i == 0:
                 t_first = time.perf_counter() - t0  # includes compilation for compiled runs
@@ -173,9 +183,11 @@ def bench_train(steps=10, warmup=3):
         for key, peak in PEAK_BF16_FLOPS.items():
             if cuda and key in name:
                 mfu = f"{100 * flops * B * T / (ms / 1000) / peak:5.1f}%"
-        muon = f"{100 * sum(muon_ms[warmup:]) / steps / ms:5.1f}%" if muon_ms else "    -"
-        print(f"{label:34s} {n_params / 1e6:7.2f}M {ms:9.1f} {B * T / ms * 1000:10.0f} {muon:>7s} {mfu:>6s} "
+        muon_share = f"{100 * sum(muon_ms[warmup:]) / steps / ms:5.1f}%" if muon_ms else "    -"
+        print(f"{label:34s} {n_params / 1e6:7.2f}M {ms:9.1f} {B * T / ms * 1000:10.0f} {muon_share:>7s} {mfu:>6s} "
               f"{t_first:8.1f}")
+        if profile_:
+            profiles[label] = (ms, profile_ops(step, cuda, profile_steps))
         return ms
 
     print(f"{'run':34s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} {'MFU':>6s} {'1st s':>8s}")
@@ -185,11 +197,38 @@ def bench_train(steps=10, warmup=3):
          "qat_sep": run("ours ternary QAT, q/k/v gate/up unfused", True, fused=False)}
     if not cuda:
         r["qat_bf16"] = run("ours ternary QAT, bf16 autocast", True, autocast=torch.autocast("cpu", torch.bfloat16))
-    r["dense_c"] = run("ours fp, compiled", False, compile_=True)
-    r["qat_c"] = run("ours ternary QAT, compiled", True, compile_=True)
+    r["nanogpt_c"] = run("nanoGPT baseline, compiled", False, nanogpt=True, compile_=True, profile_=True)
+    r["dense_c"] = run("ours fp, compiled", False, compile_=True, profile_=True)
+    r["qat_c"] = run("ours ternary QAT, compiled", True, compile_=True, profile_=True)
     print(f"QAT / dense step time: eager {r['qat'] / r['dense']:.3f}, compiled {r['qat_c'] / r['dense_c']:.3f}; "
           f"ours fp / nanoGPT step time {r['dense'] / r['nanogpt']:.3f}; QAT fused / unfused projections "
           f"{r['qat'] / r['qat_sep']:.3f}")
+    print(f"compiled, against the compiled nanoGPT step: ours fp {r['dense_c'] / r['nanogpt_c']:.3f} (target <= 1.10), "
+          f"ours QAT {r['qat_c'] / r['nanogpt_c']:.3f} (target <= 1.25)")
+    for label, (ms, (unit, total, ops)) in profiles.items():
+        print(f"where a step of {label} goes: {ms:.1f} ms/step timed, {total:.1f} ms of {unit} time per step "
+              f"profiled; top ops by self {unit} time, ms per step:")
+        for key, count, t in ops:
+            print(f"  {key[:70]:70s} x{count:<5g} {t:8.2f} ms  {100 * t / total:5.1f}%")
+    return r
+
+
+def profile_ops(step, cuda, n, top=12):
+    """(unit, total ms per step, [(op, calls per step, self ms per step)] of the top ops): torch.profiler over n
+    calls of step(), by self time on the GPU (kernels) on CUDA, on the CPU elsewhere."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    self_time = (lambda e: getattr(e, "self_device_time_total", 0)) if cuda else (lambda e: e.self_cpu_time_total)
+    events = [e for e in events if self_time(e) > 0]
+    total = sum(self_time(e) for e in events) / 1e3 / n
+    ops = [(e.key, e.count / n, self_time(e) / 1e3 / n) for e in sorted(events, key=lambda e: -self_time(e))[:top]]
+    return ("GPU" if cuda else "CPU"), total, ops
 
 
 def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):

@@ -152,3 +152,22 @@ def test_decode_prints_tokens_per_second_of_fp_and_packed_and_their_ratio_on_cpu
     for key, mode in (("generate", "model.generate"), ("eager", "static KV cache, eager")):
         want = rows["packed", mode][0] / rows["fp", mode][0]
         assert abs(float(ratios[key]) - want) < 0.006 + 0.002 * want, (key, out)
+
+
+@pytest.mark.slow
+def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(capsys):
+    """bench_train on a tiny shape (CPU: fp32, the compiled runs through inductor): one row per run, the compiled
+    ratios against the compiled nanoGPT step as the quotients of the returned times, and for nanoGPT, ours fp and
+    ours QAT (compiled) the top ops by self time, each a share of that step's profiled total."""
+    r = bench.bench_train(steps=1, warmup=1, shape=dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=2))
+    out = capsys.readouterr().out
+    assert {"nanogpt", "dense", "qat", "nanogpt_c", "dense_c", "qat_c"} <= set(r) and all(v > 0 for v in r.values())
+    fp, qat = re.search(r"compiled nanoGPT step: ours fp ([\d.]+) .*, ours QAT ([\d.]+)", out).groups()
+    assert float(fp) == pytest.approx(r["dense_c"] / r["nanogpt_c"], abs=6e-4)
+    assert float(qat) == pytest.approx(r["qat_c"] / r["nanogpt_c"], abs=6e-4)
+    sections = re.findall(r"^where a step of (.+?) goes: [\d.]+ ms/step timed, ([\d.]+) ms of CPU time per step "
+                          r"profiled.*\n((?:  .*\n)+)", out, re.M)
+    assert [s[0] for s in sections] == ["nanoGPT baseline, compiled", "ours fp, compiled", "ours ternary QAT, compiled"]
+    for _, total, rows in sections:
+        ms = [float(m) for m in re.findall(r" ([\d.]+) ms +[\d.]+%$", rows, re.M)]
+        assert 5 <= len(ms) <= 12 and ms == sorted(ms, reverse=True) and sum(ms) <= float(total) + 0.01 * len(ms)

@@ -403,3 +403,40 @@ def test_relation_distillation_reads_gqa_states():
     loss = attention_relation_loss(s_qkv, t_qkv, 8)  # K/V: 16 wide in the student, 16 in the teacher
     loss.backward()
     assert loss > 0 and student.h[-1].attn.k_proj.weight.grad.abs().sum() > 0
+
+
+# -----------------------------------------------------------------------------
+# the norms under bf16 autocast
+
+
+@pytest.mark.parametrize("quant", [False, True])
+def test_norms_under_bf16_autocast_reach_the_fused_kernel_and_are_nn_rmsnorm_in_fp32(quant, monkeypatch):
+    """Every norm casts its fp32 gain to its input's dtype: under bf16 autocast (bf16 SubLN and q/k-norm inputs, fp32
+    gains) torch.rms_norm sees one dtype and does not fall back to the unfused RMSNorm ("Mismatch dtype between input
+    and weight", warned once per process), and in fp32 each norm is nn.RMSNorm's op on the same tensors, bit for bit."""
+    model = make(quant=quant, qk_norm=True)
+    idx = torch.randint(0, 61, (2, 16))
+    seen, rms_norm = [], torch.rms_norm
+    monkeypatch.setattr(torch, "rms_norm", lambda x, shape, w=None, eps=None: (
+        seen.append((x.dtype, w.dtype)), rms_norm(x, shape, w, eps))[1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(idx, idx)[1].backward()
+    assert (torch.bfloat16, torch.bfloat16) in seen and all(a == b for a, b in seen), seen
+    monkeypatch.undo()
+    norms = [m for m in model.modules() if isinstance(m, nn.RMSNorm)]
+    assert len(norms) == SMALL["n_layer"] * 6 + 1  # attn, mlp, two SubLN, q and k norms per block; norm_f
+    x = torch.randn(3, 5, 32)
+    for n in (model.norm_f, model.h[0].mlp_norm, model.h[0].attn.subln):
+        ref = nn.RMSNorm(n.normalized_shape, eps=n.eps)
+        ref.weight.data.copy_(torch.randn(n.normalized_shape))
+        n.weight.data.copy_(ref.weight.data)
+        got = n(x[..., :n.normalized_shape[0]])
+        want = ref(x[..., :n.normalized_shape[0]])
+        if quant and n is not model.norm_f:
+            want = quant_of(want, n)
+        assert torch.equal(got, want)
+
+
+def quant_of(y, norm):
+    from quant import activation_fake_quant, ste
+    return ste(y, activation_fake_quant(y), norm.lambda_)

@@ -571,3 +571,42 @@ def test_muon_ns_dtype_float32_is_used_and_close_to_bf16_step():
     o16.step()
     ref = p0 - adjusted_lr(0.02, (48, 32)) * newtonschulz5_fp32(g)  # momentum 0.95 from zero: update ∝ g
     assert (p32 - ref).abs().max() < 1e-6 < (p16 - ref).abs().max()
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dtype, nesterov, monkeypatch):
+    """muon_steps (the step on CUDA: same-shape matrices stacked, one batched NS5 per shape, foreach momentum and
+    update) gives every matrix what muon_step gives it, bit for bit on CPU, over 3 steps with weight decay; a
+    variant's own muon_step is never bypassed."""
+    import muon
+    torch.manual_seed(0)
+    shapes = [(64, 32)] * 3 + [(32, 64)] * 2 + [(48, 48)]
+    one = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    batched = [torch.nn.Parameter(p.detach().clone()) for p in one]
+    opts = [Muon(ps, lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype=ns_dtype) for ps in (one, batched)]
+    opts[1].batched_devices = ("cpu",)
+    calls, ns5 = [], muon.zeropower_via_newtonschulz5
+    monkeypatch.setattr(muon, "zeropower_via_newtonschulz5", lambda G, **kw: (calls.append(G.shape), ns5(G, **kw))[1])
+    for _ in range(3):
+        for p, q in zip(one, batched):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        calls.clear()
+        opts[0].step()
+        assert len(calls) == 6
+        calls.clear()
+        opts[1].step()
+        assert set(calls) == {(3, 64, 32), (2, 32, 64), (1, 48, 48)}
+    for p, q in zip(one, batched):
+        assert torch.equal(p, q) and not torch.equal(p, torch.zeros_like(p))
+        assert torch.equal(opts[0].state[p]["momentum_buffer"], opts[1].state[q]["momentum_buffer"])
+
+    class Variant(Muon):
+        def muon_step(self, p, group):
+            p.zero_()
+    v = Variant([one[0]], lr=0.02)
+    v.batched_devices = ("cpu",)
+    one[0].grad = torch.ones_like(one[0])
+    v.step()
+    assert torch.equal(one[0], torch.zeros_like(one[0]))

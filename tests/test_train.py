@@ -551,3 +551,75 @@ def test_a_pretrained_model_trains_with_adamw_at_1e_4_unless_told_otherwise():
     for flags in ({"stage": 2}, {"stage": 2, "init_from": "scratch", "tokenizer": model}):
         c = build_config({**flags, "device": "cpu"})
         assert (c.optimizer, c.lr) == ("muon", 2e-2), flags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--stage=2",), ("--stage=2", "--doc_mask=True", "--grad_accum=2"), ("--stage=1",)])
+def test_the_compiled_training_step_has_no_graph_break_and_no_recompile_as_lambda_and_steps_move(setup_run,
+                                                                                                    monkeypatch, flags):
+    """--compile=true compiles what train_step calls (WithStates around the model, train.setup's wrap) into ONE
+    graph for training, whatever lambda (0, 0.25 ... 1 over TINY's 4 warm-up steps: a buffer, not a constant), the
+    step, or the weight-quant cache of grad_accum; an evaluation adds one graph (no_grad), once. After that, any
+    recompile raises (error_on_recompile)."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    counter, compile_ = CompileCounter(), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: compile_(m, backend=counter, **kw))
+    run = setup_run(*flags, "--compile=true")
+    lams = [train.train_step(run, step, False)["lam"] for step in range(3)]
+    assert counter.frame_count == 1
+    plumbing.estimate_val_loss(run)
+    run.model.train()
+    assert counter.frame_count == 2  # the evaluation's graph: no_grad is part of a graph's guards
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        lams += [train.train_step(run, step, False)["lam"] for step in range(3, 7)]
+        plumbing.estimate_val_loss(run)
+        run.model.train()
+    assert counter.frame_count == 2 and not counters["graph_break"], dict(counters["graph_break"])
+    assert lams == ([0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 1.0] if "--stage=2" in flags else [0.0] * 7)
+
+
+@pytest.mark.parametrize("flags", [("--zclip=True", "--grad_accum=2"), ("--zclip=False", "--grad_clip=1.0")])
+def test_a_training_step_reads_the_device_once(setup_run, monkeypatch, flags):
+    """train_step's one host read is read_step's: no .item(), float(t), bool(t) or `if t:` anywhere else in the
+    forward, backward, weight-quant cache, ZClip or clip_grad_norm_ (each is a host sync on a GPU; they all
+    dispatch to aten._local_scalar_dense). The optimizer step is left out: torch.optim keeps its step counters on
+    the CPU (fused AdamW on CUDA keeps them on the GPU), so its reads of them wait for nothing."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads, self.paused = [], False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and not self.paused:
+                self.reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    run = setup_run(*flags)
+    mode, read_step, opt_step = ScalarReads(), train.read_step, run.optimizer.step
+    calls = []
+
+    def unwatched(f, name):
+        def g(*a, **kw):
+            calls.append(name)
+            mode.paused = True
+            try:
+                return f(*a, **kw)
+            finally:
+                mode.paused = False
+        return g
+    monkeypatch.setattr(train, "read_step", unwatched(read_step, "read_step"))
+    monkeypatch.setattr(run.optimizer, "step", unwatched(opt_step, "opt.step"))
+    for step in range(4):
+        with mode:
+            out = train.train_step(run, step, False)
+        assert out["ok"] and math.isfinite(out["loss"])
+    assert calls == ["read_step", "opt.step"] * 4
+    assert mode.reads == [], len(mode.reads)
+    with mode:
+        float(run.model.wte.weight.detach().sum())  # the detector sees a host read
+    assert len(mode.reads) == 1
