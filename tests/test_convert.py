@@ -178,3 +178,67 @@ def test_another_tokenizer_than_the_models_is_refused_by_its_vocabulary_not_its_
     moved = str(tmp_path / "moved")
     shutil.copytree(tiny_llama, moved)
     start.check_same_tokenizer("--tokenizer", moved, "the tokenizer of --init_from", tiny_llama)  # no exit: the same
+
+
+def test_a_run_records_its_tokenizer_where_it_is_and_never_exports_over_it(tiny_llama, tmp_path, capsys):
+    """The command typed with a relative path: the checkpoint records the model's absolute path and fingerprint,
+    so sample.py reads it from any directory. An export never replaces the model the run reads its tokenizer
+    from, with or without --overwrite. When the model moves, sample.py and --resume name the missing model, and
+    --resume --tokenizer=<where it is now> continues (the same vocabulary, by fingerprint)."""
+    import shutil
+    import subprocess
+    import sys
+    import torch
+    import sample
+    from conftest import ROOT
+    from tools import export, prepare
+    src, shards = tmp_path / "model", str(tmp_path / "shards")
+    shutil.copytree(tiny_llama, src)
+    prepare.prepare([os.path.join(ROOT, "data", "shakespeare.jsonl.gz")], tokenizer=str(src), out_dir=shards)
+    out = f"--out_dir={tmp_path / 'run'}"
+    typed = os.path.relpath(src, ROOT)  # run() starts train.py in the repository
+    run("--stage=2", f"--init_from={typed}", "--max_iters=2", "--eval_interval=2", f"--data={shards}", *FLAGS, out)
+    ckpt = str(tmp_path / "run" / "stage2" / "ckpt.pt")
+    config = torch.load(ckpt, weights_only=True)["config"]
+    assert config["tokenizer"] == str(src)
+    from tokenizer import fingerprint, get_tokenizer
+    assert config["tokenizer_fingerprint"] == fingerprint(get_tokenizer(str(src)))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--ckpt={ckpt}", "--num_samples=1",
+                        "--max_new_tokens=4", "--device=cpu"], cwd=str(tmp_path), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]  # from another directory
+    before = sorted(os.listdir(src))
+    for overwrite in ([], ["--overwrite=True"]):
+        msg = fails(capsys, f"--ckpt={ckpt}", "--format=hf", f"--out={src}", *overwrite, code=2, main=export.main)
+        assert "the run's tokenizer" in msg and str(src) in msg and "not even with --overwrite=True" in msg, msg
+    assert sorted(os.listdir(src)) == before
+    moved = tmp_path / "moved"
+    src.rename(moved)
+    msg = fails(capsys, f"--ckpt={ckpt}", "--device=cpu", main=sample.main)
+    assert str(src) in msg and "not there" in msg and "not written by train.py" not in msg, msg
+    msg = fails(capsys, "--stage=2", "--resume=True", "--max_iters=3", *FLAGS, out, code=2)
+    assert str(src) in msg and "not there" in msg and "--tokenizer=" in msg, msg
+    other = _bpe(tmp_path / "other", 384, slice(5, 10))  # the same size, another vocabulary
+    msg = fails(capsys, "--stage=2", "--resume=True", "--max_iters=3", f"--tokenizer={other}", *FLAGS, out, code=2)
+    assert f"--tokenizer={other} is not the tokenizer" in msg and "fingerprint" in msg, msg
+    run("--stage=2", "--resume=True", "--max_iters=3", "--eval_interval=3", f"--tokenizer={moved}", *FLAGS, out)
+    assert records(str(tmp_path / "run"))[-1]["step"] == 3
+
+
+def test_shards_of_another_vocabulary_at_the_same_path_are_refused(tmp_path, capsys):
+    """meta.json records the tokenizer's fingerprint: a run whose --tokenizer names the path the shards were made
+    with, where another tokenizer now is, stops before training on ids of another vocabulary."""
+    import shutil
+    from tools import plumbing, prepare
+    from tools.config import build_config
+    tok, shards = _bpe(tmp_path / "tok", 384, slice(0, 5)), str(tmp_path / "shards")
+    prepare.prepare(tokenizer=tok, out_dir=shards, corpus="shakespeare")
+    cfg = build_config({"stage": 2, "tokenizer": tok, "data": shards, "device": "cpu"})
+    assert plumbing.resolve_data(cfg) == {shards: 1.0}
+    shutil.rmtree(tok)
+    _bpe(tmp_path / "tok", 384, slice(5, 10))  # another vocabulary of the same size at the same path
+    import tokenizer
+    tokenizer._tokenizers.pop(tok)  # a new process would load it afresh
+    with pytest.raises(SystemExit):
+        plumbing.resolve_data(cfg)
+    err = capsys.readouterr().err
+    assert "was tokenised with" in err and "fingerprint" in err and tok in err, err
