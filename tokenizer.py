@@ -14,12 +14,14 @@ The tokenisers a corpus is cut into ids with: UTF-8 bytes, GPT-2's byte-level BP
         vocabulary has one (a chat model's eos ends a turn: SmolLM2-Instruct's is <|im_end|>), else its eos;
         vocab_size is len(tokenizer), added tokens included (SmolLM2: eot 0, vocab 49152).
 All give name (as given to get_tokenizer: what meta.json records), eot, vocab_size, encode, encode_batch, decode (bad
-bytes replaced) and decode_bytes. Copied alone into another project: the byte tokenizer needs only numpy; gpt2
+bytes replaced), decode_bytes and pieces (each id's token). fingerprint(tok) names the vocabulary itself: a hash
+over eot and the id -> token mapping, equal for two paths to one model, different for two vocabularies of one size. Copied alone into another project: the byte tokenizer needs only numpy; gpt2
 needs tiktoken and data/gpt2.tiktoken beside this file; a model's needs transformers.
 
 Test: python -m pytest tests/test_tokenizer.py tests/test_data.py -k "tokenizer or copied_alone"
 """
 
+import hashlib
 import logging
 import os
 import re
@@ -48,6 +50,9 @@ class ByteTokenizer:
     def decode_bytes(self, ids):
         ids = np.asarray(ids)
         return ids[(ids >= 0) & (ids < 256)].astype(np.uint8).tobytes()
+
+    def pieces(self):
+        return [bytes([i]) for i in range(256)] + [b"<|endoftext|>"]
 
 
 class GPT2Tokenizer:
@@ -81,6 +86,9 @@ class GPT2Tokenizer:
 
     def decode_bytes(self, ids):
         return self.enc.decode_bytes([int(i) for i in ids if i != self.eot])
+
+    def pieces(self):
+        return [self.enc.decode_single_token_bytes(i) for i in range(self.vocab_size)]
 
 
 class HFTokenizer:
@@ -124,6 +132,9 @@ class HFTokenizer:
     def decode_bytes(self, ids):  # a character cut between two ids becomes U+FFFD
         return self.decode([i for i in ids if i != self.eot]).encode("utf-8")
 
+    def pieces(self):
+        return [t or "" for t in self.hf.convert_ids_to_tokens(list(range(self.vocab_size)))]
+
 
 _tokenizers = {}  # loading a vocabulary takes a moment (a GGUF's: seconds): build each tokenizer once
 
@@ -140,6 +151,18 @@ def get_tokenizer(name):
             raise ValueError(f"{what} {name!r}; valid: {', '.join(TOKENIZERS)}, a Hugging Face model directory, a hub "
                              f"id (org/name) or a .gguf file (python -m tools.get_model smollm2 fetches one)")
     return _tokenizers[name]
+
+
+def fingerprint(tok):
+    """16 hex digits naming tok's vocabulary: sha256 over eot and every id's token. Two tokenizers with one
+    fingerprint give every token the same id; a model trained on one reads the other's ids as its own."""
+    if getattr(tok, "_fingerprint", None) is None:
+        h = hashlib.sha256(f"eot {tok.eot} vocab {tok.vocab_size}\n".encode())
+        for piece in tok.pieces():
+            piece = piece.encode("utf-8", "surrogatepass") if isinstance(piece, str) else piece
+            h.update(len(piece).to_bytes(4, "little") + piece)
+        tok._fingerprint = h.hexdigest()[:16]
+    return tok._fingerprint
 
 
 def is_model_source(name):

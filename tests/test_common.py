@@ -33,7 +33,7 @@ def test_atomic_write_replaces_the_file_only_when_the_write_completes(tmp_path):
     path = str(tmp_path / "f")
     open(path + ".tmp", "w").write("stale")  # what a killed writer left: removed first
     with common.atomic_write(path) as tmp:
-        assert tmp == path + ".tmp" and not os.path.exists(tmp)
+        assert tmp.startswith(path + ".") and tmp.endswith(".tmp") and not os.path.exists(tmp)
         open(tmp, "w").write("old")
     assert open(path).read() == "old" and os.listdir(tmp_path) == ["f"]
     for error in (OSError(errno.ENOSPC, "No space left on device"), RuntimeError("unexpected pos 64 vs 0"),
@@ -43,6 +43,35 @@ def test_atomic_write_replaces_the_file_only_when_the_write_completes(tmp_path):
                 open(tmp, "w").write("half")
                 raise error
         assert open(path).read() == "old" and os.listdir(tmp_path) == ["f"], error  # the old file whole, no .tmp
+
+
+def test_two_atomic_writes_of_one_path_never_share_a_temporary_file(tmp_path):
+    """Two writers of one path (two exports to one --out) each write their own tmp: neither removes nor overwrites
+    the other's half-written file; the last to finish wins whole. A leftover of a writer that is gone is removed,
+    a running writer's is left alone."""
+    import subprocess
+    import sys
+    path = str(tmp_path / "f")
+    with common.atomic_write(path) as a:
+        open(a, "w").write("first, half written")
+        with common.atomic_write(path) as b:
+            assert b != a and os.path.exists(a)  # the second writer did not remove the first one's file
+            open(b, "w").write("second")
+        assert open(a).read() == "first, half written"
+        open(a, "a").write(" and finished")
+    assert open(path).read() == "first, half written and finished" and os.listdir(tmp_path) == ["f"]
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, host = int(done.stdout), common._host()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for n in (f"f.{host}_{dead}_a1.tmp", f"f.{host}_{live.pid}_b2.tmp"):
+            open(tmp_path / n, "w").write("left")
+        with common.atomic_write(path) as tmp:
+            open(tmp, "w").write("new")
+        assert sorted(os.listdir(tmp_path)) == ["f", f"f.{host}_{live.pid}_b2.tmp"]
+    finally:
+        live.kill()
+        live.wait()
 
 
 def test_atomic_dir_swaps_in_the_whole_directory_or_nothing(tmp_path):

@@ -112,3 +112,133 @@ def test_check_llamacpp_scores_an_imported_model_on_its_own_tokenizers_val_text(
     result = json.load(open(out))
     assert result["tokens"] == 2 * 64 and abs(result["val_loss_llamacpp"] - math.log(384)) < 1e-4
     assert math.isfinite(result["val_loss_ours"]) and result["val_loss_ours"] < math.log(384) + 1
+
+
+def _bpe(d, vocab, lines):
+    """A byte-level BPE of vocab ids (<|endoftext|> = 0) trained on the shipped corpus's documents `lines` (a
+    slice), saved by transformers as a tokenizer directory d; returns str(d)."""
+    import gzip
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    from conftest import ROOT
+    with gzip.open(os.path.join(ROOT, "data", "shakespeare.jsonl.gz"), "rt") as f:
+        text = [json.loads(line)["text"] for line in f][lines]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(str(d))
+    return str(d)
+
+
+def test_the_models_eot_is_the_document_separator_of_its_shards_not_the_configs_eos(tiny_llama, tmp_path):
+    """A model whose config's eos is another token (SmolLM2-Instruct: <|im_end|> = 2) gets as eot the tokenizer's
+    end-of-text, the id tools/prepare.py starts every document with (meta.json's eot), so --doc_mask=True finds
+    the documents; the HF export names that id as bos and eos."""
+    import shutil
+    from tokenizer import get_tokenizer
+    from tools import export, prepare, start
+    from tools.config import build_config, model_config
+    d = tmp_path / "chat"
+    shutil.copytree(tiny_llama, d)
+    conf = json.loads((d / "config.json").read_text())
+    conf["eos_token_id"] = conf["bos_token_id"] = 2  # a chat model's end of turn, not the document separator
+    (d / "config.json").write_text(json.dumps(conf))
+    cfg = build_config({"stage": 2, "init_from": str(d), "doc_mask": True, "device": "cpu", "block_size": 64})
+    tok = get_tokenizer(cfg.tokenizer)
+    st = start.pretrained_start(cfg, model_config(cfg, tok.vocab_size, tok.eot), str(d))
+    prepare.prepare(tokenizer=str(d), out_dir=str(tmp_path / "shards"), corpus="shakespeare")
+    meta = json.loads((tmp_path / "shards" / "meta.json").read_text())
+    assert st.model_conf.doc_mask and st.model_conf.eot == meta["eot"] == tok.eot == 0 != conf["eos_token_id"]
+    hf = export.hf_config(st.model_conf)
+    assert hf["bos_token_id"] == hf["eos_token_id"] == 0
+
+
+def test_another_tokenizer_than_the_models_is_refused_by_its_vocabulary_not_its_size(tiny_llama, tmp_path, capsys):
+    """--init_from=A --tokenizer=B and a stage-3 --teacher=A for a run in B: refused when B is not A's vocabulary,
+    smaller or of the very same size (a fingerprint of the id -> token mapping, not vocab_size); A at another path
+    is A."""
+    import shutil
+    from tokenizer import fingerprint, get_tokenizer
+    from tools import plumbing, start
+    from tools.config import build_config
+    smaller, same_size = _bpe(tmp_path / "smaller", 300, slice(0, 5)), _bpe(tmp_path / "other", 384, slice(5, 10))
+    assert get_tokenizer(same_size).vocab_size == get_tokenizer(tiny_llama).vocab_size == 384
+    assert fingerprint(get_tokenizer(same_size)) != fingerprint(get_tokenizer(tiny_llama))
+    for tok in (smaller, same_size):
+        msg = fails(capsys, "--stage=2", f"--init_from={tiny_llama}", f"--tokenizer={tok}", *FLAGS,
+                    f"--out_dir={tmp_path / 'o'}", code=2)
+        assert f"--tokenizer={tok} is not the tokenizer of --init_from={tiny_llama}" in msg and "fingerprint" in msg
+        assert not os.path.exists(tmp_path / "o" / "stage2" / "ckpt.pt")
+        cfg = build_config({"stage": 3, "teacher": tiny_llama, "tokenizer": tok, "device": "cpu"})
+        with pytest.raises(SystemExit) as e:
+            plumbing._load_teacher(cfg, None, tiny_llama, None, "cpu", True)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "the tokenizer of the --teacher" in err and tok in err, err
+    moved = str(tmp_path / "moved")
+    shutil.copytree(tiny_llama, moved)
+    start.check_same_tokenizer("--tokenizer", moved, "the tokenizer of --init_from", tiny_llama)  # no exit: the same
+
+
+def test_a_run_records_its_tokenizer_where_it_is_and_never_exports_over_it(tiny_llama, tmp_path, capsys):
+    """The command typed with a relative path: the checkpoint records the model's absolute path and fingerprint,
+    so sample.py reads it from any directory. An export never replaces the model the run reads its tokenizer
+    from, with or without --overwrite. When the model moves, sample.py and --resume name the missing model, and
+    --resume --tokenizer=<where it is now> continues (the same vocabulary, by fingerprint)."""
+    import shutil
+    import subprocess
+    import sys
+    import torch
+    import sample
+    from conftest import ROOT
+    from tools import export, prepare
+    src, shards = tmp_path / "model", str(tmp_path / "shards")
+    shutil.copytree(tiny_llama, src)
+    prepare.prepare([os.path.join(ROOT, "data", "shakespeare.jsonl.gz")], tokenizer=str(src), out_dir=shards)
+    out = f"--out_dir={tmp_path / 'run'}"
+    typed = os.path.relpath(src, ROOT)  # run() starts train.py in the repository
+    run("--stage=2", f"--init_from={typed}", "--max_iters=2", "--eval_interval=2", f"--data={shards}", *FLAGS, out)
+    ckpt = str(tmp_path / "run" / "stage2" / "ckpt.pt")
+    config = torch.load(ckpt, weights_only=True)["config"]
+    assert config["tokenizer"] == str(src)
+    from tokenizer import fingerprint, get_tokenizer
+    assert config["tokenizer_fingerprint"] == fingerprint(get_tokenizer(str(src)))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--ckpt={ckpt}", "--num_samples=1",
+                        "--max_new_tokens=4", "--device=cpu"], cwd=str(tmp_path), capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]  # from another directory
+    before = sorted(os.listdir(src))
+    for overwrite in ([], ["--overwrite=True"]):
+        msg = fails(capsys, f"--ckpt={ckpt}", "--format=hf", f"--out={src}", *overwrite, code=2, main=export.main)
+        assert "the run's tokenizer" in msg and str(src) in msg and "not even with --overwrite=True" in msg, msg
+    assert sorted(os.listdir(src)) == before
+    moved = tmp_path / "moved"
+    src.rename(moved)
+    msg = fails(capsys, f"--ckpt={ckpt}", "--device=cpu", main=sample.main)
+    assert str(src) in msg and "not there" in msg and "not written by train.py" not in msg, msg
+    msg = fails(capsys, "--stage=2", "--resume=True", "--max_iters=3", *FLAGS, out, code=2)
+    assert str(src) in msg and "not there" in msg and "--tokenizer=" in msg, msg
+    other = _bpe(tmp_path / "other", 384, slice(5, 10))  # the same size, another vocabulary
+    msg = fails(capsys, "--stage=2", "--resume=True", "--max_iters=3", f"--tokenizer={other}", *FLAGS, out, code=2)
+    assert f"--tokenizer={other} is not the tokenizer" in msg and "fingerprint" in msg, msg
+    run("--stage=2", "--resume=True", "--max_iters=3", "--eval_interval=3", f"--tokenizer={moved}", *FLAGS, out)
+    assert records(str(tmp_path / "run"))[-1]["step"] == 3
+
+
+def test_shards_of_another_vocabulary_at_the_same_path_are_refused(tmp_path, capsys):
+    """meta.json records the tokenizer's fingerprint: a run whose --tokenizer names the path the shards were made
+    with, where another tokenizer now is, stops before training on ids of another vocabulary."""
+    import shutil
+    from tools import plumbing, prepare
+    from tools.config import build_config
+    tok, shards = _bpe(tmp_path / "tok", 384, slice(0, 5)), str(tmp_path / "shards")
+    prepare.prepare(tokenizer=tok, out_dir=shards, corpus="shakespeare")
+    cfg = build_config({"stage": 2, "tokenizer": tok, "data": shards, "device": "cpu"})
+    assert plumbing.resolve_data(cfg) == {shards: 1.0}
+    shutil.rmtree(tok)
+    _bpe(tmp_path / "tok", 384, slice(5, 10))  # another vocabulary of the same size at the same path
+    import tokenizer
+    tokenizer._tokenizers.pop(tok)  # a new process would load it afresh
+    with pytest.raises(SystemExit):
+        plumbing.resolve_data(cfg)
+    err = capsys.readouterr().err
+    assert "was tokenised with" in err and "fingerprint" in err and tok in err, err

@@ -128,8 +128,11 @@ def test_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path)
     run(f"--out_dir={out}", "--stage=1", *TINY, "--max_iters=2", "--eval_interval=2")
     before = digest(d / "ckpt.pt")
     p = start(f"--out_dir={out}", "--stage=1", "--resume=True", "--max_iters=4", faults="slow_write=0.3")
-    tmp = d / "ckpt_000004.pt.tmp"
-    wait_for(lambda: (tmp.exists() and tmp.stat().st_size > 0) or p.poll() is not None, "a half-written checkpoint")
+    def tmp():  # the writer's own ckpt_000004.pt.<host>_<pid>_<random>.tmp
+        found = list(d.glob("ckpt_000004.pt.*.tmp"))
+        return found[0] if found else d / "ckpt_000004.pt.tmp"
+    wait_for(lambda: (tmp().exists() and tmp().stat().st_size > 0) or p.poll() is not None, "a half-written checkpoint")
+    tmp = tmp()
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     with pytest.raises(checkpoint.CheckpointError, match="corrupt or truncated"):

@@ -8,6 +8,7 @@ Sampling itself (a training checkpoint, --packed=True, an export) is tested end 
 """
 
 import dataclasses
+import glob
 import json
 import os
 
@@ -129,7 +130,7 @@ def test_teacher_written_corpus_shards_and_mixes_into_the_loader(files, tmp_path
     chars = sample.write_corpus(model, tok, path, num_samples=40, max_new_tokens=30, temperature=1.0, batch_size=16)
     lines = [json.loads(line)["text"] for line in open(path)]
     assert len(lines) == 40 and sum(map(len, lines)) == chars and chars > 0
-    assert not os.path.exists(path + ".tmp")
+    assert not glob.glob(path + "*.tmp")
     prepare.prepare([path], tokenizer="byte", out_dir=str(tmp_path / "shards"))
     mine = str(tmp_path / "mine")
     os.makedirs(mine)

@@ -108,3 +108,17 @@ def test_a_directory_or_gguf_without_a_tokenizer_is_one_line(tmp_path):
         msg = str(e.value)
         assert msg.startswith(f"tokenizer {name!r}: transformers cannot load it") and "\n" not in msg, msg
         assert name not in tokenizer._tokenizers  # a failed load is not cached: fixed files load on the next call
+
+
+def test_a_fingerprint_names_the_vocabulary_not_the_path_or_the_size(tmp_path):
+    """tokenizer.fingerprint: what --init_from, --teacher, --resume and meta.json compare. One vocabulary at two
+    paths is one fingerprint; two vocabularies of one size are two."""
+    import shutil
+    _tiny_tokenizer(tmp_path / "a", extra_special=("<|x|>",))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    _tiny_tokenizer(tmp_path / "c", extra_special=("<|y|>",))
+    a, b, c = (get_tokenizer(str(tmp_path / n)) for n in "abc")
+    assert a.vocab_size == c.vocab_size and a.eot == c.eot
+    assert tokenizer.fingerprint(a) == tokenizer.fingerprint(b) != tokenizer.fingerprint(c)
+    byte, gpt2 = get_tokenizer("byte"), get_tokenizer("gpt2")
+    assert (tokenizer.fingerprint(byte), tokenizer.fingerprint(gpt2)) == ("f169d05676eb8a17", "8b695ae4574e9983")

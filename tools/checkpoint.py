@@ -21,7 +21,7 @@ size, with or without FSDP: shard_optimizer_state() cuts the loaded optimizer st
 Layout of <dir>:  ckpt_<step>.pt for the last keep_last checkpoints, and ckpt.pt, the newest one (a hard link
 to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt).
 
-Atomic write (tools/common.py atomic_write): torch.save into <name>.tmp, fsync, rename over <name>, fsync the
+Atomic write (tools/common.py atomic_write): torch.save into <name>.<writer>.tmp, fsync, rename over <name>, fsync the
 directory. A rename is atomic on POSIX, so <name> is always a complete old or a complete new file; a process
 killed mid-write leaves only a stale .tmp, which the next save removes.
 
@@ -231,9 +231,10 @@ def numbered(d):
 def save(obj, d, keep_last=1):
     """Write obj as d/ckpt_<step>.pt, point d/ckpt.pt at it, then delete all but the newest keep_last numbered
     checkpoints. Returns d/ckpt.pt."""
-    for n in os.listdir(d):  # leftovers of a process killed while writing
-        if n.endswith(".tmp") and (n == LATEST + ".tmp" or NUMBERED.fullmatch(n[:-4])):
-            os.remove(os.path.join(d, n))
+    for n in {n.split(".pt.")[0] + ".pt" for n in os.listdir(d) if n.endswith(".tmp")}:  # a killed writer's leftovers
+        if n == LATEST or NUMBERED.fullmatch(n):
+            for stale in common.stale_tmps(os.path.join(d, n)):
+                os.remove(stale)
     path = os.path.join(d, f"ckpt_{obj['step']:06d}.pt")
     atomic_save(obj, path)
     latest = os.path.join(d, LATEST)

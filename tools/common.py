@@ -10,7 +10,8 @@ the two jobs every command that writes something shares (as nanochat's common.py
     link_or_copy(src, dst)                a hard link, or a copy where the filesystem has none
     StopSignal, Interrupted, stoppable    SIGTERM/SIGINT as a flag checked at a step boundary, or at once
 
-The one writer: the new file or directory is written beside path, synced, and renamed into path's place (atomic on
+The one writer: the new file or directory is written beside path under a name of its own (two writers of one path
+never share a temporary file), synced, and renamed into path's place (atomic on
 POSIX), so path is always the whole old one or the whole new one. A rename cannot replace a directory that holds
 files, so a directory is swapped in by two renames, path -> .<name>.old_<owner>_<random> and
 .<name>.tmp_<owner>_<random> -> path, with SIGTERM and SIGINT held until both are done. owner = <host>_<pid>: a
@@ -48,12 +49,39 @@ def atomic_write(path):
     When the block completes, tmp is synced to disk and renamed over path (atomic on POSIX), then the directory is
     synced: path is always the whole old file or the whole new one. On any exception (an OSError such as a full
     disk, errno ENOSPC; torch.save's RuntimeError; Ctrl-C; SystemExit) tmp is removed and path is left as it was.
-    tmp is path + ".tmp", in the same directory (a rename cannot cross filesystems); a stale one is removed first."""
-    tmp = path + ".tmp"
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(tmp)
+    tmp is path + ".<owner>_<random>.tmp", this writer's own (two writers of one path never share it), in the same
+    directory (a rename cannot cross filesystems); what a writer that is gone left (stale_tmps) is removed first."""
+    for stale in stale_tmps(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(stale)
+    tmp = f"{path}.{_owner()}_{os.urandom(4).hex()}.tmp"
     with _installing(tmp, path):
         yield tmp
+
+
+def stale_tmps(path):
+    """The files atomic_write(path) left beside path whose writer is gone: path.<host>_<pid>_<hex>.tmp of a pid of
+    this host that no longer runs (another host's after STALE_AFTER_S), and an older writer's path.tmp."""
+    parent, name = os.path.split(os.path.abspath(path))
+    ours = re.compile(re.escape(name) + r"(?:\.([A-Za-z0-9-]+)_(\d+)_[0-9a-f]+)?\.tmp")
+    stale = []
+    for n in os.listdir(parent):
+        m = ours.fullmatch(n)
+        try:
+            st = os.lstat(os.path.join(parent, n)) if m else None
+        except FileNotFoundError:  # removed meanwhile
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            continue
+        if m[1] is None:
+            gone = True
+        elif m[1] == _host() and os.name == "posix":
+            gone = not _running(int(m[2]))
+        else:
+            gone = time.time() - st.st_mtime > STALE_AFTER_S
+        if gone:
+            stale.append(os.path.join(parent, n))
+    return stale
 
 
 @contextlib.contextmanager

@@ -199,6 +199,8 @@ def build_config(overrides, base=None):
         model = next((m for m in (overrides.get("init_from"), overrides.get("teacher", "").split(",")[0])
                       if is_model_source(m)), None)
         cfg["tokenizer"] = model or cfg.get("tokenizer", TrainConfig.tokenizer)
+    if cfg.get("tokenizer") not in TOKENIZERS and os.path.exists(cfg.get("tokenizer", "")):
+        cfg["tokenizer"] = os.path.abspath(cfg["tokenizer"])  # what a checkpoint records: readable from anywhere
     cfg = TrainConfig(**cfg)
     check_config(cfg)
     return cfg
@@ -377,6 +379,10 @@ def check_resume(cfg, overrides, saved, path):
         was, now = (("dlm" if st == DLM_STAGE else st) for st in (saved.get("stage"), cfg.stage))
         die(f"{path} is a checkpoint of stage {was}, but this is --stage={now}; resume it with --stage={was} (and "
             f"its --run_name), or start stage {now} without --resume", 2)
+    tok = saved.get("tokenizer", TrainConfig.tokenizer)
+    if "tokenizer" not in overrides and tok not in TOKENIZERS and not is_model_source(tok):
+        die(f"{path} was trained with the tokenizer of {tok}, which is not there; put that file back, or pass "
+            f"--tokenizer=<where that model is now> (the same model: its fingerprint is checked)", 2)
     for key in FIXED_ON_RESUME:
         if key in overrides and overrides[key] != saved.get(key, getattr(TrainConfig, key)):
             die(f"--{key}={overrides[key]} differs from the run's --{key}={saved.get(key)} saved in {path}, and a "

@@ -15,7 +15,7 @@ import math
 import os
 
 from model import GPT, GPTConfig
-from tokenizer import get_tokenizer
+from tokenizer import TOKENIZERS, fingerprint, get_tokenizer
 from tools import checkpoint
 from tools.outputs import hf_marker, why_not_a_checkpoint
 
@@ -57,10 +57,20 @@ def load_gpt(path, device="cpu"):
     name, causal = saved_tokenizer(obj), obj["model_args"].get("causal", True)
     # the tokenizer against the vocabulary, before any weight is read: a mismatch means the file mixes two runs
     if name is not None and "vocab_size" in obj["model_args"]:
+        path_like = name.endswith(".gguf") or os.path.isabs(name) or name.startswith(".") or name.count("/") > 1
+        if name not in TOKENIZERS and path_like and not is_model_source(name):  # the model it was trained from
+            raise checkpoint.CheckpointError(
+                f"{path}: its tokenizer is the model {name}, which is not there (moved or deleted); put that model "
+                f"back at {name}")
         try:
             tok = get_tokenizer(name)
         except ValueError as e:
             raise checkpoint.CheckpointError(f"{path}: {e}; the file was not written by train.py or tools/export.py")
+        recorded = (obj.get("config") or {}).get("tokenizer_fingerprint")
+        if recorded and fingerprint(tok) != recorded:  # another model now at that path
+            raise checkpoint.CheckpointError(
+                f"{path}: its tokenizer {name} is not the one it was trained with (fingerprint {fingerprint(tok)}, "
+                f"recorded {recorded}): another model is at that path now; put the model it was trained from back")
         vocab = obj["model_args"]["vocab_size"] - (not causal)  # a masked-diffusion model has one extra token
         if not tok.vocab_size <= vocab <= 64 * math.ceil(tok.vocab_size / 64):  # --pad_vocab rounds up to 64
             raise checkpoint.CheckpointError(

@@ -24,15 +24,16 @@ import data
 from distill import BitDistillLoss
 from model import GPT, precompute_rope
 from muon import configure_muon
+from tokenizer import fingerprint, get_tokenizer
 from tools import checkpoint, prepare
 from tools.common import ROOT
 from tools.outputs import check_input
-from tools.load import is_model_source, load_gpt
+from tools.load import is_model_source, load_gpt, saved_tokenizer
 from tools.prepare import same_source, source_slug
 from tools.config import TrainConfig, check_teacher, parse_data, parse_teacher_weights
 from tools.flags import die
 from tools.runtime import Runtime, git_commit
-from tools.start import Start, import_model
+from tools.start import Start, check_same_tokenizer, import_model
 from zclip import ZClip
 
 # -----------------------------------------------------------------------------
@@ -117,9 +118,12 @@ def resolve_data(cfg):
             meta = data.read_meta(path)  # an empty or broken meta.json: one line naming it
         except ValueError as e:
             die(str(e))
-        if not same_source(meta["tokenizer"], cfg.tokenizer):
-            die(f"{path} was tokenised with {meta['tokenizer']}, but --tokenizer={cfg.tokenizer}; "
-                f"pass --tokenizer={meta['tokenizer']} or re-run tools/prepare.py")
+        made_by = meta.get("tokenizer_fingerprint")  # the vocabulary itself: one model at two paths is one
+        mine = fingerprint(get_tokenizer(cfg.tokenizer)) if made_by else None
+        if mine != made_by or not (made_by or same_source(meta["tokenizer"], cfg.tokenizer)):
+            die(f"{path} was tokenised with {meta['tokenizer']}" + (f" (fingerprint {made_by})" if made_by else "") +
+                f", but --tokenizer={cfg.tokenizer}" + (f" (fingerprint {mine})" if made_by else "") +
+                f"; pass --tokenizer={meta['tokenizer']} or re-run tools/prepare.py")
     return sources
 
 
@@ -172,6 +176,7 @@ def make_teachers(cfg, paths, student_conf, device):
 
 def _load_teacher(cfg, crit, path, student_conf, device, first):
     if is_model_source(path):  # the original model as published (BitDistill's teacher): full precision, no SubLN
+        check_same_tokenizer("--tokenizer", cfg.tokenizer, "the tokenizer of the --teacher", path)
         teacher = import_model(path, cfg.block_size, "--teacher")
         check_teacher(cfg, crit, student_conf, teacher.config, path, first)
         return _frozen(teacher, device)
@@ -179,7 +184,10 @@ def _load_teacher(cfg, crit, path, student_conf, device, first):
     if not checkpoint.load(path, ("model_args",), mmap=True)["model_args"].get("causal", True):
         die(f"{path}: a masked-diffusion model (--stage=dlm) cannot be a teacher: stage 3 distils next-token "
             f"predictions; pass a stage-1 (or any autoregressive) checkpoint as --teacher", 2)
-    teacher, _ = load_gpt(path)
+    teacher, obj = load_gpt(path)
+    if saved_tokenizer(obj):  # the teacher's ids are the student's: one vocabulary, not only one size
+        check_same_tokenizer("--tokenizer", cfg.tokenizer, f"the tokenizer of the --teacher {path}",
+                             saved_tokenizer(obj))
     tconf = teacher.config
     check_teacher(cfg, crit, student_conf, tconf, path, first)  # shapes that would only fail at the first step
     return _frozen(teacher, device)
@@ -226,7 +234,8 @@ def save(run, step):
     if not checkpoint.all_finite(run.model):
         die(f"step {step}: the weights are not finite, so they were not saved; {run.ckpt_path} is kept; lower "
             f"--lr or --muon_lr and continue from it with --resume=True")
-    state = checkpoint.training_state(step, dataclasses.asdict(run.cfg), dataclasses.asdict(run.model.config),
+    config = {**dataclasses.asdict(run.cfg), "tokenizer_fingerprint": fingerprint(get_tokenizer(run.cfg.tokenizer))}
+    state = checkpoint.training_state(step, config, dataclasses.asdict(run.model.config),
                                       run.model, run.optimizer, run.clipper, run.train_loader)
     averaged = None
     if run.average is not None:

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import data
-from tokenizer import get_tokenizer
+from tokenizer import fingerprint, get_tokenizer
 from lessons import clean
 from tools.common import ROOT, atomic_dir, stoppable, swapped_out
 from tools.flags import die, parse
@@ -266,7 +266,8 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
                                  f"least 2 (e.g. several .txt files or .jsonl lines)")
             (val if val.ndocs == 0 else train).add(held)
             n_train, n_val = train.close(), val.close()
-            meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, dtype=np.dtype(dtype).name,
+            meta = dict(tokenizer=tok.name, tokenizer_fingerprint=fingerprint(tok), vocab_size=tok.vocab_size,
+                        eot=tok.eot, dtype=np.dtype(dtype).name,
                         n_docs_train=train.ndocs, n_docs_val=val.ndocs, train_tokens=train.ntok, val_tokens=val.ntok,
                         train_shards=n_train, val_shards=n_val, sources=paths, val_every=val_every,
                         cleaning=cleaner.summary() if cleaner else None,
@@ -321,7 +322,8 @@ def adopt(src, out_dir, tokenizer):
             raise ValueError(f"--adopt={src}: no {split} shards (names like fineweb_{split}_000001.bin or "
                              f"{split}_000.bin)")
         _check_numbering(src, split, sorted(found[split]))
-    meta = dict(tokenizer=tok.name, vocab_size=tok.vocab_size, eot=tok.eot, adopted_from=os.path.abspath(src),
+    meta = dict(tokenizer=tok.name, tokenizer_fingerprint=fingerprint(tok), vocab_size=tok.vocab_size, eot=tok.eot,
+                adopted_from=os.path.abspath(src),
                 sources=[], cleaning=None, difficulty=None)
     for split, shards in found.items():
         ntok = ndocs = 0

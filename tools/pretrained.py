@@ -24,7 +24,8 @@ def from_pretrained(source, block_size=None):
     """A published Llama-family (llama, mistral) or Qwen3 model as our GPT, in full precision and without SubLN
     (quant=False, subln=False: the stages convert it), with transformers' logits. source: a Hugging Face model
     directory (config.json + safetensors), a hub id (downloaded where there is a network) or a .gguf file.
-    block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id."""
+    block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id (a run
+    takes its tokenizer's end-of-text instead, the id its shards separate documents with: start.pretrained_start)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     path, kw = str(source), {}
     if path.endswith(".gguf"):

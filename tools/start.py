@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import data
 from model import GPT
 from quant import set_lambda
+from tokenizer import fingerprint, get_tokenizer
 from tools import checkpoint, outputs, seams
 from tools.flags import die
 from tools.load import is_model_source
@@ -50,6 +51,7 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
     Every checkpoint is checked against this run's shape before anything is loaded; a run that started from a
     pretrained model keeps that model's architecture (adopt_architecture)."""
     if resume_ckpt is not None:
+        check_saved_tokenizer(cfg, resume_ckpt, resume_path)
         model_conf = adopt_architecture(model_conf, resume_ckpt)
         checkpoint.check_fits(resume_ckpt["model_args"], model_conf, resume_path)
         return Start(resume_ckpt["step"], resume_ckpt, resume_path, model_conf=model_conf,
@@ -69,6 +71,7 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
         return pretrained_start(cfg, model_conf, path)
     outputs.check_input("--init_from", path)  # an HF export of ours: named as such
     ckpt = checkpoint.load(path)
+    check_saved_tokenizer(cfg, ckpt, path)
     model_conf = adopt_architecture(model_conf, ckpt)
     checkpoint.check_fits(ckpt["model_args"], model_conf, path)
     if cfg.stage == 3 and not ckpt["model_args"].get("quant"):
@@ -83,6 +86,17 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
                  f"from its first step. To finish the warm-up first: python train.py --stage=2 --resume=True "
                  f"--max_iters=<more steps>")
     return Start(0, ckpt, path, insert, note, model_conf)
+
+
+def check_saved_tokenizer(cfg, ckpt, path):
+    """Refuse a run whose tokenizer is not the vocabulary the checkpoint at path was trained on (the fingerprint
+    its config records; a checkpoint without one: checkpoint.check_fits compares the vocabulary's size)."""
+    saved = (ckpt.get("config") or {}).get("tokenizer_fingerprint")
+    if saved and saved != fingerprint(get_tokenizer(cfg.tokenizer)):
+        was = ckpt["config"].get("tokenizer")
+        die(f"--tokenizer={cfg.tokenizer} is not the tokenizer {path} was trained with ({was}, fingerprint {saved}, "
+            f"against {fingerprint(get_tokenizer(cfg.tokenizer))}); pass --tokenizer=<that model> (its own file, "
+            f"wherever it is now)", 2)
 
 
 def adopt_architecture(model_conf, ckpt):
@@ -122,17 +136,34 @@ def pretrained_start(cfg, model_conf, source):
     if cfg.tokenizer in ("byte", "gpt2"):  # ids of another vocabulary would index the wrong embedding rows
         die(f"--tokenizer={cfg.tokenizer} is not the tokenizer of {source}; drop --tokenizer (the model's own is the "
             f"default) and make shards with it: python -m tools.prepare --tokenizer={source} ...", 2)
+    check_same_tokenizer("--tokenizer", cfg.tokenizer, f"the tokenizer of --init_from={source}", source)
     fp = import_model(source, cfg.block_size, "--init_from")
     if fp.config.vocab_size < model_conf.vocab_size:
         die(f"--tokenizer={cfg.tokenizer} has {model_conf.vocab_size} tokens but {source} only "
             f"{fp.config.vocab_size}; drop --tokenizer (the model's own is the default)", 2)
+    # eot: the run's tokenizer's (what tools/prepare.py starts each document with), not the config's eos
     arch = dataclasses.replace(fp.config, quant=model_conf.quant, subln=model_conf.subln,
-                               doc_mask=model_conf.doc_mask, block_size=model_conf.block_size)
+                               doc_mask=model_conf.doc_mask, block_size=model_conf.block_size, eot=model_conf.eot)
     gain = "calibrated" if cfg.subln_gain == "calibrated" else "unit"
     note = (f"stage {cfg.stage}: starting from the pretrained {source} ({fp.config.n_layer} layers, width "
             f"{fp.config.n_embd}, {fp.config.n_head} heads / {fp.config.n_kv_head or fp.config.n_head} kv heads)"
             + (f", SubLN inserted with {gain} gain" if arch.subln else ""))
     return Start(0, None, source, note=note, model_conf=arch, pretrained=fp)
+
+
+def check_same_tokenizer(flag, name, what, other, fix=None):
+    """Refuse (one line) a run whose tokenizer (flag=name) is not other's vocabulary: ids of one read as the
+    other's tokens. Compared by fingerprint (tokenizer.fingerprint), so two paths to one model agree."""
+    if name == other or (os.path.exists(name) and os.path.exists(other) and os.path.samefile(name, other)):
+        return
+    try:
+        mine, theirs = get_tokenizer(name), get_tokenizer(other)
+    except (ValueError, OSError, ImportError) as e:
+        die(f"{flag}={name}: {e}", 2)
+    if fingerprint(mine) != fingerprint(theirs):
+        die(f"{flag}={name} is not {what} ({other}): the vocabularies differ ({mine.vocab_size} tokens, fingerprint "
+            f"{fingerprint(mine)}, against {theirs.vocab_size}, {fingerprint(theirs)}); "
+            + (fix or f"pass {flag}={other}, and shards made with it (python -m tools.prepare --tokenizer={other})"), 2)
 
 
 def import_model(source, block_size, flag):
