@@ -676,3 +676,16 @@ def test_rows_run_once_compare_exactly_and_seeded_rows_by_their_own_noise():
     assert report.versus({"mean": 15.9, "std": 0.1, "n": 3}, once) == "-0.1000 (no measurable difference)"
     assert "too few seeds" in report.versus({"mean": 7.0, "std": None, "n": 1}, once)
     assert report.fmt(once) == "16.0000 (one run: no seed involved)" and report.fmt({"mean": 7.0, "std": None}) == "7.0000 (1 seed)"
+
+
+def test_every_committed_table_holds_its_runs_as_run_never_marked_adopted_and_each_adoptable():
+    """The committed tables are what lab wrote when it ran or scored runs: no run in them carries lab's "adopted"
+    mark (that is for result.json under out/), and every one is whole (finite val_loss, a step count, its argv)."""
+    import glob
+    for path in sorted(glob.glob(os.path.join(runner.ROOT, "lab", "results", "*.json"))):
+        table = json.load(open(path))
+        if not isinstance(table, dict) or "runs" not in table:
+            continue
+        for r in table["runs"]:
+            assert "adopted" not in r, (path, r["row"], r["seed"])
+            assert runner._not_adoptable(r) == "", (path, r["row"], r["seed"], runner._not_adoptable(r))
