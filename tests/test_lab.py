@@ -408,7 +408,7 @@ def test_a_signal_to_lab_reaches_train_py_which_saves_and_nothing_is_written(tmp
     finally:  # a train.py that lab left behind would train on for minutes: its pid is in its lock file
         lock = root / "seed0" / "a" / ".lock"
         if lock.exists():
-            os.kill(int(lock.read_text()), signal.SIGKILL)
+            os.kill(int(lock.read_text().split()[0]), signal.SIGKILL)  # "<pid> <start>"
     lines = err.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and sig in lines[0], err
     assert "python -m lab t --seeds=1" in lines[0]  # how to resume: the same command
