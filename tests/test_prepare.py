@@ -436,7 +436,8 @@ def test_prepare_py_stopped_by_sigterm_says_so_and_keeps_the_old_dataset(tmp_pat
     prepare.prepare([str(d / "*")], out_dir=str(out), val_every=3)
     before = _files(out)
     # the shipped corpus in shards of 2000 tokens: thousands of files, seconds of work to interrupt
-    p = subprocess.Popen([sys.executable, "-m", "tools.prepare", f"--out_dir={out}", "--shard_tokens=2000"],
+    p = subprocess.Popen([sys.executable, "-m", "tools.prepare", f"--out_dir={out}", "--shard_tokens=2000",
+                          "--overwrite=True"],  # other sources than the dataset in out
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not any(n.startswith(".o.tmp_") and os.listdir(tmp_path / n) for n in os.listdir(tmp_path)):
