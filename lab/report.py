@@ -68,14 +68,16 @@ class Report:
         kept = [n for n, rs in found.items() if len(committed.get(n, ())) > len(rs)]
         runs = {n: committed[n] if n in kept else rs for n, rs in found.items()}
         print(self.markdown(found))
-        new = any(rs for n, rs in found.items() if n not in kept)
+        new = any(not r.get("adopted") for n, rs in found.items() if n not in kept for r in rs)  # run or scored here
         if kept:
             counts = ", ".join(f"{n} ({len(committed[n])} committed, {len(found[n])} found)" for n in kept)
             log(f"[lab] {self.table.name}: kept the runs of {counts} from {stem}.json (a report never replaces runs "
                 f"with fewer); `python -m lab {self.table.name}` trains what is missing; " +
                 ("the other rows are updated" if new else "nothing was written"))
         elif not new:
-            log(f"[lab] {self.table.name}: no finished run under {self.root}; nothing was written")
+            log(f"[lab] {self.table.name}: no run finished under {self.root}" +
+                (f" (every one found was taken from {stem}.json)" if any(found.values()) else "") +
+                "; nothing was written")
         if new:
             self._write(stem, runs)
         return self.summary(runs)
@@ -100,7 +102,8 @@ class Report:
                 with open(place(name + ".json"), "w") as f:
                     json.dump({"table": name, "seeds": sorted({r["seed"] for rs in runs.values() for r in rs}),
                                "summary": self.summary(runs),
-                               "runs": [r for row in self.table.rows for r in runs[row.name]]}, f, indent=1)
+                               "runs": [{k: v for k, v in r.items() if k != "adopted"}  # as committed
+                                        for row in self.table.rows for r in runs[row.name]]}, f, indent=1)
                 self.plot(place, runs)
         except OSError as e:  # a full disk: the new files go, the committed ones stay
             raise LabError(self._unwritable(e)) from None

@@ -30,6 +30,7 @@ Test: python -m pytest tests/test_lab.py
 import contextlib
 import io
 import json
+import math
 import os
 import shlex
 import signal
@@ -230,15 +231,19 @@ class Lab(Report):
         and that has no result under root (a fresh machine has no out/): a finished run is never trained again in
         another sitting. Not while a row that starts from its checkpoint still has to run (the checkpoint is not
         committed). Its result.json is written under root, marked "adopted". Returns the pairs adopted."""
-        committed = {(r["row"], r["seed"]): r for rs in _committed_runs(
+        committed = {(r["row"], r.get("seed")): r for rs in _committed_runs(
             os.path.join(self.results, self.table.name + ".json")).values() for r in rs}
         flags = lambda argv: [a for a in argv[1:] if not a.startswith(("--resume=", "--overwrite="))]
         done, adopted = {p for p in todo if self.result(*p) is not None}, []
         for name, seed in reversed(todo):  # the rows that start from a run are decided before it
             res = committed.get((name, seed))
+            if res is not None and (name, seed) not in done and (why := _not_adoptable(res)):
+                log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken ({why}); it is trained "
+                    f"again")
+                res = None
             users = [(r.name, s) for r in self.table.rows for s in self.seeds
                      if (name in r.needs and s == seed) or (name in r.needs_next and self.next_seed(s) == seed)]
-            if ((name, seed) in done or res is None or res.get("steps", -1) < self.max_iters(name)
+            if ((name, seed) in done or res is None or res["steps"] < self.max_iters(name)
                     or flags(res["argv"]) != (flags(self.argv(self.rows[name], seed, resume=False)[1:])
                                               if self.rows[name].build is None else [])  # built: no train.py
                     or any(u in todo and u not in done for u in users)):
@@ -360,6 +365,19 @@ def _ratios(steps, start=10):
     first = [r for r in steps if r["step"] <= start]
     return {f"ratio_{k}{suffix}": statistics.mean(r[f"ratio_{k}"] for r in rs)
             for suffix, rs in (("", steps), ("_start", first)) for k in ("mask", "other")}
+
+
+def _not_adoptable(res):
+    """Why a committed run cannot be taken as finished (a finite val_loss, an integer steps and the list of train.py
+    arguments it ran with are needed), or "" when it can."""
+    if not math.isfinite(res["val_loss"]):
+        return f"its val_loss is {res['val_loss']}"
+    if not isinstance(res.get("steps"), int) or isinstance(res["steps"], bool):
+        return f"steps {res.get('steps')!r} is not a step count"
+    if not isinstance(res.get("argv"), list) or not all(isinstance(a, str) for a in res["argv"]):
+        return "it records no argv, the train.py arguments it ran with" if "argv" not in res else \
+            f"argv {res['argv']!r} is not the list of train.py arguments it ran with"
+    return ""
 
 
 def _read_result(path, row, seed):

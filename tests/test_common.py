@@ -114,6 +114,40 @@ def test_atomic_dir_clears_what_dead_writers_left_but_not_a_running_writers_dire
         live.wait()
 
 
+def _started(pid):
+    """Field 22 of /proc/<pid>/stat (read here, independently of tools/common.py): when the process started."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/stat"), reason="no /proc: pids carry no start time")
+def test_atomic_dir_tells_a_dead_writers_reused_pid_from_the_writer(tmp_path):
+    """A leftover's name carries its writer's pid and start time: the pid now running another process (this one, or
+    a child), which started at another time, is not that writer, so its leftovers go; the same pid with the start
+    time it has now is a running writer's, and stays. A name without a start (<host>_<pid>) is judged by the pid."""
+    import subprocess
+    import sys
+    path = str(tmp_path / "d")
+    os.mkdir(path)
+    host, me = common._host(), os.getpid()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        mine, theirs = _started(me), _started(live.pid)
+        reused = [f".d.tmp_{host}_{me}_{mine - 1}_a1", f".d.old_{host}_{me}_{mine + 7}_a1",
+                  f".d.tmp_{host}_{live.pid}_{theirs + 1}_a2"]
+        running = [f".d.tmp_{host}_{live.pid}_{theirs}_b2", f".d.old_{host}_{live.pid}_{theirs}_b2",
+                   f".d.tmp_{host}_{me}_{mine}_b3", f".d.tmp_{host}_{live.pid}_b4"]
+        for n in reused + running:
+            os.mkdir(tmp_path / n)
+        with common.atomic_dir(path) as tmp:
+            assert os.path.basename(tmp).startswith(f".d.tmp_{host}_{me}_{mine}_")
+            open(os.path.join(tmp, "a"), "w").write("1")
+        assert sorted(os.listdir(tmp_path)) == sorted(running + ["d"])
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_atomic_dir_leaves_a_users_directories_named_like_its_leftovers_alone(tmp_path):
     """Only what a writer provably left is removed or put back: a directory beside --out whose name carries no
     writer's host and pid (.hf.old-backup, .hf.tmp-mine, ...) is the user's, also when --out is missing (where a

@@ -52,6 +52,17 @@ def test_write_shard_refuses_ids_that_do_not_fit(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_write_shard_refuses_the_first_id_past_its_dtype_and_keeps_the_last_one_that_fits(tmp_path, dtype):
+    """uint16 holds 0 .. 65,535: id 65,536 would wrap to 0, so it is refused; 65,535 round-trips (uint32 alike)."""
+    top = 2 ** (8 * np.dtype(dtype).itemsize)
+    with pytest.raises(ValueError, match=str(top)):
+        data.write_shard(str(tmp_path / "a.bin"), np.array([1, top], dtype=np.int64), dtype=dtype)
+    assert os.listdir(tmp_path) == []
+    data.write_shard(str(tmp_path / "a.bin"), np.array([1, top - 1], dtype=np.int64), dtype=dtype)
+    assert data.read_shard(str(tmp_path / "a.bin")).tolist() == [1, top - 1]
+
+
 def _corrupt(path, how):
     raw = bytearray(path.read_bytes())
     if how == "magic":

@@ -401,6 +401,30 @@ def test_rotation_never_deletes_a_later_step(tmp_path):
     assert checkpoint.load(str(tmp_path / "ckpt.pt"))["step"] == 5
 
 
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/stat"), reason="no /proc: a lock holds the pid alone")
+def test_a_lock_whose_pid_now_belongs_to_another_process_is_taken_over(tmp_path):
+    """The lock holds its run's pid and start time (field 22 of /proc/<pid>/stat): a killed run's pid that now
+    names another process (this one, a sleeping child), started at another time, is not that run, so its lock is
+    taken over; the same pid with its real start time is a live run's, and refused. A lock with the pid alone (an
+    older one) is judged by the pid."""
+    started = lambda pid: int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19])
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        for holder in (f"{os.getpid()} {started(os.getpid()) - 1}", f"{other.pid} {started(other.pid) + 3}", ""):
+            (tmp_path / ".lock").write_text(holder)
+            release = checkpoint.lock(str(tmp_path))
+            assert (tmp_path / ".lock").read_text() == f"{os.getpid()} {started(os.getpid())}", holder
+            release()
+        for holder in (f"{other.pid} {started(other.pid)}", str(other.pid)):
+            (tmp_path / ".lock").write_text(holder)
+            with pytest.raises(checkpoint.CheckpointError, match=f"pid {other.pid}"):
+                checkpoint.lock(str(tmp_path))
+            assert (tmp_path / ".lock").read_text() == holder
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_second_run_into_the_same_out_dir_is_refused_while_the_first_lives(tmp_path, capsys):
     d = tmp_path / "stage1"
     d.mkdir()

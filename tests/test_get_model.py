@@ -122,6 +122,26 @@ def test_no_network_is_one_error_line(fake, monkeypatch, capsys):
     assert "--wheel=" in line and _left(out) == []
 
 
+@pytest.mark.parametrize("stderr, want", [
+    ("ERROR: Could not find a version that satisfies the requirement fake-pkg==1.0 (from versions: none)\n"
+     "ERROR: No matching distribution found for fake-pkg==1.0\n",
+     "ERROR: Could not find a version that satisfies the requirement fake-pkg==1.0 (from versions: none) "
+     "ERROR: No matching distribution found for fake-pkg==1.0"),
+    ("ERROR: No matching distribution found for fake-pkg==1.0\nWARNING: You are using pip version 1.0\n",
+     "ERROR: No matching distribution found for fake-pkg==1.0"),
+    ("Traceback (most recent call last):\n  ...\nOSError: [Errno 28] No space left on device\n",
+     "OSError: [Errno 28] No space left on device")])
+def test_a_pip_failure_quotes_pips_error_not_what_it_printed_on_stdout(fake, monkeypatch, capsys, stderr, want):
+    """pip prints what it does on stdout ("Looking in links: ...", "Collecting ...") and its error on stderr:
+    the line quotes the error lines, all of them, never the stdout chatter."""
+    whl, src, calls, out = fake
+    stdout = "Looking in indexes: https://pypi.org/simple\nLooking in links: /somewhere/wheels\n"
+    monkeypatch.setattr(gm.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, stdout, stderr))
+    line = fails(capsys, "fake", f"--out_dir={out}", main=gm.main)
+    assert f"pip download --no-deps fake-pkg==1.0 failed ({want})" in line and "Looking in" not in line, line
+    assert _left(out) == []
+
+
 def test_the_command_prints_the_path_and_how_to_train_from_it(fake, capsys):
     whl, src, calls, out = fake
     assert gm.main(["fake", f"--out_dir={out}", f"--wheel={whl}"]) == 0

@@ -408,7 +408,7 @@ def test_a_signal_to_lab_reaches_train_py_which_saves_and_nothing_is_written(tmp
     finally:  # a train.py that lab left behind would train on for minutes: its pid is in its lock file
         lock = root / "seed0" / "a" / ".lock"
         if lock.exists():
-            os.kill(int(lock.read_text()), signal.SIGKILL)
+            os.kill(int(lock.read_text().split()[0]), signal.SIGKILL)  # "<pid> <start>"
     lines = err.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and sig in lines[0], err
     assert "python -m lab t --seeds=1" in lines[0]  # how to resume: the same command
@@ -468,6 +468,77 @@ def test_every_result_records_the_commit_lab_ran_at(tmp_path, monkeypatch):
         assert runner._commit() == "unknown"
     monkeypatch.setenv("PATH", str(tmp_path))  # no git on PATH
     assert runner._commit() == "unknown"
+
+
+def _committed_table(tmp_path, seeds=(0,), **change):
+    """A committed t.json holding a finished run of every row and seed (flags as lab runs them); the run of row r,
+    seed s then edited in the JSON: change["rs"] = {key: value, or DELETE to drop the key}; returns (results dir,
+    root, a Lab of a fresh machine that cannot start train.py)."""
+    results, root = str(tmp_path / "results"), str(tmp_path / "runs")
+    first = runner.Lab(_table(), seeds=seeds, root=root, results=results)
+    for row in "abc":
+        for s in seeds:
+            res = _fake_result(first, row, s, 1.0 + s)
+            res["argv"] = first.argv(first.rows[row], s, resume=False)[1:]
+            _write(os.path.join(first.run_dir(row, s), "result.json"), json.dumps(res))
+    first.report(log=lambda line: None)
+    shutil.rmtree(root)  # another machine: the committed table only
+    if change:
+        table = json.load(open(os.path.join(results, "t.json")))
+        for r in table["runs"]:
+            for k, v in change.get(f"{r['row']}{r['seed']}", {}).items():
+                r.pop(k) if v is DELETE else r.update({k: v})
+        _write(os.path.join(results, "t.json"), json.dumps(table))
+    return results, root, runner.Lab(_table(), seeds=seeds, root=root, results=results, python="/nonexistent/python")
+
+
+DELETE = object()
+
+
+def test_adopting_every_run_leaves_the_committed_table_byte_identical(tmp_path):
+    """A fresh clone: lab takes every run from the committed table and trains nothing, so it writes nothing (no
+    "adopted" mark lands in the committed JSON); once one run is scored anew, the table is written and the adopted
+    runs in it are exactly as committed."""
+    results, root, t = _committed_table(tmp_path, seeds=(0, 1))
+    committed, logs = _snapshot(results), []
+    t.run(["a", "b", "c"], log=logs.append)
+    assert len([line for line in logs if "not trained again" in line]) == 6
+    t.report(log=logs.append)
+    assert _snapshot(results) == committed and "nothing was written" in logs[-1], logs[-1]
+    before = {(r["row"], r["seed"]): r for r in json.load(open(os.path.join(results, "t.json")))["runs"]}
+    res = _fake_result(t, "c", 1, 5.0)  # c seed 1 scored again here
+    t.report(log=logs.append)
+    runs = json.load(open(os.path.join(results, "t.json")))["runs"]
+    assert not any("adopted" in r for r in runs)
+    assert {(r["row"], r["seed"]): r for r in runs} == {**before, ("c", 1): res}
+
+
+def test_a_committed_run_made_in_another_checkout_is_adopted(tmp_path):
+    """The committed argv begins with the train.py of the checkout it ran in: only the flags must match."""
+    results, root, t = _committed_table(tmp_path)
+    table = json.load(open(os.path.join(results, "t.json")))
+    for r in table["runs"]:
+        assert r["argv"][0] == os.path.join(runner.ROOT, "train.py")
+        r["argv"][0] = "/another/checkout/nanoBitNet/train.py"
+    _write(os.path.join(results, "t.json"), json.dumps(table))
+    assert sorted(t.adopt(t.order(["c"]), log=lambda line: None)) == [("a", 0), ("b", 0), ("c", 0)]
+
+
+@pytest.mark.parametrize("change, why", [(dict(val_loss=float("nan")), "val_loss is nan"),
+                                         (dict(val_loss=float("inf")), "val_loss is inf"),
+                                         (dict(steps="3"), "steps '3'"), (dict(steps=None), "steps None"),
+                                         (dict(steps=DELETE), "steps None"), (dict(argv=None), "argv None"),
+                                         (dict(argv="train.py --stage=2"), "argv 'train.py"),
+                                         (dict(argv=DELETE), "no argv")])
+def test_a_committed_run_that_is_nan_or_malformed_is_not_adopted_and_says_why(tmp_path, change, why):
+    """Row c seed 0's committed run is unusable: it is not adopted (it is trained again), with one line saying
+    why; the rows it starts from are not adopted either (c still has to run), and nothing raises."""
+    results, root, t = _committed_table(tmp_path, c0=change)
+    logs = []
+    assert t.adopt(t.order(["c"]), log=logs.append) == []
+    said = [line for line in logs if "not taken" in line]
+    assert len(said) == 1 and "c seed 0" in said[0] and why in said[0] and "trained again" in said[0], logs
+    assert t.result("c", 0) is None and not os.path.exists(root)
 
 
 def test_runs_stored_with_the_old_extra_corpus_key_still_load_and_adopt(tmp_path):
@@ -605,3 +676,16 @@ def test_rows_run_once_compare_exactly_and_seeded_rows_by_their_own_noise():
     assert report.versus({"mean": 15.9, "std": 0.1, "n": 3}, once) == "-0.1000 (no measurable difference)"
     assert "too few seeds" in report.versus({"mean": 7.0, "std": None, "n": 1}, once)
     assert report.fmt(once) == "16.0000 (one run: no seed involved)" and report.fmt({"mean": 7.0, "std": None}) == "7.0000 (1 seed)"
+
+
+def test_every_committed_table_holds_its_runs_as_run_never_marked_adopted_and_each_adoptable():
+    """The committed tables are what lab wrote when it ran or scored runs: no run in them carries lab's "adopted"
+    mark (that is for result.json under out/), and every one is whole (finite val_loss, a step count, its argv)."""
+    import glob
+    for path in sorted(glob.glob(os.path.join(runner.ROOT, "lab", "results", "*.json"))):
+        table = json.load(open(path))
+        if not isinstance(table, dict) or "runs" not in table:
+            continue
+        for r in table["runs"]:
+            assert "adopted" not in r, (path, r["row"], r["seed"])
+            assert runner._not_adoptable(r) == "", (path, r["row"], r["seed"], runner._not_adoptable(r))

@@ -161,6 +161,29 @@ def test_freeze_ternary_model_logits_and_greedy_generation_match_unfrozen():
     assert (chosen >= logits.max(dim=1).values - 2 * tol).all()
 
 
+def test_freeze_ternary_keeps_each_norms_trained_gain():
+    """A trained model's norm gains are not 1: the frozen model keeps each one (the norm that replaces a
+    QuantRMSNorm carries its weight) and its logits match the fake-quant model's within the tolerance above.
+    An untrained model's gains are exactly 1, so a frozen norm that dropped its gain would look right there."""
+    model = _tiny_model()
+    gen = torch.Generator().manual_seed(5)
+    norms = [n for n, m in model.named_modules() if isinstance(m, quant.QuantRMSNorm)]
+    assert norms
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.rpartition(".")[0] in norms:
+                p.copy_(0.5 + 1.5 * torch.rand(p.shape, generator=gen))  # gains in [0.5, 2)
+    frozen = freeze_ternary(copy.deepcopy(model))
+    want, got = model.state_dict(), frozen.state_dict()
+    for n in norms:
+        assert not torch.equal(want[f"{n}.weight"], torch.ones_like(want[f"{n}.weight"])), n
+        torch.testing.assert_close(got[f"{n}.weight"], want[f"{n}.weight"], rtol=0, atol=0, msg=n)
+    idx = torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, out = model(idx, idx)[0], frozen(idx, idx)[0]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0.05 * ref.abs().max().item())
+
+
 def test_freeze_ternary_refuses_unfinished_lambda_warmup_and_fp_models():
     model = _tiny_model()
     quant.set_lambda(model, 0.5)

@@ -283,7 +283,7 @@ def test_prepare_killed_at_any_write_or_rename_leaves_the_old_dataset_or_the_new
         else:
             assert prepare.check_not_mid_swap(str(snap / "o")) is None
         with pytest.raises(ValueError, match="empty corpus"):  # the next run, even a failing one, recovers
-            prepare.prepare([str(tmp_path / "empty.txt")], out_dir=str(snap / "o"))
+            prepare.prepare([str(tmp_path / "empty.txt")], out_dir=str(snap / "o"), overwrite=True)  # other sources
         assert _files(snap / "o") in (old, new) and _hidden(snap) == [], n
         shutil.rmtree(snap)
     assert mid_swap == 1  # one point to stop at lies between the swap's two renames
@@ -436,7 +436,8 @@ def test_prepare_py_stopped_by_sigterm_says_so_and_keeps_the_old_dataset(tmp_pat
     prepare.prepare([str(d / "*")], out_dir=str(out), val_every=3)
     before = _files(out)
     # the shipped corpus in shards of 2000 tokens: thousands of files, seconds of work to interrupt
-    p = subprocess.Popen([sys.executable, "-m", "tools.prepare", f"--out_dir={out}", "--shard_tokens=2000"],
+    p = subprocess.Popen([sys.executable, "-m", "tools.prepare", f"--out_dir={out}", "--shard_tokens=2000",
+                          "--overwrite=True"],  # other sources than the dataset in out
                          env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while not any(n.startswith(".o.tmp_") and os.listdir(tmp_path / n) for n in os.listdir(tmp_path)):
@@ -664,8 +665,9 @@ def _refused(capsys, argv, code=1):
     return err[0]
 
 
-def _llmc(d, names, ids=np.arange(300) % 256):
-    """Directory d of llm.c-format shards with these names (each a shard of ids); returns d."""
+def _llmc(d, names, ids=np.arange(300) % 257):
+    """Directory d of llm.c-format shards with these names (each a shard of ids, byte ids with the end-of-text
+    256 by default); returns d."""
     d.mkdir()
     for n in names:
         data.write_shard(str(d / n), ids)
@@ -837,3 +839,51 @@ def test_check_shipped_tells_a_reader_that_a_shipped_corpus_directory_holds_othe
     assert prepare.check_shipped(shipped, "shakespeare") is None
     (root / "shakespeare_byte" / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "cleaning"}))
     assert prepare.check_shipped(shipped, "shakespeare") is None  # from before cleaning existed: not judged
+
+
+def test_adopting_shards_without_meta_json_that_hold_no_end_of_text_of_the_tokenizer_is_refused(tmp_path, capsys):
+    """Byte shards are valid GPT-2 ids (every id < 50,257), but a GPT-2 dataset starts each document with 50,256,
+    which they never hold: without a meta.json to say so, that is how they are told apart (one line, nothing
+    written). The same shards as byte ids, whose end-of-text 256 they hold, are adopted."""
+    corpus = _write_corpus(tmp_path)
+    made = prepare.prepare([str(corpus / "*")], tokenizer="byte", out_dir=str(tmp_path / "byte"), val_every=3)
+    bare = tmp_path / "bare"
+    shutil.copytree(made, bare)
+    os.remove(bare / "meta.json")  # llm.c-style: the shards alone
+    ntok = sum(data.read_shard(str(p)).size for p in bare.glob("*.bin"))
+    line = _refused(capsys, ["--tokenizer=gpt2", f"--adopt={bare}", f"--out_dir={tmp_path / 'o'}"])
+    assert f"--adopt={bare}: not one gpt2 end-of-text id (50256) in its {ntok:,} tokens (ids 0..256)" in line, line
+    assert "--tokenizer" in line and not os.path.exists(tmp_path / "o") and _hidden(tmp_path) == []
+    assert prepare.main(["--tokenizer=byte", f"--adopt={bare}", f"--out_dir={tmp_path / 'o'}"]) == 0
+    assert data.read_meta(str(tmp_path / "o"))["n_docs_train"] > 0
+
+
+def test_preparing_over_a_dataset_of_other_sources_or_another_tokenizer_needs_overwrite(tmp_path, capsys):
+    """A directory holding a dataset is replaced whole by the next prepare into it: when that dataset is of other
+    sources (none of the new ones), another tokenizer's ids or adopted shards, it takes --overwrite=True; one line
+    names what the directory holds, and it is left as it was. The same sources again (or some added or dropped) in
+    the same tokenizer replace it as before."""
+    d = _write_corpus(tmp_path)
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"text": f"Another text, number {k}."}) + "\n" for k in range(6)))
+    out = tmp_path / "o"
+    assert prepare.main([f"--out_dir={out}", "--val_every=3", str(d / "*")]) == 0
+    before = _files(out)
+    src = _llmc(tmp_path / "llmc", ["val_000.bin", "train_000.bin"])
+    for argv, fact in (([str(other)], f"not {other} in byte ids"),
+                       (["--tokenizer=gpt2", str(other)], f"not {other} in gpt2 ids"),
+                       (["--tokenizer=gpt2", str(d / "*")], "in gpt2 ids"),  # the same sources, other ids
+                       ([f"--adopt={src}"], f"not shards adopted from {src}")):
+        line = _refused(capsys, [f"--out_dir={out}", *argv])
+        assert f"--out_dir={out}: holds a dataset of {d / 'a.txt'}, {d / 'b.jsonl'}, ... in byte ids" in line, line
+        assert fact in line and "--overwrite=True" in line, line
+        assert _files(out) == before and _hidden(tmp_path) == []
+    capsys.readouterr()
+    assert prepare.main([f"--out_dir={out}", "--val_every=2", str(d / "b.jsonl")]) == 0  # one of its sources again
+    assert prepare.main([f"--out_dir={out}", f"--adopt={src}", "--overwrite=True"]) == 0
+    assert data.read_meta(str(out))["adopted_from"] == str(src)
+    line = _refused(capsys, [f"--out_dir={out}", str(other)])
+    assert f"holds a dataset of shards adopted from {src} in byte ids" in line, line
+    assert prepare.main([f"--out_dir={out}", f"--adopt={src}"]) == 0  # the same shards again
+    assert prepare.main([f"--out_dir={out}", "--overwrite=True", str(other)]) == 0
+    assert data.read_meta(str(out))["sources"] == [str(other)]

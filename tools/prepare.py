@@ -23,7 +23,8 @@ Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to dat
 Sources: .txt (the whole file is one document), .jsonl / .jsonl.gz (one {"text": ...} document per line),
 .parquet (the "text" column, read one row group at a time). --adopt uses llm.c-format shards as they are.
 A shipped corpus's directory (data/shakespeare_<tokenizer>, what train.py --data=shakespeare reads) takes only that
-corpus as shipped: your own files, another --clean or adopted shards go to another --out_dir.
+corpus as shipped: your own files, another --clean or adopted shards go to another --out_dir. Any other --out_dir
+holding a dataset of other sources or another tokenizer's ids is replaced only with --overwrite=True.
 python -m tools.prepare --help lists every flag.
 Test:
     python -m pytest tests/test_prepare.py
@@ -211,14 +212,15 @@ class _ShardWriter:
 
 
 def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_tokens=100_000_000, corpus="shakespeare",
-            clean_as=None):
+            clean_as=None, overwrite=False):
     """Tokenise sources (None: the shipped corpus named `corpus`) into out_dir/{train,val}_NNN.bin and meta.json;
     return out_dir. clean_as: prose | code (quality rules, then exact and near-duplicate removal, lessons/clean.py),
     dedup (only the deduplication), none; None = the shipped corpus's default, or none for your own files.
     Document i (source order, empty and removed documents skipped) goes to val iff i % val_every == val_every - 1;
     if that picks none, the last document does. The new dataset is built in a temporary directory beside out_dir and
     then replaces out_dir whole, so a failed run leaves an older dataset intact. A ValueError says what went
-    wrong in one line (a bad source, a full disk); out_dir is then as it was."""
+    wrong in one line (a bad source, a full disk); out_dir is then as it was. A dataset of other sources or another
+    tokenizer in out_dir is replaced only with overwrite (_check_replacing)."""
     t0 = time.time()
     tok = get_tokenizer(tokenizer)
     if val_every < 2:  # 1 would put every document in val and none in train
@@ -234,6 +236,7 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     cleaner = None if clean_as == "none" else clean.Cleaner(None if clean_as == "dedup" else clean_as)
     given, out_dir = out_dir, out_dir or default_out_dir(sources, paths, tok.name, corpus)
     _check_not_shipped(out_dir, tok.name, paths, clean_as, default=not given)  # before anything is read
+    _check_replacing(out_dir, tok.name, paths, None, overwrite)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32  # shard version 1 (llm.c's), else 2 (ours, data.py)
     try:
         real = _check_out_dir(out_dir)  # the directory that gets replaced (out_dir may be a symlink to it)
@@ -290,13 +293,15 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
 LLMC_SHARD = re.compile(r"(?:.*_)?(train|val)_?(\d+)\.bin")  # llm.c: fineweb_train_000001.bin; ours: train_000.bin
 
 
-def adopt(src, out_dir, tokenizer):
+def adopt(src, out_dir, tokenizer, overwrite=False):
     """Make out_dir a dataset of the llm.c-format shards in src (llm.c's and modded-nanogpt's fineweb_train_*.bin,
     fineweb_val_*.bin: the header format is ours) without re-tokenising: each shard's header and size checked,
     its ids checked against the tokenizer's vocabulary, then hard-linked (copied across file systems) in order
     as train_000.bin, ... and val_000.bin, ..., with a meta.json. No difficulty scores: not for --data_order=curriculum.
     Refused before a shard is read: no out_dir, out_dir = src, a shipped corpus's directory, a meta.json in src of
-    another tokenizer, shard numbers with a gap or a repeat (renumbering would hide it)."""
+    another tokenizer, shard numbers with a gap or a repeat (renumbering would hide it). Without a meta.json, shards
+    holding no end-of-text id of the tokenizer are refused too: they were made by another one. A dataset of other
+    sources or another tokenizer in out_dir is replaced only with overwrite (_check_replacing)."""
     tok = get_tokenizer(tokenizer)
     if not out_dir:  # everything below is checked before any shard is read
         raise ValueError(f"--adopt={src}: needs an --out_dir, the directory the adopted dataset goes to")
@@ -307,7 +312,9 @@ def adopt(src, out_dir, tokenizer):
                          f"would replace its meta.json and delete its difficulty scores; train.py --data={src} reads "
                          f"it as it is, or pass another --out_dir")
     _check_not_shipped(out_dir, tok.name)
-    if os.path.exists(os.path.join(src, "meta.json")):  # ours: it says which tokenizer made it
+    _check_replacing(out_dir, tok.name, None, src, overwrite)
+    has_meta = os.path.exists(os.path.join(src, "meta.json"))
+    if has_meta:  # ours: it says which tokenizer made it
         made_by = data.read_meta(src)["tokenizer"]
         if not same_source(made_by, tok.name):
             raise ValueError(f"--adopt={src}: its meta.json says the shards are {made_by} ids, not --tokenizer="
@@ -325,6 +332,7 @@ def adopt(src, out_dir, tokenizer):
     meta = dict(tokenizer=tok.name, tokenizer_fingerprint=fingerprint(tok), vocab_size=tok.vocab_size, eot=tok.eot,
                 adopted_from=os.path.abspath(src),
                 sources=[], cleaning=None, difficulty=None)
+    highest = 0
     for split, shards in found.items():
         ntok = ndocs = 0
         for _, path in sorted(shards):
@@ -336,7 +344,13 @@ def adopt(src, out_dir, tokenizer):
             ntok, ndocs = ntok + tokens.size, ndocs + int((tokens == tok.eot).sum())
             meta["dtype"] = tokens.dtype.name
             meta["sources"].append(os.path.abspath(path))
+            highest = max(highest, top)
         meta.update({f"{split}_tokens": ntok, f"{split}_shards": len(shards), f"n_docs_{split}": ndocs})
+    ntok = meta["train_tokens"] + meta["val_tokens"]
+    if not has_meta and ntok and not meta["n_docs_train"] + meta["n_docs_val"]:  # every document starts with one
+        raise ValueError(f"--adopt={src}: not one {tok.name} end-of-text id ({tok.eot}) in its {ntok:,} tokens (ids "
+                         f"0..{highest}): these are not {tok.name} ids; pass the --tokenizer these shards were made with "
+                         f"(llm.c's: --tokenizer=gpt2; ours: the one their meta.json names)")
     try:
         real = _check_out_dir(out_dir)
         os.makedirs(os.path.dirname(real), exist_ok=True)
@@ -474,6 +488,37 @@ def _check_out_dir(out_dir):
     return real
 
 
+def _check_replacing(out_dir, tokenizer, paths, adopted_from, overwrite):
+    """Refuse, without overwrite, to replace a dataset in out_dir that holds something else than the one about to be
+    written: another tokenizer's ids, or other sources, none of them among paths (adopted_from for --adopt: another
+    shard directory, or adopted shards replaced by tokenised sources, or the other way round). The same sources, or
+    some added or dropped, in the same tokenizer (another --val_every, --shard_tokens or --clean) are replaced as
+    before. A meta.json that cannot be read is no dataset to keep (data.py says to re-create it)."""
+    if overwrite or not os.path.exists(os.path.join(out_dir, "meta.json")):
+        return
+    try:
+        meta = data.read_meta(out_dir)
+    except ValueError:
+        return
+    same = lambda a, b: a == b or (os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)) or \
+        (not os.path.exists(a) and os.path.basename(a) == os.path.basename(b))  # the checkout moved
+    was = meta.get("adopted_from")
+    if was is not None or adopted_from is not None:
+        same_data = was is not None and adopted_from is not None and same(str(was), adopted_from)
+    else:
+        had = [str(p) for p in meta.get("sources") or []]
+        same_data = any(same(a, b) for a in had for b in paths)
+    made_by = str(meta["tokenizer"])
+    if same_data and same_source(made_by, tokenizer):
+        return
+    held = f"shards adopted from {was}" if was is not None else \
+        f"{', '.join(map(str, (meta.get('sources') or ['no sources'])[:2]))}{', ...' if len(meta.get('sources') or []) > 2 else ''}"
+    new = f"shards adopted from {adopted_from}" if adopted_from is not None else \
+        f"{', '.join(paths[:2])}{', ...' if len(paths) > 2 else ''}"
+    raise ValueError(f"--out_dir={out_dir}: holds a dataset of {held} in {made_by} ids, not {new} in {tokenizer} "
+                     f"ids; writing here replaces it whole: pass --overwrite=True to replace it, or another --out_dir")
+
+
 def source_slug(name):
     """A file-name-safe short name of a tokenizer or model source: byte and gpt2 as they are, a model by its last
     part without the extension and a hash of where it is (two models of one name do not share shards):
@@ -572,6 +617,7 @@ class PrepareConfig:
     corpus: str = "shakespeare"  # a shipped corpus, used when no source files are given: shakespeare or python
     clean: str = ""              # prose, code, dedup or none; "" = the shipped corpus's setting, none for your files
     adopt: str = ""              # a directory of llm.c-format .bin shards (llm.c, modded-nanogpt) to use as they are
+    overwrite: bool = False      # replace an --out_dir that holds a dataset of other sources or another tokenizer
 
 
 def main(argv):
@@ -597,7 +643,7 @@ def main(argv):
     try:
         with stoppable("--out_dir", opts["out_dir"] or _default_for(sources, opts["tokenizer"], opts["corpus"])):
             if opts["adopt"]:
-                adopt(opts["adopt"], opts["out_dir"], opts["tokenizer"])
+                adopt(opts["adopt"], opts["out_dir"], opts["tokenizer"], opts["overwrite"])
                 return 0
             kw = {k: v for k, v in opts.items() if k not in ("clean", "adopt")}
             out_dir = prepare(sources or None, clean_as=opts["clean"], **kw)
