@@ -837,3 +837,15 @@ def test_check_shipped_tells_a_reader_that_a_shipped_corpus_directory_holds_othe
     assert prepare.check_shipped(shipped, "shakespeare") is None
     (root / "shakespeare_byte" / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "cleaning"}))
     assert prepare.check_shipped(shipped, "shakespeare") is None  # from before cleaning existed: not judged
+
+
+def test_ctrl_c_while_a_models_tokenizer_loads_is_one_line(tmp_path, capsys, monkeypatch):
+    """A GGUF's vocabulary takes seconds to read, before any signal handler of the writing is set: Ctrl-C there is
+    one line and exit 130, not a KeyboardInterrupt traceback."""
+    from conftest import fails
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare, "get_tokenizer", interrupted)
+    line = fails(capsys, "--tokenizer=byte", f"--out_dir={tmp_path / 'o'}", main=prepare.main, code=130)
+    assert "Ctrl-C" in line and "--tokenizer=byte" in line and not os.path.exists(tmp_path / "o")

@@ -127,7 +127,8 @@ def main(argv):
                                                                    "hf": "hf"}[fmt])
     outputs.check_input("--ckpt", ckpt)
     if fmt == "hf":
-        return export_hf(ckpt, out_path, args["overwrite"])
+        with common.stoppable("--out", out_path):  # Ctrl-C while the checkpoint and its tokenizer load: one line
+            return export_hf(ckpt, out_path, args["overwrite"])
     outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
     with common.stoppable("--out", out_path):
         if fmt == "gguf":
