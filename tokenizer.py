@@ -171,7 +171,8 @@ def hub_unreachable(name):
     if "up" not in _hub:
         url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
         try:
-            socket.create_connection((url.hostname, url.port or (80 if url.scheme == "http" else 443)), timeout=3).close()
+            port = url.port or (80 if url.scheme == "http" else 443)
+            socket.create_connection((url.hostname, port), timeout=3).close()
             _hub["up"] = True
         except (OSError, ValueError):
             _hub["up"] = False

@@ -320,7 +320,9 @@ def test_a_damaged_model_directory_is_one_valueerror_naming_it(tmp_path, case, c
 def test_a_damaged_gguf_is_one_valueerror_naming_it(tmp_path, case):
     _, hf = tiny(tmp_path, "llama-gqa-untied")
     path = llama_gguf(tmp_path / "m.gguf", hf)
-    {"empty": lambda p: p.write_bytes(b""), "text": lambda p: p.write_text("a text file\n"), "truncated": _truncate}[case](path)
+    damage = {"empty": lambda p: p.write_bytes(b""), "text": lambda p: p.write_text("a text file\n"),
+              "truncated": _truncate}
+    damage[case](path)
     with pytest.raises(ValueError) as e:
         from_pretrained(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value), str(e.value)
