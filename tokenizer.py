@@ -12,7 +12,8 @@ The tokenisers a corpus is cut into ids with: UTF-8 bytes, GPT-2's byte-level BP
         encodes as AutoTokenizer does without special tokens (no BOS), special-token strings in a text as plain
         text; eot is the document separator it was pre-trained with, <|endoftext|> or <|end_of_text|> when its
         vocabulary has one (a chat model's eos ends a turn: SmolLM2-Instruct's is <|im_end|>), else its eos;
-        vocab_size is len(tokenizer), added tokens included (SmolLM2: eot 0, vocab 49152).
+        vocab_size is len(tokenizer), added tokens included (SmolLM2: eot 0, vocab 49152). A hub id is read
+        from the local cache alone when the hub does not answer within 3 s (hub_unreachable): one error at once.
 All give name (as given to get_tokenizer: what meta.json records), eot, vocab_size, encode, encode_batch, decode (bad
 bytes replaced), decode_bytes and pieces (each id's token). fingerprint(tok) names the vocabulary itself: a hash
 over eot and the id -> token mapping, equal for two paths to one model, different for two vocabularies of one size. Copied alone into another project: the byte tokenizer needs only numpy; gpt2
@@ -25,6 +26,8 @@ import hashlib
 import logging
 import os
 import re
+import socket
+import urllib.parse
 
 import numpy as np
 
@@ -103,12 +106,16 @@ class HFTokenizer:
         quiet = logging.getLogger("huggingface_hub")  # its retries would print a line per attempt offline
         level = quiet.level
         quiet.setLevel(logging.ERROR)
+        offline = hub_unreachable(name)  # then only the local cache, at once: no minute of retries
         try:
-            self.hf = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+            self.hf = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}),
+                                                    local_files_only=offline)
         except Exception as e:  # transformers' own errors (OSError, ValueError, ...): one line, naming the source
             why = " ".join(str(e).split())[:200]
             where = "a directory with tokenizer.json or tokenizer_config.json" if os.path.isdir(name) else \
-                "a .gguf file with a tokenizer" if gguf else "the hub (no network? pass a local directory or .gguf)"
+                "a .gguf file with a tokenizer" if gguf else \
+                "the local cache (the hub cannot be reached: no network? pass a local directory or .gguf)" if offline \
+                else "the hub (pass a local directory or .gguf)"
             raise ValueError(f"tokenizer {name!r}: transformers cannot load it from {where} ({type(e).__name__}: "
                              f"{why})") from None
         finally:
@@ -147,7 +154,8 @@ def get_tokenizer(name):
         elif is_model_source(name):
             _tokenizers[name] = HFTokenizer(name)
         else:
-            what = "no such .gguf file" if name.endswith(".gguf") else "unknown tokenizer"
+            what = "no such .gguf file" if name.endswith(".gguf") else \
+                "no such directory" if "/" in name or os.sep in name else "unknown tokenizer"
             raise ValueError(f"{what} {name!r}; valid: {', '.join(TOKENIZERS)}, a Hugging Face model directory, a hub "
                              f"id (org/name) or a .gguf file (python -m tools.get_model smollm2 fetches one)")
     return _tokenizers[name]
@@ -169,4 +177,26 @@ def is_model_source(name):
     """Whether name could be a model's tokenizer: an existing directory or .gguf file, or a hub id org/name."""
     if name.endswith(".gguf"):
         return os.path.isfile(name)
+    if os.path.isdir(name.split("/")[0]):  # data/tiny_lama: a mistyped path here, not a hub id
+        return os.path.isdir(name)
     return os.path.isdir(name) or re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None
+
+
+_hub = {}  # whether the hub answered: asked once per process
+
+
+def hub_unreachable(name):
+    """True when name is a hub id (no such path here) and the hub (HF_ENDPOINT, else huggingface.co) does not
+    answer within 3 s: transformers is then told to read the local cache only, and fails at once instead of after a
+    minute of retries."""
+    if os.path.exists(name) or name.endswith(".gguf") or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return False
+    if "up" not in _hub:
+        url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+        try:
+            port = url.port or (80 if url.scheme == "http" else 443)
+            socket.create_connection((url.hostname, port), timeout=3).close()
+            _hub["up"] = True
+        except (OSError, ValueError):
+            _hub["up"] = False
+    return not _hub["up"]

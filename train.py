@@ -362,7 +362,12 @@ def build(run, resume, teachers):
     if earlier and not cfg.overwrite:
         die(f"{run.out_dir} already holds a run ({', '.join(earlier[:3])}); continue it with --resume=True, "
             f"replace it with --overwrite=True, or keep it and pass another --run_name")
-    tok = get_tokenizer(cfg.tokenizer)
+    try:
+        tok = get_tokenizer(cfg.tokenizer)
+    except (ValueError, ImportError) as e:  # a model's tokenizer transformers cannot load: one line naming the flag
+        flag = "--init_from" if cfg.tokenizer == cfg.init_from else \
+            "--teacher" if cfg.tokenizer in cfg.teacher.split(",") else "--tokenizer"
+        die(f"{flag}={cfg.tokenizer}: {e}", 2)
     model_conf = model_config(cfg, tok.vocab_size, tok.eot)
     run.lesson = seams.stage_lesson(cfg)  # --stage=dlm brings its own start, model shape and loss
     if run.lesson is not None:

@@ -242,3 +242,33 @@ def test_shards_of_another_vocabulary_at_the_same_path_are_refused(tmp_path, cap
         plumbing.resolve_data(cfg)
     err = capsys.readouterr().err
     assert "was tokenised with" in err and "fingerprint" in err and tok in err, err
+
+
+def test_a_model_whose_tokenizer_or_context_does_not_fit_is_one_error_line_naming_the_flag(tiny_llama, tmp_path,
+                                                                                            capsys):
+    """train.py loads the model's tokenizer before anything else: a directory without tokenizer files, a damaged
+    config.json, a GGUF transformers cannot read (here a text file; our own bitnet export is another) as
+    --init_from or --teacher are one line naming the flag. A --block_size past the model's max_position_embeddings
+    (256) is refused for the student's start and for the teacher alike. Nothing is written."""
+    notok, broken = tmp_path / "notok", tmp_path / "broken"
+    for d in (notok, broken):
+        d.mkdir()
+        for name in os.listdir(tiny_llama):
+            if d == broken or not name.startswith("tokenizer"):
+                (d / name).write_bytes(open(os.path.join(tiny_llama, name), "rb").read())
+    (broken / "config.json").write_text("")
+    (tmp_path / "text.gguf").write_text("not a GGUF\n")
+    out = f"--out_dir={tmp_path / 'o'}"
+    for flag, source in (("--init_from", notok), ("--init_from", broken), ("--teacher", tmp_path / "text.gguf")):
+        stage = "--stage=3" if flag == "--teacher" else "--stage=2"
+        msg = fails(capsys, stage, f"{flag}={source}", *FLAGS, out, code=2)
+        assert msg.startswith(f"error: {flag}={source}: "), msg
+    msg = fails(capsys, "--stage=2", f"--init_from={tiny_llama}", *FLAGS, "--block_size=512", out, code=2)
+    assert "max_position_embeddings = 256" in msg and "--block_size=256" in msg, msg
+    run("--stage=2", f"--init_from={tiny_llama}", "--max_iters=2", "--eval_interval=2", *FLAGS,
+        f"--out_dir={tmp_path / 's'}")
+    os.link(tmp_path / "s" / "stage2" / "ckpt.pt", tmp_path / "student.pt")  # a ternary student, for stage 3
+    msg = fails(capsys, "--stage=3", f"--init_from={tmp_path / 'student.pt'}", f"--teacher={tiny_llama}", *FLAGS,
+                "--block_size=512", out, code=2)
+    assert "--teacher" in msg and "max_position_embeddings = 256" in msg, msg
+    assert not any(os.path.exists(tmp_path / "o" / d / "ckpt.pt") for d in ("stage2", "stage3"))

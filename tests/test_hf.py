@@ -401,3 +401,18 @@ def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logit
     print(f"SmolLM2: max |logit difference| {end_to_end:.3g} end to end; layer by layer {off} of {30 * T} (layer, "
           f"position) pairs past a rounding tie, worst {worst:.3g} of the layer's scale")
     assert off <= 0.05 * 30 * T and worst <= 1e-2, (off, worst)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "packed", "gguf"])
+def test_ctrl_c_while_the_checkpoint_and_its_tokenizer_load_is_one_line(tmp_path, capsys, monkeypatch, fmt):
+    """A model's tokenizer (a GGUF's: seconds) loads with the checkpoint: Ctrl-C there is one line and exit 130 in
+    every format, and nothing is written."""
+    import tools.load
+    ckpt = _save_ckpt(str(tmp_path / "ckpt.pt"))
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tools.load, "get_tokenizer", interrupted)
+    out = str(tmp_path / "out")
+    err = fails(capsys, f"--format={fmt}", f"--ckpt={ckpt}", f"--out={out}", code=130, main=export.main)
+    assert "Ctrl-C" in err and out in err and os.listdir(tmp_path) == ["ckpt.pt"]

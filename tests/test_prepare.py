@@ -887,3 +887,15 @@ def test_preparing_over_a_dataset_of_other_sources_or_another_tokenizer_needs_ov
     assert prepare.main([f"--out_dir={out}", f"--adopt={src}"]) == 0  # the same shards again
     assert prepare.main([f"--out_dir={out}", "--overwrite=True", str(other)]) == 0
     assert data.read_meta(str(out))["sources"] == [str(other)]
+
+
+def test_ctrl_c_while_a_models_tokenizer_loads_is_one_line(tmp_path, capsys, monkeypatch):
+    """A GGUF's vocabulary takes seconds to read, before any signal handler of the writing is set: Ctrl-C there is
+    one line and exit 130, not a KeyboardInterrupt traceback."""
+    from conftest import fails
+
+    def interrupted(name):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(prepare, "get_tokenizer", interrupted)
+    line = fails(capsys, "--tokenizer=byte", f"--out_dir={tmp_path / 'o'}", main=prepare.main, code=130)
+    assert "Ctrl-C" in line and "--tokenizer=byte" in line and not os.path.exists(tmp_path / "o")

@@ -92,16 +92,15 @@ def test_a_transformers_model_in_memory_converts_to_the_same_model_as_its_files(
         assert torch.equal(ours(x, x)[0], from_files(x, x)[0])
 
 
-def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
-    """A GGUF written as llama.cpp's converter writes it (q and k rows permuted for its rope layout, no output
-    tensor when tied) loads through transformers' GGUF reader, which undoes the permutation."""
+def llama_gguf(path, hf, extra=None):
+    """Write the transformers Llama hf as llama.cpp's converter writes it (q and k rows permuted for its rope layout,
+    no output tensor when tied) to path; extra(writer) adds keys or tensors (the keys first written)."""
     gguf = pytest.importorskip("gguf")
-    _, hf = tiny(tmp_path, "llama-gqa-untied")
     c = hf.config
 
     def permute(w, n_head):  # llama.cpp convert_hf_to_gguf.py, LlamaModel.permute
         return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    w = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(c.max_position_embeddings), w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers), w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
@@ -109,6 +108,8 @@ def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
     w.add_vocab_size(c.vocab_size), w.add_tokenizer_model("llama"), w.add_eos_token_id(7)
     w.add_token_list([f"t{i}" for i in range(c.vocab_size)]), w.add_token_scores([0.0] * c.vocab_size)
     w.add_token_types([1] * c.vocab_size)
+    if extra is not None:
+        extra(w)
     names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     for i in range(c.num_hidden_layers):
         for ours, theirs in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
@@ -122,7 +123,14 @@ def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
             t = permute(t, c.num_attention_heads if "q_proj" in key else c.num_key_value_heads)
         w.add_tensor(names[key.removesuffix(".weight")] + ".weight", np.ascontiguousarray(t))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
 
+
+def test_a_gguf_file_with_llamacpp_row_permutation_gives_the_logits(tmp_path):
+    """A GGUF written as llama.cpp's converter writes it (q and k rows permuted for its rope layout, no output
+    tensor when tied) loads through transformers' GGUF reader, which undoes the permutation."""
+    _, hf = tiny(tmp_path, "llama-gqa-untied")
+    llama_gguf(tmp_path / "tiny.gguf", hf)
     model = from_pretrained(tmp_path / "tiny.gguf", block_size=32).eval()
     assert model.config.block_size == 32 and model.config.kv_heads() == 2 and not model.config.tie_embeddings
     x = ids(T=32)
@@ -218,3 +226,134 @@ def test_the_real_smollm2_scores_our_val_text_as_transformers_does(smollm2, smol
         a = ours(x, y)[1].item()
         b = torch.nn.functional.cross_entropy(theirs(x).logits.flatten(0, 1), y.flatten()).item()
     assert abs(a - b) < 1e-4 and a < 6.0, (a, b)
+
+
+GGUF_ROPE = {  # what llama.cpp writes for a scaled RoPE, which transformers' GGUF reader drops without a word
+    "llama.rope.scaling": lambda w, gguf: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR),
+                                                w.add_rope_scaling_factor(8.0)),
+    "rope_freqs": lambda w, gguf: w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32)),  # Llama 3.1/3.2
+}
+
+
+@pytest.mark.parametrize("key", list(GGUF_ROPE))
+def test_a_gguf_with_rope_scaling_is_refused_naming_the_key(tmp_path, key):
+    gguf = pytest.importorskip("gguf")
+    _, hf = tiny(tmp_path, "llama-gqa-untied")
+    path = llama_gguf(tmp_path / "scaled.gguf", hf, lambda w: GGUF_ROPE[key](w, gguf))
+    with pytest.raises(ValueError) as e:
+        from_pretrained(path)
+    assert str(e.value).startswith(key) and str(path) in str(e.value) and "\n" not in str(e.value), str(e.value)
+    none = llama_gguf(tmp_path / "none.gguf", hf, lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.NONE))
+    assert from_pretrained(none).config.n_layer == 2  # "none" is plain RoPE
+
+
+def test_a_qwen3_gguf_takes_its_head_dim_from_key_length(tmp_path):
+    """transformers' qwen3 GGUF reader drops attention.key_length (its config then says head_dim 128): the import
+    takes it from the file, and gives transformers' logits of the original model."""
+    gguf = pytest.importorskip("gguf")
+    _, hf = tiny(tmp_path, "qwen3-untied")  # head_dim 24
+    c = hf.config
+    w = gguf.GGUFWriter(str(tmp_path / "qwen.gguf"), "qwen3")
+    w.add_context_length(c.max_position_embeddings), w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers), w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads), w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim), w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps), w.add_rope_freq_base(5000.0)
+    w.add_vocab_size(c.vocab_size), w.add_tokenizer_model("gpt2"), w.add_eos_token_id(7)
+    w.add_token_list([f"t{i}" for i in range(c.vocab_size)]), w.add_token_types([1] * c.vocab_size)
+    w.add_token_merges([])
+    names = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for i in range(c.num_hidden_layers):
+        for ours, theirs in (("self_attn.q_proj", "attn_q"), ("self_attn.k_proj", "attn_k"),
+                             ("self_attn.v_proj", "attn_v"), ("self_attn.o_proj", "attn_output"),
+                             ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm"),
+                             ("mlp.gate_proj", "ffn_gate"), ("mlp.up_proj", "ffn_up"), ("mlp.down_proj", "ffn_down"),
+                             ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")):
+            names[f"model.layers.{i}.{ours}"] = f"blk.{i}.{theirs}"
+    for key, t in hf.state_dict().items():
+        w.add_tensor(names[key.removesuffix(".weight")] + ".weight", np.ascontiguousarray(t.numpy()))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    model = from_pretrained(tmp_path / "qwen.gguf").eval()
+    assert model.config.head_size() == 24 and model.config.qk_norm
+    x = ids()
+    with torch.no_grad():
+        diff, tol = max_diff(model(x, x)[0], hf(x).logits)
+    assert diff <= tol, diff
+
+
+def test_a_block_size_past_the_models_context_is_refused():
+    """RoPE past max_position_embeddings runs without an error and computes positions the model never saw."""
+    assert config_from_hf(hf_config("llama"), block_size=64).block_size == 64
+    with pytest.raises(ValueError) as e:
+        config_from_hf(hf_config("llama"), block_size=65)
+    assert "max_position_embeddings = 64" in str(e.value) and "--block_size=64" in str(e.value), str(e.value)
+
+
+def _truncate(p):
+    p.write_bytes(p.read_bytes()[:p.stat().st_size // 2])
+
+
+DAMAGED = {  # name: (file of the saved tiny model, what is done to it)
+    "truncated safetensors": ("model.safetensors", _truncate),
+    "vocab_size not the weights'": ("config.json", lambda p: p.write_text(
+        json.dumps({**json.loads(p.read_text()), "vocab_size": 500}))),
+    "empty config.json": ("config.json", lambda p: p.write_text("")),
+    "text config.json": ("config.json", lambda p: p.write_text("not json\n")),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_a_damaged_model_directory_is_one_valueerror_naming_it(tmp_path, case, capsys):
+    """What transformers and safetensors raise for a damaged file (SafetensorError, a shape mismatch's RuntimeError,
+    OSError) is one ValueError line naming the model, and transformers prints no table of its own."""
+    path, _ = tiny(tmp_path, "llama-gqa-untied")
+    name, damage = DAMAGED[case]
+    damage(path / name)
+    capsys.readouterr()
+    with pytest.raises(ValueError) as e:
+        from_pretrained(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert "MISMATCH" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["empty", "text", "truncated"])
+def test_a_damaged_gguf_is_one_valueerror_naming_it(tmp_path, case):
+    _, hf = tiny(tmp_path, "llama-gqa-untied")
+    path = llama_gguf(tmp_path / "m.gguf", hf)
+    damage = {"empty": lambda p: p.write_bytes(b""), "text": lambda p: p.write_text("a text file\n"),
+              "truncated": _truncate}
+    damage[case](path)
+    with pytest.raises(ValueError) as e:
+        from_pretrained(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_hub_id_without_a_network_fails_at_once(monkeypatch):
+    """No network and not in the cache: one line at once, not after a minute of retries (the probe's answer is
+    fixed here; on this machine it is the real one)."""
+    import time
+    import tokenizer
+    monkeypatch.setattr(tokenizer, "_hub", {"up": False})
+    t = time.time()
+    with pytest.raises(ValueError) as e:
+        from_pretrained("nanobitnet-test/no-such-model")
+    with pytest.raises(ValueError) as f:
+        tokenizer.HFTokenizer("nanobitnet-test/no-such-model")
+    assert time.time() - t < 20 and "nanobitnet-test/no-such-model" in str(e.value), str(e.value)
+    assert "cannot be reached" in str(f.value), str(f.value)
+    monkeypatch.setattr(tokenizer, "_hub", {})
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing answers
+    assert tokenizer.hub_unreachable("nanobitnet-test/no-such-model") and not tokenizer.hub_unreachable(".")
+
+
+def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    """models/tiny_lama, where models/ is a directory here: no such directory, said at once."""
+    import tokenizer
+    from tools.load import is_model_source
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    assert not is_model_source("models/tiny_lama") and not tokenizer.is_model_source("models/tiny_lama")
+    assert is_model_source("HuggingFaceTB/SmolLM2-135M")  # no such directory here: a hub id
+    with pytest.raises(ValueError) as e:
+        tokenizer.get_tokenizer("models/tiny_lama")
+    assert str(e.value).startswith("no such directory 'models/tiny_lama'"), str(e.value)

@@ -154,7 +154,8 @@ def main(argv):
     outputs.check_input("--ckpt", ckpt)
     check_not_a_run_input(ckpt, out_path)
     if fmt == "hf":
-        return export_hf(ckpt, out_path, args["overwrite"])
+        with common.stoppable("--out", out_path):  # Ctrl-C while the checkpoint and its tokenizer load: one line
+            return export_hf(ckpt, out_path, args["overwrite"])
     outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
     with common.stoppable("--out", out_path):
         if fmt == "gguf":

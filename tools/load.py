@@ -122,4 +122,5 @@ def is_model_source(name):
         return any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "tokenizer.json",
                                                                     "tokenizer_config.json")) and not hf_marker(name)
     parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.endswith((".pt", ".gguf", ".bin")) and not name.startswith(".")
+    return len(parts) == 2 and all(parts) and not name.endswith((".pt", ".gguf", ".bin")) and not name.startswith(".") \
+        and not os.path.isdir(parts[0])  # data/tiny_lama: a mistyped path here, not a hub id

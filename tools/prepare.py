@@ -635,6 +635,9 @@ def main(argv):
         get_tokenizer(opts["tokenizer"])
     except (ValueError, ImportError) as e:
         die(f"--tokenizer={opts['tokenizer']}: {e}", 2)
+    except KeyboardInterrupt:  # a GGUF's vocabulary takes seconds to read: nothing is written yet
+        die(f"stopped by Ctrl-C while loading --tokenizer={opts['tokenizer']}; nothing was written",
+            128 + signal.SIGINT)
     if opts["adopt"] and (sources or opts["out_dir"] is None):  # checked before any shard is read
         die(f"--adopt={opts['adopt']}: takes the shard directory and an --out_dir for the adopted dataset "
             f"(e.g. --out_dir=data/fineweb10B_{source_slug(opts['tokenizer'])}), and no source files", 2)

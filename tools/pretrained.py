@@ -8,16 +8,20 @@ forward gives transformers' logits (tests/test_pretrained.py: bit-identical on t
 
 A GGUF file loads through transformers' own reader (the gguf package dequantises it, and transformers undoes
 llama.cpp's q/k row permutation), so a GGUF model is the same transformers model as its Hugging Face original.
-A model we would not compute exactly (RoPE scaling, sliding windows, biases, experts, another activation) is
-refused before its weights are read: one ValueError line naming the config field.
+A model we would not compute exactly (RoPE scaling, sliding windows, biases, experts, another activation; in a
+GGUF also the RoPE scaling transformers' reader drops: check_gguf), or asked for a block_size past its
+max_position_embeddings, is refused before its weights are read: one ValueError line naming the config field. A
+damaged or foreign file (what transformers, safetensors or gguf raise: unreadable) is one ValueError line naming it.
 Test: python -m pytest tests/test_pretrained.py
 """
 
+import contextlib
 import os
 
 import torch
 
 from model import GPT, GPTConfig, precompute_rope
+from tokenizer import hub_unreachable
 
 
 def from_pretrained(source, block_size=None):
@@ -27,17 +31,68 @@ def from_pretrained(source, block_size=None):
     block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id (a run
     takes its tokenizer's end-of-text instead, the id its shards separate documents with: start.pretrained_start)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    path, kw = str(source), {}
+    path, kw = str(source), {"local_files_only": hub_unreachable(str(source))}  # offline: the cache, at once
+    head_dim = check_gguf(source) if path.endswith(".gguf") else None  # refuses what transformers would drop
     if path.endswith(".gguf"):
         path, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
-    hf_config = AutoConfig.from_pretrained(path, **kw)
+    with unreadable(source, "config"):
+        hf_config = AutoConfig.from_pretrained(path, **kw)
+    if head_dim:  # transformers' qwen3 GGUF reader drops attention.key_length (and assumes 128)
+        hf_config.head_dim = head_dim
     config_from_hf(hf_config, block_size)  # refuses here, before any weight is read
-    hf, info = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32,
-                                                    output_loading_info=True, **kw)
+    with unreadable(source, "weights"):  # a mismatch is ours to report (below), not transformers' table of it
+        hf, info = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32,
+                                                        output_loading_info=True, ignore_mismatched_sizes=True, **kw)
+    if info["mismatched_keys"]:  # transformers would have initialised them at random
+        name, theirs, ours = sorted(info["mismatched_keys"], key=str)[0]
+        raise ValueError(f"{source}: its weights do not fit its config: {name} is {list(theirs)} in the weights but "
+                         f"{list(ours)} by the config (vocab_size = {hf_config.vocab_size}, hidden_size = "
+                         f"{hf_config.hidden_size}, head_dim = {getattr(hf_config, 'head_dim', None)}): a config of "
+                         "another model?")
     if info["missing_keys"]:  # transformers would have initialised them at random
         raise ValueError(f"tie_word_embeddings = {hf_config.tie_word_embeddings}: {source} lacks "
                          f"{sorted(info['missing_keys'])}, which transformers would fill at random")
     return from_transformers(hf, source, block_size)
+
+
+@contextlib.contextmanager
+def unreadable(source, what):
+    """What transformers, safetensors or gguf raise for a damaged or foreign file (OSError, a JSON error,
+    SafetensorError, a shape mismatch's RuntimeError, ...) as one ValueError line naming source."""
+    from transformers.utils import logging
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()  # its load report of a bad file is the error line below, once
+    try:
+        yield
+    except Exception as e:
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"{source}: cannot load its {what} ({type(e).__name__}: {why})") from None
+    finally:
+        logging.set_verbosity(level)
+
+
+def check_gguf(source):
+    """A GGUF's hyperparameters transformers' GGUF reader drops without a word: RoPE scaling (the
+    <arch>.rope.scaling.* keys, or the rope_freqs tensor llama.cpp writes for Llama 3.1/3.2's llama3 scaling) is
+    refused, one ValueError naming it, as config_from_hf refuses a config.json's rope_scaling. Returns the head
+    size its <arch>.attention.key_length gives (None without one), for the config."""
+    from gguf import GGUFReader
+    with unreadable(source, "GGUF header"):
+        reader = GGUFReader(str(source))
+        fields = {k: f.contents() for k, f in reader.fields.items() if ".rope.scaling." in k or ".attention." in k}
+        tensors = [t.name for t in reader.tensors]
+    keys = [fields.get(k) for k in sorted(fields) if k.endswith((".attention.key_length", ".attention.value_length"))]
+    if len(set(keys)) > 1:
+        raise ValueError(f"attention.key_length and value_length = {keys} in {source}: our attention has one head size")
+    fields = {k: v for k, v in fields.items() if ".rope.scaling." in k}
+    for key, value in sorted(fields.items()):
+        if (key.endswith(".type") and value != "none") or (key.endswith(".factor") and value not in (0.0, 1.0)):
+            raise ValueError(f"{key} = {value!r} in {source}: RoPE scaling is not implemented (from_pretrained takes "
+                             "llama, mistral and qwen3 models with plain RoPE)")
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"rope_freqs in {source}: llama.cpp's per-frequency RoPE scaling (Llama 3.1/3.2's llama3 "
+                         "rope_scaling) is not implemented (from_pretrained takes models with plain RoPE)")
+    return keys[0] if keys else None
 
 
 def from_transformers(hf, source, block_size=None):
@@ -102,6 +157,9 @@ def config_from_hf(hf, block_size=None):
     if hf.num_attention_heads % (hf.num_key_value_heads or hf.num_attention_heads):
         refuse("num_key_value_heads", hf.num_key_value_heads,
                f"it must divide num_attention_heads {hf.num_attention_heads}")
+    if block_size and block_size > hf.max_position_embeddings:  # RoPE past its trained context: no error, wrong
+        raise ValueError(f"block_size {block_size} is longer than the model's context (max_position_embeddings = "
+                         f"{hf.max_position_embeddings}): pass --block_size={hf.max_position_embeddings} or less")
     eos = hf.eos_token_id[0] if isinstance(hf.eos_token_id, (list, tuple)) else hf.eos_token_id
     if eos is None:
         refuse("eos_token_id", None, "our shards start each document with it (eot)")
