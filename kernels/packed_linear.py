@@ -11,9 +11,11 @@ an exact int32 accumulation with the scales applied after it:
     y = (x_q @ W_q^T) * x_scale * gamma           (..., N): int32 accumulation, then two fp32 multiplies
 
 On CUDA inputs it runs the Triton kernels of kernels/ternary_matmul.py (quantize_activations, then
-ternary_matmul with a bf16 result for bf16 input, else fp32); on CPU the torch reference of the same
-contract (quant.activation_quant, ternary_matmul_reference). use_triton=True forces the kernels, e.g. on
-CPU under TRITON_INTERPRET=1. A layer's result equals BitLinear's fake-quantised forward at lambda = 1 up
+ternary_matmul with a bf16 result for bf16 input, else fp32); on CPU quant.activation_quant, then
+ternary_matmul_codes: the codes unpacked once to int8 (N, K) on the first CPU call and kept on the module (never
+in state_dict or an export; unpacked again when w_packed changes or moves), an int32 torch._int_mm, the same
+numbers as ternary_matmul_reference bit for bit. use_triton=True forces the kernels, e.g. on CPU under
+TRITON_INTERPRET=1. A layer's result equals BitLinear's fake-quantised forward at lambda = 1 up
 to fp32 rounding (that path rounds every product and partial sum, this one only the final scalings). In a
 whole model those ulps can flip an activation that sits on a rounding tie to the neighbouring int8 code,
 so frozen logits agree with the unfrozen model's closely, not to the last bit.
@@ -74,7 +76,7 @@ class PackedBitLinear(nn.Module):
             y = tm.ternary_matmul(x_q, x_scale, self.w_packed, self.w_scale, out_dtype=out_dtype)
         else:
             x_q, x_scale = quant.activation_quant(x)
-            y = tm.ternary_matmul_reference(x_q, x_scale, self.w_packed, self.w_scale)
+            y = _untriton_matmul(x_q, x_scale, self.w_packed, self.w_scale, self, self.in_features)
         return y.to(x.dtype)
 
     def stacked_forward(self, x, layers):
@@ -82,7 +84,7 @@ class PackedBitLinear(nn.Module):
         once, their codes stacked along N with one gamma per row (each matrix its own). The same numbers as
         calling each layer (the int32 sums are exact; the scaling is per element). The stack is built on the
         first call and kept beside the layers' own buffers (more packed bytes in memory, never in a file)."""
-        key = tuple(id(m) for m in layers)
+        key = tuple((id(m), m.w_packed.data_ptr(), m.w_packed._version) for m in layers)  # rebuilt after load_state_dict
         stack = getattr(self, "_stack", None)
         if stack is None or stack[0] != key or stack[1].device != self.w_packed.device:
             w = torch.cat([m.w_packed for m in layers])  # (sum N_i, ceil(K/4))
@@ -95,11 +97,24 @@ class PackedBitLinear(nn.Module):
             y = tm.ternary_matmul(x_q, x_scale, stack[1], stack[2], out_dtype=out_dtype)
         else:
             x_q, x_scale = quant.activation_quant(x)
-            y = tm.ternary_matmul_reference(x_q, x_scale, stack[1], stack[2])
+            y = _untriton_matmul(x_q, x_scale, stack[1], stack[2], self, self.in_features, "_stack_codes")
         return y.to(x.dtype).split([m.out_features for m in layers], dim=-1)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed 2-bit, use_triton={self.use_triton}"
+
+
+def _untriton_matmul(x_q, x_scale, w_packed, w_scale, owner, K, attr="_codes"):
+    """The matmul without Triton. CPU: ternary_matmul_codes on int8 codes unpacked from w_packed once and kept as
+    owner.<attr> (a plain attribute: not a buffer, so never saved), unpacked again when w_packed is another tensor
+    or was written in place (load_state_dict). Elsewhere (CUDA with use_triton=False): ternary_matmul_reference."""
+    if x_q.device.type != "cpu":
+        return tm.ternary_matmul_reference(x_q, x_scale, w_packed, w_scale)
+    cached = getattr(owner, attr, None)
+    if cached is None or cached[0] is not w_packed or cached[1] != w_packed._version:
+        cached = (w_packed, w_packed._version, tm.unpack_ternary_reference(w_packed, K).contiguous())  # (N, K) int8
+        setattr(owner, attr, cached)
+    return tm.ternary_matmul_codes(x_q, x_scale, cached[2], w_scale)
 
 
 def freeze_ternary(model, use_triton=None):

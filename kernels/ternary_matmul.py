@@ -40,6 +40,10 @@ The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS) are fixed per shape class and 
 no tile larger than it needs to be, and a K loop of one step is not software-pipelined (num_stages = 1).
 kernels/cross_compile.py compiles every entry for sm_80 and sm_90 and reads the result (tests/test_cross_compile.py).
 
+CPU (no kernel here): ternary_matmul_codes takes the weights unpacked to (N, K) int8 codes, unpacked once by the
+caller (PackedBitLinear keeps them), and gets the same int32 accumulator from torch._int_mm; ternary_matmul_reference
+unpacks on every call and multiplies in float64 (the plain-torch reference, CPU or CUDA).
+
 dp4a: the compiled decode kernel multiplies with PTX dp4a.s32.s32 (inline asm). The interpreter cannot run
 inline asm, so under TRITON_INTERPRET=1 (CPU tests) the same kernel uses _dp4a's pure-Triton form, which
 computes the same int32 (each byte sign-extended, multiplied, added); DP4A is a constexpr of the kernel.
@@ -481,11 +485,23 @@ def ternary_matmul_reference(x_q, x_scale, w_packed, w_scale, out_dtype=torch.fl
     K = x_q.shape[-1]
     w = unpack_ternary_reference(w_packed, K)  # (N, K)
     acc = (x_q.double() @ w.double().T).to(torch.int32)  # (..., N), exact
-    if return_acc:
-        return acc
+    return acc if return_acc else _scaled(acc, x_scale, w_scale, out_dtype)
+
+
+def _scaled(acc, x_scale, w_scale, out_dtype):
+    """acc (..., N) int32 -> acc * x_scale * gamma in out_dtype: two fp32 multiplies, in this order."""
     gamma = w_scale.float().reshape(()) if w_scale.numel() == 1 else w_scale.float().reshape(-1)  # () or (N,)
-    y = acc.float() * x_scale.float().reshape(*x_q.shape[:-1], 1) * gamma
+    y = acc.float() * x_scale.float().reshape(*acc.shape[:-1], 1) * gamma
     return y.to(out_dtype)
+
+
+def ternary_matmul_codes(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32, return_acc=False):
+    """The same contract from the unpacked (N, K) int8 codes w_q (unpack_ternary_reference(w_packed, K)), for CPU
+    tensors: the int32 accumulator by torch._int_mm, int8 x int8 products summed in int32 (exact: |sum| <= 128 K
+    < 2**31 for K <= K_MAX), so acc and y equal ternary_matmul_reference's bit for bit. Any M, K, N on CPU."""
+    K = x_q.shape[-1]
+    acc = torch._int_mm(x_q.reshape(-1, K), w_q.T).reshape(*x_q.shape[:-1], w_q.shape[0])  # (..., N) int32
+    return acc if return_acc else _scaled(acc, x_scale, w_scale, out_dtype)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,32 @@ def test_ternary_matmul_integer_part_exact_and_scaled_within_1e6(M, K, N, config
     assert ((y16.float() - y_ref).abs() <= 2**-7 * y_ref.abs()).all()
 
 
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_cpu_int8_codes_matmul_equals_the_reference_bit_for_bit(M, K, N):
+    """ternary_matmul_codes (torch._int_mm on the unpacked int8 codes): the reference's acc and y, exactly."""
+    x_q, w_q, x_scale, w_scale = _case_data(M, K, N, seed=M * 7 + K * 11 + N)
+    w_packed = tm.pack_planes(w_q)
+    codes = tm.unpack_ternary_reference(w_packed, K)
+    for args in ((x_q, x_scale), (x_q.view(1, M, K), x_scale.view(1, M, 1))):  # 2-d and batched rows
+        acc = tm.ternary_matmul_codes(*args, codes, w_scale, return_acc=True)
+        assert acc.dtype == torch.int32 and torch.equal(acc.reshape(M, N), (x_q.long() @ w_q.long().T).int())
+        assert torch.equal(tm.ternary_matmul_codes(*args, codes, w_scale),
+                           tm.ternary_matmul_reference(*args, w_packed, w_scale))
+    gammas = torch.rand(N, generator=torch.Generator().manual_seed(K)) + 0.01  # one gamma per row (stacked)
+    assert torch.equal(tm.ternary_matmul_codes(x_q, x_scale, codes, gammas),
+                       tm.ternary_matmul_reference(x_q, x_scale, w_packed, gammas))
+
+
+def test_cpu_int8_codes_matmul_is_exact_at_the_int8_extremes():
+    """-128 and 127 against -1 and +1 over a long K: every product at its largest, no int16 saturation anywhere."""
+    K = 8192
+    x_q = torch.tensor([[-128] * K, [127] * K, [-128, 127] * (K // 2), [127, -128] * (K // 2)], dtype=torch.int8)
+    w_q = torch.tensor([[-1] * K, [1] * K, [-1, 1] * (K // 2), [1, -1] * (K // 2)], dtype=torch.int8)
+    acc = tm.ternary_matmul_codes(x_q, torch.ones(4, 1), w_q, torch.tensor(1.0), return_acc=True)
+    assert torch.equal(acc, (x_q.long() @ w_q.long().T).int())
+    assert acc.abs().max() == 128 * K
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_ternary_matmul_one_gamma_per_row_for_stacked_matrices(config):
     """w_scale with N elements (q, k, v stacked along N, each its own gamma): row n scaled by w_scale[n]."""

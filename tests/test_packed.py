@@ -425,6 +425,26 @@ def test_export_on_a_full_disk_keeps_the_previous_export_and_leaves_no_tmp(error
     assert _snapshot(run_dir) == before  # the previous export as it was, no out.pt.tmp
 
 
+def test_cpu_path_unpacks_the_codes_once_never_saves_them_and_follows_new_weights(monkeypatch):
+    """On CPU the int8 codes are unpacked on the first call and kept (a second call unpacks nothing), are not in
+    state_dict, and are unpacked again after load_state_dict writes new packed weights into the buffer."""
+    torch.manual_seed(0)
+    a, b = quant.BitLinear(32, 16), quant.BitLinear(32, 16)
+    p, q = PackedBitLinear.from_bitlinear(a, use_triton=False), PackedBitLinear.from_bitlinear(b, use_triton=False)
+    x = torch.randn(3, 32)
+    want = tm.ternary_matmul_reference(*quant.activation_quant(x), p.w_packed, p.w_scale)
+    unpacks = []
+    unpack = tm.unpack_ternary_reference
+    monkeypatch.setattr(tm, "unpack_ternary_reference", lambda *a: unpacks.append(1) or unpack(*a))
+    y1 = p(x)
+    y2 = p(x)
+    assert len(unpacks) == 1 and torch.equal(y1, y2)
+    assert torch.equal(y1, want)
+    assert set(p.state_dict()) == {"w_packed", "w_scale"}
+    p.load_state_dict(q.state_dict())
+    assert torch.equal(p(x), q(x)) and not torch.equal(p(x), y1) and len(unpacks) == 3  # p again, and q once
+
+
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch-reference", "triton"])
 def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton, monkeypatch):
     """q, k, v of a frozen model: one kernel call on the stacked codes, w_scale one gamma per row, the same
@@ -437,10 +457,11 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
     packed = [PackedBitLinear.from_bitlinear(m, use_triton) for m in bl]
     x = torch.randn(5, 32, device=device)
     calls = []
-    fn = tm.ternary_matmul if use_triton else tm.ternary_matmul_reference
+    fn = tm.ternary_matmul if use_triton else tm.ternary_matmul_codes  # CPU: the stacked codes unpacked to int8
     monkeypatch.setattr(tm, fn.__name__, lambda *a, **k: calls.append(a[2].shape) or fn(*a, **k))
     outs = packed[0].stacked_forward(x, packed)
-    assert calls == [torch.Size([96, 8])]  # one call, fed the stacked matrix (96 rows, 32/4 bytes each)
+    # one call, fed the stacked matrix: 96 rows of 32/4 packed bytes (Triton) or of 32 int8 codes (CPU)
+    assert calls == [torch.Size([96, 8] if use_triton else [96, 32])]
     monkeypatch.undo()
     for p, y in zip(packed, outs):
         assert torch.equal(y, p(x))
