@@ -46,6 +46,36 @@ def test_without_subln_the_converted_model_at_lambda_0_is_the_model_as_published
     assert abs(calibrated[0] - calibrated[1]) < abs(unit[0] - unit[1])
 
 
+def test_calibrated_gains_are_the_mean_rms_of_each_input_in_the_model_as_published():
+    """lessons/subln.calibrate_subln: each gain is the mean over tokens of its input's rms in the model as published
+    (fp layers, no SubLN), not in the ternary model at lambda 1 nor with SubLN normalising while it is measured
+    (both change the inputs of every later norm); each lambda_ is left as built; no batch is a ValueError."""
+    import dataclasses
+    import torch
+    from lessons.subln import calibrate_subln
+    from model import GPT, GPTConfig
+    from tools import start
+    torch.manual_seed(0)
+    fp = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, quant=False, subln=False)).eval()
+    batches = [(torch.randint(0, 64, (2, 16)), None) for _ in range(3)]
+    rms = {}  # the published model's o_proj and down_proj inputs: what each SubLN is inserted in front of
+    hooks = [lin.register_forward_pre_hook(lambda m, inp, key=key: rms.setdefault(key, []).append(
+        torch.sqrt(inp[0].float().pow(2).mean(-1) + fp.config.norm_eps).flatten()))
+        for i, b in enumerate(fp.h) for key, lin in (((i, "attn"), b.attn.o_proj), ((i, "mlp"), b.mlp.down_proj))]
+    with torch.no_grad():
+        for x, _ in batches:
+            fp(x)
+    for h in hooks:
+        h.remove()
+    model = start.convert_pretrained(fp, dataclasses.replace(fp.config, quant=True, subln=True), batches)
+    for (i, part), values in rms.items():
+        gain = getattr(model.h[i], part).subln.weight
+        assert torch.allclose(gain, torch.cat(values).mean().expand_as(gain), rtol=1e-5), (i, part)
+    assert all(float(b) == 1.0 for n, b in model.named_buffers() if n.endswith("lambda_"))  # as built: ternary
+    with pytest.raises(ValueError, match="at least one batch"):
+        calibrate_subln(model, [])
+
+
 def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama, tmp_path):
     """Stage 2 keeps the model's architecture (GQA, MLP width, untied head) and tokenizer, trains ternary and
     resumes; stage 3 distils the student from the original model as published (--teacher=<the same directory>)."""

@@ -149,7 +149,8 @@ def convert_pretrained(fp, conf=None, batches=None):
     GPT of conf (default: fp's config with quant=True, subln=True) holding fp's weights; every hidden linear a
     BitLinear when conf.quant (lambda_ as built, 1: set_lambda before use); with conf.subln an RMSNorm in front of
     o_proj and down_proj, unit gain (the paper), or given batches [(x, y), ...] each gain the mean rms of its input
-    over them (lessons/subln.py; measured at the lambda_ as built). fp is left as it was."""
+    over them in the model as published (lessons/subln.py: measured at lambda 0, lambda_ left as built). fp is left
+    as it was."""
     conf = conf or dataclasses.replace(fp.config, quant=True, subln=True)
     model = GPT(conf)
     checkpoint.load_weights(model, fp.state_dict(), getattr(fp, "source", "the pretrained model"), conf.subln)
