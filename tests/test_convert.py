@@ -96,6 +96,42 @@ def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama
     assert steps and all(r["kd_logits"] > 0 for r in steps)
 
 
+def test_the_runs_own_doc_mask_and_block_size_are_carried_into_a_pretrained_model(tiny_llama):
+    """pretrained_start: the architecture is the model's, and quant, subln, doc_mask and block_size the run's."""
+    from tokenizer import get_tokenizer
+    from tools import start
+    from tools.config import build_config, model_config
+    for doc_mask in (True, False):
+        cfg = build_config({"stage": 2, "init_from": tiny_llama, "doc_mask": doc_mask, "block_size": 48,
+                            "device": "cpu"})
+        tok = get_tokenizer(cfg.tokenizer)
+        st = start.pretrained_start(cfg, model_config(cfg, tok.vocab_size, tok.eot), tiny_llama)
+        c = st.model_conf
+        assert (c.doc_mask, c.block_size, c.quant, c.subln, c.n_layer, c.n_kv_head) == (doc_mask, 48, True, True, 2, 2)
+
+
+def test_an_architecture_flag_a_pretrained_model_overrules_is_refused(tiny_llama, imported_model, tmp_path, capsys):
+    """--init_from=<a model>, --resume of a run that began from one, or --init_from=<its checkpoint>: the
+    architecture is the model's, so --n_layer/--n_head/--n_embd that ask for another are refused, not dropped."""
+    import hashlib
+    import shutil
+    digest = lambda path: hashlib.sha256(open(path, "rb").read()).hexdigest()
+    msg = fails(capsys, "--stage=2", f"--init_from={tiny_llama}", "--n_layer=4", *FLAGS,
+                f"--out_dir={tmp_path / 'o'}", code=2)
+    assert "--n_layer=4" in msg and "n_layer=2" in msg and tiny_llama in msg, msg
+    src, ckpt = imported_model
+    os.makedirs(tmp_path / "r" / "stage2")
+    mine = str(tmp_path / "r" / "stage2" / "ckpt.pt")
+    shutil.copy(ckpt, mine)
+    before = digest(mine)
+    msg = fails(capsys, "--stage=2", "--resume=True", "--n_embd=32", f"--out_dir={tmp_path / 'r'}", code=2)
+    assert "--n_embd=32" in msg and "n_embd=64" in msg and mine in msg and src in msg, msg
+    assert digest(mine) == before
+    msg = fails(capsys, "--stage=3", f"--init_from={mine}", f"--tokenizer={src}", f"--teacher={src}", "--n_head=2",
+                *FLAGS, f"--out_dir={tmp_path / 'o3'}", code=2)
+    assert "--n_head=2" in msg and "n_head=4" in msg, msg
+
+
 def test_a_model_we_cannot_carry_is_one_error_line_naming_the_field(tiny_llama, tmp_path, capsys):
     """A config field we do not implement (here Llama 3's rope scaling) is refused before anything is written."""
     d = tmp_path / "scaled"

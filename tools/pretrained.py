@@ -20,17 +20,20 @@ import torch
 from model import GPT, GPTConfig, precompute_rope
 
 
-def from_pretrained(source, block_size=None):
+def from_pretrained(source, block_size=None, check=None):
     """A published Llama-family (llama, mistral) or Qwen3 model as our GPT, in full precision and without SubLN
     (quant=False, subln=False: the stages convert it), with transformers' logits. source: a Hugging Face model
     directory (config.json + safetensors), a hub id (downloaded where there is a network) or a .gguf file.
-    block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id."""
+    block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id.
+    check: called with our GPTConfig before any weight is read (a caller's own refusals)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     path, kw = str(source), {}
     if path.endswith(".gguf"):
         path, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
     hf_config = AutoConfig.from_pretrained(path, **kw)
-    config_from_hf(hf_config, block_size)  # refuses here, before any weight is read
+    config = config_from_hf(hf_config, block_size)  # refuses here, before any weight is read
+    if check is not None:
+        check(config)
     hf, info = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32,
                                                     output_loading_info=True, **kw)
     if info["missing_keys"]:  # transformers would have initialised them at random
