@@ -336,7 +336,7 @@ def setup(argv):
         overrides = {**overrides, "tokenizer": tok} if tok is not None else overrides
     cfg = build_config(overrides, base=saved)
     check_quant_start(cfg)
-    run = Run(cfg, Runtime.from_env(cfg.device), out_dir)
+    run = Run(cfg, Runtime.from_env(cfg.device), out_dir, given=overrides)
     run.device = run.rt.device
     if resume is not None and resume["model_args"].get("quant"):
         notes.append(check_lambda_on_resume(resume["step"], saved, cfg, run.ckpt_path))
@@ -373,7 +373,7 @@ def build(run, resume, teachers):
     if run.lesson is not None:
         model_conf = run.lesson.model_config(model_conf)
         run.eval_loss = run.lesson.eval_loss
-    run.start = start.starting_weights(cfg, model_conf, resume, run.ckpt_path, run.lesson)
+    run.start = start.starting_weights(cfg, model_conf, resume, run.ckpt_path, run.lesson, run.given)
 
     rt.start()
     rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir), {**dataclasses.asdict(cfg), "commit": run.commit})

@@ -341,7 +341,6 @@ TABLES |= {"lr": _lr_table, "warmup": _warmup_table, "smollm2": _smollm2_table}
 def _shipped_dir(name, tokenizer="byte"):
     """data/<name>_<tokenizer>, the shards of a shipped corpus, prepared if missing (as train.py does)."""
     d = os.path.join(ROOT, "data", f"{name}_{prepare.source_slug(tokenizer)}")
-    from tools import prepare
     if not os.path.exists(os.path.join(d, "meta.json")):
         prepare.prepare(tokenizer=tokenizer, out_dir=d, corpus=name)
     try:

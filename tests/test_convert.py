@@ -46,6 +46,36 @@ def test_without_subln_the_converted_model_at_lambda_0_is_the_model_as_published
     assert abs(calibrated[0] - calibrated[1]) < abs(unit[0] - unit[1])
 
 
+def test_calibrated_gains_are_the_mean_rms_of_each_input_in_the_model_as_published():
+    """lessons/subln.calibrate_subln: each gain is the mean over tokens of its input's rms in the model as published
+    (fp layers, no SubLN), not in the ternary model at lambda 1 nor with SubLN normalising while it is measured
+    (both change the inputs of every later norm); each lambda_ is left as built; no batch is a ValueError."""
+    import dataclasses
+    import torch
+    from lessons.subln import calibrate_subln
+    from model import GPT, GPTConfig
+    from tools import start
+    torch.manual_seed(0)
+    fp = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, quant=False, subln=False)).eval()
+    batches = [(torch.randint(0, 64, (2, 16)), None) for _ in range(3)]
+    rms = {}  # the published model's o_proj and down_proj inputs: what each SubLN is inserted in front of
+    hooks = [lin.register_forward_pre_hook(lambda m, inp, key=key: rms.setdefault(key, []).append(
+        torch.sqrt(inp[0].float().pow(2).mean(-1) + fp.config.norm_eps).flatten()))
+        for i, b in enumerate(fp.h) for key, lin in (((i, "attn"), b.attn.o_proj), ((i, "mlp"), b.mlp.down_proj))]
+    with torch.no_grad():
+        for x, _ in batches:
+            fp(x)
+    for h in hooks:
+        h.remove()
+    model = start.convert_pretrained(fp, dataclasses.replace(fp.config, quant=True, subln=True), batches)
+    for (i, part), values in rms.items():
+        gain = getattr(model.h[i], part).subln.weight
+        assert torch.allclose(gain, torch.cat(values).mean().expand_as(gain), rtol=1e-5), (i, part)
+    assert all(float(b) == 1.0 for n, b in model.named_buffers() if n.endswith("lambda_"))  # as built: ternary
+    with pytest.raises(ValueError, match="at least one batch"):
+        calibrate_subln(model, [])
+
+
 def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama, tmp_path):
     """Stage 2 keeps the model's architecture (GQA, MLP width, untied head) and tokenizer, trains ternary and
     resumes; stage 3 distils the student from the original model as published (--teacher=<the same directory>)."""
@@ -64,6 +94,42 @@ def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama
     run("--stage=3", f"--teacher={tiny_llama}", "--max_iters=2", "--eval_interval=2", *FLAGS, out)
     steps = [r for r in records(str(tmp_path), stage=3) if "kd_logits" in r]
     assert steps and all(r["kd_logits"] > 0 for r in steps)
+
+
+def test_the_runs_own_doc_mask_and_block_size_are_carried_into_a_pretrained_model(tiny_llama):
+    """pretrained_start: the architecture is the model's, and quant, subln, doc_mask and block_size the run's."""
+    from tokenizer import get_tokenizer
+    from tools import start
+    from tools.config import build_config, model_config
+    for doc_mask in (True, False):
+        cfg = build_config({"stage": 2, "init_from": tiny_llama, "doc_mask": doc_mask, "block_size": 48,
+                            "device": "cpu"})
+        tok = get_tokenizer(cfg.tokenizer)
+        st = start.pretrained_start(cfg, model_config(cfg, tok.vocab_size, tok.eot), tiny_llama)
+        c = st.model_conf
+        assert (c.doc_mask, c.block_size, c.quant, c.subln, c.n_layer, c.n_kv_head) == (doc_mask, 48, True, True, 2, 2)
+
+
+def test_an_architecture_flag_a_pretrained_model_overrules_is_refused(tiny_llama, imported_model, tmp_path, capsys):
+    """--init_from=<a model>, --resume of a run that began from one, or --init_from=<its checkpoint>: the
+    architecture is the model's, so --n_layer/--n_head/--n_embd that ask for another are refused, not dropped."""
+    import hashlib
+    import shutil
+    digest = lambda path: hashlib.sha256(open(path, "rb").read()).hexdigest()
+    msg = fails(capsys, "--stage=2", f"--init_from={tiny_llama}", "--n_layer=4", *FLAGS,
+                f"--out_dir={tmp_path / 'o'}", code=2)
+    assert "--n_layer=4" in msg and "n_layer=2" in msg and tiny_llama in msg, msg
+    src, ckpt = imported_model
+    os.makedirs(tmp_path / "r" / "stage2")
+    mine = str(tmp_path / "r" / "stage2" / "ckpt.pt")
+    shutil.copy(ckpt, mine)
+    before = digest(mine)
+    msg = fails(capsys, "--stage=2", "--resume=True", "--n_embd=32", f"--out_dir={tmp_path / 'r'}", code=2)
+    assert "--n_embd=32" in msg and "n_embd=64" in msg and mine in msg and src in msg, msg
+    assert digest(mine) == before
+    msg = fails(capsys, "--stage=3", f"--init_from={mine}", f"--tokenizer={src}", f"--teacher={src}", "--n_head=2",
+                *FLAGS, f"--out_dir={tmp_path / 'o3'}", code=2)
+    assert "--n_head=2" in msg and "n_head=4" in msg, msg
 
 
 def test_a_model_we_cannot_carry_is_one_error_line_naming_the_field(tiny_llama, tmp_path, capsys):

@@ -231,6 +231,11 @@ def test_resume_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path
     (["--avg_checkpoints=2"], ("--avg_checkpoints=2", "=0")),
     (["--dlm_shift=False"], ("--dlm_shift=False", "True")),
     (["--dlm_mask_init=random"], ("--dlm_mask_init=random", "mean")),
+    (["--block_size=16"], ("--block_size=16", "--block_size=32")),  # the loader's position counts its windows
+    (["--batch_size=8"], ("--batch_size=8", "--batch_size=4")),
+    (["--doc_mask=True"], ("--doc_mask=True", "False")),
+    (["--init_from=scratch"], ("--init_from=scratch", "auto")),  # a resume starts from its checkpoint
+    (["--subln_gain=calibrated"], ("--subln_gain=calibrated", "unit")),
     (["--overwrite=True"], ("--overwrite=True", "--resume=True", "one of them")),
     (["--stage=2", "--run_name=stage1"], ("stage 1", "--stage=2", "--stage=1")),  # a stage-1 run continued as 2
 ])
@@ -286,6 +291,31 @@ def test_resume_with_a_new_max_iters_says_the_schedule_changed(saved, tmp_path):
     out, ck = copy_run(saved, tmp_path)
     p = run("--stage=1", "--resume=True", f"--out_dir={out}", "--max_iters=2")
     assert "--max_iters changed from 1 to 2" in p.stdout and "LR schedule" in p.stdout
+
+
+@pytest.mark.slow
+def test_resume_with_a_flag_that_makes_another_run_says_so(saved, tmp_path):
+    """A flag a resumed run honours from its next step but that makes it another run than the one saved (here the
+    lr and the global batch) is said in the log, with the value it replaces; one that only says how it logs is not."""
+    out, ck = copy_run(saved, tmp_path)
+    p = run("--stage=1", "--resume=True", f"--out_dir={out}", "--max_iters=2", "--lr=1e-3", "--grad_accum=2",
+            "--log_interval=2")
+    line = next(line for line in p.stdout.splitlines() if "resuming with" in line)
+    assert "--lr=0.001 (was 0.003)" in line and "--grad_accum=2 (was 1)" in line and ck in line, line
+    assert "log_interval" not in line and "max_iters" not in line.split("resuming with")[1]
+
+
+@pytest.mark.parametrize("flags,facts", [
+    (["--subln_gain=calibrated", "--subln=False"], ("--subln_gain=calibrated", "--subln=False")),
+    (["--subln_gain=calibrated", "--stage=2", "--init_from=scratch"], ("--subln_gain=calibrated", "--init_from=scratch")),
+    (["--subln_gain=calibrated", "--stage=1"], ("--subln_gain=calibrated", "--init_from=auto")),
+])
+def test_a_subln_gain_with_no_subln_to_calibrate_is_refused(tmp_path, capsys, flags, facts):
+    """--subln_gain=calibrated measures the SubLN gains inserted into a pretrained model: with no SubLN, or no
+    pretrained model to insert it into, the flag would do nothing, unsaid."""
+    msg = fails(capsys, *TINY, *flags, f"--out_dir={tmp_path}", code=2)
+    assert all(f in msg for f in facts), msg
+    assert not os.path.exists(tmp_path / "stage1") and not os.path.exists(tmp_path / "stage2")
 
 
 @pytest.mark.parametrize("flag,facts", [("--n_layer=2", ("n_layer=1", "n_layer=2")),

@@ -536,6 +536,21 @@ def test_grad_accum_averages_the_micro_batches_gradients(setup_run, monkeypatch,
     assert out_k["loss"] == pytest.approx(out_1["loss"], rel=1e-6)
 
 
+def test_a_checkpoint_named_in_a_models_tokenizer_keeps_the_pretrained_preset_and_stage_1_keeps_its_own():
+    """Stage 2 or 3 from a checkpoint named explicitly, in a model's tokenizer (what check_fits asks of a checkpoint
+    of a run that began from a pretrained model): AdamW at 1e-4 as with --init_from=auto. Stage 1 in a model's
+    tokenizer, from scratch or from a checkpoint, keeps its own preset (Muon at 3e-3)."""
+    from tools.config import build_config
+    model = "HuggingFaceTB/SmolLM2-135M"  # a hub id: a pretrained model by name (nothing is downloaded here)
+    for stage in (2, 3):
+        c = build_config({"stage": stage, "init_from": "out/stage1/ckpt.pt", "tokenizer": model, "teacher": "t.pt",
+                          "device": "cpu"})
+        assert (c.optimizer, c.lr) == ("adamw", 1e-4), stage
+    for flags in ({"stage": 1, "tokenizer": model}, {"stage": 1, "init_from": "out/stage1/ckpt.pt", "tokenizer": model}):
+        c = build_config({**flags, "device": "cpu"})
+        assert (c.optimizer, c.lr) == ("muon", 3e-3), flags
+
+
 def test_a_pretrained_model_trains_with_adamw_at_1e_4_unless_told_otherwise():
     """tools/config.PRETRAINED_PRESET: --init_from or --teacher a pretrained model, or stage 2/3 after a stage that
     began from one (train.py passes its tokenizer), gets AdamW at 1e-4; a flag given wins; from scratch keeps the

@@ -170,10 +170,11 @@ Order of defaults: TrainConfig (shown below), then the device preset, the stage 
 
 
 def pretrained_run(overrides):
-    """Whether this run trains a pretrained model: --init_from or --teacher is one, or a stage 2/3 continuing the
-    stage before (--init_from=auto) in a model's tokenizer (train.py passes the previous stage's)."""
+    """Whether this run trains a pretrained model: --init_from or --teacher is one, or a stage 2/3 continuing a
+    checkpoint in a model's tokenizer (--init_from=auto: train.py passes the previous stage's; or the checkpoint
+    named, whose vocabulary check_fits holds to --tokenizer's). Stage 1 and --init_from=scratch keep their own."""
     named = (overrides.get("init_from"), overrides.get("teacher", "").split(",")[0])
-    after = overrides.get("stage", TrainConfig.stage) in (2, 3) and overrides.get("init_from", "auto") == "auto"
+    after = overrides.get("stage", TrainConfig.stage) in (2, 3) and overrides.get("init_from", "auto") != "scratch"
     return any(is_model_source(m or "") for m in named) or (after and is_model_source(overrides.get("tokenizer", "")))
 
 
@@ -249,6 +250,13 @@ def check_config(cfg):
     if cfg.quant_start and cfg.stage != 2:
         die(f"--quant_start={cfg.quant_start} switches a stage-2 run from 16-bit to ternary; stage {cfg.stage} has "
             f"no such switch (stage 1 is full precision throughout, stage 3 ternary throughout)", 2)
+    if cfg.subln_gain == "calibrated" and not cfg.resume and not cfg.subln:
+        die("--subln_gain=calibrated sets the gains of the SubLN norms, and --subln=False has none; drop one of the "
+            "two", 2)
+    if cfg.subln_gain == "calibrated" and not cfg.resume and not is_model_source(cfg.init_from):
+        die(f"--subln_gain=calibrated measures the SubLN gains inserted into a pretrained model (--init_from=<a "
+            f"model>); --init_from={cfg.init_from} inserts none to measure (a checkpoint's SubLN keeps its gains, one "
+            f"inserted into a checkpoint starts at 1); drop --subln_gain", 2)
     if (cfg.normuon or cfg.muon_state != "fp32") and cfg.optimizer != "muon":
         die(f"--normuon / --muon_state change Muon; --optimizer={cfg.optimizer} has no Muon", 2)
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
@@ -366,7 +374,21 @@ def check_teacher(cfg, crit, s, t, path, first=True):
 # silently be another run (the seed orders the data; the 8-bit codes need their own map; the average holds
 # snapshots taken at its own steps; the diffusion objective is fixed by its mask token and shift).
 FIXED_ON_RESUME = ("seed", "muon_state", "normuon", "avg_checkpoints", "avg_interval", "avg_alpha", "dlm_mask_init",
-                   "dlm_shift")  # the tokenizer and the model shape: checkpoint.check_fits
+                   "dlm_shift",
+                   "block_size", "batch_size",  # the loader's position counts windows of block_size + 1 tokens, and
+                   # draws the source of batch_size rows a batch: under others it would not continue where it stopped
+                   "doc_mask",  # the attention the saved weights were trained with
+                   "init_from", "subln_gain")  # where the run started: a resumed run starts from its checkpoint
+# the tokenizer and the model shape: checkpoint.check_fits (a model's architecture: start.adopt_architecture); the
+# data and its order: the loader's state (data.DataLoader.load_state_dict); --subln: checkpoint.load_weights.
+# Flags a resumed run honours from its next step but that make it another run than the one saved: said in the log
+# (every flag not listed here or below); flags that only say where and how it runs, logs and saves: not said.
+NOT_SAID_ON_RESUME = ("resume", "out_dir", "run_name", "device", "compile", "log_interval", "wandb_project",
+                      "eval_interval", "eval_iters", "eval_whole", "checkpoint_interval", "keep_last", "max_bad_steps",
+                      "log_max_logit",
+                      "tokenizer", "n_layer", "n_head", "n_embd", "pad_vocab", "subln", "data", "data_order",
+                      "optimizer",  # refused where they differ: see above (the optimizer: checkpoint.restore)
+                      "max_iters", "lambda_warmup_steps", "quant_start")  # their own notes: here, check_lambda_on_resume
 
 
 def check_resume(cfg, overrides, saved, path):
@@ -388,8 +410,14 @@ def check_resume(cfg, overrides, saved, path):
             die(f"--{key}={overrides[key]} differs from the run's --{key}={saved.get(key)} saved in {path}, and a "
                 f"resumed run cannot change it; drop the flag to continue the run, or start a new run with "
                 f"--run_name=<name>", 2)
+    notes = []
     if "max_iters" in overrides and overrides["max_iters"] != saved.get("max_iters"):
-        return (f"--max_iters changed from {saved.get('max_iters')} to {overrides['max_iters']}: the LR schedule "
-                f"(and a fractional --quant_start) now follow the new length, so this is not the run it would "
-                f"have been")
-    return ""
+        notes.append(f"--max_iters changed from {saved.get('max_iters')} to {overrides['max_iters']}: the LR schedule "
+                     f"(and a fractional --quant_start) now follow the new length, so this is not the run it would "
+                     f"have been")
+    changed = [f"--{k}={v} (was {saved.get(k, getattr(TrainConfig, k))})" for k, v in overrides.items()
+               if k not in FIXED_ON_RESUME + NOT_SAID_ON_RESUME and v != saved.get(k, getattr(TrainConfig, k))]
+    if changed:
+        notes.append(f"resuming with {', '.join(changed)}: the run continues under the new value(s) from its next "
+                     f"step, so it is no longer the run saved in {path}")
+    return "; ".join(notes)

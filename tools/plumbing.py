@@ -46,6 +46,7 @@ class Run:
     cfg: TrainConfig
     rt: Runtime
     out_dir: str
+    given: dict = dataclasses.field(default_factory=dict)  # the flags given on the command line, {name: value}
     model: GPT = None            # the model itself: its weights are what checkpoints hold
     train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
     optimizer: object = None

@@ -24,12 +24,13 @@ from model import GPT, GPTConfig, precompute_rope
 from tokenizer import hub_unreachable
 
 
-def from_pretrained(source, block_size=None):
+def from_pretrained(source, block_size=None, check=None):
     """A published Llama-family (llama, mistral) or Qwen3 model as our GPT, in full precision and without SubLN
     (quant=False, subln=False: the stages convert it), with transformers' logits. source: a Hugging Face model
     directory (config.json + safetensors), a hub id (downloaded where there is a network) or a .gguf file.
     block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id (a run
-    takes its tokenizer's end-of-text instead, the id its shards separate documents with: start.pretrained_start)."""
+    takes its tokenizer's end-of-text instead, the id its shards separate documents with: start.pretrained_start).
+    check: called with our GPTConfig before any weight is read (a caller's own refusals)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     path, kw = str(source), {"local_files_only": hub_unreachable(str(source))}  # offline: the cache, at once
     head_dim = check_gguf(source) if path.endswith(".gguf") else None  # refuses what transformers would drop
@@ -39,7 +40,9 @@ def from_pretrained(source, block_size=None):
         hf_config = AutoConfig.from_pretrained(path, **kw)
     if head_dim:  # transformers' qwen3 GGUF reader drops attention.key_length (and assumes 128)
         hf_config.head_dim = head_dim
-    config_from_hf(hf_config, block_size)  # refuses here, before any weight is read
+    config = config_from_hf(hf_config, block_size)  # refuses here, before any weight is read
+    if check is not None:
+        check(config)
     with unreadable(source, "weights"):  # a mismatch is ours to report (below), not transformers' table of it
         hf, info = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32,
                                                         output_loading_info=True, ignore_mismatched_sizes=True, **kw)

@@ -37,7 +37,7 @@ ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "head_dim", "qk_norm
                 "norm_eps", "tie_embeddings")  # what a pretrained model fixes and no flag sets
 
 
-def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None):
+def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None, given=None):
     """The three-stage recipe (after BitDistill, arXiv 2510.13998: SubLN refinement, continued pre-training,
     distillation) decides where a run starts:
       stage 1  the full-precision model with SubLN, from scratch; or --init_from=<an fp checkpoint>: its weights,
@@ -49,10 +49,11 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
       --init_from=<a pretrained model> (a Hugging Face directory, a hub id or a GGUF file), stage 1 or 2: its weights
                as published, SubLN inserted in front of o_proj and down_proj (unit gain, or --subln_gain=calibrated)
     Every checkpoint is checked against this run's shape before anything is loaded; a run that started from a
-    pretrained model keeps that model's architecture (adopt_architecture)."""
+    pretrained model keeps that model's architecture (adopt_architecture). given: the flags given on the command
+    line, {name: value}; an architecture flag that the model's architecture overrules is refused (check_given)."""
     if resume_ckpt is not None:
         check_saved_tokenizer(cfg, resume_ckpt, resume_path)
-        model_conf = adopt_architecture(model_conf, resume_ckpt)
+        model_conf = adopt_architecture(model_conf, resume_ckpt, given, resume_path)
         checkpoint.check_fits(resume_ckpt["model_args"], model_conf, resume_path)
         return Start(resume_ckpt["step"], resume_ckpt, resume_path, model_conf=model_conf,
                      note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
@@ -68,11 +69,11 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None)
         die(f"no checkpoint at {path} to start stage {cfg.stage} from; make it with: "
             f"python train.py --stage={max(cfg.stage - 1, 1)}")
     if is_model_source(path):
-        return pretrained_start(cfg, model_conf, path)
+        return pretrained_start(cfg, model_conf, path, given)
     outputs.check_input("--init_from", path)  # an HF export of ours: named as such
     ckpt = checkpoint.load(path)
     check_saved_tokenizer(cfg, ckpt, path)
-    model_conf = adopt_architecture(model_conf, ckpt)
+    model_conf = adopt_architecture(model_conf, ckpt, given, path)
     checkpoint.check_fits(ckpt["model_args"], model_conf, path)
     if cfg.stage == 3 and not ckpt["model_args"].get("quant"):
         die(f"{path} is a full-precision model (quant=False), and stage 3 distils a ternary student; make the "
@@ -99,14 +100,30 @@ def check_saved_tokenizer(cfg, ckpt, path):
             f"wherever it is now)", 2)
 
 
-def adopt_architecture(model_conf, ckpt):
+def adopt_architecture(model_conf, ckpt, given=None, path=""):
     """The model config a run starting from ckpt builds: the flags' (model_conf), except that a checkpoint of a
-    run that began from a pretrained model (its tokenizer is that model's) keeps that model's architecture."""
+    run that began from a pretrained model (its tokenizer is that model's) keeps that model's architecture; a
+    flag given for it that says otherwise is refused (check_given)."""
     tok = (ckpt.get("config") or {}).get("tokenizer", "byte")
     if tok in ("byte", "gpt2"):
         return model_conf
     args = ckpt["model_args"]
-    return dataclasses.replace(model_conf, **{k: args[k] for k in ARCHITECTURE if k in args})
+    conf = dataclasses.replace(model_conf, **{k: args[k] for k in ARCHITECTURE if k in args})
+    check_given(given, conf, f"{path}, a run that began from the pretrained {tok},")
+    return conf
+
+
+def check_given(given, conf, what):
+    """The architecture flags given ({name: value}) that conf, a pretrained model's architecture, overrules: one
+    error line each where the flag asks for another value (what: the model or checkpoint, for the message)."""
+    given = given or {}
+    for key in ("n_layer", "n_head", "n_embd"):
+        if key in given and given[key] != getattr(conf, key):
+            die(f"--{key}={given[key]}: {what} has {key}={getattr(conf, key)}, and a pretrained model keeps its "
+                f"architecture; drop --{key}", 2)
+    if given.get("pad_vocab") and conf.vocab_size % 64:
+        die(f"--pad_vocab=True: {what} has its own vocabulary of {conf.vocab_size} tokens, kept as it is; drop "
+            f"--pad_vocab", 2)
 
 
 def previous_stage_tokenizer(cfg):
@@ -126,7 +143,7 @@ def previous_stage_tokenizer(cfg):
 # a pretrained model: imported as published, converted, and what the conversion costs
 
 
-def pretrained_start(cfg, model_conf, source):
+def pretrained_start(cfg, model_conf, source, given=None):
     """--init_from=<a pretrained model>: BitDistill's stage 1 on it (convert_pretrained, run by starting_model); in
     stage 2 every hidden linear is then a BitLinear whose lambda warms up from 0. The architecture (GQA, head_dim,
     q/k norms, MLP width, tied head) is the model's; quant, subln, doc_mask and block_size are the run's."""
@@ -137,7 +154,7 @@ def pretrained_start(cfg, model_conf, source):
         die(f"--tokenizer={cfg.tokenizer} is not the tokenizer of {source}; drop --tokenizer (the model's own is the "
             f"default) and make shards with it: python -m tools.prepare --tokenizer={source} ...", 2)
     check_same_tokenizer("--tokenizer", cfg.tokenizer, f"the tokenizer of --init_from={source}", source)
-    fp = import_model(source, cfg.block_size, "--init_from")
+    fp = import_model(source, cfg.block_size, "--init_from", check=lambda conf: check_given(given, conf, source))
     if fp.config.vocab_size < model_conf.vocab_size:
         die(f"--tokenizer={cfg.tokenizer} has {model_conf.vocab_size} tokens but {source} only "
             f"{fp.config.vocab_size}; drop --tokenizer (the model's own is the default)", 2)
@@ -166,11 +183,11 @@ def check_same_tokenizer(flag, name, what, other, fix=None):
             + (fix or f"pass {flag}={other}, and shards made with it (python -m tools.prepare --tokenizer={other})"), 2)
 
 
-def import_model(source, block_size, flag):
+def import_model(source, block_size, flag, check=None):
     """A pretrained model as published (tools/pretrained.py: full precision, no SubLN); a model we cannot carry is
-    one error line naming the config field."""
+    one error line naming the config field. check(its GPTConfig): the caller's refusals, before any weight is read."""
     try:
-        return from_pretrained(source, block_size=block_size)
+        return from_pretrained(source, block_size=block_size, check=check)
     except (ValueError, OSError) as e:
         die(f"{flag}={source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 2)
 
@@ -180,7 +197,8 @@ def convert_pretrained(fp, conf=None, batches=None):
     GPT of conf (default: fp's config with quant=True, subln=True) holding fp's weights; every hidden linear a
     BitLinear when conf.quant (lambda_ as built, 1: set_lambda before use); with conf.subln an RMSNorm in front of
     o_proj and down_proj, unit gain (the paper), or given batches [(x, y), ...] each gain the mean rms of its input
-    over them (lessons/subln.py; measured at the lambda_ as built). fp is left as it was."""
+    over them in the model as published (lessons/subln.py: measured at lambda 0, lambda_ left as built). fp is left
+    as it was."""
     conf = conf or dataclasses.replace(fp.config, quant=True, subln=True)
     model = GPT(conf)
     checkpoint.load_weights(model, fp.state_dict(), getattr(fp, "source", "the pretrained model"), conf.subln)
