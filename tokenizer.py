@@ -112,10 +112,10 @@ class HFTokenizer:
                                                     local_files_only=offline)
         except Exception as e:  # transformers' own errors (OSError, ValueError, ...): one line, naming the source
             why = " ".join(str(e).split())[:200]
-            where = "a directory with tokenizer.json or tokenizer_config.json" if os.path.isdir(name) else \
-                "a .gguf file with a tokenizer" if gguf else \
-                "the local cache (the hub cannot be reached: no network? pass a local directory or .gguf)" if offline \
-                else "the hub (pass a local directory or .gguf)"
+            where = ("a directory with tokenizer.json or tokenizer_config.json" if os.path.isdir(name) else
+                     "a .gguf file with a tokenizer" if gguf else
+                     "the local cache (the hub cannot be reached: no network, or HF_HUB_OFFLINE set? pass a local "
+                     "directory or .gguf)" if offline else "the hub (pass a local directory or .gguf)")
             raise ValueError(f"tokenizer {name!r}: transformers cannot load it from {where} ({type(e).__name__}: "
                              f"{why})") from None
         finally:
@@ -186,11 +186,13 @@ _hub = {}  # whether the hub answered: asked once per process
 
 
 def hub_unreachable(name):
-    """True when name is a hub id (no such path here) and the hub (HF_ENDPOINT, else huggingface.co) does not
-    answer within 3 s: transformers is then told to read the local cache only, and fails at once instead of after a
-    minute of retries."""
-    if os.path.exists(name) or name.endswith(".gguf") or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+    """True when name is a hub id (no such path here) and HF_HUB_OFFLINE is set or the hub (HF_ENDPOINT, else
+    huggingface.co) does not answer within 3 s: transformers is then told to read the local cache only, and fails
+    at once instead of after a minute of retries."""
+    if os.path.exists(name) or name.endswith(".gguf"):
         return False
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        return True  # told not to ask it
     if "up" not in _hub:
         url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
         try:

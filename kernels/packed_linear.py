@@ -84,12 +84,13 @@ class PackedBitLinear(nn.Module):
         once, their codes stacked along N with one gamma per row (each matrix its own). The same numbers as
         calling each layer (the int32 sums are exact; the scaling is per element). The stack is built on the
         first call and kept beside the layers' own buffers (more packed bytes in memory, never in a file)."""
-        key = tuple((id(m), m.w_packed.data_ptr(), m.w_packed._version) for m in layers)  # rebuilt after load_state_dict
         stack = getattr(self, "_stack", None)
-        if stack is None or stack[0] != key or stack[1].device != self.w_packed.device:
+        # eager calls rebuild it after load_state_dict or .to(); a compiled graph uses the stack it was traced with
+        # (dynamo cannot trace data_ptr), as it does every other tensor of the model
+        if stack is None or (not torch.compiler.is_compiling() and stack[0] != _stack_key(layers)):
             w = torch.cat([m.w_packed for m in layers])  # (sum N_i, ceil(K/4))
             ws = torch.cat([m.w_scale.reshape(1).expand(m.out_features) for m in layers])  # (sum N_i,) per row
-            self._stack = stack = (key, w, ws)
+            self._stack = stack = (None if torch.compiler.is_compiling() else _stack_key(layers), w, ws)
         use_triton = x.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:
             x_q, x_scale = tm.quantize_activations(x)
@@ -104,11 +105,17 @@ class PackedBitLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed 2-bit, use_triton={self.use_triton}"
 
 
+def _stack_key(layers):
+    """What a stacked copy of layers' codes was made from: each layer's codes tensor, its storage and version."""
+    return tuple((id(m), m.w_packed.data_ptr(), m.w_packed._version, m.w_packed.device) for m in layers)
+
+
 def _untriton_matmul(x_q, x_scale, w_packed, w_scale, owner, K, attr="_codes"):
     """The matmul without Triton. CPU: ternary_matmul_codes on int8 codes unpacked from w_packed once and kept as
     owner.<attr> (a plain attribute: not a buffer, so never saved), unpacked again when w_packed is another tensor
-    or was written in place (load_state_dict). Elsewhere (CUDA with use_triton=False): ternary_matmul_reference."""
-    if x_q.device.type != "cpu":
+    or was written in place (load_state_dict). Elsewhere (CUDA with use_triton=False, or inside torch.compile):
+    ternary_matmul_reference."""
+    if x_q.device.type != "cpu" or torch.compiler.is_compiling():  # a compiled graph: the reference, as traced
         return tm.ternary_matmul_reference(x_q, x_scale, w_packed, w_scale)
     cached = getattr(owner, attr, None)
     if cached is None or cached[0] is not w_packed or cached[1] != w_packed._version:

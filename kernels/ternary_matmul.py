@@ -336,9 +336,9 @@ PREFILL_CONFIGS = {
     (9, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_G=16, GROUP_M=8, num_warps=8, num_stages=3),
 }
 # interpreter: small GPU-legal shapes (a plane slice of 4 * 8 = 32 elements is the smallest int8 tl.dot);
-# BLOCK_G = 8 words makes K = 256 two loop steps
+# BLOCK_G = 8 words makes K = 256 two loop steps; few programs, since the interpreter pays per program and op
 INTERPRETER_CONFIGS = {
-    "decode": dict(BLOCK_N=2, BLOCK_G=8),
+    "decode": dict(BLOCK_N=16, BLOCK_G=8),  # N = 33, 37: three programs, the last one masked
     "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_G=8, GROUP_M=8),
 }
 

@@ -18,8 +18,6 @@ Test: python -m pytest tests/test_convert.py
 
 import torch
 
-from quant import set_lambda
-
 
 @torch.no_grad()
 def calibrate_subln(model, batches):
@@ -41,14 +39,15 @@ def calibrate_subln(model, batches):
         return inputs[0]  # the identity: the model as published
     lambdas = {name: buf.clone() for name, buf in model.named_buffers() if name.endswith("lambda_")}
     hooks = [m.register_forward_hook(measure) for m in norms]
+    bufs = dict(model.named_buffers())
     try:
-        set_lambda(model, 0.0)  # the model as published: every BitLinear its fp layer
+        for name in lambdas:  # the model as published: every BitLinear its fp layer (lambda 0)
+            bufs[name].fill_(0.0)
         for x, _ in batches:
             model(x.to(model.wte.weight.device))
     finally:
         for h in hooks:
             h.remove()
-        bufs = dict(model.named_buffers())
         for name, lam in lambdas.items():
             bufs[name].copy_(lam)
     for m in norms:

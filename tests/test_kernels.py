@@ -50,14 +50,17 @@ def _case_data(M, K, N, seed):
     return x_q, w_q, x_scale, w_scale
 
 
-# M in {1, 3, 17, 64} x K in {4, 60, 100, 256}, N cycling through odd sizes; each in both configurations
+# M in {1, 3, 17, 64} x K in {4, 60, 100, 256}, N cycling through odd sizes; each in both configurations (CASES)
 MK = [(M, K) for M in (1, 3, 17, 64) for K in (4, 60, 100, 256)]
 SHAPES = [(M, K, (1, 33, 37)[i % 3]) for i, (M, K) in enumerate(MK)]
 CONFIGS = ["decode", "prefill"]  # forced, so both kernels (dp4a on CUDA cores, int8 tl.dot) run on CPU for every M
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("M,K,N", SHAPES)
+# decode forced up to M = 17 (one row past its domain, M <= 16): the interpreter pays for every row of its row loop
+CASES = [(M, K, N, c) for M, K, N in SHAPES for c in CONFIGS if not (c == "decode" and M > 17)]
+
+
+@pytest.mark.parametrize("M,K,N,config", CASES)
 def test_ternary_matmul_integer_part_exact_and_scaled_within_1e6(M, K, N, config):
     x_q, w_q, x_scale, w_scale = _case_data(M, K, N, seed=M * 100_003 + K * 101 + N * 2 + CONFIGS.index(config))
     x_q, x_scale, w_scale = x_q.to(DEVICE), x_scale.to(DEVICE), w_scale.to(DEVICE)

@@ -62,10 +62,11 @@ def atomic_write(path):
 
 
 def stale_tmps(path):
-    """The files atomic_write(path) left beside path whose writer is gone: path.<host>_<pid>_<hex>.tmp of a pid of
-    this host that no longer runs (another host's after STALE_AFTER_S), and an older writer's path.tmp."""
+    """The files atomic_write(path) left beside path whose writer is gone: path.<host>_<pid>[_<start>]_<hex>.tmp of
+    a process of this host that no longer runs (a pid now another process's counts as gone; another host's after
+    STALE_AFTER_S), and an older writer's path.tmp."""
     parent, name = os.path.split(os.path.abspath(path))
-    ours = re.compile(re.escape(name) + r"(?:\.([A-Za-z0-9-]+)_(\d+)_[0-9a-f]+)?\.tmp")
+    ours = re.compile(re.escape(name) + r"(?:\.([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+)?\.tmp")
     stale = []
     for n in os.listdir(parent):
         m = ours.fullmatch(n)
@@ -78,7 +79,7 @@ def stale_tmps(path):
         if m[1] is None:
             gone = True
         elif m[1] == _host() and os.name == "posix":
-            gone = not _running(int(m[2]))
+            gone = not _running(int(m[2]), int(m[3]) if m[3] else None)
         else:
             gone = time.time() - st.st_mtime > STALE_AFTER_S
         if gone:
