@@ -1,0 +1,63 @@
+"""
+Packed ternary generation against full precision on CPU, at SmolLM2-135M's shape (30 layers, width 576, 9 query /
+3 KV heads, MLP 1536, vocabulary 49,152; random weights: speed does not depend on them). Greedy batch-1 decode
+through tools/decode.py (static KV cache, eager), fp and packed interleaved rep by rep on the same machine, so the
+ratio packed/fp is read from pairs of runs made back to back.
+
+    python -m lab.packed_decode [--tokens=32 --reps=5]
+
+The target (issue 42): packed >= 1.0x fp on 2 cores. Packed layers on CPU keep int8 codes (unpacked once) and
+multiply with torch._int_mm (kernels/packed_linear.py).
+"""
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.packed_linear import freeze_ternary
+from model import GPT, GPTConfig
+from tools import decode
+from tools.flags import parse
+
+SMOLLM2 = dict(vocab_size=49152, block_size=256, n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536,
+               tie_embeddings=True)
+
+
+@dataclass
+class DecodeFlags:
+    tokens: int = 32  # new tokens per generation
+    reps: int = 5     # fp/packed pairs, interleaved
+
+
+def main(argv):
+    args = DecodeFlags(**parse(argv, DecodeFlags, __doc__))
+    torch.manual_seed(0)
+    fp = GPT(GPTConfig(**SMOLLM2, quant=False, subln=False)).eval()
+    packed = freeze_ternary(GPT(GPTConfig(**SMOLLM2, quant=True, subln=True)).eval())
+    prompt = torch.randint(0, SMOLLM2["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(0))
+    gens = {name: decode.Decoder(m, "eager").generate for name, m in (("fp", fp), ("packed", packed))}
+    tps = {name: [] for name in gens}
+    with torch.no_grad():
+        for g in gens.values():
+            g(prompt, 4, top_k=1)  # warm-up: caches, codes unpacked once
+        for _ in range(args.reps):
+            for name, g in gens.items():
+                t0 = time.perf_counter()
+                g(prompt, args.tokens, top_k=1)
+                tps[name].append(args.tokens / (time.perf_counter() - t0))
+    for name, v in tps.items():
+        print(f"{name:7s} {statistics.median(v):7.2f} tokens/s median (min {min(v):.2f}, max {max(v):.2f}), {args.reps} reps")
+    ratios = [p / f for p, f in zip(tps["packed"], tps["fp"])]
+    print(f"packed/fp: {statistics.median(ratios):.2f}x median of the pairs (min {min(ratios):.2f}, max "
+          f"{max(ratios):.2f}); {torch.get_num_threads()} threads, SmolLM2-135M's shape, greedy, batch 1")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
