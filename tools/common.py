@@ -67,24 +67,29 @@ def stale_tmps(path):
     STALE_AFTER_S), and an older writer's path.tmp."""
     parent, name = os.path.split(os.path.abspath(path))
     ours = re.compile(re.escape(name) + r"(?:\.([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+)?\.tmp")
-    stale = []
+    return [os.path.join(parent, n) for n, st, m in _beside(parent, ours, stat.S_ISREG)
+            if m[1] is None or _writer_gone(m[1], m[2], m[3], st.st_mtime)]
+
+
+def _beside(parent, pattern, kind):
+    """(name, lstat, match) of each entry of parent whose whole name matches pattern and whose mode passes kind
+    (stat.S_ISREG, stat.S_ISDIR); one removed meanwhile is skipped."""
     for n in os.listdir(parent):
-        m = ours.fullmatch(n)
+        m = pattern.fullmatch(n)
         try:
             st = os.lstat(os.path.join(parent, n)) if m else None
-        except FileNotFoundError:  # removed meanwhile
+        except FileNotFoundError:
             st = None
-        if st is None or not stat.S_ISREG(st.st_mode):
-            continue
-        if m[1] is None:
-            gone = True
-        elif m[1] == _host() and os.name == "posix":
-            gone = not _running(int(m[2]), int(m[3]) if m[3] else None)
-        else:
-            gone = time.time() - st.st_mtime > STALE_AFTER_S
-        if gone:
-            stale.append(os.path.join(parent, n))
-    return stale
+        if st is not None and kind(st.st_mode):
+            yield n, st, m
+
+
+def _writer_gone(host, pid, start, mtime):
+    """Whether the writer named by (host, pid, start) is gone: on this host, its pid no longer runs or is another
+    process's (start given); elsewhere (or no host in the name), the leftover is older than STALE_AFTER_S."""
+    if host == _host() and os.name == "posix":
+        return not _running(int(pid), int(start) if start else None)
+    return time.time() - mtime > STALE_AFTER_S
 
 
 @contextlib.contextmanager
@@ -187,21 +192,9 @@ def _leftovers(path):
     parent, name = os.path.split(path)
     ours = re.compile(re.escape(f".{name}.") +
                       r"(?:(tmp|old)_([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+|tmp_[a-z0-9_]{8})")
-    found = []
-    for n in os.listdir(parent):
-        m = ours.fullmatch(n)
-        try:
-            st = os.lstat(os.path.join(parent, n)) if m else None
-        except FileNotFoundError:  # removed meanwhile
-            st = None
-        if st is None or not stat.S_ISDIR(st.st_mode):
-            continue
-        if m[2] == _host() and os.name == "posix":
-            running = _running(int(m[3]), int(m[4]) if m[4] else None)
-        else:
-            running = time.time() - st.st_mtime <= STALE_AFTER_S
-        found.append((st.st_mtime, n, m[1] or "tmp", running))
-    return [(n, kind, running) for _, n, kind, running in sorted(found)]
+    found = sorted((st.st_mtime, n, m[1] or "tmp", not _writer_gone(m[2], m[3], m[4], st.st_mtime))
+                   for n, st, m in _beside(parent, ours, stat.S_ISDIR))
+    return [(n, kind, running) for _, n, kind, running in found]
 
 
 def _host():
