@@ -4,7 +4,7 @@ Packed ternary generation against full precision on CPU, at SmolLM2-135M's shape
 through tools/decode.py (static KV cache, eager), fp and packed interleaved rep by rep on the same machine, so the
 ratio packed/fp is read from pairs of runs made back to back.
 
-    python -m lab.packed_decode [--tokens=32 --reps=5]
+    python -m lab.packed_decode [--tokens=32 --reps=5 --n_layer=30]
 
 The target (issue 42): packed >= 1.0x fp on 2 cores. Packed layers on CPU keep int8 codes (unpacked once) and
 multiply with torch._int_mm (kernels/packed_linear.py).
@@ -33,13 +33,15 @@ SMOLLM2 = dict(vocab_size=49152, block_size=256, n_layer=30, n_head=9, n_kv_head
 class DecodeFlags:
     tokens: int = 32  # new tokens per generation
     reps: int = 5     # fp/packed pairs, interleaved
+    n_layer: int = 30  # SmolLM2-135M's depth (fewer: a quick look at the same layer shapes)
 
 
 def main(argv):
     args = DecodeFlags(**parse(argv, DecodeFlags, __doc__))
     torch.manual_seed(0)
-    fp = GPT(GPTConfig(**SMOLLM2, quant=False, subln=False)).eval()
-    packed = freeze_ternary(GPT(GPTConfig(**SMOLLM2, quant=True, subln=True)).eval())
+    shape = {**SMOLLM2, "n_layer": args.n_layer}
+    fp = GPT(GPTConfig(**shape, quant=False, subln=False)).eval()
+    packed = freeze_ternary(GPT(GPTConfig(**shape, quant=True, subln=True)).eval())
     prompt = torch.randint(0, SMOLLM2["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(0))
     gens = {name: decode.Decoder(m, "eager").generate for name, m in (("fp", fp), ("packed", packed))}
     tps = {name: [] for name in gens}
@@ -55,7 +57,7 @@ def main(argv):
         print(f"{name:7s} {statistics.median(v):7.2f} tokens/s median (min {min(v):.2f}, max {max(v):.2f}), {args.reps} reps")
     ratios = [p / f for p, f in zip(tps["packed"], tps["fp"])]
     print(f"packed/fp: {statistics.median(ratios):.2f}x median of the pairs (min {min(ratios):.2f}, max "
-          f"{max(ratios):.2f}); {torch.get_num_threads()} threads, SmolLM2-135M's shape, greedy, batch 1")
+          f"{max(ratios):.2f}); {torch.get_num_threads()} threads, SmolLM2-135M's shape with {args.n_layer} layers, greedy, batch 1")
     return 0
 
 

@@ -223,10 +223,13 @@ def test_the_cuda_preset_global_batch_runs_unchanged_on_1_2_4_and_8_gpus(tmp_pat
 @pytest.mark.slow
 def test_a_lost_rank_is_one_line_on_rank_0_naming_the_checkpoint_to_resume(tmp_path):
     """Rank 1 exits at once at step 3 (tests/faults.py die_rank), as a lost node would: rank 0's collective fails,
-    and it says so in one line with the checkpoint of step 2 to resume from, not a gloo traceback."""
+    and it says so in one line with the checkpoint of step 2 to resume from, not a gloo traceback.
+    torchrun checks its workers every --monitor_interval seconds and ends the others when one has failed: at its
+    default of 0.1 s on a loaded machine, it could end rank 0 before rank 0 noticed. A lost node is not ended by
+    the agent of another node, so the test gives rank 0 2 s to notice, as it would have there."""
     out = str(tmp_path)
     p = run_train(f"--out_dir={out}", "--stage=2", *TINY, "--max_iters=6", "--eval_interval=2", "--grad_accum=2",
-                  faults="die_rank=1@3", launch=[*TORCHRUN, "--nproc_per_node=2"], rc=None)
+                  faults="die_rank=1@3", launch=[*TORCHRUN, "--nproc_per_node=2", "--monitor_interval=2"], rc=None)
     assert p.returncode != 0
     rank0 = [line for line in p.stderr.splitlines() if line.startswith(("[rank0]", "error: "))]
     assert len(rank0) == 1 and rank0[0].startswith("error: lost contact with another rank"), p.stderr[-3000:]
