@@ -7,6 +7,7 @@ steps ~100x slower.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,11 +23,69 @@ FAULTS = os.path.join(ROOT, "tests", "faults.py")  # train.py with fault injecti
 
 
 def start(*args, log=None, faults=None, launch=None):
-    """Popen of train.py (or, with faults="hang_at=16" etc., of tests/faults.py, which wraps it)."""
+    """train.py (or, with faults="hang_at=16" etc., tests/faults.py, which wraps it) started in a process of its
+    own, as `python train.py <args>` in the repository: forked from tests/forkserver.py, which has the imports
+    done, or under `launch` (torchrun) a Popen. Either way a Popen-like object (pid, poll, wait, communicate,
+    send_signal, returncode); stdout goes to `log` if given."""
     script = FAULTS if faults else os.path.join(ROOT, "train.py")
     env = dict(ENV, NANOBITNET_FAULTS=faults, PYTHONPATH=ROOT) if faults else ENV
-    return subprocess.Popen([*(launch or [sys.executable]), script, *args], cwd=ROOT, env=env, text=True,
+    if launch is None:
+        return Forked([script, *args], env, log)
+    return subprocess.Popen([*launch, script, *args], cwd=ROOT, env=env, text=True,
                             stdout=open(log, "w") if log else subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+class Forked:
+    """A run forked by tests/forkserver.py (one server per pytest worker, started on first use): the parts of
+    subprocess.Popen the tests use. Its stdout and stderr are files, read by communicate() once it has ended."""
+    server = None
+    files = None
+
+    def __init__(self, argv, env, log=None):
+        import atexit
+        import itertools
+        import shutil
+        import tempfile
+        if Forked.server is None or Forked.server.poll() is not None:
+            Forked.server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "forkserver.py")],
+                                             cwd=ROOT, env=dict(ENV, PYTHONPATH=ROOT), text=True,
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            Forked.files = (tempfile.mkdtemp(prefix="forked-"), itertools.count())
+            atexit.register(shutil.rmtree, Forked.files[0], ignore_errors=True)
+        d, n = Forked.files[0], next(Forked.files[1])
+        self.args, self.log, self.returncode = argv, log, None
+        self.out, self.err, self.status = (log or f"{d}/{n}.out"), f"{d}/{n}.err", f"{d}/{n}.status"
+        open(self.out, "w").close()  # there at once, as Popen's would be
+        Forked.server.stdin.write(json.dumps(dict(argv=argv, cwd=ROOT, env=env, stdout=self.out, stderr=self.err,
+                                                  status=self.status)) + "\n")
+        Forked.server.stdin.flush()
+        self.pid = int(Forked.server.stdout.readline())
+
+    def poll(self):
+        if self.returncode is None and os.path.exists(self.status):
+            self.returncode = int(open(self.status).read())
+        return self.returncode
+
+    def wait(self, timeout=None):
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        read = lambda path: open(path, encoding="utf-8", errors="backslashreplace").read()
+        return (None if self.log else read(self.out)), read(self.err)
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
 def run(*args, rc=0, faults=None, launch=None, timeout=300):
