@@ -175,3 +175,14 @@ def imported_model(tmp_path_factory):
     once per test run: the export tests share it (read it, never write into its directory)."""
     from imported import converted
     return converted(tmp_path_factory.mktemp("imported"))
+
+
+# The files that take longest (seconds of one worker each), sent to the workers first: pytest.ini hands out whole
+# files (--dist loadfile), so a long file collected last would run alone at the end while the other worker idles.
+LONGEST_FIRST = ["test_readme.py", "test_kernels.py", "test_convert.py", "test_lab.py", "test_scale.py",
+                 "test_packed.py", "test_hf.py", "test_pretrained.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
