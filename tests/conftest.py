@@ -186,3 +186,24 @@ LONGEST_FIRST = ["test_readme.py", "test_kernels.py", "test_convert.py", "test_l
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+def pytest_sessionfinish(session):
+    """A run with --init_from=<a model in a test's temporary directory> tokenises the shipped corpus into
+    data/<corpus>_<model>-<hash> (tools/plumbing.shipped_dir): those shards go when the session ends (on the
+    controller, after every worker), so the suite leaves the checkout's data/ as it found it. Only directories
+    whose meta.json names a tokenizer inside this session's temporary directory are removed."""
+    import shutil
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if hasattr(session.config, "workerinput") or factory is None:
+        return
+    base = os.path.realpath(str(factory.getbasetemp())) + os.sep
+    d = os.path.join(ROOT, "data")
+    for name in os.listdir(d):
+        try:
+            with open(os.path.join(d, name, "meta.json")) as f:
+                tokenizer = str(json.load(f).get("tokenizer", ""))
+        except (OSError, ValueError):
+            continue
+        if tokenizer and os.path.realpath(os.path.join(ROOT, tokenizer)).startswith(base):  # relative: to ROOT
+            shutil.rmtree(os.path.join(d, name), ignore_errors=True)
