@@ -1,6 +1,7 @@
 """Tests for lab/bench.py --quality: the time-to-quality interpolation against its closed form, the fixed val
 windows, and one tiny end-to-end run whose printed ratio is the quotient of the two printed times.
 Run: python -m pytest tests/test_bench.py"""
+import os
 import re
 import subprocess
 import sys
@@ -171,3 +172,45 @@ def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(caps
     for _, total, rows in sections:
         ms = [float(m) for m in re.findall(r" ([\d.]+) ms +[\d.]+%$", rows, re.M)]
         assert 5 <= len(ms) <= 12 and ms == sorted(ms, reverse=True) and sum(ms) <= float(total) + 0.01 * len(ms)
+
+
+FAKE_NANOGPT = '''import os, sys, numpy as np, pickle
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+d = os.path.join("data", args["dataset"])
+train = np.fromfile(os.path.join(d, "train.bin"), dtype=np.uint16)
+val = np.fromfile(os.path.join(d, "val.bin"), dtype=np.uint16)
+with open(os.environ["SEEN"], "w") as f:
+    f.write(repr((len(train), int(train[:1000].sum()), len(val), pickle.load(open(os.path.join(d, "meta.pkl"), "rb")),
+                  sorted(k for k in args))))
+for i in range(int(args["max_iters"]) + 1):
+    print(f"iter {i}: loss 2.0, time {100 + i}.00ms, mfu 0.04%")
+'''
+
+
+@pytest.mark.slow
+def test_against_nanogpt_feeds_it_our_byte_shards_in_its_format_and_prints_both_ratios(tmp_path, monkeypatch, capsys):
+    """lab.against_nanogpt: nanoGPT's train.py (here a stand-in that records what it was given) reads our byte shards
+    as its uint16 train.bin/val.bin with vocab 257 at our shape, from a directory of its own; the ratio is ours over
+    its median step; a path that is not a nanoGPT checkout is one error line."""
+    from lab import against_nanogpt
+    ng = tmp_path / "nanoGPT"
+    ng.mkdir()
+    (ng / "train.py").write_text(FAKE_NANOGPT)
+    (ng / "model.py").write_text("")
+    (ng / "configurator.py").write_text("")
+    monkeypatch.setenv("SEEN", str(tmp_path / "seen"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    against_nanogpt.main([f"--nanogpt={ng}", "--max_iters=12"])
+    shards = os.path.join(ROOT, "data", "shakespeare_byte")
+    train = np.concatenate([np.asarray(data.read_shard(f)) for f in data.find_shards(shards, "train")])
+    n_val = sum(len(data.read_shard(f)) for f in data.find_shards(shards, "val"))
+    n, head, nv, meta, keys = eval(open(tmp_path / "seen").read())
+    assert (n, head, nv, meta) == (len(train), int(train[:1000].astype(np.int64).sum()), n_val, {"vocab_size": 257})
+    assert {"n_layer", "n_head", "n_embd", "block_size", "batch_size", "device", "dtype", "compile"} <= set(keys)
+    assert sorted(os.listdir(ng)) == ["configurator.py", "model.py", "train.py"]  # nothing written into it
+    out = capsys.readouterr().out
+    ours = float(re.search(r"ours +12 steps in .*median +([\d.]+) ms/step", out).group(1))
+    assert "nanoGPT  12 steps" in out and "median  111.0 ms/step" in out  # steps 10-12: 110, 111, 112 ms
+    assert f"{ours / 111.0:.2f}x median step" in out
+    msg = fails(capsys, f"--nanogpt={tmp_path}", main=against_nanogpt.main, code=2)
+    assert "--nanogpt=" in msg and "karpathy/nanoGPT" in msg

@@ -1,0 +1,91 @@
+"""
+Our quick start against real nanoGPT (Karpathy's train.py, not a copy), back to back on the same byte shards, shape
+and tokens per step: 4 layers, 4 heads, width 128, 16 sequences of 256 bytes, 600 steps, CPU, float32, no compile.
+
+    git clone https://github.com/karpathy/nanoGPT /path/to/nanoGPT
+    python -m lab.against_nanogpt --nanogpt=/path/to/nanoGPT [--max_iters=600]
+
+nanoGPT runs in a temporary directory holding links to its train.py, model.py and configurator.py and our
+data/shakespeare_byte shards rewritten as its train.bin / val.bin (uint16) and meta.pkl (vocab 257); nothing is
+written into its checkout. Then `python train.py --stage=2` (ours, into a temporary out_dir). Printed: each run's
+wall time and median ms per step (steps after the 10th; nanoGPT's evaluation steps are the outliers the median
+drops, ours excludes evaluation from its step time), and ours / nanoGPT for both. Time it on an idle machine.
+"""
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+import os
+import pickle
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import data
+from tools.common import ROOT
+from tools.flags import die, parse
+
+SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)  # our CPU preset's (tools/config.py)
+
+
+@dataclass
+class AgainstFlags:
+    nanogpt: str = ""   # a checkout of https://github.com/karpathy/nanoGPT (its train.py, model.py, configurator.py)
+    max_iters: int = 600  # steps of both runs (the quick start's)
+
+
+def timed(argv, cwd, pattern):
+    """Run argv; return (wall seconds, the per-step ms its log prints, matched by pattern)."""
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        die(f"{' '.join(argv[:2])} in {cwd} failed: {(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+    return wall, [float(m) for m in re.findall(pattern, p.stdout)]
+
+
+def main(argv):
+    args = AgainstFlags(**parse(argv, AgainstFlags, __doc__))
+    files = [os.path.join(args.nanogpt, f) for f in ("train.py", "model.py", "configurator.py")]
+    if not args.nanogpt or not all(os.path.isfile(f) for f in files):
+        die(f"--nanogpt={args.nanogpt!r}: expected a checkout of https://github.com/karpathy/nanoGPT holding "
+            f"train.py, model.py and configurator.py; clone it and pass its path", 2)
+    shards = os.path.join(ROOT, "data", "shakespeare_byte")
+    if not os.path.exists(os.path.join(shards, "meta.json")):
+        die(f"no byte shards in {shards}; run `python train.py --stage=2` once (it makes them)", 2)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "data", "nanobitnet_byte"))
+        for f in files:
+            os.symlink(os.path.abspath(f), os.path.join(tmp, os.path.basename(f)))
+        for split in ("train", "val"):
+            ids = np.concatenate([np.asarray(data.read_shard(f)) for f in data.find_shards(shards, split)])
+            ids.astype(np.uint16).tofile(os.path.join(tmp, "data", "nanobitnet_byte", f"{split}.bin"))
+        with open(os.path.join(tmp, "data", "nanobitnet_byte", "meta.pkl"), "wb") as f:
+            pickle.dump({"vocab_size": 257}, f)
+        shape = [f"--{k}={v}" for k, v in SHAPE.items()]
+        runs["nanoGPT"] = timed([sys.executable, "train.py", "--dataset=nanobitnet_byte", *shape, "--bias=False",
+                                 "--dropout=0.0", f"--max_iters={args.max_iters}", f"--lr_decay_iters={args.max_iters}",
+                                 "--eval_interval=200", "--eval_iters=20", "--log_interval=1", "--warmup_iters=50",
+                                 "--gradient_accumulation_steps=1", "--device=cpu", "--compile=False",
+                                 "--dtype=float32", f"--out_dir={os.path.join(tmp, 'nanogpt_out')}"],
+                                tmp, r"iter \d+: loss [\d.]+, time ([\d.]+)ms")
+        runs["ours"] = timed([sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", *shape,
+                              f"--max_iters={args.max_iters}", f"--out_dir={os.path.join(tmp, 'ours_out')}"],
+                             ROOT, r"\| ([\d.]+) ms \| [\d.]+ tok/s")
+    med = {k: statistics.median(ms[10:]) for k, (_, ms) in runs.items()}
+    for k, (wall, ms) in runs.items():
+        print(f"{k:8s} {args.max_iters} steps in {wall:6.1f} s, median {med[k]:6.1f} ms/step ({len(ms)} steps logged)")
+    print(f"ours / nanoGPT: {runs['ours'][0] / runs['nanoGPT'][0]:.2f}x wall, {med['ours'] / med['nanoGPT']:.2f}x median "
+          f"step (target: at most 1.40x); {os.cpu_count()} CPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
