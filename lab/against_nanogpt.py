@@ -3,7 +3,7 @@ Our quick start against real nanoGPT (Karpathy's train.py, not a copy), back to 
 and tokens per step: 4 layers, 4 heads, width 128, 16 sequences of 256 bytes, 600 steps, CPU, float32, no compile.
 
     git clone https://github.com/karpathy/nanoGPT /path/to/nanoGPT
-    python -m lab.against_nanogpt --nanogpt=/path/to/nanoGPT [--max_iters=600]
+    python -m lab.against_nanogpt --nanogpt=/path/to/nanoGPT [--max_iters=600 --train_args="..."]
 
 nanoGPT runs in a temporary directory holding links to its train.py, model.py and configurator.py and our
 data/shakespeare_byte shards rewritten as its train.bin / val.bin (uint16) and meta.pkl (vocab 257); nothing is
@@ -38,6 +38,7 @@ SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)  # 
 class AgainstFlags:
     nanogpt: str = ""   # a checkout of https://github.com/karpathy/nanoGPT (its train.py, model.py, configurator.py)
     max_iters: int = 600  # steps of both runs (the quick start's)
+    train_args: str = ""  # more flags for our run only, e.g. "--eval_whole=False" (a quick look; not the comparison)
 
 
 def timed(argv, cwd, pattern):
@@ -77,7 +78,8 @@ def main(argv):
                                  "--dtype=float32", f"--out_dir={os.path.join(tmp, 'nanogpt_out')}"],
                                 tmp, r"iter \d+: loss [\d.]+, time ([\d.]+)ms")
         runs["ours"] = timed([sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", *shape,
-                              f"--max_iters={args.max_iters}", f"--out_dir={os.path.join(tmp, 'ours_out')}"],
+                              f"--max_iters={args.max_iters}", f"--out_dir={os.path.join(tmp, 'ours_out')}",
+                              *args.train_args.split()],
                              ROOT, r"\| ([\d.]+) ms \| [\d.]+ tok/s")
     med = {k: statistics.median(ms[10:]) for k, (_, ms) in runs.items()}
     for k, (wall, ms) in runs.items():

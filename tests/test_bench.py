@@ -200,7 +200,7 @@ def test_against_nanogpt_feeds_it_our_byte_shards_in_its_format_and_prints_both_
     (ng / "configurator.py").write_text("")
     monkeypatch.setenv("SEEN", str(tmp_path / "seen"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    against_nanogpt.main([f"--nanogpt={ng}", "--max_iters=12"])
+    against_nanogpt.main([f"--nanogpt={ng}", "--max_iters=12", "--train_args=--eval_whole=False --eval_iters=1 --batch_size=2"])
     shards = os.path.join(ROOT, "data", "shakespeare_byte")
     train = np.concatenate([np.asarray(data.read_shard(f)) for f in data.find_shards(shards, "train")])
     n_val = sum(len(data.read_shard(f)) for f in data.find_shards(shards, "val"))
