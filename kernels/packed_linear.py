@@ -75,8 +75,9 @@ class PackedBitLinear(nn.Module):
             out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
             y = tm.ternary_matmul(x_q, x_scale, self.w_packed, self.w_scale, out_dtype=out_dtype)
         else:
-            x_q, x_scale = quant.activation_quant(x)
+            x_q, x_scale = quant.activation_quant(x.reshape(-1, x.shape[-1]))  # rows: see _untriton_matmul
             y = _untriton_matmul(x_q, x_scale, self.w_packed, self.w_scale, self, self.in_features)
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y.to(x.dtype)
 
     def stacked_forward(self, x, layers):
@@ -97,8 +98,9 @@ class PackedBitLinear(nn.Module):
             out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
             y = tm.ternary_matmul(x_q, x_scale, stack[1], stack[2], out_dtype=out_dtype)
         else:
-            x_q, x_scale = quant.activation_quant(x)
+            x_q, x_scale = quant.activation_quant(x.reshape(-1, x.shape[-1]))  # rows: see _untriton_matmul
             y = _untriton_matmul(x_q, x_scale, stack[1], stack[2], self, self.in_features, "_stack_codes")
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y.to(x.dtype).split([m.out_features for m in layers], dim=-1)
 
     def extra_repr(self):
@@ -113,10 +115,14 @@ def _stack_key(layers):
 def _untriton_matmul(x_q, x_scale, w_packed, w_scale, owner, K, attr="_codes"):
     """The matmul without Triton. CPU: ternary_matmul_codes on int8 codes unpacked from w_packed once and kept as
     owner.<attr> (a plain attribute: not a buffer, so never saved), unpacked again when w_packed is another tensor
-    or was written in place (load_state_dict). Elsewhere (CUDA with use_triton=False, or inside torch.compile):
-    ternary_matmul_reference."""
-    if x_q.device.type != "cpu" or torch.compiler.is_compiling():  # a compiled graph: the reference, as traced
+    or was written in place (load_state_dict). Inside torch.compile the codes are unpacked in the graph (nothing
+    is cached while tracing), then the same torch._int_mm. x_q comes as rows (M, K): inductor (torch 2.13, CPU)
+    hands torch._int_mm uninitialised memory when x_q was quantised in the graph from a (1, 1, K) input.
+    CUDA with use_triton=False: ternary_matmul_reference."""
+    if x_q.device.type != "cpu":
         return tm.ternary_matmul_reference(x_q, x_scale, w_packed, w_scale)
+    if torch.compiler.is_compiling():
+        return tm.ternary_matmul_codes(x_q, x_scale, tm.unpack_ternary_reference(w_packed, K), w_scale)
     cached = getattr(owner, attr, None)
     if cached is None or cached[0] is not w_packed or cached[1] != w_packed._version:
         cached = (w_packed, w_packed._version, tm.unpack_ternary_reference(w_packed, K).contiguous())  # (N, K) int8
