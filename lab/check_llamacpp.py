@@ -43,6 +43,7 @@ class CheckFlags:
     out: str = ""                # write the result as JSON here; "" = print only
     samples: int = 3             # samples drawn by llama.cpp from <|endoftext|>
     seed: int = 0                # seeds llama.cpp's sampler (sample i uses seed + i)
+    gen_tokens: int = 64         # greedy batch-1 generation timed in llama.cpp and in ours (packed); 0 = none
     overwrite: bool = False      # replace another checkpoint's GGUF at --gguf, or an earlier result at --out
                                  # (a file of another kind, such as a checkpoint, never)
 
@@ -93,6 +94,8 @@ def main(argv):
     print(f"{n * T} val tokens: our val loss {ours_l:.4f}, llama.cpp {theirs_l:.4f} "
           f"({100 * result['relative_difference']:+.2f} %); mean |per-token NLL difference| {agree:.4f}; "
           f"llama.cpp scored {result['llamacpp_tokens_per_s']:,.0f} tokens/s")
+    if args["gen_tokens"] > 0:
+        result.update(generation_speed(model, path, x[0, :16], args["gen_tokens"]))
     for s in range(args["samples"]):  # sampled by llama.cpp from its own logits, from <|endoftext|>
         out = llm.create_completion(prompt=[tok.eot], max_tokens=min(200, T - 1), temperature=0.8, top_k=200,
                                     seed=args["seed"] + s)
@@ -103,6 +106,38 @@ def main(argv):
             json.dump(result, f, indent=1)
         print(f"wrote {args['out']}")
     return 0 if math.isfinite(theirs_l) else 1
+
+
+def generation_speed(model, path, prompt, n):
+    """Greedy batch-1 decoding of n tokens after the same prompt: llama.cpp (its own context, every CPU thread,
+    one llama_decode per token) and ours (the checkpoint frozen to packed 2-bit layers, tools/decode.py's static
+    KV cache, eager). Tokens/s of the n decoding steps each, the prompt excluded; and how many greedy tokens agree
+    (they part where int8 activations, ours, and llama.cpp's float ones pick another argmax)."""
+    import copy
+    from llama_cpp import Llama
+    from kernels.packed_linear import freeze_ternary
+    from tools import decode
+    llm = Llama(model_path=path, n_ctx=len(prompt) + n + 1, n_threads=os.cpu_count(), verbose=False)
+    llm.eval(prompt.tolist())
+    theirs, t0 = [], time.perf_counter()
+    for _ in range(n):
+        theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([theirs[-1]])
+    llama_s = time.perf_counter() - t0
+    packed = freeze_ternary(copy.deepcopy(model)).eval()
+    gen = decode.Decoder(packed, "eager").generate
+    with torch.no_grad():
+        gen(prompt[None], 2, top_k=1)  # warm-up: the codes unpacked once
+        t0 = time.perf_counter()
+        ours = gen(prompt[None], n, top_k=1)[0, len(prompt):].tolist()
+        ours_s = time.perf_counter() - t0
+    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), n)
+    r = {"gen_tokens": n, "llamacpp_gen_tokens_per_s": n / llama_s, "ours_packed_gen_tokens_per_s": n / ours_s,
+         "greedy_tokens_agreeing_from_the_start": agree, "threads": os.cpu_count()}
+    print(f"greedy generation, {n} tokens, batch 1, {os.cpu_count()} threads: llama.cpp {r['llamacpp_gen_tokens_per_s']:.1f} "
+          f"tokens/s, ours packed {r['ours_packed_gen_tokens_per_s']:.1f} tokens/s "
+          f"({r['llamacpp_gen_tokens_per_s'] / r['ours_packed_gen_tokens_per_s']:.2f}x ours); the first {agree} tokens agree")
+    return r
 
 
 if __name__ == "__main__":

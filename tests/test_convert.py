@@ -174,7 +174,7 @@ def test_check_llamacpp_scores_an_imported_model_on_its_own_tokenizers_val_text(
     ckpt, out = str(tmp_path / "ckpt.pt"), str(tmp_path / "r.json")
     torch.save(c, ckpt)
     assert check_llamacpp.main([f"--ckpt={ckpt}", f"--gguf={tmp_path / 'm.gguf'}", f"--out={out}", "--windows=2",
-                                "--samples=1"]) == 0
+                                "--samples=1", "--gen_tokens=0"]) == 0
     result = json.load(open(out))
     assert result["tokens"] == 2 * 64 and abs(result["val_loss_llamacpp"] - math.log(384)) < 1e-4
     assert math.isfinite(result["val_loss_ours"]) and result["val_loss_ours"] < math.log(384) + 1

@@ -215,16 +215,22 @@ def test_export_command_line_gguf_and_its_refusals(tmp_path, capsys):
 
 
 class _FakeLlama:
-    """llama_cpp.Llama as lab/check_llamacpp.py calls it: uniform logits, one fixed sample."""
+    """llama_cpp.Llama as lab/check_llamacpp.py calls it: uniform logits, one fixed sample; with `script` set, the
+    logits after each token name the next token of the script (the greedy tokens it "generates")."""
+    script = None
 
     def __init__(self, model_path, n_ctx, **kwargs):
         self.scores = np.zeros((n_ctx, 257), dtype=np.float32)
+        self.n_tokens = 0
 
     def reset(self):
-        pass
+        self.n_tokens = 0
 
     def eval(self, tokens):
-        pass
+        self.n_tokens += len(tokens)
+        if self.script is not None:
+            self.scores[self.n_tokens - 1] = 0
+            self.scores[self.n_tokens - 1, self.script.pop(0)] = 1
 
     def create_completion(self, **kwargs):
         return {"choices": [{"text": "fake sample"}]}
@@ -248,7 +254,7 @@ def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp
     shutil.copy(ckpt, another)  # another run's checkpoint
     digest = lambda: {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in os.listdir(d)}  # noqa: E731
     before = digest()
-    small = ["--windows=1", "--samples=1"]
+    small = ["--windows=1", "--samples=1", "--gen_tokens=0"]
     for flag in ("--out", "--gguf"):
         for asked in ([], ["--overwrite=True"]):  # not even when asked
             msg = fails(capsys, f"--ckpt={ckpt}", f"{flag}={numbered}", *small, *asked, code=2,
@@ -321,3 +327,28 @@ def test_qk_norm_and_an_untied_head_are_refused_for_llama_cpp(tmp_path):
     for kw, fact in ((dict(qk_norm=True), "qk_norm"), (dict(tie_embeddings=False), "LM head")):
         with pytest.raises(ValueError, match=fact):
             gguf_export.write_gguf(_model(**kw), "byte", str(tmp_path / "m.gguf"))
+
+
+@pytest.mark.slow  # trains a tiny run (a subprocess)
+def test_check_llamacpp_times_greedy_generation_in_both_and_counts_the_tokens_that_agree(tmp_path, monkeypatch):
+    """generation_speed: llama.cpp's greedy tokens (here scripted) against ours from the frozen packed model, the
+    prompt excluded: tokens/s of each, and the length of the common start (all n when llama.cpp picks ours,
+    3 when it parts at the fourth)."""
+    import copy
+    import types
+    import torch
+    from lab import check_llamacpp
+    from tools import decode, export
+    from kernels.packed_linear import freeze_ternary
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlama))
+    run(f"--out_dir={tmp_path}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=4")
+    model, _ = export.load_training_checkpoint(str(tmp_path / "stage2" / "ckpt.pt"))
+    prompt = torch.arange(5, 21)
+    with torch.no_grad():
+        ours = decode.Decoder(freeze_ternary(copy.deepcopy(model)).eval(), "eager").generate(prompt[None], 8, top_k=1)
+    ours = ours[0, 16:].tolist()
+    for script, agree in ((ours, 8), (ours[:3] + [(ours[3] + 1) % 257] + ours[4:], 3)):
+        monkeypatch.setattr(_FakeLlama, "script", list(script) + [0])  # the prompt's eval pops the first
+        r = check_llamacpp.generation_speed(model, "unused.gguf", prompt, 8)
+        assert r["greedy_tokens_agreeing_from_the_start"] == agree and r["gen_tokens"] == 8
+        assert r["llamacpp_gen_tokens_per_s"] > 0 and r["ours_packed_gen_tokens_per_s"] > 0
