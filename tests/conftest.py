@@ -1,7 +1,8 @@
 """Shared test helpers: the repository root is importable (pytest.ini: pythonpath = .), one tiny model shape,
-and ways to run train.py as a user would (a subprocess) or in this process (to catch its error line).
+and ways to run train.py as a user would (a process of its own: forked by tests/forkserver.py, which has the
+~3 s of imports done, or a torchrun Popen) or in this process (to catch its error line).
 
-Subprocesses run with OMP_NUM_THREADS=1: on 2 shared cores, 2 OpenMP threads per process make these tiny
+Those processes run with OMP_NUM_THREADS=1: on 2 shared cores, 2 OpenMP threads per process make these tiny
 steps ~100x slower.
 """
 
