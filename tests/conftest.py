@@ -8,7 +8,6 @@ steps ~100x slower.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -84,9 +83,6 @@ class Forked:
     def send_signal(self, sig):
         if self.poll() is None:
             os.kill(self.pid, sig)
-
-    def kill(self):
-        self.send_signal(signal.SIGKILL)
 
 
 def run(*args, rc=0, faults=None, launch=None, timeout=300):
