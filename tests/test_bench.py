@@ -183,7 +183,7 @@ with open(os.environ["SEEN"], "w") as f:
     f.write(repr((len(train), int(train[:1000].sum()), len(val), pickle.load(open(os.path.join(d, "meta.pkl"), "rb")),
                   sorted(k for k in args))))
 for i in range(int(args["max_iters"]) + 1):
-    print(f"iter {i}: loss 2.0, time {100 + i}.00ms, mfu 0.04%")
+    print(f"iter {i}: loss 2.0, time {100 + i * i}.00ms, mfu 0.04%")
 '''
 
 
@@ -210,7 +210,7 @@ def test_against_nanogpt_feeds_it_our_byte_shards_in_its_format_and_prints_both_
     assert sorted(os.listdir(ng)) == ["configurator.py", "model.py", "train.py"]  # nothing written into it
     out = capsys.readouterr().out
     ours = float(re.search(r"ours +12 steps in .*median +([\d.]+) ms/step", out).group(1))
-    assert "nanoGPT  12 steps" in out and "median  111.0 ms/step" in out  # steps 10-12: 110, 111, 112 ms
-    assert f"{ours / 111.0:.2f}x median step" in out
+    assert "nanoGPT  12 steps" in out and "median  221.0 ms/step" in out  # steps 10-12: 200, 221, 244 ms
+    assert f"{ours / 221.0:.2f}x median step" in out
     msg = fails(capsys, f"--nanogpt={tmp_path}", main=against_nanogpt.main, code=2)
     assert "--nanogpt=" in msg and "karpathy/nanoGPT" in msg
