@@ -13,8 +13,8 @@ an exact int32 accumulation with the scales applied after it:
 On CUDA inputs it runs the Triton kernels of kernels/ternary_matmul.py (quantize_activations, then
 ternary_matmul with a bf16 result for bf16 input, else fp32); on CPU quant.activation_quant, then
 ternary_matmul_codes: the codes unpacked once to int8 (N, K) on the first CPU call and kept on the module (never
-in state_dict or an export; unpacked again when w_packed changes or moves), an int32 torch._int_mm, the same
-numbers as ternary_matmul_reference bit for bit. use_triton=True forces the kernels, e.g. on CPU under
+in state_dict or an export; unpacked again when w_packed changes or moves; inside torch.compile, unpacked in the
+graph), an int32 torch._int_mm, the same numbers as ternary_matmul_reference bit for bit. use_triton=True forces the kernels, e.g. on CPU under
 TRITON_INTERPRET=1. A layer's result equals BitLinear's fake-quantised forward at lambda = 1 up
 to fp32 rounding (that path rounds every product and partial sum, this one only the final scalings). In a
 whole model those ulps can flip an activation that sits on a rounding tie to the neighbouring int8 code,
