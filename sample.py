@@ -197,7 +197,7 @@ def _check_args(args):
     outputs.check_input("--ckpt", args["ckpt"])
     if args["jsonl"]:  # before any checkpoint is read: nothing is sampled for a file that cannot be kept
         outputs.check_output("--jsonl", args["jsonl"], "text", overwrite=args["overwrite"],
-                            inputs=[("--ckpt", args["ckpt"])])
+                            inputs=[("--ckpt", args["ckpt"])], ckpt=args["ckpt"])
 
 
 if __name__ == "__main__":

@@ -231,7 +231,7 @@ def training_loop(run):
                     lam = set_step_lambda(run, step)  # both see the model that step `step` trains
                     if evaluate:
                         val_loss = plumbing.evaluate(run, step, lam, whole=last and cfg.eval_whole)  # logged
-                    save(run, step)
+                    save(run, step, val_loss if evaluate else None)
                     timer.reset()  # evaluation and checkpoint time are not step time
             if last:
                 break

@@ -54,10 +54,10 @@ def main(argv):
     if args["windows"] < 1:
         die(f"--windows={args['windows']}: expected an integer >= 1", 2)
     outputs.check_input("--ckpt", ckpt)  # and the outputs, before anything is read or written
-    outputs.check_output("--gguf", path, "gguf", os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
+    outputs.check_output("--gguf", path, "gguf", os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)], ckpt)
     if args["out"]:
         outputs.check_output("--out", args["out"], "text", overwrite=args["overwrite"],
-                            inputs=[("--ckpt", ckpt), ("--gguf", path)])
+                            inputs=[("--ckpt", ckpt), ("--gguf", path)], ckpt=ckpt)
     try:
         from llama_cpp import Llama
     except ImportError:

@@ -73,7 +73,7 @@ def main(argv):
         die(f"--model={args.model}: not a pretrained model (a Hugging Face directory, a hub id or a .gguf file); "
             f"python -m tools.get_model smollm2 fetches SmolLM2-135M", 2)
     if args.out:
-        outputs.check_output("--out", args.out, "text", overwrite=args.overwrite)
+        outputs.check_output("--out", args.out, "text", overwrite=args.overwrite, inputs=[("--model", args.model)])
     fp = start.import_model(args.model, args.block_size, "--model")
     shards = plumbing.shipped_dir("shakespeare", SimpleNamespace(tokenizer=args.model, data_order="sequential"))
     val = np.asarray(data.read_shard(os.path.join(shards, "val_000.bin")))

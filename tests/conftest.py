@@ -135,10 +135,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """python -m pytest -m "not slow": the quick check (under 2 minutes on 2 cores); CI runs everything."""
+    """python -m pytest -m "not slow": the quick check (under 2 minutes on 2 cores); CI runs everything. The longest
+    files go first (LONGEST_FIRST)."""
     for item in items:
         if SLOW_FIXTURES.get(os.path.basename(str(item.fspath)), set()) & set(item.fixturenames):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
 @pytest.fixture(scope="session")
@@ -180,9 +183,6 @@ LONGEST_FIRST = ["test_readme.py", "test_kernels.py", "test_convert.py", "test_l
                  "test_packed.py", "test_hf.py", "test_pretrained.py"]
 
 
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
 def pytest_sessionfinish(session):

@@ -685,3 +685,32 @@ def test_a_run_resumed_from_the_older_layout_continues_exactly(tmp_path):
     today, older = ({r["step"]: r["loss"] for r in records(str(tmp_path / n), stage=1) if "loss" in r}
                     for n in ("today", "older"))
     assert older == today and sorted(today) == [1, 2, 3, 4]
+
+
+def test_rotation_keeps_the_best_evaluated_checkpoint_until_one_as_good_replaces_it(tmp_path):
+    """checkpoint.save deletes an older checkpoint only when the new one's val loss is finite and no worse than the
+    best finite one among them; a save without a val loss (between evaluations, a stop) keeps the best too."""
+    d = str(tmp_path)
+    save = lambda step, loss: checkpoint.save({"step": step, "model": {}, "model_args": {}, "val_loss": loss}, d)
+    names = lambda: sorted(n for n in os.listdir(d) if n != "ckpt.pt")
+    assert save(2, 5.5)[1] is None
+    assert save(4, 2e16)[1] == (5.5, os.path.join(d, "ckpt_000002.pt"))  # diverged: the good one stays
+    assert names() == ["ckpt_000002.pt", "ckpt_000004.pt"]
+    assert save(6, float("nan"))[1][0] == 5.5 and save(8, None)[1][0] == 5.5
+    assert names() == ["ckpt_000002.pt", "ckpt_000008.pt"]  # the worse and the unknown ones rotate away
+    assert save(10, 5.5)[1] is None and names() == ["ckpt_000010.pt"]  # as good: rotation as before
+    assert checkpoint.load(os.path.join(d, "ckpt.pt"))["step"] == 10
+
+
+def test_a_resume_that_diverges_keeps_the_last_good_checkpoint(tmp_path):
+    """--resume at an lr of 1e9: the weights explode but stay finite, the later steps are skipped as non-finite,
+    and the final save (val loss ~1e16) does not rotate away the good checkpoint: a line names it."""
+    out = str(tmp_path)
+    run("--stage=2", "--max_iters=2", f"--out_dir={out}", *TINY)
+    good = os.path.join(out, "stage2", "ckpt_000002.pt")
+    loss = checkpoint.load(good)["val_loss"]
+    p = run("--stage=2", "--resume=True", "--lr=1e9", "--muon_lr=1e9", "--max_iters=8", f"--out_dir={out}", *TINY)
+    assert os.path.exists(good) and checkpoint.load(good)["val_loss"] == loss < 10
+    final = checkpoint.load(os.path.join(out, "stage2", "ckpt.pt"))
+    assert final["step"] == 8 and not final["val_loss"] < 10, final["val_loss"]
+    assert f"kept {good} (step 2, val loss {loss:.4f})" in p.stdout, p.stdout

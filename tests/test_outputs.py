@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sample
-from conftest import TINY, fails, run
+from conftest import ROOT, TINY, fails, run
 from tools import export, outputs
 
 
@@ -143,3 +143,64 @@ def test_an_export_stopped_midway_leaves_no_tmp_and_the_old_export(runs, capsys,
     assert ("Ctrl-C" if stop == "ctrl_c" else "SIGTERM") in msg and "unchanged" in msg
     assert _sha(out) == before and not glob.glob(out + "*.tmp")
     assert signal.getsignal(signal.SIGTERM) is not None  # the handler was put back
+
+
+def _pretrained_run(runs, tmp_path):
+    """(model directory, GGUF, checkpoint from the directory, checkpoint from the GGUF): the stage-2 checkpoint
+    rewritten as a run converted from a pretrained model (its config names the model as --init_from and tokenizer,
+    as tools/start.py saves it). Nothing reads the models before the refusals under test."""
+    m = tmp_path / "M"
+    m.mkdir()
+    (m / "config.json").write_text('{"model_type": "llama"}')
+    (m / "tokenizer.json").write_text('{"model": {}}')
+    gguf = tmp_path / "src.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    obj = torch.load(os.path.join(runs, "stage2", "ckpt.pt"), weights_only=True)
+    made = []
+    for src in (m, gguf):
+        path = str(tmp_path / f"from_{src.name}.pt")
+        torch.save({**obj, "config": {**obj["config"], "init_from": str(src), "tokenizer": str(src)}}, path)
+        made.append(path)
+    return str(m), str(gguf), *made
+
+
+@pytest.mark.parametrize("asked", [[], ["--overwrite=True"]])
+def test_no_output_lands_on_or_in_what_the_run_reads(runs, capsys, tmp_path, asked):
+    """sample.py --jsonl, lab.check_llamacpp --gguf/--out, lab.mask_outliers --out and tools.export --out never
+    replace the pretrained model (or its tokenizer.json/config.json) the checkpoint's run was converted from, nor
+    write into its directory, not even with --overwrite=True: one line naming what the file is."""
+    from lab import check_llamacpp, mask_outliers
+    m, gguf, from_m, from_gguf = _pretrained_run(runs, tmp_path)
+    files = [os.path.join(m, "config.json"), os.path.join(m, "tokenizer.json"), gguf]
+    before = {p: _sha(p) for p in files}
+    small = ["--num_samples=1", "--max_new_tokens=4", "--device=cpu"]
+    cases = [(sample.main, [f"--ckpt={from_m}", f"--jsonl={m}/tokenizer.json", *small], "the run's tokenizer"),
+             (sample.main, [f"--ckpt={from_m}", f"--jsonl={m}/config.json", *small], "the run's tokenizer"),
+             (sample.main, [f"--ckpt={from_m}", f"--jsonl={m}/samples.jsonl", *small], "is inside"),
+             (check_llamacpp.main, [f"--ckpt={from_gguf}", f"--gguf={gguf}"], "the run's"),
+             (check_llamacpp.main, [f"--ckpt={from_m}", f"--gguf={tmp_path}/x.gguf", f"--out={m}/config.json"],
+              "the run's tokenizer"),
+             (export.main, [f"--ckpt={from_gguf}", "--format=gguf", f"--out={gguf}"], "the run's"),
+             (export.main, [f"--ckpt={from_m}", f"--out={m}/packed.pt"], "is inside"),
+             (mask_outliers.main, [f"--model={m}", f"--out={m}/config.json"], "--model")]
+    for main, argv, said in cases:
+        msg = fails(capsys, *argv, *asked, code=2, main=main)
+        assert said in msg and "--overwrite=True" in msg, (argv, msg)
+    assert {p: _sha(p) for p in files} == before and sorted(os.listdir(m)) == ["config.json", "tokenizer.json"]
+
+
+def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(runs, capsys, tmp_path):
+    """train.py --init_from=<a checkpoint of the run in out_dir> --overwrite=True: refused before anything is
+    loaded, and the earlier run's files are all still there; --out_dir inside a shard directory it reads too."""
+    out = str(tmp_path)
+    shutil.copytree(os.path.join(runs, "stage2"), os.path.join(out, "stage2"))
+    numbered = os.path.join(out, "stage2", "ckpt_000002.pt")
+    before = sorted(os.listdir(os.path.join(out, "stage2")))
+    for init in (numbered, os.path.join(out, "stage2", "ckpt.pt")):
+        msg = fails(capsys, "--stage=2", f"--init_from={init}", f"--out_dir={out}", "--overwrite=True", *TINY, code=2)
+        assert init in msg and "--overwrite=True would delete" in msg, msg
+    assert sorted(os.listdir(os.path.join(out, "stage2"))) == before
+    shards = os.path.join(out, "shards")
+    shutil.copytree(os.path.join(ROOT, "data", "shakespeare_byte"), shards)
+    msg = fails(capsys, "--stage=1", f"--data={shards}", f"--out_dir={shards}/runs", *TINY, code=2)
+    assert "is inside the run's --data shards" in msg, msg

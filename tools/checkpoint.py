@@ -14,12 +14,15 @@ checkpoint holds the weights AND every piece of state the next step reads:
     zclip       ZClip statistics (or None)
     loader      (shard, offset) per source and the mixing RNG (data.DataLoader.state_dict)
     rng         torch (CPU and CUDA), numpy and python RNG states of rank 0
+    val_loss    float: the val loss evaluated at this step, or None (a checkpoint saved between evaluations)
 
 FSDP2 shards (DTensors) are gathered into whole tensors before saving, so a checkpoint loads at any world
 size, with or without FSDP: shard_optimizer_state() cuts the loaded optimizer state back into shards.
 
 Layout of <dir>:  ckpt_<step>.pt for the last keep_last checkpoints, and ckpt.pt, the newest one (a hard link
-to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt).
+to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt). Rotation never deletes the older
+checkpoint with the best finite val loss while the new one is not known to be as good (a run that diverged, or a
+save between evaluations): that one stays beside the newest.
 
 Atomic write (tools/common.py atomic_write): torch.save into <name>.<writer>.tmp, fsync, rename over <name>, fsync the
 directory. A rename is atomic on POSIX, so <name> is always a complete old or a complete new file; a process
@@ -35,6 +38,7 @@ This file imports only torch, numpy, the standard library and tools/common.py.
 
 import copy
 import errno
+import math
 import os
 import random
 import re
@@ -113,9 +117,9 @@ def shard_optimizer_state(optimizer):
                     st[k] = distribute_tensor(v.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 
 
-def training_state(step, config, model_args, model, optimizer, clipper=None, loader=None):
+def training_state(step, config, model_args, model, optimizer, clipper=None, loader=None, val_loss=None):
     """The checkpoint dict of the format above. Collective under FSDP2 (every rank calls it)."""
-    return {"step": step, "config": config, "model_args": model_args,
+    return {"step": step, "config": config, "model_args": model_args, "val_loss": val_loss,
             "model": full_state(model.state_dict(keep_vars=True)),  # keep_vars: tied weights stay one object
             "optimizer": full_state(optimizer.state_dict()),
             "zclip": full_state(clipper.state_dict()) if clipper is not None else None,
@@ -231,7 +235,8 @@ def numbered(d):
 
 def save(obj, d, keep_last=1):
     """Write obj as d/ckpt_<step>.pt, point d/ckpt.pt at it, then delete all but the newest keep_last numbered
-    checkpoints. Returns d/ckpt.pt."""
+    checkpoints, except the one with the best finite val loss when obj's is not known to be as good. Returns
+    (d/ckpt.pt, None or (val loss, path) of the older checkpoint kept for its val loss)."""
     for n in {n.split(".pt.")[0] + ".pt" for n in os.listdir(d) if n.endswith(".tmp")}:  # a killed writer's leftovers
         if n == LATEST or NUMBERED.fullmatch(n):
             for stale in common.stale_tmps(os.path.join(d, n)):
@@ -240,13 +245,26 @@ def save(obj, d, keep_last=1):
     atomic_save(obj, path)
     latest = os.path.join(d, LATEST)
     _atomic_link(path, latest)
-    older = [p for p in numbered(d) if _step_of(p) < obj["step"]]  # never a later step: not this run's past
+    older = [p for p in numbered(d) if step_of(p) < obj["step"]]  # never a later step: not this run's past
+    best = min(((v, p) for p in older if (v := saved_val_loss(p)) is not None), default=None)
+    new = obj.get("val_loss")
+    kept = best if best is not None and not (new is not None and math.isfinite(new) and new <= best[0]) else None
     for old in older[:max(len(older) - (keep_last - 1), 0)]:
-        os.remove(old)
-    return latest
+        if kept is None or old != kept[1]:
+            os.remove(old)
+    return latest, kept
 
 
-def _step_of(path):
+def saved_val_loss(path):
+    """The finite val loss saved in the checkpoint at path, or None (none evaluated, not finite, unreadable)."""
+    try:
+        v = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("val_loss")
+    except Exception:
+        return None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def step_of(path):
     return int(NUMBERED.fullmatch(os.path.basename(path)).group(1))
 
 

@@ -20,7 +20,7 @@ import torch
 
 from model import GPTConfig
 from tokenizer import TOKENIZERS
-from tools import checkpoint
+from tools import checkpoint, outputs
 from tools.load import is_model_source
 from tools.flags import die, parse, to_bool
 from tools.seams import DLM_STAGE, LessonFlags
@@ -342,11 +342,27 @@ def check_run(cfg, rt, out_dir, teachers):
             die(f"stage 3 needs the full-precision teacher at {path}; make it with: python train.py --stage=1")
     if cfg.stage == 3:
         parse_teacher_weights(cfg, len(teachers))
+    check_inputs_kept(cfg, out_dir, teachers)
     try:
         if rt.master:
             checkpoint.check_writable(out_dir)
     except OSError as e:
         die(f"cannot write to {out_dir}: {e.strerror}; pass a writable --out_dir")
+
+
+def check_inputs_kept(cfg, out_dir, teachers):
+    """A run writes nothing into what it reads (its pretrained model, shards, teachers), and --overwrite=True
+    never deletes one of its inputs (a checkpoint of the earlier run in out_dir given as --init_from or --teacher)."""
+    inputs = outputs.config_inputs(dataclasses.asdict(cfg), cfg.tokenizer)
+    inputs += [("this run's --teacher", t) for t in teachers if os.path.exists(t) and cfg.stage == 3]
+    outputs.check_not_input("--out_dir", out_dir, inputs)
+    for name in checkpoint.existing_run(out_dir) if cfg.overwrite and not cfg.resume else []:
+        path = os.path.join(out_dir, name)
+        for what, p in inputs:
+            if os.path.isfile(p) and os.path.samefile(p, path):
+                die(f"{what.replace('the run', 'this run', 1)}: {p} is {path}, a file of the earlier run in "
+                    f"{out_dir}, which --overwrite=True would delete; copy it elsewhere and start from the copy, or "
+                    f"pass another --out_dir or --run_name", 2)
 
 
 def check_teacher(cfg, crit, s, t, path, first=True):

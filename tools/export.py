@@ -118,32 +118,6 @@ def _cannot_write(flag, path, what, e, kept="the file there, if any, is unchange
     die(f"{flag}={path}: cannot write {what} ({why}); {disk}; {kept}; free disk space or pass another {flag}")
 
 
-def run_inputs(ckpt_path):
-    """[(what it is, path)] of the files the run behind ckpt_path reads again (sample.py, tools/export.py and
-    --resume read its tokenizer from the model it started from): its tokenizer's model, --init_from, --teacher."""
-    try:
-        obj = checkpoint.load(ckpt_path, (), mmap=True)
-    except checkpoint.CheckpointError:
-        return []  # load_training_checkpoint says what is wrong with it
-    cfg = obj.get("config") or {}
-    found = [("the run's tokenizer (the model it was trained from, which sample.py, tools/export.py and --resume "
-              "read)", saved_tokenizer(obj) or "")]
-    found += [("the run's --init_from model", cfg.get("init_from") or "")]
-    found += [("the run's --teacher", t) for t in (cfg.get("teacher") or "").split(",")]
-    return [(what, p) for what, p in found if p not in ("", "byte", "gpt2", "auto", "scratch") and os.path.exists(p)]
-
-
-def check_not_a_run_input(ckpt_path, out_path):
-    """An export never replaces (or, for --format=hf, swaps away the directory of) what the checkpoint's run reads,
-    not even with --overwrite=True: one error line naming the file as what it is."""
-    out = os.path.realpath(out_path)
-    for what, p in run_inputs(ckpt_path):
-        if os.path.realpath(p) == out or os.path.realpath(p).startswith(os.path.join(out, "")):
-            holds = "is" if os.path.realpath(p) == out else "holds"
-            die(f"--out={out_path} {holds} {what}: {p}; an export never replaces a run's input, not even with "
-                f"--overwrite=True; pass another --out", 2)
-
-
 def main(argv):
     args = dataclasses.asdict(ExportConfig(**parse(argv, ExportConfig, __doc__)))
     ckpt, fmt = args["ckpt"], args["format"]
@@ -152,11 +126,10 @@ def main(argv):
     out_path = args["out"] or os.path.join(os.path.dirname(ckpt), {"packed": "packed.pt", "gguf": "model.gguf",
                                                                    "hf": "hf"}[fmt])
     outputs.check_input("--ckpt", ckpt)
-    check_not_a_run_input(ckpt, out_path)
     if fmt == "hf":
         with common.stoppable("--out", out_path):  # Ctrl-C while the checkpoint and its tokenizer load: one line
             return export_hf(ckpt, out_path, args["overwrite"])
-    outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)])
+    outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)], ckpt)
     with common.stoppable("--out", out_path):
         if fmt == "gguf":
             return export_gguf(ckpt, out_path)
@@ -590,7 +563,8 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
     if missing:
         die(f"--format=hf needs {', '.join(missing)} (pip install -r requirements.txt)")
     from safetensors import SafetensorError
-    outputs.check_output("--out", out_dir, "hf", os.path.abspath(ckpt_path), overwrite, [("--ckpt", ckpt_path)])
+    outputs.check_output("--out", out_dir, "hf", os.path.abspath(ckpt_path), overwrite, [("--ckpt", ckpt_path)],
+                         ckpt_path)
     model, tokenizer = load_training_checkpoint(ckpt_path)
     why = hf_refusal(model)
     if why:

@@ -4,10 +4,13 @@ What a file on disk is, and what an output may replace: one `error:` line before
     file_kind(path) -> (kind, source)     what is there, and which checkpoint or run it was made from
     check_input(flag, path)               the model file a command reads is not a directory, a GGUF or an HF export
     check_output(flag, path, kind, ...)   writing a `kind` file at path would lose nothing
+    run_inputs(ckpt), config_inputs(cfg)  what the run behind a checkpoint, or of a config, reads
+    check_not_input(flag, path, inputs)   an output is none of them, nor inside one
     why_not_a_checkpoint(path)            a GGUF or an HF export where a checkpoint is read: which program reads it
 
-The output rules: an output never replaces what its command reads (ckpt.pt is a hard link to ckpt_<step>.pt, so
-files are compared, not names), never a file of another kind (a training checkpoint, a packed export, a GGUF, an
+The output rules: an output never replaces what its command reads, nor what the run behind its checkpoint reads
+again (its pretrained model, tokenizer, teachers, shards), nor lands inside such a directory, not even with
+--overwrite=True (ckpt.pt is a hard link to ckpt_<step>.pt, so files are compared, not names); never a file of another kind (a training checkpoint, a packed export, a GGUF, an
 HF export directory, a metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
 --overwrite=True. A file of its own kind made from the same source (a re-export) is replaced.
 Test: python -m pytest tests/test_common.py tests/test_outputs.py
@@ -138,21 +141,58 @@ def check_input(flag, path):
             2)
 
 
-def check_output(flag, path, kind, source=None, overwrite=False, inputs=()):
+def run_inputs(ckpt_path):
+    """[(what it is, path)] of what the run behind the checkpoint at ckpt_path reads again (sample.py, the exports
+    and --resume read its tokenizer from the model it started from): config_inputs of its saved config. [] for a
+    file that is not a training checkpoint (its reader says why)."""
+    import torch
+    from tools.load import saved_tokenizer
+    try:
+        obj = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return []
+    return config_inputs(obj.get("config") or {}, saved_tokenizer(obj)) if isinstance(obj, dict) else []
+
+
+def config_inputs(cfg, tokenizer):
+    """[(what it is, path)] of the files and directories a run of config cfg (a dict of train.py's flags) reads:
+    its tokenizer's model, --init_from, each --teacher (stage 3) and its --data shard directories, where they exist."""
+    found = [("the run's tokenizer (the model it was trained from, which sample.py, tools/export.py and --resume "
+              "read)", tokenizer or "")]
+    found += [("the run's --init_from model", cfg.get("init_from") or "")]
+    found += [("the run's --teacher", t) for t in str(cfg.get("teacher") or "").split(",") if cfg.get("stage") == 3]
+    found += [("the run's --data shards", d.rsplit(":", 1)[0]) for d in str(cfg.get("data") or "").split(",")]
+    return [(what, str(p)) for what, p in found if p not in ("", "byte", "gpt2", "auto", "scratch") and
+            os.path.exists(str(p))]
+
+
+def check_not_input(flag, path, inputs, contains=False):
+    """Stop (exit 2, one line) when the output path is one of inputs ((what, path) pairs: a flag of this command or
+    run_inputs' words), lies inside an input directory (a pretrained model, a shard directory), or, with contains
+    (an output that replaces a whole directory, or whose command clears one), holds an input. Never allowed, not
+    even with --overwrite=True."""
+    out = os.path.realpath(path)
+    for what, in_path in inputs:
+        real = os.path.realpath(in_path)
+        name = f"{what}={in_path}" if what.startswith("--") else f"{what}: {in_path}"
+        if real == out or (os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path)):
+            die(f"{flag}={path} is the same file as {name}; writing there would destroy what this command reads, "
+                f"which --overwrite=True never allows; pass another {flag}", 2)
+        if os.path.isdir(real) and out.startswith(os.path.join(real, "")):
+            die(f"{flag}={path} is inside {name}; an output never goes into what a run reads, not even with "
+                f"--overwrite=True; pass another {flag}", 2)
+        if contains and real.startswith(os.path.join(out, "")):
+            where = "is the directory of" if os.path.dirname(real) == out else "holds"
+            die(f"{flag}={path} {where} {name}; the output needs a directory of its own, e.g. "
+                f"{flag}={os.path.join(path, 'hf')}", 2)
+
+
+def check_output(flag, path, kind, source=None, overwrite=False, inputs=(), ckpt=None):
     """Stop the command (one line via die: the flag, what is there, the fix) before it writes a `kind` file (a
     directory for "hf") made from `source` at path, when that would lose something (the rules in the docstring).
-    inputs: (flag, path) pairs of what the command reads. Exit 2; 1 for a directory that is missing or read-only."""
-    for in_flag, in_path in inputs:
-        same = os.path.abspath(in_path) == os.path.abspath(path) or (
-            os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path))
-        if same:
-            die(f"{flag}={path} is the same file as {in_flag}={in_path}: writing there would destroy what this command "
-                f"reads; pass another {flag}", 2)
-        if kind == "hf" and os.path.isdir(path) and os.path.exists(in_path) and os.path.realpath(in_path).startswith(
-                os.path.join(os.path.realpath(path), "")):
-            where = "is the directory of" if os.path.samefile(os.path.dirname(in_path) or ".", path) else "holds"
-            die(f"{flag}={path} {where} {in_flag}={in_path}; the export needs a directory of its own, e.g. "
-                f"{flag}={os.path.join(path, 'hf')}", 2)
+    inputs: (flag, path) pairs of what the command reads; ckpt: the training checkpoint it reads, whose run's own
+    inputs (run_inputs) are protected too. Exit 2; 1 for a directory that is missing or read-only."""
+    check_not_input(flag, path, list(inputs) + (run_inputs(ckpt) if ckpt else []), contains=kind == "hf")
     if kind == "hf" and os.path.exists(path) and not os.path.isdir(path):
         die(f"{flag}={path} is a file; --format=hf writes a directory (config.json, model.safetensors, ...): pass a new "
             f"or empty directory", 2)

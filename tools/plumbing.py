@@ -229,15 +229,16 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
 # saving
 
 
-def save(run, step):
+def save(run, step, val_loss=None):
     """Every rank calls it (FSDP2 gathers shards); rank 0 writes. A failed write keeps the previous checkpoint,
-    and so do non-finite weights: they never replace a finite checkpoint."""
+    and so do non-finite weights: they never replace a finite checkpoint. val_loss: this step's, when evaluated;
+    an older checkpoint with a better one is kept beside the new (checkpoint.save), and a line says so."""
     if not checkpoint.all_finite(run.model):
         die(f"step {step}: the weights are not finite, so they were not saved; {run.ckpt_path} is kept; lower "
             f"--lr or --muon_lr and continue from it with --resume=True")
     config = {**dataclasses.asdict(run.cfg), "tokenizer_fingerprint": fingerprint(get_tokenizer(run.cfg.tokenizer))}
     state = checkpoint.training_state(step, config, dataclasses.asdict(run.model.config),
-                                      run.model, run.optimizer, run.clipper, run.train_loader)
+                                      run.model, run.optimizer, run.clipper, run.train_loader, val_loss)
     averaged = None
     if run.average is not None:
         state["average"] = run.average.state_dict()
@@ -245,7 +246,11 @@ def save(run, step):
     wrote = None
     try:
         if run.rt.master:
-            wrote = checkpoint.save(state, run.out_dir, run.cfg.keep_last)
+            wrote, kept = checkpoint.save(state, run.out_dir, run.cfg.keep_last)
+            if kept is not None:
+                now = f"val loss {val_loss:.4g}" if val_loss is not None else "no val loss (not evaluated)"
+                run.rt.log(f"kept {kept[1]} (step {checkpoint.step_of(kept[1])}, val loss {kept[0]:.4f}) beside the "
+                           f"new {run.ckpt_path} (step {step}, {now}): rotation never deletes a better checkpoint")
             if averaged is not None:
                 checkpoint.atomic_save(averaged, os.path.join(run.out_dir, checkpoint.AVERAGED))
     except OSError as e:  # e.g. a full disk: the atomic write left the file it was writing as it was
