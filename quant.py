@@ -140,29 +140,30 @@ def set_lambda(model, lam):
 
 # -----------------------------------------------------------------------------
 # 2-bit packing: four ternary codes per byte along the input dimension, as in BitNet b1.58 2B4T
-# (arXiv 2504.12285); the bit layout is ours, with a worked byte in docs/packed-format.md:
-# code = W_q + 1 in {0, 1, 2} (0b00 = -1, 0b01 = 0, 0b10 = +1), element k % 4 == j in bits 2j..2j+1,
-# K padded to a multiple of 4 with 0b01. That is 2 bits per weight: 1/8 of the bytes of bf16.
+# (arXiv 2504.12285); the bit layout is ours, with worked bytes in docs/packed-format.md, and it is the one the
+# kernels read (kernels/ternary_matmul.py) and the export file holds. code = W_q + 1 in {0, 1, 2} (0b00 = -1,
+# 0b01 = 0, 0b10 = +1). A row of K codes is cut into four planes of Q = ceil(K/4), padded with 0b01 (weight 0);
+# byte j holds element j of each plane: k = j, j + Q, j + 2Q, j + 3Q in bits 0-1, 2-3, 4-5, 6-7. So four bytes
+# read as one int32 word, shifted by 2i and masked with 0x03030303, are four consecutive codes of plane i: one
+# dp4a on the GPU. That is 2 bits per weight: 1/8 of the bytes of bf16.
 
 
 def pack_ternary(w_q):
-    """(N, K) int8 in {-1,0,1} -> (N, ceil(K/4)) uint8, element k%4 == j in bits 2j..2j+1."""
+    """(N, K) int8 in {-1,0,1} -> (N, Q) uint8, Q = ceil(K/4): byte j holds k = j + iQ in bits 2i..2i+1."""
     N, K = w_q.shape
-    pad = (-K) % 4
-    codes = (w_q.to(torch.int16) + 1).to(torch.uint8)  # {0, 1, 2}
-    if pad:  # pad with code 0b01, i.e. weight 0, so padded K contributes nothing
-        codes = torch.cat([codes, codes.new_ones(N, pad)], dim=1)
-    codes = codes.view(N, -1, 4)  # (N, K/4, 4)
-    packed = codes[..., 0] | (codes[..., 1] << 2) | (codes[..., 2] << 4) | (codes[..., 3] << 6)
-    return packed.contiguous()
+    Q = (K + 3) // 4
+    codes = torch.ones((N, 4 * Q), dtype=torch.uint8, device=w_q.device)  # code 0b01 (weight 0) past K
+    codes[:, :K] = (w_q.to(torch.int16) + 1).to(torch.uint8)  # {0, 1, 2}
+    planes = codes.view(N, 4, Q)  # (N, plane i, byte j): element k = iQ + j
+    return (planes[:, 0] | planes[:, 1] << 2 | planes[:, 2] << 4 | planes[:, 3] << 6).contiguous()
 
 
 def unpack_ternary(packed, in_features):
     """(N, ceil(K/4)) uint8 -> (N, K) int8 in {-1,0,1}; the inverse of pack_ternary."""
     N = packed.shape[0]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & 3  # (N, K/4, 4)
-    return (codes.view(N, -1)[:, :in_features].to(torch.int8) - 1).contiguous()
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device).view(1, 4, 1)
+    codes = (packed.unsqueeze(1) >> shifts) & 3  # (N, plane i, byte j): element k = iQ + j
+    return (codes.reshape(N, -1)[:, :in_features].to(torch.int8) - 1).contiguous()
 
 
 # -----------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import torch
 from tools import checkpoint, common, decode, outputs
 from tokenizer import get_tokenizer
 from lessons import dlm
-from tools.load import FORMAT, load_gpt, saved_tokenizer
+from tools.load import PACKED, load_gpt, saved_tokenizer
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from tools.flags import die, parse
 
@@ -73,7 +73,7 @@ def load_model(path, device, packed=False):
     if saved_tokenizer(obj) is None:
         die(f"{path}: no tokenizer in its config; sample a checkpoint that train.py or tools/export.py wrote")
     tok = get_tokenizer(saved_tokenizer(obj))  # load_gpt checked that it fits the vocabulary
-    if obj.get("format") == FORMAT:
+    if str(obj.get("format", "")).startswith(PACKED):
         print(bytes_line(weight_bytes(model)) + " (packed export)")
     elif packed:
         latent = weight_bytes(model)

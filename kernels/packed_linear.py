@@ -3,8 +3,8 @@ Packed-weight inference for BitNet b1.58: a trained BitLinear frozen to 2-bit co
 
 The idea: once lambda = 1, a hidden matrix is only ever used as W_q * gamma with W_q in {-1, 0, +1}, so
 inference needs no full-precision latent weight at all. PackedBitLinear keeps the ternary codes packed
-four to a byte (1/8 of the bytes of bf16) in the kernels' plane order (kernels.ternary_matmul.pack_planes: one
-shift and mask of an int32 word gives four codes for one dp4a), and gamma, and computes the inference form,
+four to a byte (1/8 of the bytes of bf16) in the one layout (quant.pack_ternary: one shift and mask of an int32
+word gives four codes for one dp4a), and gamma, and computes the inference form,
 an exact int32 accumulation with the scales applied after it:
 
     x_q, x_scale = activation_quant(x)            per token: x_q int8 (..., K), x_scale = 1/s (..., 1)
@@ -20,9 +20,8 @@ to fp32 rounding (that path rounds every product and partial sum, this one only 
 whole model those ulps can flip an activation that sits on a rounding tie to the neighbouring int8 code,
 so frozen logits agree with the unfrozen model's closely, not to the last bit.
 
-freeze_ternary(model) swaps every BitLinear for a PackedBitLinear in place (the plane order is made here,
-at freeze time); weight_bytes(model) measures the hidden matrices and the rest. The export file keeps
-quant.pack_ternary's sequential order: tools/export.py converts on the way out and in. Sources: BitNet b1.58 (arXiv 2402.17764, section 2) for the quantisers and
+freeze_ternary(model) swaps every BitLinear for a PackedBitLinear in place (packed here, at freeze time);
+weight_bytes(model) measures the hidden matrices and the rest. The export file holds the same bytes. Sources: BitNet b1.58 (arXiv 2402.17764, section 2) for the quantisers and
 BitNet b1.58 2B4T (arXiv 2504.12285) for inference from packed weights; the byte layout is docs/packed-format.md.
 
 Demo:  python -m kernels.packed_linear          Test:  python -m pytest tests/test_packed.py
@@ -48,11 +47,11 @@ class PackedBitLinear(nn.Module):
         if w_packed.dtype != torch.uint8 or tuple(w_packed.shape) != shape:
             raise ValueError(f"w_packed: expected uint8 {shape} for {in_features} -> {out_features} features, "
                              f"got {w_packed.dtype} {tuple(w_packed.shape)}; pack W_q with "
-                             "kernels.ternary_matmul.pack_planes")
+                             "quant.pack_ternary")
         if w_scale.dtype != torch.float32 or w_scale.numel() != 1:
             raise ValueError(f"w_scale: expected one float32 gamma, got {w_scale.dtype} {tuple(w_scale.shape)}")
         self.in_features, self.out_features, self.use_triton = in_features, out_features, use_triton
-        self.register_buffer("w_packed", w_packed)            # (N, ceil(K/4)) uint8, four codes per byte, plane order
+        self.register_buffer("w_packed", w_packed)            # (N, ceil(K/4)) uint8, four codes per byte (quant.pack_ternary)
         self.register_buffer("w_scale", w_scale.reshape(()))  # gamma, 0-d fp32
 
     @classmethod

@@ -1,16 +1,17 @@
 """
 The plane layout of 2-bit ternary weights, and the ternary x int8 contract in plain torch.
 
-A ternary matrix W_q in {-1, 0, +1} (N, K) is stored as codes W_q + 1 in {0, 1, 2}, four to a byte. In plane
-order a row of K codes is cut into four planes of Q = ceil(K/4) codes, and byte j holds code j of each plane:
+A ternary matrix W_q in {-1, 0, +1} (N, K) is stored as codes W_q + 1 in {0, 1, 2}, four to a byte, in one layout:
+quant.pack_ternary writes it (pack_planes here is the same function), the kernels read it, the export file holds it.
+A row of K codes is cut into four planes of Q = ceil(K/4) codes, and byte j holds code j of each plane:
     w[n, j] (N, Q) uint8 holds k = j, j + Q, j + 2Q, j + 3Q in bits 0-1, 2-3, 4-5, 6-7     (0b11 is never written)
     k >= K (up to 4Q) holds code 0b01 (weight 0), so the padding adds nothing.
 Read as little-endian int32 words, word g of a row holds k = 4g..4g+3 of each plane, and
     (word >> 2i) & 0x03030303 = the four codes of k = iQ + 4g .. iQ + 4g + 3, one per byte,
 which pair with the activations' int32 word iQ/4 + g: one shift, one mask and one dp4a do four multiply-adds
 (after the GPU kernel of BitNet b1.58 2B4T, arXiv 2504.12285, whose weights are permuted offline for the same
-reason). The export file keeps quant.pack_ternary's sequential order (k in bits 2*(k % 4) of byte k // 4);
-planes_from_packed and packed_from_planes convert, exactly, in either direction (docs/packed-format.md).
+reason). Packed exports of format v1 held each row in k order (k in bits 2*(k % 4) of byte k // 4):
+planes_from_packed converts such bytes when one loads, packed_from_planes back, both exactly (docs/packed-format.md).
 
 The contract every implementation meets (BitNet b1.58, arXiv 2402.17764, section 2):
     acc[m, n] = sum_k x_q[m, k] * W_q[n, k]                 int32, exact (|acc| <= 128 K < 2**31)
@@ -24,6 +25,8 @@ Test: python -m pytest tests/test_kernels.py
 
 import torch
 
+from quant import pack_ternary as pack_planes  # noqa: F401  the one layout, under the kernels' name for it
+
 K_MAX = 2**23  # 2 * 128 * K < 2**31: the largest partial sum of codes (0..2) times int8 stays in int32
 
 # -----------------------------------------------------------------------------
@@ -32,18 +35,8 @@ K_MAX = 2**23  # 2 * 128 * K < 2**31: the largest partial sum of codes (0..2) ti
 _PLANE_SHIFTS = (0, 2, 4, 6)
 
 
-def pack_planes(w_q):
-    """(N, K) int8 in {-1, 0, 1} -> (N, ceil(K/4)) uint8 in plane order: byte j holds k = j + iQ in bits 2i."""
-    N, K = w_q.shape
-    Q = (K + 3) // 4
-    codes = torch.ones((N, 4 * Q), dtype=torch.uint8, device=w_q.device)  # code 0b01 (weight 0) past K
-    codes[:, :K] = (w_q.to(torch.int16) + 1).to(torch.uint8)
-    planes = codes.view(N, 4, Q)  # (N, plane i, byte j): element k = iQ + j
-    return (planes[:, 0] | planes[:, 1] << 2 | planes[:, 2] << 4 | planes[:, 3] << 6).contiguous()
-
-
 def _codes(w, order):
-    """(N, Q) uint8 -> (N, 4Q) codes in k order, from "planes" or "sequential" (quant.pack_ternary) bytes."""
+    """(N, Q) uint8 -> (N, 4Q) codes in k order, from "planes" (quant.pack_ternary) or "sequential" (v1) bytes."""
     shifts = torch.tensor(_PLANE_SHIFTS, dtype=torch.uint8, device=w.device)
     codes = (w.unsqueeze(-1) >> shifts) & 3  # (N, Q, 4): byte j, slot i
     return (codes.transpose(1, 2) if order == "planes" else codes).reshape(w.shape[0], -1)
@@ -57,12 +50,12 @@ def _pack_codes(codes, order):
 
 
 def planes_from_packed(w_packed):
-    """quant.pack_ternary's sequential bytes -> plane order, same shape; exact (every code keeps its k)."""
+    """A v1 export's sequential bytes (k in bits 2*(k % 4) of byte k // 4) -> plane order; exact."""
     return _pack_codes(_codes(w_packed, "sequential"), "planes")
 
 
 def packed_from_planes(w_planes):
-    """Plane order -> quant.pack_ternary's sequential bytes (the export file's order); the inverse of the above."""
+    """Plane order -> the sequential bytes of a v1 export; the inverse of the above."""
     return _pack_codes(_codes(w_planes, "planes"), "sequential")
 
 

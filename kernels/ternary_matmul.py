@@ -8,7 +8,7 @@ holds exactly. The scales are applied once, at the end. Sources: the quantisers 
 (arXiv 2504.12285) and its GPU kernel, whose weights are permuted offline so that one shift and one mask of an
 int32 word give four int8 codes for one dp4a. Byte layouts, export file and this contract: docs/packed-format.md.
 
-Weights come in plane order (kernels/planes.py: pack_planes): read as int32 words, one shift and one mask give
+Weights come as quant.pack_ternary packs them (plane order, kernels/planes.py; pack_planes is the same function): read as int32 words, one shift and one mask give
 four codes (W_q + 1 in {0, 1, 2}) that pair with one int32 word of the activations, so one dp4a does four
 multiply-adds.
 
@@ -309,8 +309,8 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
                    return_acc=False):
     """y = (x_q @ W_q^T) * x_scale * gamma with W_q unpacked on the fly from w_packed.
 
-    x_q (..., K) int8, x_scale (..., 1) fp32, w_packed (N, ceil(K/4)) uint8 in plane order (pack_planes, or
-    planes_from_packed of quant.pack_ternary's bytes), w_scale fp32 with one element (gamma), or N: one gamma per
+    x_q (..., K) int8, x_scale (..., 1) fp32, w_packed (N, ceil(K/4)) uint8 as quant.pack_ternary (= pack_planes)
+    writes it, w_scale fp32 with one element (gamma), or N: one gamma per
     output row, for several matrices stacked along N (q, k, v in one call).
     Returns y (..., N) in out_dtype (float32 or bfloat16), or with return_acc=True the exact int32
     accumulator x_q @ W_q^T instead. out= writes into a given contiguous (..., N) tensor.
@@ -320,7 +320,7 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
         raise TypeError(f"x_q: expected int8 (..., K), got {x_q.dtype} {tuple(x_q.shape)}; quantise with quantize_activations")
     if w_packed.dtype != torch.uint8 or w_packed.dim() != 2:
         raise TypeError(f"w_packed: expected uint8 (N, ceil(K/4)), got {w_packed.dtype} {tuple(w_packed.shape)}; "
-                        "pack with kernels.ternary_matmul.pack_planes")
+                        "pack with quant.pack_ternary")
     lead, K = x_q.shape[:-1], x_q.shape[-1]
     N, M = w_packed.shape[0], math.prod(lead)
     if w_packed.shape[1] != (K + 3) // 4:

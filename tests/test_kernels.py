@@ -64,7 +64,7 @@ CASES = [(M, K, N, c) for M, K, N in SHAPES for c in CONFIGS if not (c == "decod
 def test_ternary_matmul_integer_part_exact_and_scaled_within_1e6(M, K, N, config):
     x_q, w_q, x_scale, w_scale = _case_data(M, K, N, seed=M * 100_003 + K * 101 + N * 2 + CONFIGS.index(config))
     x_q, x_scale, w_scale = x_q.to(DEVICE), x_scale.to(DEVICE), w_scale.to(DEVICE)
-    w_packed = tm.pack_planes(w_q).to(DEVICE)
+    w_packed = quant.pack_ternary(w_q).to(DEVICE)  # what a learner packs is what the kernels read
 
     # integer part: bitwise equal to x_q @ W_q^T in int64, from the codes before packing
     acc_expected = (x_q.cpu().long() @ w_q.long().T).int()
@@ -148,22 +148,28 @@ def test_reference_unpack_matches_quant_unpack_ternary():
     for K in (1, 4, 5, 99):
         w_q = (torch.randint(0, 3, (6, K), generator=g) - 1).to(torch.int8)
         packed = quant.pack_ternary(w_q)
-        assert torch.equal(tm.unpack_ternary_reference(tm.planes_from_packed(packed), K), w_q)
+        assert torch.equal(tm.unpack_ternary_reference(packed, K), w_q)
         assert torch.equal(quant.unpack_ternary(packed, K), w_q)
 
 
 def test_plane_order_layout_and_conversions():
-    """pack_planes: byte j holds k = j + iQ in bits 2i (Q = ceil(K/4)); the sequential bytes of quant.pack_ternary
-    convert to it and back exactly, padding included."""
+    """One layout: quant.pack_ternary (= tm.pack_planes) puts k = j + iQ in bits 2i of byte j (Q = ceil(K/4)); a v1
+    export's k-order bytes (k in bits 2*(k % 4) of byte k // 4, packed here by hand) convert to it and back exactly,
+    padding included."""
+    assert tm.pack_planes is quant.pack_ternary
     w_q = torch.tensor([[-1, 0, 1, 1, 1]], dtype=torch.int8)  # K = 5, Q = 2: byte 0 = k 0, 2, 4, (6); byte 1 = k 1, 3, (5, 7)
-    planes = tm.pack_planes(w_q)
+    planes = quant.pack_ternary(w_q)
     # byte 0: codes 0 (k0), 2 (k2), 2 (k4), 1 (pad) -> 0b01101000; byte 1: 1 (k1), 2 (k3), 1, 1 -> 0b01011001
     assert planes.tolist() == [[0b01101000, 0b01011001]]
-    assert torch.equal(tm.planes_from_packed(quant.pack_ternary(w_q)), planes)
+    assert tm.planes_from_packed(torch.tensor([[164, 86]], dtype=torch.uint8)).tolist() == planes.tolist()
     g = torch.Generator().manual_seed(3)
     for K in (1, 3, 4, 16, 37, 64, 100):
         w_q = (torch.randint(0, 3, (5, K), generator=g) - 1).to(torch.int8)
-        seq, planes = quant.pack_ternary(w_q), tm.pack_planes(w_q)
+        codes = torch.ones(5, 4 * ((K + 3) // 4), dtype=torch.int32)
+        codes[:, :K] = w_q.int() + 1
+        c = codes.view(5, -1, 4)
+        seq = (c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6).to(torch.uint8)  # v1's bytes
+        planes = quant.pack_ternary(w_q)
         assert planes.shape == seq.shape == (5, (K + 3) // 4) and planes.dtype == torch.uint8
         assert torch.equal(tm.planes_from_packed(seq), planes) and torch.equal(tm.packed_from_planes(planes), seq)
         assert torch.equal(tm.unpack_ternary_reference(planes, K), w_q)

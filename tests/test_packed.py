@@ -223,18 +223,17 @@ def test_weight_bytes_measures_latent_and_packed_hidden_matrices():
 
 def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
     model = _tiny_model()
-    sequential = {n: quant.pack_ternary(quant.weight_quant(m.weight.detach())[0])
-                  for n, m in model.named_modules() if isinstance(m, quant.BitLinear)}
+    packed = {n: quant.pack_ternary(quant.weight_quant(m.weight.detach())[0])
+              for n, m in model.named_modules() if isinstance(m, quant.BitLinear)}
     frozen = freeze_ternary(model)
     path = str(tmp_path / "packed.pt")
     torch.save(export.packed_state(frozen, "byte"), path)
     obj = torch.load(path, weights_only=True)  # plain tensors, ints and strings only
-    assert obj["format"] == "nanobitnet-packed-v1" and obj["tokenizer"] == "byte"
-    # the file holds quant.pack_ternary's bytes, as every export so far; in memory the layers hold plane order
-    assert sequential.keys() == obj["packed"].keys()
-    assert all(torch.equal(obj["packed"][n]["w_packed"], b) for n, b in sequential.items())
-    assert all(torch.equal(frozen.get_submodule(n).w_packed, tm.pack_planes(quant.unpack_ternary(b, 4 * b.shape[1])))
-               for n, b in sequential.items())  # every K here is a multiple of 4
+    assert obj["format"] == "nanobitnet-packed-v2" and obj["tokenizer"] == "byte"
+    # one layout: the file and the layers in memory hold quant.pack_ternary's bytes
+    assert packed.keys() == obj["packed"].keys()
+    assert all(torch.equal(obj["packed"][n]["w_packed"], b) and torch.equal(frozen.get_submodule(n).w_packed, b)
+               for n, b in packed.items())
     assert set(obj["packed"]) == {n for n, m in frozen.named_modules() if isinstance(m, PackedBitLinear)}
     assert not any(k.endswith("lambda_") or k.rpartition(".")[0] in obj["packed"] for k in obj["fp"])
     packed_bytes = sum(p["w_packed"].numel() * p["w_packed"].element_size() for p in obj["packed"].values())
@@ -248,7 +247,21 @@ def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
         assert torch.equal(model(idx, idx)[0], frozen(idx, idx)[0])
     with pytest.raises(ValueError) as e:  # the file, the format it should have, and how to make one
         load.model_from_packed({"model": {}}, "some.pt")
-    assert all(f in str(e.value) for f in ("some.pt", "nanobitnet-packed-v1", "python -m tools.export")), e.value
+    assert all(f in str(e.value) for f in ("some.pt", "nanobitnet-packed-v2", "python -m tools.export")), e.value
+    # a v1 file (each row's codes in k order, bits 2*(k % 4) of byte k // 4) loads as the same model
+    v1 = {**obj, "format": "nanobitnet-packed-v1", "packed": {n: {**p, "w_packed": _k_order(
+        quant.unpack_ternary(p["w_packed"], p["in_features"]))} for n, p in obj["packed"].items()}}
+    with torch.no_grad():
+        assert torch.equal(load.model_from_packed(v1)(idx, idx)[0], frozen(idx, idx)[0])
+
+
+def _k_order(w_q):
+    """A v1 export's bytes, written here independently of kernels/planes.py: code k in bits 2*(k % 4) of byte k//4."""
+    N, K = w_q.shape
+    codes = torch.ones((N, 4 * ((K + 3) // 4)), dtype=torch.int32)
+    codes[:, :K] = w_q.int() + 1
+    c = codes.view(N, -1, 4)
+    return (c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6).to(torch.uint8)
 
 
 def test_every_export_floors_gamma_where_training_does():

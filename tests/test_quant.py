@@ -143,11 +143,14 @@ def test_set_lambda_writes_every_buffer_and_it_is_saved():
 
 
 def test_pack_ternary_matches_hand_computed_bytes():
-    w_q = torch.tensor([[-1, 0, 1, 1, 1], [0, 0, 0, 0, -1]], dtype=torch.int8)
+    """docs/packed-format.md's worked bytes: byte j holds k = j, j + Q, j + 2Q, j + 3Q in bits 0-1 .. 6-7."""
+    assert pack_ternary(torch.tensor([[-1, 0, 1, 1]], dtype=torch.int8)).tolist() == [[164]]  # Q = 1: k in order
+    w_q = torch.tensor([[-1, 0, 1, 1, 1], [0, 0, 0, 0, -1]], dtype=torch.int8)  # K = 5, Q = 2
     packed = pack_ternary(w_q)
-    # row 0: codes [0,1,2,2] -> 0 | 1<<2 | 2<<4 | 2<<6 = 164; then [2, pad 1,1,1] -> 2|4|16|64 = 86
-    # row 1: codes [1,1,1,1] -> 85; then [0, pad 1,1,1] -> 0|4|16|64 = 84
-    assert packed.dtype == torch.uint8 and packed.tolist() == [[164, 86], [85, 84]]
+    # row 0: byte 0 = k 0, 2, 4, pad: codes 0, 2, 2, 1 -> 0 | 2<<2 | 2<<4 | 1<<6 = 104; byte 1 = k 1, 3, pad, pad:
+    #        codes 1, 2, 1, 1 -> 1 | 8 | 16 | 64 = 89
+    # row 1: byte 0 = codes 1, 1, 0, 1 -> 1 | 4 | 0 | 64 = 69; byte 1 = codes 1, 1, 1, 1 -> 85
+    assert packed.dtype == torch.uint8 and packed.tolist() == [[104, 89], [69, 85]]
 
 
 @pytest.mark.parametrize("K", [1, 3, 4, 5, 7, 13, 64, 65])

@@ -11,8 +11,9 @@ The idea: a training checkpoint holds the fp32 latent hidden weights (and the op
 needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma (kernels/packed_linear.py). The export is
 a plain dict that loads with torch.load(weights_only=True):
 
-    {"format": "nanobitnet-packed-v1", "model_args": asdict(GPTConfig), "tokenizer": "byte" | "gpt2",
-     "packed": {module name: {"w_packed": (N, ceil(K/4)) uint8 (quant.pack_ternary's order), "w_scale": 0-d fp32 gamma,
+    {"format": "nanobitnet-packed-v2", "model_args": asdict(GPTConfig), "tokenizer": "byte" | "gpt2",
+     "packed": {module name: {"w_packed": (N, ceil(K/4)) uint8 (quant.pack_ternary's bytes, which the kernels read),
+                              "w_scale": 0-d fp32 gamma,
                               "in_features": K, "out_features": N}},
      "fp": {every other state-dict tensor: embedding, LM head, norms; no latent weights, no lambda_}}
 
@@ -41,8 +42,7 @@ from quant import weight_quant
 from tools import checkpoint, common, outputs
 from tools.flags import die, parse
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
-from kernels.ternary_matmul import packed_from_planes
-from tools.load import FORMAT, load_gpt, saved_tokenizer
+from tools.load import FORMAT, PACKED, load_gpt, saved_tokenizer
 
 
 @dataclass
@@ -56,8 +56,7 @@ class ExportConfig:
 
 def packed_state(model, tokenizer):
     """The export dict of a frozen model (every hidden projection a PackedBitLinear)."""
-    # the file keeps quant.pack_ternary's sequential order; PackedBitLinear holds the kernels' plane order
-    packed = {name: {"w_packed": packed_from_planes(m.w_packed), "w_scale": m.w_scale, "in_features": m.in_features,
+    packed = {name: {"w_packed": m.w_packed, "w_scale": m.w_scale, "in_features": m.in_features,
                      "out_features": m.out_features}
               for name, m in model.named_modules() if isinstance(m, PackedBitLinear)}
     if not packed:
@@ -78,8 +77,8 @@ def load_training_checkpoint(ckpt_path):
         model, obj = load_gpt(ckpt_path)
     except checkpoint.CheckpointError as e:  # missing, truncated, corrupt or foreign: one line naming the file
         die(str(e))
-    if obj.get("format") == FORMAT:
-        die(f"{ckpt_path} is already a packed export ({FORMAT}), not a training checkpoint; sample it as it is: "
+    if str(obj.get("format", "")).startswith(PACKED):
+        die(f"{ckpt_path} is already a packed export ({obj['format']}), not a training checkpoint; sample it as it is: "
             f"python sample.py --ckpt={ckpt_path}")
     if saved_tokenizer(obj) is None:
         die(f"{ckpt_path}: no tokenizer in its config; export a checkpoint that train.py wrote")
