@@ -69,10 +69,8 @@ class PackedBitLinear(nn.Module):
 
     def forward(self, x):  # x (..., K) any float dtype -> (..., N) in x.dtype
         use_triton = x.is_cuda if self.use_triton is None else self.use_triton
-        if use_triton:
-            x_q, x_scale = tm.quantize_activations(x)  # bit-identical to quant.activation_quant
-            out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-            y = tm.ternary_matmul(x_q, x_scale, self.w_packed, self.w_scale, out_dtype=out_dtype)
+        if use_triton:  # tm.quantize_activations is bit-identical to quant.activation_quant
+            y = _triton_linear(x, self.w_packed, self.w_scale)
         else:
             x_q, x_scale = quant.activation_quant(x.reshape(-1, x.shape[-1]))  # rows: see _untriton_matmul
             y = _untriton_matmul(x_q, x_scale, self.w_packed, self.w_scale, self, self.in_features)
@@ -93,9 +91,7 @@ class PackedBitLinear(nn.Module):
             self._stack = stack = (None if torch.compiler.is_compiling() else _stack_key(layers), w, ws)
         use_triton = x.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:
-            x_q, x_scale = tm.quantize_activations(x)
-            out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-            y = tm.ternary_matmul(x_q, x_scale, stack[1], stack[2], out_dtype=out_dtype)
+            y = _triton_linear(x, stack[1], stack[2])
         else:
             x_q, x_scale = quant.activation_quant(x.reshape(-1, x.shape[-1]))  # rows: see _untriton_matmul
             y = _untriton_matmul(x_q, x_scale, stack[1], stack[2], self, self.in_features, "_stack_codes")
@@ -104,6 +100,12 @@ class PackedBitLinear(nn.Module):
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed 2-bit, use_triton={self.use_triton}"
+
+
+def _triton_linear(x, w_packed, w_scale):
+    """The Triton kernels (tm.linear): called directly when eager; inside torch.compile through the registered op
+    tm.ternary_linear, whose fake gives the output's shape, so dynamo traces one opaque call, not the launches."""
+    return (tm.ternary_linear if torch.compiler.is_compiling() else tm.linear)(x, w_packed, w_scale)
 
 
 def _stack_key(layers):

@@ -398,6 +398,27 @@ def quantize_activations(x, *, block_k=None):
     return x_q, x_scale
 
 
+# -----------------------------------------------------------------------------
+# the packed linear as one torch op: torch.compile(fullgraph=True) and CUDA graphs see one opaque call with a
+# known output shape (the fake below), so the model around it traces, and inductor fuses what surrounds it
+
+
+def linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float -> (..., N): quantize_activations, then ternary_matmul; bf16 out for bf16 x, else fp32."""
+    x_q, x_scale = quantize_activations(x)
+    out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    return ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=out_dtype)
+
+
+ternary_linear = torch.library.custom_op("nanobitnet::ternary_linear", linear, mutates_args=())  # the same, as an op
+
+
+@ternary_linear.register_fake
+def _(x, w_packed, w_scale):
+    return x.new_empty((*x.shape[:-1], w_packed.shape[0]),
+                       dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+
+
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
     if device == "cpu" and not INTERPRETED:

@@ -488,6 +488,21 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
         assert torch.equal(a, model(idx)[0])
 
 
+def test_the_triton_packed_model_compiles_whole_through_the_registered_op():
+    """torch.compile(fullgraph=True) traces a packed model on the Triton path (the interpreter here): the kernels
+    are one registered op (tm.ternary_linear) whose fake gives the shape, so the launch code is never traced; the
+    compiled logits equal the eager ones bit for bit. torch.library.opcheck checks the op against its fake."""
+    torch.manual_seed(0)
+    x, w_q = torch.randn(3, 64, device=DEVICE), torch.randint(-1, 2, (40, 64), dtype=torch.int8)
+    torch.library.opcheck(tm.ternary_linear, (x, tm.pack_planes(w_q).to(DEVICE), torch.tensor(0.3, device=DEVICE)))
+    model = freeze_ternary(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)).eval(),
+                           use_triton=True).to(DEVICE)
+    idx = torch.randint(0, 64, (1, 8), device=DEVICE)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, fullgraph=True)(idx)[0], model(idx)[0])
+
+
 # -----------------------------------------------------------------------------
 # an imported model (tests/imported.py: a tiny Llama with GQA, an untied head and its own BPE tokenizer, converted to
 # ternary by train.py --init_from): the packed export keeps its shape and tokenizer, and sample.py decodes with it

@@ -176,8 +176,8 @@ def check_not_input(flag, path, inputs, contains=False):
         real = os.path.realpath(in_path)
         name = f"{what}={in_path}" if what.startswith("--") else f"{what}: {in_path}"
         if real == out or (os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path)):
-            die(f"{flag}={path} is the same file as {name}; writing there would destroy what this command reads, "
-                f"which --overwrite=True never allows; pass another {flag}", 2)
+            die(f"{flag}={path} is the same file as {name}: an output never replaces what a run reads, not even "
+                f"with --overwrite=True; pass another {flag}", 2)
         if os.path.isdir(real) and out.startswith(os.path.join(real, "")):
             die(f"{flag}={path} is inside {name}; an output never goes into what a run reads, not even with "
                 f"--overwrite=True; pass another {flag}", 2)
