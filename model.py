@@ -256,7 +256,7 @@ class GPT(nn.Module):
                 states["hiddens"].append(x)
         x = self.norm_f(x)
         if targets is None and want_layer is None and not hiddens:
-            return self.lm_head(x[:, [-1], :]), None, states  # (B, 1, V): generation needs the last one only
+            return self.lm_head(x[:, -1:, :]), None, states  # (B, 1, V): generation needs the last one only
         logits = self.lm_head(x)  # (B, T, V)
         loss = None
         if targets is not None:
@@ -290,16 +290,20 @@ class GPT(nn.Module):
         x = self.wte(idx)
         for block, layer_cache in zip(self.h, cache):
             x, _ = block(x, cos, sin, None, cache=layer_cache)
-        return self.lm_head(self.norm_f(x[:, [-1], :]))  # (B, 1, V)
+        return self.lm_head(self.norm_f(x[:, -1:, :]))  # (B, 1, V)
 
 
 def sample_next(logits, temperature=1.0, top_k=None):
-    """The next token (B, 1) drawn from the last position's logits (B, V) at temperature, among the top_k."""
+    """The next token (B, 1) drawn from the last position's logits (B, V) at temperature, among the top_k.
+    The draw is argmax(p / E) with E ~ Exponential(1) per token (the exponential race: token i wins with
+    probability p_i), fixed shapes and no host sync, so a captured CUDA graph can sample; top_k=1 is the argmax."""
     logits = logits / max(temperature, 1e-6)
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-        logits[logits < v[:, [-1]]] = -float("inf")
-    return torch.multinomial(F.softmax(logits.float(), dim=-1), num_samples=1)
+        logits = logits.masked_fill(logits < v[:, -1:], -float("inf"))
+    probs = F.softmax(logits.float(), dim=-1)
+    race = torch.empty_like(probs).exponential_().clamp_min_(1e-30)  # E > 0: a zero p never wins, even 0 / tiny
+    return torch.argmax(probs / race, dim=-1, keepdim=True)
 
 
 if __name__ == "__main__":

@@ -113,3 +113,44 @@ def test_the_fixed_step_compiles_as_one_graph_that_serves_every_position(name):
             dec.pos.fill_(pos)
             want = dec._step(dec.token)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * want.abs().max().item())
+
+
+def test_generate_owns_the_token_no_op_outside_the_step_and_no_host_read():
+    """Between steps the loop runs no aten op at all (the step samples, writes the token and advances the position
+    on the device): the ops outside _sample_step do not grow with the tokens; nothing reads a tensor to the host
+    (aten._local_scalar_dense: .item(), bool(), .tolist()) and no Python list becomes an index (aten.lift_fresh)
+    while generating; greedy tokens are model.generate's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.inside, self.outside, self.names = False, 0, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func.overloadpacket))
+            self.outside += not self.inside
+            return func(*args, **(kwargs or {}))
+
+    model = make(**MODELS["packed"])
+    idx = torch.randint(0, 60, (2, 4), generator=torch.Generator().manual_seed(3))
+    for mode in ("eager", "fixed"):
+        dec = decode.Decoder(model, mode)
+        step = dec._sample_step
+
+        def counted(*a):
+            count.inside = True
+            try:
+                return step(*a)
+            finally:
+                count.inside = False
+        dec.generate(idx, 2, top_k=1)  # the packed layers unpack their codes once, at the first call
+        dec._sample_step = counted
+        outside = []
+        for n in (6, 12):  # 4 + 12 = 16 tokens: no refill
+            with Count() as count:
+                got = dec.generate(idx, n, top_k=1)
+            assert torch.equal(got, model.generate(idx, n, top_k=1)), mode
+            assert not count.names & {"aten._local_scalar_dense", "aten.lift_fresh", "aten.nonzero"}, count.names
+            outside.append(count.outside)
+        assert outside[0] == outside[1], (mode, outside)  # the prefill and the last read, not a per-token cost

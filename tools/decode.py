@@ -18,8 +18,10 @@ Modes (Decoder(model, mode)):
     graph    fixed, captured as one torch.cuda.CUDAGraph and replayed (CUDA; the default there)
     compile  fixed, torch.compile(fullgraph=True) (inductor fuses the small ops), then captured (CUDA)
 The prompt (and each refill) runs eagerly, exactly as model.generate's prefill, writing positions 0..T-1. At
-block_size the context is cropped and refilled as model.generate does. Sampling (model.sample_next) runs outside the
-graph. doc_mask models keep model.generate (document-restarted positions, no cache): Decoder.generate calls it.
+block_size the context is cropped and refilled as model.generate does. generate's step owns the token: it samples
+(model.sample_next: fixed shapes, no host sync), writes the token as the next input and into a buffer by position,
+and advances the position tensor, all inside the captured graph; the host replays it and reads the tokens back once,
+at a refill or at the end. doc_mask models keep model.generate (document-restarted positions, no cache).
 
 Use:  Decoder(model).generate(idx, max_new_tokens, temperature, top_k), as model.generate (sample.py does)
 Run:  python -m lab.bench --decode (tokens/s)     Test:  python -m pytest tests/test_decode.py
@@ -45,7 +47,7 @@ class LayerCache:
             shape = (k.size(0), k.size(1), d.block_size, k.size(3))
             if self.k is None or self.k.shape != shape or self.k.dtype != k.dtype or self.k.device != k.device:
                 self.k, self.v = k.new_zeros(shape), v.new_zeros(shape)
-                d.graph = None  # new buffers: a captured step would read the old ones
+                d.graph = d.sampler = None  # new buffers: a captured step would read the old ones
             self.k[:, :, :k.size(2)] = k
             self.v[:, :, :v.size(2)] = v
             return k, v
@@ -73,7 +75,9 @@ class Decoder:
         self.pos = torch.zeros(1, dtype=torch.long, device=device)   # the step's position
         self.positions = torch.arange(self.block_size, device=device)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)  # the step's input token (B, 1)
+        self.seq = torch.zeros(1, self.block_size + 1, dtype=torch.long, device=device)  # tokens by position
         self.prefilling, self.length, self.graph, self.out = False, None, None, None
+        self.sampler, self.sampling = None, None  # generate's captured step (graph/compile), and its settings
 
     @torch.no_grad()
     def prefill(self, idx):
@@ -100,7 +104,7 @@ class Decoder:
         if self.mode == "fixed":
             return self._step(token)
         if self.token.shape != token.shape:
-            self.token, self.graph = token.clone(), None
+            self.token, self.graph, self.sampler = token.clone(), None, None
         self.token.copy_(token)
         if self.graph is None:
             self._capture()
@@ -118,19 +122,17 @@ class Decoder:
         return m.lm_head(m.norm_f(x))  # (B, 1, V)
 
     def _capture(self):
-        """Warm up (compiles, Triton autotuning, the packed layers' stacks) on a side stream, then capture one step."""
-        fn = lambda: self._step(self.token)  # noqa: E731
-        if self.mode == "compile":
-            fn = torch.compile(fn, fullgraph=True)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # rewrites the current position with the same k, v: harmless
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = fn()
+        """The logits step (step()) as a CUDA graph."""
+        self.graph, self.out = _captured(lambda: self._step(self.token), self.mode == "compile")
+
+    def _sample_step(self, temperature, top_k):
+        """generate's step, all on the device: the token at self.pos in, the next token sampled (model.sample_next)
+        and written as the next input and into self.seq at pos + 1, the position advanced. No host read."""
+        logits = self._step(self.token)
+        nxt = sample_next(logits[:, -1, :], temperature, top_k)  # (B, 1)
+        self.seq.index_copy_(1, self.pos + 1, nxt)
+        self.token.copy_(nxt)
+        self.pos.add_(1)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
@@ -138,15 +140,57 @@ class Decoder:
         model runs model.generate itself."""
         if self.model.config.doc_mask:
             return self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
-        pos = None
+        B, L = idx.size(0), self.block_size
+        if self.token.size(0) != B:
+            self.token, self.seq = self.token.new_zeros(B, 1), self.seq.new_zeros(B, L + 1)
+            self.graph = self.sampler = None
+        pos = first = None  # host copies: pos of the newest token (the next step's input), first new one's
         for _ in range(max_new_tokens):
-            if pos is None or pos >= self.block_size:  # (re)fill from the last block_size tokens
-                ctx = idx[:, -self.block_size:]
-                logits, pos = self.prefill(ctx), ctx.size(1)
+            if pos is None or pos >= L:  # (re)fill from the last block_size tokens
+                if pos is not None:
+                    idx = torch.cat((idx, self.seq[:, first:pos + 1]), dim=1)
+                ctx = idx[:, -L:]
+                pos = first = ctx.size(1)
+                nxt = sample_next(self.prefill(ctx)[:, -1, :], temperature, top_k)
+                self.seq[:, pos:pos + 1] = nxt
+                self.token.copy_(nxt)
+                self.pos.fill_(pos)
+                continue
+            if self.mode in ("graph", "compile"):
+                if self.sampler is None or self.sampling != (temperature, top_k):
+                    self.sampling, here = (temperature, top_k), (self.pos.clone(), self.token.clone())
+                    self.sampler, _ = _captured(lambda: self._sample_step(temperature, top_k), self.mode == "compile")
+                    self.pos.copy_(here[0]), self.token.copy_(here[1])  # the warm-up stepped on: back to pos
+                self.sampler.replay()
+            elif self.mode == "eager":
+                self.length = pos + 1  # attend over the written positions only
+                try:
+                    self._sample_step(temperature, top_k)
+                finally:
+                    self.length = None
             else:
-                logits, pos = self.step(idx[:, -1:], pos), pos + 1
-            idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
-        return idx
+                self._sample_step(temperature, top_k)
+            pos += 1
+        return idx if pos is None else torch.cat((idx, self.seq[:, first:pos + 1]), dim=1)
+
+
+def _captured(fn, compile):
+    """(torch.cuda.CUDAGraph of fn, its output): warmed up first (compiles, the packed layers' stacks) on a side
+    stream, as torch.cuda.graph requires. The warm-up runs fn three times: a step rewrites the current position's
+    k, v with the same values; the sampling step also moves on (the caller puts its position and token back: the
+    k, v written past it are rewritten before any step attends to them)."""
+    if compile:
+        fn = torch.compile(fn, fullgraph=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, mode="auto"):
