@@ -10,8 +10,10 @@ an exact int32 accumulation with the scales applied after it:
     x_q, x_scale = activation_quant(x)            per token: x_q int8 (..., K), x_scale = 1/s (..., 1)
     y = (x_q @ W_q^T) * x_scale * gamma           (..., N): int32 accumulation, then two fp32 multiplies
 
-On CUDA inputs it runs the Triton kernels of kernels/ternary_matmul.py (quantize_activations, then
-ternary_matmul with a bf16 result for bf16 input, else fp32); on CPU quant.activation_quant, then
+On CUDA inputs it runs the Triton kernels of kernels/ternary_matmul.py (the activation quantiser, then the matmul,
+a bf16 result for bf16 input, else fp32): eagerly through a tm.BoundLinear made once per weight (checks, word views
+and launch settings done then, so a call is two allocations' worth of host work and two launches), and inside
+torch.compile as the registered op tm.ternary_linear (so a packed model compiles whole, fullgraph=True); on CPU quant.activation_quant, then
 ternary_matmul_codes: the codes unpacked once to int8 (N, K) on the first CPU call and kept on the module (never
 in state_dict or an export; unpacked again when w_packed changes or moves; inside torch.compile, unpacked in the
 graph), an int32 torch._int_mm, the same numbers as ternary_matmul_reference bit for bit. use_triton=True forces the kernels, e.g. on CPU under
@@ -70,7 +72,7 @@ class PackedBitLinear(nn.Module):
     def forward(self, x):  # x (..., K) any float dtype -> (..., N) in x.dtype
         use_triton = x.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:  # tm.quantize_activations is bit-identical to quant.activation_quant
-            y = _triton_linear(x, self.w_packed, self.w_scale)
+            y = _triton_linear(x, self.w_packed, self.w_scale, self)
         else:
             x_q, x_scale = quant.activation_quant(x.reshape(-1, x.shape[-1]))  # rows: see _untriton_matmul
             y = _untriton_matmul(x_q, x_scale, self.w_packed, self.w_scale, self, self.in_features)
@@ -89,9 +91,10 @@ class PackedBitLinear(nn.Module):
             w = torch.cat([m.w_packed for m in layers])  # (sum N_i, ceil(K/4))
             ws = torch.cat([m.w_scale.reshape(1).expand(m.out_features) for m in layers])  # (sum N_i,) per row
             self._stack = stack = (None if torch.compiler.is_compiling() else _stack_key(layers), w, ws)
+            self._stack_bound = None
         use_triton = x.is_cuda if self.use_triton is None else self.use_triton
         if use_triton:
-            y = _triton_linear(x, stack[1], stack[2])
+            y = _triton_linear(x, stack[1], stack[2], self, "_stack_bound")
         else:
             x_q, x_scale = quant.activation_quant(x.reshape(-1, x.shape[-1]))  # rows: see _untriton_matmul
             y = _untriton_matmul(x_q, x_scale, stack[1], stack[2], self, self.in_features, "_stack_codes")
@@ -102,10 +105,20 @@ class PackedBitLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed 2-bit, use_triton={self.use_triton}"
 
 
-def _triton_linear(x, w_packed, w_scale):
-    """The Triton kernels (tm.linear): called directly when eager; inside torch.compile through the registered op
-    tm.ternary_linear, whose fake gives the output's shape, so dynamo traces one opaque call, not the launches."""
-    return (tm.ternary_linear if torch.compiler.is_compiling() else tm.linear)(x, w_packed, w_scale)
+def _triton_linear(x, w_packed, w_scale, owner, attr="_bound"):
+    """The Triton kernels. Eager: a tm.BoundLinear made once per weight and kept as owner.<attr> (checks, word views
+    and launch settings done then; made again when w_packed or w_scale is another tensor or was written in place).
+    Inside torch.compile: the registered op tm.ternary_linear, whose fake gives the output's shape, so dynamo traces
+    one opaque call, not the launches."""
+    if torch.compiler.is_compiling():
+        return tm.ternary_linear(x, w_packed, w_scale)
+    b = getattr(owner, attr, None)
+    if (b is None or b[0] is not w_packed or b[1] != w_packed._version or b[2] is not w_scale
+            or b[3] != w_scale._version):
+        b = (w_packed, w_packed._version, w_scale, w_scale._version,
+             tm.BoundLinear(w_packed, w_scale, owner.in_features))
+        setattr(owner, attr, b)
+    return b[4](x)
 
 
 def _stack_key(layers):

@@ -470,8 +470,12 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
     packed = [PackedBitLinear.from_bitlinear(m, use_triton) for m in bl]
     x = torch.randn(5, 32, device=device)
     calls = []
-    fn = tm.ternary_matmul if use_triton else tm.ternary_matmul_codes  # CPU: the stacked codes unpacked to int8
-    monkeypatch.setattr(tm, fn.__name__, lambda *a, **k: calls.append(a[2].shape) or fn(*a, **k))
+    if use_triton:  # the bound linear of the stack: its weight is the stacked codes
+        call = tm.BoundLinear.__call__
+        monkeypatch.setattr(tm.BoundLinear, "__call__", lambda b, x: calls.append(b.w_packed.shape) or call(b, x))
+    else:  # CPU: the stacked codes unpacked to int8
+        fn = tm.ternary_matmul_codes
+        monkeypatch.setattr(tm, fn.__name__, lambda *a, **k: calls.append(a[2].shape) or fn(*a, **k))
     outs = packed[0].stacked_forward(x, packed)
     # one call, fed the stacked matrix: 96 rows of 32/4 packed bytes (Triton) or of 32 int8 codes (CPU)
     assert calls == [torch.Size([96, 8] if use_triton else [96, 32])]
@@ -486,6 +490,65 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
             if hasattr(m, "fused"):
                 m.fused = False
         assert torch.equal(a, model(idx)[0])
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 80])
+def test_the_bound_linear_gives_linears_numbers_bit_for_bit(M):
+    """tm.BoundLinear (what PackedBitLinear calls on the Triton path) against tm.linear: decode (M <= 16) and prefill
+    (short and tall), fp32 and bf16, one gamma and one per row, and the shapes linear re-lays (K % 16 != 0)."""
+    g = torch.Generator().manual_seed(M)
+    for K, N, per_row in ((64, 40, False), (96, 33, True), (60, 8, False)):
+        w_packed = quant.pack_ternary((torch.randint(0, 3, (N, K), generator=g) - 1).to(torch.int8)).to(DEVICE)
+        w_scale = (torch.rand(N if per_row else (), generator=g) + 0.01).to(DEVICE)
+        bound = tm.BoundLinear(w_packed, w_scale, K)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(1, M, K, generator=g).to(DEVICE, dtype)
+            want = tm.linear(x, w_packed, w_scale)
+            got = bound(x)
+            assert got.dtype == want.dtype and got.shape == (1, M, N) and torch.equal(got, want), (K, N, dtype)
+
+
+def test_a_packed_linear_call_is_a_few_python_calls_and_aten_ops(monkeypatch):
+    """Host cost of one PackedBitLinear.forward on the Triton path, the launches faked (what runs before a kernel
+    starts): the checks, word views and launch settings are made once (tm.BoundLinear), so a call is at most 14
+    Python calls (nn.Module's own three included) and 7 aten ops (a view of x; x_q, x_scale and y; the int32 view of
+    x_q, which dispatches as view.dtype and detach; y's view); it was 35 and 12 when every call checked and
+    re-derived them."""
+    import sys
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    launches = []
+
+    class FakeKernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append(self.name)
+
+    for name in ("_decode_kernel", "_prefill_kernel", "_quantize_activations_kernel"):
+        monkeypatch.setattr(tm, name, FakeKernel(name))
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    layer = PackedBitLinear.from_bitlinear(quant.BitLinear(768, 768), use_triton=True).to(DEVICE)
+    x = torch.randn(1, 1, 768, device=DEVICE)
+    calls, ops = [], []
+    with torch.no_grad():
+        layer(x)  # binds the weight once
+        launches.clear()
+        sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+        try:
+            layer(x)
+        finally:
+            sys.setprofile(None)
+        with Ops():
+            layer(x)
+    assert launches == ["_quantize_activations_kernel", "_decode_kernel"] * 2
+    assert len(calls) <= 14 and len(ops) <= 7, (calls, ops)
 
 
 def test_the_triton_packed_model_compiles_whole_through_the_registered_op():
