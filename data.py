@@ -186,7 +186,7 @@ class DataLoader:
     def state_dict(self):
         # plain Python types only: it loads inside a checkpoint with torch.load(weights_only=True)
         return {"dirs": [os.path.basename(os.path.normpath(d)) for d in self.dirs], "split": self.split,
-                "order": self.order, "span": int(self.span), "cursor": [int(j) for j in self.cursor],
+                "windows": [len(w[0]) for w in self.windows], "order": self.order, "span": int(self.span), "cursor": [int(j) for j in self.cursor],
                 "rng": self.rng.bit_generator.state}
 
     def load_state_dict(self, sd):
@@ -364,6 +364,11 @@ def _check_state(loader, sd):
     if sd["dirs"] != names or sd["split"] != loader.split:
         raise ValueError(f"loader state is for {sd['split']} of {sd['dirs']} but this loader reads {loader.split} "
                          f"of {names}; resume with the same sources in the same order")
+    now = [len(w[0]) for w in loader.windows]
+    if "windows" in sd and sd["windows"] != now:  # a state saved before this key existed is not checked
+        raise ValueError(f"loader state is for {sd['dirs']} holding {sd['windows']} windows of {loader.T + 1} tokens, "
+                         f"but they hold {now} now: other shards under the same directory name(s); resume with the "
+                         f"shards the run was trained on")
     if sd["order"] != loader.order:
         raise ValueError(f"loader state is for --data_order={sd['order']}, but this run asks for "
                          f"{loader.order}; resume with --data_order={sd['order']}")

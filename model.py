@@ -264,12 +264,14 @@ class GPT(nn.Module):
         return logits, loss, states
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None):
         """Sample max_new_tokens continuations of idx (B, T), cropping the context to block_size. A KV cache
         keeps each layer's keys and values, so a step runs the new token only; when the context reaches
         block_size it is cropped and refilled, which computes exactly what the uncropped forward would.
         (Activations are quantised per token, so cached positions are what a full forward computes.)
-        tools/decode.py takes the same steps from a preallocated cache, and on CUDA replays one captured step."""
+        tools/decode.py takes the same steps from a preallocated cache, and on CUDA replays one captured step.
+        vocab: sample among the first vocab ids only (the tokenizer's, below a padded vocabulary)."""
+        check_sampling(idx, self.config.vocab_size, temperature, top_k, vocab)
         cache, pos = None, 0
         for _ in range(max_new_tokens):
             if self.config.doc_mask:  # document-restarted positions: no cache, the plain forward
@@ -280,7 +282,7 @@ class GPT(nn.Module):
                 logits, pos = self._decode(ctx, cache, 0), ctx.size(1)
             else:
                 logits, pos = self._decode(idx[:, -1:], cache, pos), pos + 1
-            idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k)), dim=1)
+            idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k, vocab)), dim=1)
         return idx
 
     def _decode(self, idx, cache, pos):
@@ -293,11 +295,29 @@ class GPT(nn.Module):
         return self.lm_head(self.norm_f(x[:, -1:, :]))  # (B, 1, V)
 
 
-def sample_next(logits, temperature=1.0, top_k=None):
-    """The next token (B, 1) drawn from the last position's logits (B, V) at temperature, among the top_k.
+def check_sampling(idx, vocab_size, temperature, top_k, vocab=None):
+    """ValueError, one sentence naming the argument, for what generate cannot sample from or with. Reads idx's
+    smallest and largest id (one host read, before generating)."""
+    if idx.dim() != 2 or idx.size(1) == 0 or idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"idx: expected (B, T) integer token ids with T >= 1, got {idx.dtype} {tuple(idx.shape)}; "
+                         f"start from at least one token (end-of-text)")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k={top_k}: expected None or an integer >= 1 (1 is greedy decoding)")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature={temperature}: expected a finite number > 0; for greedy decoding use top_k=1")
+    if vocab is not None and not 1 <= vocab <= vocab_size:
+        raise ValueError(f"vocab={vocab}: expected 1 .. {vocab_size}, the model's vocabulary")
+    lo, hi = (int(v) for v in torch.aminmax(idx))
+    if lo < 0 or hi >= (vocab or vocab_size):
+        raise ValueError(f"idx holds ids {lo} .. {hi}, outside the vocabulary 0 .. {(vocab or vocab_size) - 1}")
+
+
+def sample_next(logits, temperature=1.0, top_k=None, vocab=None):
+    """The next token (B, 1) drawn from the last position's logits (B, V) at temperature, among the top_k, and
+    among the first `vocab` ids when given (a --pad_vocab model's rows past its tokenizer's never win).
     The draw is argmax(p / E) with E ~ Exponential(1) per token (the exponential race: token i wins with
     probability p_i), fixed shapes and no host sync, so a captured CUDA graph can sample; top_k=1 is the argmax."""
-    logits = logits / max(temperature, 1e-6)
+    logits = (logits if vocab is None else logits[:, :vocab]) / max(temperature, 1e-6)
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, -1:], -float("inf"))

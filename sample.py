@@ -108,7 +108,8 @@ def main(argv):
     x = torch.tensor(ids, dtype=torch.long, device=device)[None, ...]
     decoder = decode.Decoder(model, args["decode"])  # one static cache (and CUDA graph) for every sample
     for _ in range(args["num_samples"]):
-        y = decoder.generate(x, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"])
+        y = decoder.generate(x, args["max_new_tokens"], temperature=args["temperature"], top_k=args["top_k"],
+                             vocab=tok.vocab_size)  # a --pad_vocab model's padding rows are no token
         print(tok.decode(y[0, 1:].tolist()))
         print("---------------")
 
@@ -145,7 +146,8 @@ def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0,
     with common.atomic_write(path) as tmp, open(tmp, "w") as f:
         for i in range(0, num_samples, batch_size):
             x = ids.to(device).expand(min(batch_size, num_samples - i), -1)
-            y = decoder.generate(x, max_new_tokens, temperature=temperature, top_k=top_k)[:, 1:].tolist()
+            y = decoder.generate(x, max_new_tokens, temperature=temperature, top_k=top_k,
+                                 vocab=tok.vocab_size)[:, 1:].tolist()
             for row in y:
                 row = row[:row.index(tok.eot)] if tok.eot in row else row  # the model ended the document
                 text = tok.decode(row)
@@ -176,6 +178,10 @@ def _check_args(args):
             f"--top_k=1", 2)
     if args["decode"] not in ("auto",) + decode.MODES:
         die(f"--decode={args['decode']}: expected auto, {', '.join(decode.MODES)}", 2)
+    if args["dlm"] and (args["jsonl"] or args["decode"] != "auto"):  # dlm.generate fills masks: neither applies
+        flag = f"--jsonl={args['jsonl']}" if args["jsonl"] else f"--decode={args['decode']}"
+        die(f"{flag} is for an autoregressive model; a masked-diffusion model (--dlm=True) prints its samples, "
+            f"filled by lessons/dlm.py: drop {flag.split('=')[0]}", 2)
     if args["remasking"] not in ("random", "low_confidence"):
         die(f"--remasking={args['remasking']}: expected random or low_confidence", 2)
     if not 0 <= args["seed"] < 2**64:

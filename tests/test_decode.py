@@ -117,9 +117,10 @@ def test_the_fixed_step_compiles_as_one_graph_that_serves_every_position(name):
 
 def test_generate_owns_the_token_no_op_outside_the_step_and_no_host_read():
     """Between steps the loop runs no aten op at all (the step samples, writes the token and advances the position
-    on the device): the ops outside _sample_step do not grow with the tokens; nothing reads a tensor to the host
-    (aten._local_scalar_dense: .item(), bool(), .tolist()) and no Python list becomes an index (aten.lift_fresh)
-    while generating; greedy tokens are model.generate's."""
+    on the device): the ops outside _sample_step (the argument check's one read of the prompt, the prefill, the
+    final concatenation) do not grow with the tokens; inside it nothing reads a tensor to the host
+    (aten._local_scalar_dense: .item(), bool(), .tolist()) and no Python list becomes an index (aten.lift_fresh);
+    greedy tokens are model.generate's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -128,7 +129,8 @@ def test_generate_owns_the_token_no_op_outside_the_step_and_no_host_read():
             self.inside, self.outside, self.names = False, 0, set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(str(func.overloadpacket))
+            if self.inside:  # the step: no host read, no list index
+                self.names.add(str(func.overloadpacket))
             self.outside += not self.inside
             return func(*args, **(kwargs or {}))
 
@@ -154,3 +156,28 @@ def test_generate_owns_the_token_no_op_outside_the_step_and_no_host_read():
             assert not count.names & {"aten._local_scalar_dense", "aten.lift_fresh", "aten.nonzero"}, count.names
             outside.append(count.outside)
         assert outside[0] == outside[1], (mode, outside)  # the prefill and the last read, not a per-token cost
+
+
+def test_generate_refuses_what_it_cannot_sample_and_keeps_to_the_tokenizers_vocabulary():
+    """model.generate and Decoder.generate: one ValueError naming the argument for top_k 0 or negative, a NaN or
+    non-positive temperature, an empty prompt or an id outside the vocabulary; with vocab (sample.py passes the
+    tokenizer's) no id at or past it is drawn, even where its logit is the largest (a --pad_vocab row)."""
+    model = make(**MODELS["packed"])
+    idx = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(3))
+    bad = [(dict(top_k=0), "top_k=0"), (dict(top_k=-3), "top_k=-3"), (dict(temperature=float("nan")), "temperature"),
+           (dict(temperature=0.0), "temperature=0.0"), (dict(vocab=0), "vocab=0")]
+    for gen in (model.generate, decode.Decoder(model, "eager").generate, decode.Decoder(model, "fixed").generate):
+        for kw, said in bad:
+            with pytest.raises(ValueError, match=said.replace("(", r"\(")):
+                gen(idx, 3, **kw)
+        for prompt, said in ((idx[:, :0], "T >= 1"), (idx + 60, "outside the vocabulary")):
+            with pytest.raises(ValueError, match=said):
+                gen(prompt, 3)
+    with torch.no_grad():
+        model.lm_head.weight[50:] = 0.0
+        model.lm_head.weight[55] = 50.0 * model.lm_head.weight[:50].abs().max()  # id 55 the likeliest everywhere
+    assert (model.generate(idx, 6, top_k=1)[:, 4:] == 55).all()
+    for gen in (model.generate, decode.Decoder(model, "eager").generate):
+        torch.manual_seed(0)
+        out = gen(idx, 12, temperature=2.0, vocab=50)[:, 4:]
+        assert out.max() < 50, out

@@ -714,3 +714,21 @@ def test_a_resume_that_diverges_keeps_the_last_good_checkpoint(tmp_path):
     final = checkpoint.load(os.path.join(out, "stage2", "ckpt.pt"))
     assert final["step"] == 8 and not final["val_loss"] < 10, final["val_loss"]
     assert f"kept {good} (step 2, val loss {loss:.4f})" in p.stdout, p.stdout
+
+
+def test_a_resume_refuses_other_shards_under_the_same_name_and_says_when_the_data_flag_changes(tmp_path):
+    """The loader's state records how many windows each source holds: a resume whose directory of the same name now
+    holds another dataset is refused in one line; a resume with another --data string (the mix, or the same shards
+    elsewhere) is said in the log."""
+    from conftest import ROOT
+    shards, out = tmp_path / "corpus", str(tmp_path / "out")
+    shutil.copytree(os.path.join(ROOT, "data", "shakespeare_byte"), shards)
+    run("--stage=2", "--max_iters=2", f"--data={shards}", f"--out_dir={out}", *TINY)
+    moved = tmp_path / "elsewhere" / "corpus"
+    shutil.copytree(shards, moved)  # the same shards in another place: resumes, and says --data changed
+    p = run("--stage=2", "--resume=True", "--max_iters=3", f"--data={moved}", f"--out_dir={out}", *TINY)
+    assert f"--data={moved} (was {shards})" in p.stdout, p.stdout
+    shutil.rmtree(shards)
+    shutil.copytree(os.path.join(ROOT, "data", "python_byte"), shards)  # another corpus under the same name
+    p = run("--stage=2", "--resume=True", "--max_iters=4", f"--data={shards}", f"--out_dir={out}", *TINY, rc=1)
+    assert p.stderr.count("error:") == 1 and "other shards under the same directory name" in p.stderr, p.stderr

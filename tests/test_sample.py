@@ -251,3 +251,12 @@ def test_a_gguf_or_an_hf_export_as_ckpt_says_what_it_is_and_which_program_reads_
         assert f"--ckpt={path}" in err and all(f in err for f in facts) and ckpt in err and "corrupt" not in err, err
         err = fails(capsys, f"--ckpt={path}", f"--out={tmp_path / 'p.pt'}", code=2, main=export.main)
         assert f"--ckpt={path}" in err and facts[0] in err, err
+
+
+def test_dlm_refuses_jsonl_and_decode_in_one_line(capsys, tmp_path):
+    """--dlm=True fills masks with lessons/dlm.py: --jsonl (which it never wrote) and --decode (which it never used)
+    are refused before anything is read, not dropped."""
+    for flag in (f"--jsonl={tmp_path / 'x.jsonl'}", "--decode=fixed"):
+        msg = fails(capsys, "--dlm=True", flag, code=2, main=sample.main)
+        assert flag.split("=")[0] in msg and "masked-diffusion" in msg, msg
+    assert not os.path.exists(tmp_path / "x.jsonl")

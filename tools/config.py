@@ -402,7 +402,7 @@ FIXED_ON_RESUME = ("seed", "muon_state", "normuon", "avg_checkpoints", "avg_inte
 NOT_SAID_ON_RESUME = ("resume", "out_dir", "run_name", "device", "compile", "log_interval", "wandb_project",
                       "eval_interval", "eval_iters", "eval_whole", "checkpoint_interval", "keep_last", "max_bad_steps",
                       "log_max_logit",
-                      "tokenizer", "n_layer", "n_head", "n_embd", "pad_vocab", "subln", "data", "data_order",
+                      "tokenizer", "n_layer", "n_head", "n_embd", "pad_vocab", "subln", "data_order",
                       "optimizer",  # refused where they differ: see above (the optimizer: checkpoint.restore)
                       "max_iters", "lambda_warmup_steps", "quant_start")  # their own notes: here, check_lambda_on_resume
 

@@ -29,7 +29,7 @@ Run:  python -m lab.bench --decode (tokens/s)     Test:  python -m pytest tests/
 
 import torch
 
-from model import sample_next
+from model import check_sampling, sample_next
 
 MODES = ("eager", "fixed", "graph", "compile")
 
@@ -125,21 +125,22 @@ class Decoder:
         """The logits step (step()) as a CUDA graph."""
         self.graph, self.out = _captured(lambda: self._step(self.token), self.mode == "compile")
 
-    def _sample_step(self, temperature, top_k):
+    def _sample_step(self, temperature, top_k, vocab=None):
         """generate's step, all on the device: the token at self.pos in, the next token sampled (model.sample_next)
         and written as the next input and into self.seq at pos + 1, the position advanced. No host read."""
         logits = self._step(self.token)
-        nxt = sample_next(logits[:, -1, :], temperature, top_k)  # (B, 1)
+        nxt = sample_next(logits[:, -1, :], temperature, top_k, vocab)  # (B, 1)
         self.seq.index_copy_(1, self.pos + 1, nxt)
         self.token.copy_(nxt)
         self.pos.add_(1)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
-        """model.generate's tokens (same cropping at block_size, same sampling) from the static cache; a doc_mask
-        model runs model.generate itself."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None):
+        """model.generate's tokens (same cropping at block_size, same sampling, the same checks) from the static
+        cache; a doc_mask model runs model.generate itself."""
         if self.model.config.doc_mask:
-            return self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k)
+            return self.model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, vocab=vocab)
+        check_sampling(idx, self.model.config.vocab_size, temperature, top_k, vocab)
         B, L = idx.size(0), self.block_size
         if self.token.size(0) != B:
             self.token, self.seq = self.token.new_zeros(B, 1), self.seq.new_zeros(B, L + 1)
@@ -151,25 +152,26 @@ class Decoder:
                     idx = torch.cat((idx, self.seq[:, first:pos + 1]), dim=1)
                 ctx = idx[:, -L:]
                 pos = first = ctx.size(1)
-                nxt = sample_next(self.prefill(ctx)[:, -1, :], temperature, top_k)
+                nxt = sample_next(self.prefill(ctx)[:, -1, :], temperature, top_k, vocab)
                 self.seq[:, pos:pos + 1] = nxt
                 self.token.copy_(nxt)
                 self.pos.fill_(pos)
                 continue
             if self.mode in ("graph", "compile"):
-                if self.sampler is None or self.sampling != (temperature, top_k):
-                    self.sampling, here = (temperature, top_k), (self.pos.clone(), self.token.clone())
-                    self.sampler, _ = _captured(lambda: self._sample_step(temperature, top_k), self.mode == "compile")
+                if self.sampler is None or self.sampling != (temperature, top_k, vocab):
+                    self.sampling, here = (temperature, top_k, vocab), (self.pos.clone(), self.token.clone())
+                    self.sampler, _ = _captured(lambda: self._sample_step(temperature, top_k, vocab),
+                                                self.mode == "compile")
                     self.pos.copy_(here[0]), self.token.copy_(here[1])  # the warm-up stepped on: back to pos
                 self.sampler.replay()
             elif self.mode == "eager":
                 self.length = pos + 1  # attend over the written positions only
                 try:
-                    self._sample_step(temperature, top_k)
+                    self._sample_step(temperature, top_k, vocab)
                 finally:
                     self.length = None
             else:
-                self._sample_step(temperature, top_k)
+                self._sample_step(temperature, top_k, vocab)
             pos += 1
         return idx if pos is None else torch.cat((idx, self.seq[:, first:pos + 1]), dim=1)
 
@@ -193,6 +195,6 @@ def _captured(fn, compile):
     return graph, out
 
 
-def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, mode="auto"):
-    """model.generate(idx, max_new_tokens, temperature, top_k) through a new Decoder(model, mode)."""
-    return Decoder(model, mode).generate(idx, max_new_tokens, temperature, top_k)
+def generate(model, idx, max_new_tokens, temperature=1.0, top_k=None, mode="auto", vocab=None):
+    """model.generate(idx, max_new_tokens, temperature, top_k, vocab) through a new Decoder(model, mode)."""
+    return Decoder(model, mode).generate(idx, max_new_tokens, temperature, top_k, vocab)
