@@ -116,3 +116,23 @@ def test_train_py_and_the_concept_files_import_no_lesson():
     for path in CONCEPTS + ["train.py"]:
         assert "lessons" not in _imports(_tree(path)), path
     assert "lessons" in _imports(_tree("tools/seams.py"))  # where they do come in
+
+
+def test_every_entry_points_ctrl_c_preamble_is_code_not_docstring():
+    """Each command's first statements after its docstring restore Ctrl-C's default while the imports load: the
+    preamble is an `if __name__ == "__main__"` statement of the module, never text inside its docstring."""
+    import glob
+    found = 0
+    for path in sorted(glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)):
+        if "/tests/" in path:
+            continue
+        src = open(path).read()
+        if "signal.SIGINT, signal.SIG_DFL" not in src:
+            continue
+        tree = ast.parse(src)
+        doc = ast.get_docstring(tree, clean=False) or ""
+        assert "signal.SIG_DFL" not in doc, path
+        guards = [n for n in tree.body[:4] if isinstance(n, ast.If) and "SIG_DFL" in ast.unparse(n)]
+        assert guards, path
+        found += 1
+    assert found >= 13, found

@@ -1,16 +1,15 @@
 """
 Rebuild data/python.jsonl.gz, the shipped code corpus: the top-level modules Lib/*.py of CPython 3.11.7, one
 JSON document per file, {"title": "Lib/<name>.py", "text": <the file>}, in file-name order. The files are read
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
 from the standard library of a CPython 3.11.7 installation (`make install` copies Lib/*.py unchanged);
 _sysconfigdata_*.py is left out, because the build writes it (it is not in the source release).
 The gzip header carries no name and no time, so the output is the same bytes on every machine.
 
     python -m tools.make_python_corpus              # needs CPython 3.11.7; checks the sha256 in data/README.md
 """
+import signal
+if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import glob
 import gzip
