@@ -181,7 +181,7 @@ train = np.fromfile(os.path.join(d, "train.bin"), dtype=np.uint16)
 val = np.fromfile(os.path.join(d, "val.bin"), dtype=np.uint16)
 with open(os.environ["SEEN"], "w") as f:
     f.write(repr((len(train), int(train[:1000].sum()), len(val), pickle.load(open(os.path.join(d, "meta.pkl"), "rb")),
-                  sorted(k for k in args))))
+                  args)))
 for i in range(int(args["max_iters"]) + 1):
     print(f"iter {i}: loss 2.0, time {100 + i * i}.00ms, mfu 0.04%")
 '''
@@ -204,9 +204,12 @@ def test_against_nanogpt_feeds_it_our_byte_shards_in_its_format_and_prints_both_
     shards = os.path.join(ROOT, "data", "shakespeare_byte")
     train = np.concatenate([np.asarray(data.read_shard(f)) for f in data.find_shards(shards, "train")])
     n_val = sum(len(data.read_shard(f)) for f in data.find_shards(shards, "val"))
-    n, head, nv, meta, keys = eval(open(tmp_path / "seen").read())
+    n, head, nv, meta, given = eval(open(tmp_path / "seen").read())
     assert (n, head, nv, meta) == (len(train), int(train[:1000].astype(np.int64).sum()), n_val, {"vocab_size": 257})
-    assert {"n_layer", "n_head", "n_embd", "block_size", "batch_size", "device", "dtype", "compile"} <= set(keys)
+    assert {"n_layer", "n_head", "n_embd", "block_size", "batch_size", "device", "dtype", "compile"} <= set(given)
+    # one micro-batch a step (nanoGPT's default is 40), no dropout, no bias, fp32 on the CPU: our quick start's step
+    assert {k: given[k] for k in ("gradient_accumulation_steps", "dropout", "bias", "dtype", "device", "compile")} == \
+        dict(gradient_accumulation_steps="1", dropout="0.0", bias="False", dtype="float32", device="cpu", compile="False")
     assert sorted(os.listdir(ng)) == ["configurator.py", "model.py", "train.py"]  # nothing written into it
     out = capsys.readouterr().out
     ours = float(re.search(r"ours +12 steps in .*median +([\d.]+) ms/step", out).group(1))

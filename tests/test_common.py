@@ -350,3 +350,37 @@ def test_load_gpt_names_what_is_not_a_checkpoint_and_which_program_reads_it(save
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(checkpoint.CheckpointError, match="corrupt or truncated"):
         load.load_gpt(str(tmp_path / "bad.pt"))
+
+
+def test_atomic_write_syncs_the_new_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    """Durability: the temp file's bytes reach the disk (fsync of the file) before it is renamed over the path, and
+    the rename itself (fsync of the directory) after; otherwise a power cut could leave an empty file under the
+    final name."""
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "rename", lambda a, b: events.append(("replace", str(b))) or real_rename(a, b))
+    path = str(tmp_path / "f.txt")
+    with common.atomic_write(path) as tmp:
+        open(tmp, "w").write("new")
+    kinds = [e[0] for e in events]
+    at = kinds.index("replace")
+    assert any(k == "fsync" and p.endswith(".tmp") for k, p in events[:at]), events  # the file, before
+    assert ("fsync", str(tmp_path)) in events[at:], events  # the directory, after
+    assert open(path).read() == "new"
+
+
+def test_another_hosts_fresh_leftover_is_kept_even_if_its_pid_runs_nowhere_here(tmp_path):
+    """A .tmp named for another host (a shared disk) is judged by its age only: this machine's pid table says
+    nothing about that host's writer. A fresh one stays (its writer may be live); one older than STALE_AFTER_S goes."""
+    path = str(tmp_path / "f.txt")
+    dead_pid = 2**22 + 12345  # above pid_max: no process here has it
+    fresh = f"{path}.otherhost_{dead_pid}_1_00ff00ff.tmp"
+    old = f"{path}.otherhost_{dead_pid}_1_11aa11aa.tmp"
+    mine = f"{path}.{common._host()}_{dead_pid}_1_22bb22bb.tmp"
+    for p in (fresh, old, mine):
+        open(p, "w").close()
+    then = time.time() - common.STALE_AFTER_S - 60
+    os.utime(old, (then, then))
+    assert sorted(common.stale_tmps(path)) == sorted([old, mine])

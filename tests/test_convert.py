@@ -9,8 +9,9 @@ import os
 import re
 
 import pytest
+import torch
 
-from conftest import fails, records, run
+from conftest import ROOT, fails, records, run
 
 pytestmark = pytest.mark.slow  # each test trains or converts in a subprocess; the SmolLM2 one loads 135M weights
 
@@ -338,3 +339,26 @@ def test_a_model_whose_tokenizer_or_context_does_not_fit_is_one_error_line_namin
                 "--block_size=512", out, code=2)
     assert "--teacher" in msg and "max_position_embeddings = 256" in msg, msg
     assert not any(os.path.exists(tmp_path / "o" / d / "ckpt.pt") for d in ("stage2", "stage3"))
+
+
+def test_calibration_batches_come_from_a_loader_of_their_own():
+    """--subln_gain=calibrated measures on the first batches of a fresh sequential loader over the run's data; the
+    run's own loader is untouched (its first training batch is still the one it would have given)."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    import data
+    from tools import start
+    shards = os.path.join(ROOT, "data", "shakespeare_byte")
+    make = lambda order: data.DataLoader({shards: 1.0}, "train", 4, 32, seed=1, order=order)  # noqa: E731
+    run_loader, fresh = make("shuffle"), make("shuffle")
+    before = run_loader.state_dict()
+    got = start.calibration_batches(SimpleNamespace(batch_size=4, block_size=32), run_loader, n=3)
+    sequential = make("sequential")
+    for x, y in got:
+        want = sequential.next_batch()
+        assert torch.equal(x, want[0]) and torch.equal(y, want[1])
+    after = run_loader.state_dict()
+    assert after["cursor"] == before["cursor"] and np.array_equal(after["rng"]["state"]["state"],
+                                                                  before["rng"]["state"]["state"])
+    assert all(torch.equal(a, b) for a, b in zip(run_loader.next_batch(), fresh.next_batch()))

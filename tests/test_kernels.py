@@ -219,6 +219,8 @@ def test_config_tables_fit_the_problem():
     assert tm.prefill_config(17, 60, 9)["num_stages"] == 1 and tm.prefill_config(17, 60, 8)["num_stages"] == 1
     assert tm.prefill_config(2048, 4096, 9)["num_stages"] == 3 and tm.prefill_config(2048, 4096, 9)["BLOCK_M"] == 128
     assert tm.prefill_config(17, 4096, 8)["BLOCK_M"] == 64
+    for arch in (8, 9):  # a K loop of exactly one step (K 241..256 with BLOCK_G = 16 words) is not pipelined
+        assert [tm.prefill_config(64, K, arch)["num_stages"] for K in (241, 256, 257)] == [1, 1, 3], arch
     for N, K in ((4096, 4096), (576, 576), (192, 576), (1, 60), (11008, 4096), (4096, 11008)):
         cfg = tm.DECODE_CONFIGS[tm.decode_config(N, K)]
         assert -(-N // cfg["BLOCK_N"]) >= min(2 * tm.SMS, N // 2), (N, K)  # programs: 2 a SM, or 1 per 2 rows

@@ -15,7 +15,7 @@ import torch
 
 import data
 from lab import report, runner, tables
-from conftest import ENV, TINY
+from conftest import ENV, ROOT, TINY
 from model import GPT, GPTConfig
 from tools import common, plumbing
 
@@ -689,3 +689,24 @@ def test_every_committed_table_holds_its_runs_as_run_never_marked_adopted_and_ea
         for r in table["runs"]:
             assert "adopted" not in r, (path, r["row"], r["seed"])
             assert runner._not_adoptable(r) == "", (path, r["row"], r["seed"], runner._not_adoptable(r))
+
+
+def test_the_dlm_score_averages_the_masked_tokens_only(monkeypatch):
+    """runner.dlm_val_loss against a closed form: predictions uniform on every masked token (CE = ln V) and
+    confidently wrong on every unmasked one (CE ~100) score exactly ln V: only the masked tokens count, in the sum
+    and in the mean."""
+    import math
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from lessons import dlm
+    V, T = 258, 64  # the byte vocabulary and the mask token
+    stub = SimpleNamespace(config=SimpleNamespace(vocab_size=V, block_size=T), dlm_shift=False)
+    monkeypatch.setattr(runner, "_load", lambda path, device="cpu": stub)
+
+    def wrong_unless_masked(model, x, mask_id, shift):
+        wrong = 100.0 * F.one_hot((x + 1) % (V - 1), V).float()  # certain of the next id, never the token itself
+        return torch.where((x == mask_id)[..., None], torch.zeros_like(wrong), wrong)
+    monkeypatch.setattr(dlm, "predictions", wrong_unless_masked)
+    loss, count = runner.dlm_val_loss("unused.pt", os.path.join(ROOT, "data", "shakespeare_byte"), 0.15)
+    assert abs(loss - math.log(V)) < 1e-5 and count > 0, (loss, math.log(V))

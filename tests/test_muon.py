@@ -573,9 +573,10 @@ def test_muon_ns_dtype_float32_is_used_and_close_to_bf16_step():
     assert (p32 - ref).abs().max() < 1e-6 < (p16 - ref).abs().max()
 
 
-@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("ns_dtype,adjust", [(torch.bfloat16, None), (torch.float32, None),
+                                             (torch.bfloat16, "match_rms_adamw")])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dtype, nesterov, monkeypatch):
+def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dtype, adjust, nesterov, monkeypatch):
     """muon_steps (the step on CUDA: same-shape matrices stacked, one batched NS5 per shape, foreach momentum and
     update) gives every matrix what muon_step gives it, bit for bit on CPU, over 3 steps with weight decay; a
     variant's own muon_step is never bypassed."""
@@ -584,7 +585,8 @@ def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dt
     shapes = [(64, 32)] * 3 + [(32, 64)] * 2 + [(48, 48)]
     one = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
     batched = [torch.nn.Parameter(p.detach().clone()) for p in one]
-    opts = [Muon(ps, lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype=ns_dtype) for ps in (one, batched)]
+    opts = [Muon(ps, lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype=ns_dtype, adjust_lr_fn=adjust)
+            for ps in (one, batched)]
     opts[1].batched_devices = ("cpu",)
     calls, ns5 = [], muon.zeropower_via_newtonschulz5
     monkeypatch.setattr(muon, "zeropower_via_newtonschulz5", lambda G, **kw: (calls.append(G.shape), ns5(G, **kw))[1])
