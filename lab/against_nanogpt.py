@@ -53,6 +53,8 @@ def timed(argv, cwd, pattern):
 
 def main(argv):
     args = AgainstFlags(**parse(argv, AgainstFlags, __doc__))
+    if args.max_iters < 11:  # the median is taken past the first 10 steps (warm-up)
+        die(f"--max_iters={args.max_iters}: expected at least 11 (the median step leaves out the first 10)", 2)
     files = [os.path.join(args.nanogpt, f) for f in ("train.py", "model.py", "configurator.py")]
     if not args.nanogpt or not all(os.path.isfile(f) for f in files):
         die(f"--nanogpt={args.nanogpt!r}: expected a checkout of https://github.com/karpathy/nanoGPT holding "

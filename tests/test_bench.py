@@ -217,3 +217,10 @@ def test_against_nanogpt_feeds_it_our_byte_shards_in_its_format_and_prints_both_
     assert f"{ours / 221.0:.2f}x median step" in out
     msg = fails(capsys, f"--nanogpt={tmp_path}", main=against_nanogpt.main, code=2)
     assert "--nanogpt=" in msg and "karpathy/nanoGPT" in msg
+
+
+def test_against_nanogpt_refuses_too_few_steps_for_its_median(capsys):
+    """The median step leaves out the first 10 (warm-up): --max_iters below 11 is one line before anything runs."""
+    from lab import against_nanogpt
+    msg = fails(capsys, "--max_iters=5", main=against_nanogpt.main, code=2)
+    assert "--max_iters=5" in msg and "at least 11" in msg, msg

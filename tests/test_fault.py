@@ -732,3 +732,15 @@ def test_a_resume_refuses_other_shards_under_the_same_name_and_says_when_the_dat
     shutil.copytree(os.path.join(ROOT, "data", "python_byte"), shards)  # another corpus under the same name
     p = run("--stage=2", "--resume=True", "--max_iters=4", f"--data={shards}", f"--out_dir={out}", *TINY, rc=1)
     assert p.stderr.count("error:") == 1 and "other shards under the same directory name" in p.stderr, p.stderr
+
+
+def test_a_mistyped_init_from_says_the_path_is_not_there(tmp_path, capsys):
+    """--init_from=<a path that does not exist>: one line saying so and what is in its directory, not how to make
+    the stage before; --init_from=auto without a stage-1 checkpoint for stage 3 still says how to make it."""
+    (tmp_path / "stage2").mkdir()
+    (tmp_path / "stage2" / "ckpt_000004.pt").write_bytes(b"x")
+    typo = str(tmp_path / "stage2" / "ckpt_00004.pt")
+    msg = fails(capsys, "--stage=2", f"--init_from={typo}", f"--out_dir={tmp_path / 'o'}", *TINY, code=2)
+    assert f"--init_from={typo}: no such file or directory" in msg and "ckpt_000004.pt" in msg, msg
+    msg = fails(capsys, "--stage=3", f"--out_dir={tmp_path / 'none'}", *TINY)
+    assert "make it with: python train.py --stage=" in msg, msg

@@ -63,9 +63,15 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
         return Start(note=f"stage {cfg.stage}: training from scratch")
     path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
-    if not os.path.exists(path):
+    if not os.path.exists(path) and not is_model_source(path):  # a hub id is no path: from_pretrained fetches it
         if cfg.init_from == "auto" and cfg.stage == 2:
             return Start(note=f"stage 2: no stage-1 checkpoint at {path}; training the ternary model from scratch")
+        if cfg.init_from != "auto":  # a path the user typed: say it is not there, not how to make a stage
+            where = os.path.dirname(path) or "."
+            near = f" ({where} holds {', '.join(sorted(os.listdir(where))[:4])})" if os.path.isdir(where) else \
+                f" (no directory {where})"
+            die(f"--init_from={path}: no such file or directory{near}; pass the checkpoint (ckpt.pt), pretrained "
+                f"model (a directory, a .gguf) or hub id to start from", 2)
         die(f"no checkpoint at {path} to start stage {cfg.stage} from; make it with: "
             f"python train.py --stage={max(cfg.stage - 1, 1)}")
     if is_model_source(path):
