@@ -117,7 +117,7 @@ def generation_speed(model, path, prompt, n):
     from llama_cpp import Llama
     from kernels.packed_linear import freeze_ternary
     from tools import decode
-    llm = Llama(model_path=path, n_ctx=len(prompt) + n + 1, n_threads=os.cpu_count(), verbose=False)
+    llm = Llama(model_path=path, n_ctx=len(prompt) + n + 1, logits_all=True, n_threads=os.cpu_count(), verbose=False)
     llm.eval(prompt.tolist())
     theirs, t0 = [], time.perf_counter()
     for _ in range(n):

@@ -216,19 +216,20 @@ def test_export_command_line_gguf_and_its_refusals(tmp_path, capsys):
 
 class _FakeLlama:
     """llama_cpp.Llama as lab/check_llamacpp.py calls it: uniform logits, one fixed sample; with `script` set, the
-    logits after each token name the next token of the script (the greedy tokens it "generates")."""
+    logits after each token name the next token of the script (the greedy tokens it "generates"). As llama-cpp-python
+    (0.3), the scores are written only in a context opened with logits_all=True."""
     script = None
 
-    def __init__(self, model_path, n_ctx, **kwargs):
+    def __init__(self, model_path, n_ctx, logits_all=False, **kwargs):
         self.scores = np.zeros((n_ctx, 257), dtype=np.float32)
-        self.n_tokens = 0
+        self.n_tokens, self.logits_all = 0, logits_all
 
     def reset(self):
         self.n_tokens = 0
 
     def eval(self, tokens):
         self.n_tokens += len(tokens)
-        if self.script is not None:
+        if self.script is not None and self.logits_all:
             self.scores[self.n_tokens - 1] = 0
             self.scores[self.n_tokens - 1, self.script.pop(0)] = 1
 
