@@ -362,3 +362,14 @@ def test_calibration_batches_come_from_a_loader_of_their_own():
     assert after["cursor"] == before["cursor"] and np.array_equal(after["rng"]["state"]["state"],
                                                                   before["rng"]["state"]["state"])
     assert all(torch.equal(a, b) for a, b in zip(run_loader.next_batch(), fresh.next_batch()))
+
+
+@pytest.mark.slow  # the imported model: a conversion run
+def test_a_later_stage_past_the_pretrained_models_context_is_refused(imported_model, capsys, tmp_path):
+    """A run that began from a pretrained model (context 256 here) continued with --init_from at a --block_size
+    past that context: one line naming the model's max_position_embeddings, before anything is loaded (RoPE past
+    its trained context gives no error, only wrong numbers)."""
+    src, ckpt = imported_model
+    msg = fails(capsys, "--stage=2", f"--init_from={ckpt}", f"--tokenizer={src}", "--block_size=512",
+                f"--out_dir={tmp_path}", "--device=cpu", code=2)
+    assert "--block_size=512" in msg and "256 positions" in msg and "--block_size=256" in msg, msg

@@ -31,15 +31,8 @@ def from_pretrained(source, block_size=None, check=None):
     block_size: the given one, else min(max_position_embeddings, 2048); eot: the config's eos_token_id (a run
     takes its tokenizer's end-of-text instead, the id its shards separate documents with: start.pretrained_start).
     check: called with our GPTConfig before any weight is read (a caller's own refusals)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    path, kw = str(source), {"local_files_only": hub_unreachable(str(source))}  # offline: the cache, at once
-    head_dim = check_gguf(source) if path.endswith(".gguf") else None  # refuses what transformers would drop
-    if path.endswith(".gguf"):
-        path, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
-    with unreadable(source, "config"):
-        hf_config = AutoConfig.from_pretrained(path, **kw)
-    if head_dim:  # transformers' qwen3 GGUF reader drops attention.key_length (and assumes 128)
-        hf_config.head_dim = head_dim
+    from transformers import AutoModelForCausalLM
+    path, kw, hf_config = hf_config_of(source)
     config = config_from_hf(hf_config, block_size)  # refuses here, before any weight is read
     if check is not None:
         check(config)
@@ -56,6 +49,20 @@ def from_pretrained(source, block_size=None, check=None):
         raise ValueError(f"tie_word_embeddings = {hf_config.tie_word_embeddings}: {source} lacks "
                          f"{sorted(info['missing_keys'])}, which transformers would fill at random")
     return from_transformers(hf, source, block_size)
+
+
+def hf_config_of(source):
+    """(path, keyword arguments, transformers config) of a pretrained model, its config alone read (no weights)."""
+    from transformers import AutoConfig
+    path, kw = str(source), {"local_files_only": hub_unreachable(str(source))}  # offline: the cache, at once
+    head_dim = check_gguf(source) if path.endswith(".gguf") else None  # refuses what transformers would drop
+    if path.endswith(".gguf"):
+        path, kw = os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
+    with unreadable(source, "config"):
+        hf_config = AutoConfig.from_pretrained(path, **kw)
+    if head_dim:  # transformers' qwen3 GGUF reader drops attention.key_length (and assumes 128)
+        hf_config.head_dim = head_dim
+    return path, kw, hf_config
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from tokenizer import fingerprint, get_tokenizer
 from tools import checkpoint, outputs, seams
 from tools.flags import die
 from tools.load import is_model_source
-from tools.pretrained import from_pretrained
+from tools.pretrained import from_pretrained, hf_config_of
 
 
 @dataclass
@@ -116,6 +116,13 @@ def adopt_architecture(model_conf, ckpt, given=None, path=""):
     args = ckpt["model_args"]
     conf = dataclasses.replace(model_conf, **{k: args[k] for k in ARCHITECTURE if k in args})
     check_given(given, conf, f"{path}, a run that began from the pretrained {tok},")
+    try:  # the model's trained context: RoPE past it gives no error, only wrong numbers
+        context = hf_config_of(tok)[2].max_position_embeddings if is_model_source(tok) else None
+    except ValueError:  # the model moved or is unreadable: check_saved_tokenizer says so
+        context = None
+    if context and conf.block_size > context:
+        die(f"--block_size={conf.block_size} is longer than the context of {tok} ({context} positions, its "
+            f"max_position_embeddings), which {path} began from; pass --block_size={context} or less", 2)
     return conf
 
 
