@@ -131,7 +131,7 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2):
           f"{'bf16 autocast' if cuda else 'fp32'}, Muon+ZClip unless noted")
     x = torch.randint(0, V, (B, T), device=dev)
     y = torch.randint(0, V, (B, T), device=dev)
-    profiles = {}
+    profiles, work = {}, {}
 
     def run(label, quant, compile_=False, nanogpt=False, autocast=None, fused=True, profile_=False):
         torch.manual_seed(0)
@@ -147,9 +147,20 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2):
         c = ctx if autocast is None else autocast
         muon = any(g.get("kind") == "muon" for g in opt.param_groups)  # muon.Muon: time its Muon groups alone
 
-        def step(muon_ms=None):
+        def forward():
             with c:
-                _, loss = step_model(x, y)
+                return step_model(x, y)[1]
+
+        def optimize():
+            if clipper is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:
+                clipper.clip(model)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def step(muon_ms=None):
+            loss = forward()
             loss.backward()
             if clipper is None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -188,6 +199,11 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2):
               f"{t_first:8.1f}")
         if profile_:
             profiles[label] = (ms, profile_ops(step, cuda, profile_steps))
+        if not compile_:  # one more step, its ops and bytes counted phase by phase (eager: every op dispatches)
+            loss = []
+            counted = count_work([("forward", lambda: loss.append(forward())), ("backward", lambda: loss[0].backward()),
+                                  ("optimizer", optimize)])
+            work[label] = counted
         return ms
 
     print(f"{'run':34s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} {'MFU':>6s} {'1st s':>8s}")
@@ -205,12 +221,48 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2):
           f"{r['qat'] / r['qat_sep']:.3f}")
     print(f"compiled, against the compiled nanoGPT step: ours fp {r['dense_c'] / r['nanogpt_c']:.3f} (target <= 1.10), "
           f"ours QAT {r['qat_c'] / r['nanogpt_c']:.3f} (target <= 1.25)")
+    print("the work of one eager step, the same on any machine (aten ops dispatched / MB their tensors hold):")
+    for label, w in work.items():
+        ops, mb = sum(o for o, _ in w.values()), sum(b for _, b in w.values())
+        print(f"  {label:40s} " + "  ".join(f"{k} {o:5d} / {b:8.1f}" for k, (o, b) in w.items()) +
+              f"  total {ops:5d} / {mb:8.1f}")
+    base = work["nanoGPT baseline (fp, AdamW)"]
+    summed = lambda w, i: sum(v[i] for v in w.values())  # noqa: E731
+    for label in ("ours fp (stage 1)", "ours ternary QAT (stage 2)"):
+        print(f"{label} / nanoGPT: {summed(work[label], 0) / summed(base, 0):.2f}x the ops, "
+              f"{summed(work[label], 1) / summed(base, 1):.2f}x the bytes")
     for label, (ms, (unit, total, ops)) in profiles.items():
         print(f"where a step of {label} goes: {ms:.1f} ms/step timed, {total:.1f} ms of {unit} time per step "
               f"profiled; top ops by self {unit} time, ms per step:")
         for key, count, t in ops:
             print(f"  {key[:70]:70s} x{count:<5g} {t:8.2f} ms  {100 * t / total:5.1f}%")
     return r
+
+
+def count_work(phases):
+    """The work of one training step in counts that hold on any machine: {phase: (aten ops, MB they touch)} for
+    phases, a list of (name, function) run in order (forward, backward, optimizer). An op touches the bytes of its
+    tensor inputs and outputs (each read or written once: a lower bound of its memory traffic); a view op
+    (reshape, transpose, ...) moves none but is counted as an op, as it costs a dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.ops += 1
+            if not func.is_view:
+                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                                  if isinstance(t, torch.Tensor))
+            return out
+
+    work = {}
+    for name, fn in phases:
+        with Count() as c:
+            c.ops, c.bytes = 0, 0
+            fn()
+        work[name] = (c.ops, c.bytes / 1e6)
+    return work
 
 
 def profile_ops(step, cuda, n, top=12):

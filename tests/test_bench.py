@@ -172,6 +172,24 @@ def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(caps
     for _, total, rows in sections:
         ms = [float(m) for m in re.findall(r" ([\d.]+) ms +[\d.]+%$", rows, re.M)]
         assert 5 <= len(ms) <= 12 and ms == sorted(ms, reverse=True) and sum(ms) <= float(total) + 0.01 * len(ms)
+    # the machine-independent work of one eager step: ops and MB by phase, and ours over nanoGPT's
+    work = {label.strip(): [(int(o), float(b)) for o, b in re.findall(r"(\d+) / +([\d.]+)", rest)]
+            for label, rest in re.findall(r"^  (.{40}) (forward .*)$", out, re.M)}
+    assert {"nanoGPT baseline (fp, AdamW)", "ours fp (stage 1)", "ours ternary QAT (stage 2)"} <= set(work), work
+    for label, phases in work.items():
+        assert len(phases) == 4 and all(o > 0 and b > 0 for o, b in phases), (label, phases)
+        assert phases[3] == (sum(o for o, _ in phases[:3]), pytest.approx(sum(b for _, b in phases[:3]), abs=0.3))
+    ratio = float(re.search(r"ours ternary QAT \(stage 2\) / nanoGPT: ([\d.]+)x the ops", out).group(1))
+    assert ratio == pytest.approx(work["ours ternary QAT (stage 2)"][3][0] / work["nanoGPT baseline (fp, AdamW)"][3][0],
+                                  abs=0.006)
+
+
+def test_count_work_counts_ops_and_the_bytes_of_their_tensors():
+    """count_work against a closed form: a (64, 32) @ (32, 16) fp32 mm touches 4 (64*32 + 32*16 + 64*16) bytes; a
+    view is an op that moves nothing."""
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    w = bench.count_work([("mm", lambda: a @ b), ("view", lambda: a.view(32, 64))])
+    assert w["mm"] == (1, 4 * (64 * 32 + 32 * 16 + 64 * 16) / 1e6) and w["view"] == (1, 0.0)
 
 
 FAKE_NANOGPT = '''import os, sys, numpy as np, pickle
