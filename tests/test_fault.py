@@ -744,3 +744,32 @@ def test_a_mistyped_init_from_says_the_path_is_not_there(tmp_path, capsys):
     assert f"--init_from={typo}: no such file or directory" in msg and "ckpt_000004.pt" in msg, msg
     msg = fails(capsys, "--stage=3", f"--out_dir={tmp_path / 'none'}", *TINY)
     assert "make it with: python train.py --stage=" in msg, msg
+
+
+def test_a_signal_during_torch_save_is_a_stop_not_a_disk_failure(tmp_path, monkeypatch):
+    """StopSignal's Interrupted raised inside torch.save's writer comes back from torch as a RuntimeError ("unexpected
+    pos ..."): atomic_save raises the Interrupted itself (stoppable and the training loop then say "stopped by
+    SIGTERM", exit 143), never an OSError that would blame the disk; the old file stays whole and no .tmp is left."""
+    import io
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.atomic_save({"step": 1}, path)
+    real = torch.save
+
+    class Cut(io.RawIOBase):
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.n += 1
+            if self.n == 3:
+                raise common.Interrupted(signal.SIGTERM, "SIGTERM: stopped")
+            return self.f.write(b)
+
+    monkeypatch.setattr(torch, "save", lambda obj, f: real(obj, Cut(f)))
+    with pytest.raises(common.Interrupted) as e:
+        checkpoint.atomic_save({"step": 2, "w": torch.randn(1000, 100)}, path)
+    assert e.value.signum == signal.SIGTERM
+    assert torch.load(path, weights_only=True) == {"step": 1} and os.listdir(tmp_path) == ["ckpt.pt"]

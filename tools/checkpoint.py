@@ -166,11 +166,18 @@ def check_writable(d):
 
 def atomic_save(obj, path):
     """torch.save through common.atomic_write: path is the whole old file or the whole new one. A failed write
-    raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which becomes ENOSPC (else EIO)."""
+    raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which becomes ENOSPC (else EIO).
+    A signal that stopped the write (Ctrl-C, or StopSignal's Interrupted raised inside the writer, which torch
+    turns into a RuntimeError) is raised as itself: a stop, not a disk failure."""
     try:
         with common.atomic_write(path) as tmp, open(tmp, "wb") as f:
             torch.save(obj, f)
     except RuntimeError as e:
+        cause = e.__context__
+        while cause is not None and not isinstance(cause, (KeyboardInterrupt, common.Interrupted)):
+            cause = cause.__context__
+        if cause is not None:
+            raise cause from None
         why = (str(e).splitlines() or [type(e).__name__])[0][:160]
         raise OSError(errno.ENOSPC if "space" in why.lower() else errno.EIO, why) from e
 
