@@ -237,6 +237,9 @@ class Lab(Report):
         done, adopted = {p for p in todo if self.result(*p) is not None}, []
         for name, seed in reversed(todo):  # the rows that start from a run are decided before it
             res = committed.get((name, seed))
+            if res is None and (name, seed) not in done and (name, str(seed)) in committed:  # "0" for 0
+                log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken (its seed is "
+                    f"{str(seed)!r}, a string, not the integer {seed}); it is trained again")
             if res is not None and (name, seed) not in done and (why := _not_adoptable(res)):
                 log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken ({why}); it is trained "
                     f"again")

@@ -529,7 +529,7 @@ def test_a_committed_run_made_in_another_checkout_is_adopted(tmp_path):
                                          (dict(steps="3"), "steps '3'"), (dict(steps=None), "steps None"),
                                          (dict(steps=DELETE), "steps None"), (dict(argv=None), "argv None"),
                                          (dict(argv="train.py --stage=2"), "argv 'train.py"),
-                                         (dict(argv=DELETE), "no argv")])
+                                         (dict(argv=DELETE), "no argv"), (dict(seed="0"), "seed is '0', a string")])
 def test_a_committed_run_that_is_nan_or_malformed_is_not_adopted_and_says_why(tmp_path, change, why):
     """Row c seed 0's committed run is unusable: it is not adopted (it is trained again), with one line saying
     why; the rows it starts from are not adopted either (c still has to run), and nothing raises."""
