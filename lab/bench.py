@@ -300,11 +300,13 @@ def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
     if not is_model_source(source):
         die(f"--model={source}: not a pretrained model (a Hugging Face directory, a hub id or a .gguf file); "
             f"python -m tools.get_model smollm2 fetches SmolLM2-135M", 2)
-    path, kw = source, {}
-    if source.endswith(".gguf"):
-        path, kw = os.path.dirname(os.path.abspath(source)), {"gguf_file": os.path.basename(source)}
-    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-    fp = pretrained.from_pretrained(source, block_size=T)
+    try:  # ours first: a model we do not import (GPT-2, a damaged file) is one ValueError line naming it
+        T = min(T, pretrained.hf_config_of(source)[2].max_position_embeddings)  # a short-context model: its own
+        fp = pretrained.from_pretrained(source, block_size=T)
+        path, kw, _ = pretrained.hf_config_of(source)
+        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    except ValueError as e:
+        die(f"--model={source}: {e}", 2)
     qat = GPT(dataclasses.replace(fp.config, quant=True, subln=True))
     qat.load_state_dict(fp.state_dict(), strict=False)
     quant.set_lambda(qat, 1.0)

@@ -137,6 +137,11 @@ def test_train_with_a_pretrained_model_times_ours_against_transformers_and_gener
     ratios = re.search(r"ours fp / transformers: ([0-9.]+); ours QAT / transformers: ([0-9.]+)", out)
     assert ratios and all(float(r) > 0 for r in ratios.groups()), out
     assert "--model is an option of --train" in fails(capsys, f"--model={src}", code=2, main=bench.main)
+    gpt2 = tmp_path / "gpt2"  # a model we do not import: one line naming it, not a traceback
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2}')
+    msg = fails(capsys, "--train", f"--model={gpt2}", code=2, main=bench.main)
+    assert f"--model={gpt2}" in msg and "gpt2" in msg, msg
 
 
 def test_decode_prints_tokens_per_second_of_fp_and_packed_and_their_ratio_on_cpu(capsys):
