@@ -337,9 +337,33 @@ def test_a_model_whose_tokenizer_or_context_does_not_fit_is_one_error_line_namin
     os.link(tmp_path / "s" / "stage2" / "ckpt.pt", tmp_path / "student.pt")  # a ternary student, for stage 3
     msg = fails(capsys, "--stage=3", f"--init_from={tmp_path / 'student.pt'}", f"--teacher={tiny_llama}", *FLAGS,
                 "--block_size=512", out, code=2)
-    # the student began from that model too: its own start is refused first, naming the context
+    # the student began from that model too: its own start is refused first (start.adopt_architecture reads the
+    # model's context from its config), naming the context
     assert "--block_size=512" in msg and "256 positions, its max_position_embeddings" in msg, msg
     assert not any(os.path.exists(tmp_path / "o" / d / "ckpt.pt") for d in ("stage2", "stage3"))
+
+
+def test_calibration_batches_come_from_a_loader_of_their_own():
+    """--subln_gain=calibrated measures on the first batches of a fresh sequential loader over the run's data; the
+    run's own loader is untouched (its first training batch is still the one it would have given)."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    import data
+    from tools import start
+    shards = os.path.join(ROOT, "data", "shakespeare_byte")
+    make = lambda order: data.DataLoader({shards: 1.0}, "train", 4, 32, seed=1, order=order)  # noqa: E731
+    run_loader, fresh = make("shuffle"), make("shuffle")
+    before = run_loader.state_dict()
+    got = start.calibration_batches(SimpleNamespace(batch_size=4, block_size=32), run_loader, n=3)
+    sequential = make("sequential")
+    for x, y in got:
+        want = sequential.next_batch()
+        assert torch.equal(x, want[0]) and torch.equal(y, want[1])
+    after = run_loader.state_dict()
+    assert after["cursor"] == before["cursor"] and np.array_equal(after["rng"]["state"]["state"],
+                                                                  before["rng"]["state"]["state"])
+    assert all(torch.equal(a, b) for a, b in zip(run_loader.next_batch(), fresh.next_batch()))
 
 
 def test_calibration_batches_come_from_a_loader_of_their_own():
