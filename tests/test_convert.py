@@ -364,37 +364,3 @@ def test_calibration_batches_come_from_a_loader_of_their_own():
     assert after["cursor"] == before["cursor"] and np.array_equal(after["rng"]["state"]["state"],
                                                                   before["rng"]["state"]["state"])
     assert all(torch.equal(a, b) for a, b in zip(run_loader.next_batch(), fresh.next_batch()))
-
-
-def test_calibration_batches_come_from_a_loader_of_their_own():
-    """--subln_gain=calibrated measures on the first batches of a fresh sequential loader over the run's data; the
-    run's own loader is untouched (its first training batch is still the one it would have given)."""
-    import numpy as np
-    from types import SimpleNamespace
-
-    import data
-    from tools import start
-    shards = os.path.join(ROOT, "data", "shakespeare_byte")
-    make = lambda order: data.DataLoader({shards: 1.0}, "train", 4, 32, seed=1, order=order)  # noqa: E731
-    run_loader, fresh = make("shuffle"), make("shuffle")
-    before = run_loader.state_dict()
-    got = start.calibration_batches(SimpleNamespace(batch_size=4, block_size=32), run_loader, n=3)
-    sequential = make("sequential")
-    for x, y in got:
-        want = sequential.next_batch()
-        assert torch.equal(x, want[0]) and torch.equal(y, want[1])
-    after = run_loader.state_dict()
-    assert after["cursor"] == before["cursor"] and np.array_equal(after["rng"]["state"]["state"],
-                                                                  before["rng"]["state"]["state"])
-    assert all(torch.equal(a, b) for a, b in zip(run_loader.next_batch(), fresh.next_batch()))
-
-
-@pytest.mark.slow  # the imported model: a conversion run
-def test_a_later_stage_past_the_pretrained_models_context_is_refused(imported_model, capsys, tmp_path):
-    """A run that began from a pretrained model (context 256 here) continued with --init_from at a --block_size
-    past that context: one line naming the model's max_position_embeddings, before anything is loaded (RoPE past
-    its trained context gives no error, only wrong numbers)."""
-    src, ckpt = imported_model
-    msg = fails(capsys, "--stage=2", f"--init_from={ckpt}", f"--tokenizer={src}", "--block_size=512",
-                f"--out_dir={tmp_path}", "--device=cpu", code=2)
-    assert "--block_size=512" in msg and "256 positions" in msg and "--block_size=256" in msg, msg
