@@ -11,9 +11,8 @@ an exact int32 accumulation with the scales applied after it:
     y = (x_q @ W_q^T) * x_scale * gamma           (..., N): int32 accumulation, then two fp32 multiplies
 
 On CUDA inputs it runs the Triton kernels of kernels/ternary_matmul.py (the activation quantiser, then the matmul,
-a bf16 result for bf16 input, else fp32): eagerly through a tm.BoundLinear made once per weight (checks, word views
-and launch settings done then, so a call is two allocations' worth of host work and two launches), and inside
-torch.compile as the registered op tm.ternary_linear (so a packed model compiles whole, fullgraph=True); on CPU quant.activation_quant, then
+a bf16 result for bf16 input, else fp32) through kernels/op.py: eagerly a BoundLinear made once per weight, inside
+torch.compile the registered op ternary_linear (a packed model compiles whole). On CPU quant.activation_quant, then
 ternary_matmul_codes: the codes unpacked once to int8 (N, K) on the first CPU call and kept on the module (never
 in state_dict or an export; unpacked again when w_packed changes or moves; inside torch.compile, unpacked in the
 graph), an int32 torch._int_mm, the same numbers as ternary_matmul_reference bit for bit. use_triton=True forces the kernels, e.g. on CPU under
@@ -33,6 +32,7 @@ import torch
 import torch.nn as nn
 
 import kernels.ternary_matmul as tm  # used as tm.<name>, so a test that reloads the module is seen here
+from kernels import op
 import quant
 
 
@@ -106,17 +106,16 @@ class PackedBitLinear(nn.Module):
 
 
 def _triton_linear(x, w_packed, w_scale, owner, attr="_bound"):
-    """The Triton kernels. Eager: a tm.BoundLinear made once per weight and kept as owner.<attr> (checks, word views
-    and launch settings done then; made again when w_packed or w_scale is another tensor or was written in place).
-    Inside torch.compile: the registered op tm.ternary_linear, whose fake gives the output's shape, so dynamo traces
-    one opaque call, not the launches."""
+    """The Triton kernels. Eager: an op.BoundLinear made once per weight, kept as owner.<attr> (made again when
+    w_packed or w_scale is another tensor or was written in place). Inside torch.compile: the registered op
+    op.ternary_linear, whose fake gives the output's shape, so dynamo traces one opaque call, not the launches."""
     if torch.compiler.is_compiling():
-        return tm.ternary_linear(x, w_packed, w_scale)
+        return op.ternary_linear(x, w_packed, w_scale)
     b = getattr(owner, attr, None)
     if (b is None or b[0] is not w_packed or b[1] != w_packed._version or b[2] is not w_scale
             or b[3] != w_scale._version):
         b = (w_packed, w_packed._version, w_scale, w_scale._version,
-             tm.BoundLinear(w_packed, w_scale, owner.in_features))
+             op.BoundLinear(w_packed, w_scale, owner.in_features))
         setattr(owner, attr, b)
     return b[4](x)
 

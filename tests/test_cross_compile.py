@@ -119,6 +119,7 @@ def test_gpu_check_fits_one_6_minute_window_with_every_step_under_its_own_time_l
     assert re.search(r'timeout --signal=TERM --kill-after=5 "\$limit" "\$@"', script)
     steps = re.findall(r"^step (\S+) (\d+) ", script, flags=re.M)
     assert [n for n, _ in steps] == ["kernels", "bench", "train", "bench_train"], steps
+    assert sum(int(t) for _, t in steps) <= 330, steps  # the budgets themselves fit the window
     assert "WINDOW=${WINDOW:-330}" in script and "timeout 20 \"$PYTHON\" - \"$OUT\" <<'PY'" in script
     bare = [l for l in script.splitlines() if re.match(r'\s*("\$PYTHON"|python) ', l)]
     assert bare == [], bare  # every command inside step() or its own timeout

@@ -39,6 +39,7 @@ if not ON_GPU and not tm.INTERPRETED:
 from tools import export, load  # noqa: E402
 import quant  # noqa: E402
 from conftest import fails  # noqa: E402
+from kernels import op  # noqa: E402
 from kernels.packed_linear import PackedBitLinear, freeze_ternary, weight_bytes  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -471,8 +472,8 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
     x = torch.randn(5, 32, device=device)
     calls = []
     if use_triton:  # the bound linear of the stack: its weight is the stacked codes
-        call = tm.BoundLinear.__call__
-        monkeypatch.setattr(tm.BoundLinear, "__call__", lambda b, x: calls.append(b.w_packed.shape) or call(b, x))
+        call = op.BoundLinear.__call__
+        monkeypatch.setattr(op.BoundLinear, "__call__", lambda b, x: calls.append(b.w_packed.shape) or call(b, x))
     else:  # CPU: the stacked codes unpacked to int8
         fn = tm.ternary_matmul_codes
         monkeypatch.setattr(tm, fn.__name__, lambda *a, **k: calls.append(a[2].shape) or fn(*a, **k))
@@ -494,7 +495,7 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
 
 @pytest.mark.parametrize("M", [1, 3, 17])
 def test_the_bound_linear_gives_linears_numbers_bit_for_bit(M):
-    """tm.BoundLinear (what PackedBitLinear calls on the Triton path) against tm.linear: decode (M <= 16) and prefill
+    """op.BoundLinear (what PackedBitLinear calls on the Triton path) against tm.linear: decode (M <= 16) and prefill
     (M = 17; M > 64 takes the same code with another table entry, the same entry under the interpreter), fp32 and
     bf16, one gamma and one per row, and a shape linear re-lays (K % 16 != 0, decode only: it calls linear)."""
     g = torch.Generator().manual_seed(M)
@@ -502,17 +503,17 @@ def test_the_bound_linear_gives_linears_numbers_bit_for_bit(M):
     for K, N, per_row in shapes:
         w_packed = quant.pack_ternary((torch.randint(0, 3, (N, K), generator=g) - 1).to(torch.int8)).to(DEVICE)
         w_scale = (torch.rand(N if per_row else (), generator=g) + 0.01).to(DEVICE)
-        bound = tm.BoundLinear(w_packed, w_scale, K)
+        bound = op.BoundLinear(w_packed, w_scale, K)
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(1, M, K, generator=g).to(DEVICE, dtype)
-            want = tm.linear(x, w_packed, w_scale)
+            want = op.linear(x, w_packed, w_scale)
             got = bound(x)
             assert got.dtype == want.dtype and got.shape == (1, M, N) and torch.equal(got, want), (K, N, dtype)
 
 
 def test_a_packed_linear_call_is_a_few_python_calls_and_aten_ops(monkeypatch):
     """Host cost of one PackedBitLinear.forward on the Triton path, the launches faked (what runs before a kernel
-    starts): the checks, word views and launch settings are made once (tm.BoundLinear), so a call is at most 14
+    starts): the checks, word views and launch settings are made once (op.BoundLinear), so a call is at most 14
     Python calls (nn.Module's own three included) and 7 aten ops (a view of x; x_q, x_scale and y; the int32 view of
     x_q, which dispatches as view.dtype and detach; y's view); it was 35 and 12 when every call checked and
     re-derived them."""
@@ -556,11 +557,11 @@ def test_a_packed_linear_call_is_a_few_python_calls_and_aten_ops(monkeypatch):
 def test_the_triton_packed_model_compiles_whole_through_the_registered_op():
     """torch.compile(fullgraph=True) traces a packed model on the Triton path (the interpreter here, through
     aot_eager: dynamo and the fake, not inductor's code generation): the kernels are one registered op
-    (tm.ternary_linear) whose fake gives the shape, so the launch code is never traced; the compiled logits equal
+    (op.ternary_linear) whose fake gives the shape, so the launch code is never traced; the compiled logits equal
     the eager ones bit for bit. torch.library.opcheck checks the op against its fake."""
     torch.manual_seed(0)
     x, w_q = torch.randn(3, 64, device=DEVICE), torch.randint(-1, 2, (40, 64), dtype=torch.int8)
-    torch.library.opcheck(tm.ternary_linear, (x, tm.pack_planes(w_q).to(DEVICE), torch.tensor(0.3, device=DEVICE)))
+    torch.library.opcheck(op.ternary_linear, (x, tm.pack_planes(w_q).to(DEVICE), torch.tensor(0.3, device=DEVICE)))
     model = freeze_ternary(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)).eval(),
                            use_triton=True).to(DEVICE)
     idx = torch.randint(0, 64, (1, 2), device=DEVICE)  # two positions: the interpreter pays per row
