@@ -495,7 +495,7 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
 
 @pytest.mark.parametrize("M", [1, 3, 17])
 def test_the_bound_linear_gives_linears_numbers_bit_for_bit(M):
-    """op.BoundLinear (what PackedBitLinear calls on the Triton path) against tm.linear: decode (M <= 16) and prefill
+    """op.BoundLinear (what PackedBitLinear calls on the Triton path) against op.linear: decode (M <= 16) and prefill
     (M = 17; M > 64 takes the same code with another table entry, the same entry under the interpreter), fp32 and
     bf16, one gamma and one per row, and a shape linear re-lays (K % 16 != 0, decode only: it calls linear)."""
     g = torch.Generator().manual_seed(M)
