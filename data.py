@@ -359,7 +359,7 @@ def _check_state(loader, sd):
     missing = [k for k in ("dirs", "split", "order", "span", "cursor", "rng") if k not in sd]
     if missing:
         raise ValueError(f"loader state with keys {', '.join(sorted(sd))} lacks {', '.join(missing)}: not a "
-                         f"DataLoader.state_dict() (a training checkpoint's goes through tools.checkpoint.upgrade)")
+                         f"DataLoader.state_dict()")
     names = [os.path.basename(os.path.normpath(d)) for d in loader.dirs]
     if sd["dirs"] != names or sd["split"] != loader.split:
         raise ValueError(f"loader state is for {sd['split']} of {sd['dirs']} but this loader reads {loader.split} "

@@ -62,6 +62,11 @@ class LabError(RuntimeError):
 # -----------------------------------------------------------------------------
 # the tables
 
+# The CPU stage-2 defaults before the lr table (lab/results/lr-notes.md): the tables measured then (distill,
+# switch, curriculum, order, mix, muon, dlm) spell them out in their stage-2 rows, so each row's command
+# reproduces its committed table whatever the defaults become.
+AT_3E3 = "--lr=3e-3 --muon_lr=3e-3 --lambda_warmup_steps=200"
+
 
 def _distill_table():
     teacher_steps, student_init, stage3 = 1200, 400, 200
@@ -73,7 +78,7 @@ def _distill_table():
         Row("teacher", f"fp teacher (stage 1, {teacher_steps} steps)",
             f"--stage=1 --max_iters={teacher_steps} --eval_interval={student_init} --keep_last=3 {seq}"),
         Row("student", f"stage-2 student (ternary, 600 steps from the teacher's step {student_init})",
-            f"--stage=2 --init_from={{run}}/teacher/ckpt_{student_init:06d}.pt {seq}", needs=("teacher",)),
+            f"--stage=2 --init_from={{run}}/teacher/ckpt_{student_init:06d}.pt {seq} {AT_3E3}", needs=("teacher",)),
         Row("control", f"control: student + {stage3} steps of plain CE", s3 + " --kd_logits=0 --kd_relation=0",
             needs=("teacher", "student")),
         Row("ld", "stage 3, logits KD only (kd_logits 1, tau 5)", s3 + " --kd_logits=1 --kd_relation=0",
@@ -119,10 +124,11 @@ def _switch_table():
     """Continual QAT (Nielsen et al., arXiv 2502.11895): when should a run go from 16-bit to ternary?"""
     # one run of 600 steps each, shuffled windows (the order table's winner)
     common = "--init_from=scratch --schedule=wsd --lambda_warmup_steps=30 --data_order=shuffle"
-    rows = [Row("ternary", "ternary from step 0", f"--stage=2 {common}")]
+    lr = "--lr=3e-3 --muon_lr=3e-3"  # the stage-2 lr when it was measured (AT_3E3)
+    rows = [Row("ternary", "ternary from step 0", f"--stage=2 {common} {lr}")]
     for pct in (25, 50, 75, 90):
         rows.append(Row(f"switch{pct}", f"16-bit, ternary from {pct}% (step {6 * pct})",
-                        f"--stage=2 {common} --quant_start={pct / 100}"))
+                        f"--stage=2 {common} --quant_start={pct / 100} {lr}"))
     rows.append(Row("fp", "16-bit throughout (stage 1, the reference)", f"--stage=1 {common}"))
     return Table("switch", "when to go ternary: one run, 16-bit first, ternary from the switch point", rows,
                  baseline="ternary", reference="fp",
@@ -140,7 +146,7 @@ def _curriculum_table():
                  ("avg", "constant LR + average of the last 6 checkpoints", "--schedule=constant --avg_checkpoints=6",
                   checkpoint.AVERAGED)]
     rows = [Row(f"{order}_{name}", f"{'easy-to-hard' if order == 'curriculum' else 'random'} order, {label}",
-                f"--stage=2 --init_from=scratch --data_order={order} {flags}", score=score)
+                f"--stage=2 --init_from=scratch --data_order={order} {flags} {AT_3E3}", score=score)
             for name, label, flags, score in schedules for order in ("shuffle", "curriculum")]
     return Table("curriculum", "curriculum (easy-to-hard by zlib ratio) x LR schedule, ternary stage 2", rows,
                  baseline="shuffle_wsd",
@@ -151,19 +157,19 @@ def _curriculum_table():
 
 def _order_table():
     """Shuffled windows against the stream read in order, on the quick start (python train.py --stage=2)."""
-    rows = [Row("sequential", "sequential: each batch 16 adjacent windows of one play", "--stage=2 --init_from=scratch "
-                "--data_order=sequential"),
+    rows = [Row("sequential", "sequential: each batch 16 adjacent windows of one play",
+                f"--stage=2 --init_from=scratch --data_order=sequential {AT_3E3}"),
             Row("shuffle", "shuffle: each batch 16 windows from anywhere (a seeded permutation per epoch)",
-                "--stage=2 --init_from=scratch --data_order=shuffle")]
+                f"--stage=2 --init_from=scratch --data_order=shuffle {AT_3E3}")]
     return Table("order", "data order on the quick-start workload (stage 2 from scratch, 600 steps)", rows,
                  baseline="sequential", notes=["every row: the quick start's flags, 600 steps of 16 x 256 tokens"])
 
 
 def _mix_table():
     """Prose + code mixes (mixing sources by weight): the per-source trade-off."""
-    rows = [Row("prose", "Shakespeare only", "--stage=2 --init_from=scratch --data=shakespeare")]
+    rows = [Row("prose", "Shakespeare only", f"--stage=2 --init_from=scratch --data=shakespeare {AT_3E3}")]
     rows += [Row(f"code{p}", f"Shakespeare {100 - p}% + Python {p}%",
-                 f"--stage=2 --init_from=scratch --data=shakespeare:{(100 - p) / 100},python:{p / 100}")
+                 f"--stage=2 --init_from=scratch --data=shakespeare:{(100 - p) / 100},python:{p / 100} {AT_3E3}")
              for p in (10, 25, 50)]
     return Table("mix", "mixing a second kind of text: Shakespeare and the Python standard library", rows,
                  baseline="prose", extra_corpora={"python": "Python val loss"},
@@ -174,16 +180,17 @@ def _mix_table():
 def _muon_table():
     """The Muon family (issue: NorMuon, QK-clip, 8-bit Muon) on the stage-2 workload, with their costs."""
     common, hot = "--stage=2 --init_from=scratch --log_max_logit=True", "--lr=1e-2 --muon_lr=1e-2"
-    rows = [Row("muon", "Muon (fp32 momentum)", common),
-            Row("normuon", "NorMuon (per-neuron normalised)", f"{common} --normuon=True"),
-            Row("qkclip", "Muon + QK-clip (tau 100)", f"{common} --qk_clip_tau=100"),
-            Row("muon8_linear", "8-bit Muon, linear map", f"{common} --muon_state=linear8"),
-            Row("muon8_dynamic", "8-bit Muon, dynamic map", f"{common} --muon_state=dynamic8"),
-            Row("adamw", "AdamW for every matrix", f"{common} --optimizer=adamw"),
+    warm = "--lambda_warmup_steps=200"  # with the lr, the stage-2 defaults when it was measured (AT_3E3)
+    rows = [Row("muon", "Muon (fp32 momentum)", f"{common} {AT_3E3}"),
+            Row("normuon", "NorMuon (per-neuron normalised)", f"{common} --normuon=True {AT_3E3}"),
+            Row("qkclip", "Muon + QK-clip (tau 100)", f"{common} --qk_clip_tau=100 {AT_3E3}"),
+            Row("muon8_linear", "8-bit Muon, linear map", f"{common} --muon_state=linear8 {AT_3E3}"),
+            Row("muon8_dynamic", "8-bit Muon, dynamic map", f"{common} --muon_state=dynamic8 {AT_3E3}"),
+            Row("adamw", "AdamW for every matrix", f"{common} --optimizer=adamw {AT_3E3}"),
             # where logits do grow: both learning rates 3.3x higher (max logit 25, against 11.6 at the default lr;
             # lab/results/muon.md); tau = 10 caps them near where the default-lr run ends up by itself
-            Row("hot", "Muon, lr 1e-2 (logits grow)", f"{common} {hot}"),
-            Row("hot_qkclip", "Muon, lr 1e-2 + QK-clip (tau 10)", f"{common} {hot} --qk_clip_tau=10")]
+            Row("hot", "Muon, lr 1e-2 (logits grow)", f"{common} {hot} {warm}"),
+            Row("hot_qkclip", "Muon, lr 1e-2 + QK-clip (tau 10)", f"{common} {hot} --qk_clip_tau=10 {warm}")]
     return Table("muon", "the Muon family: NorMuon, QK-clip, 8-bit momentum, against Muon and AdamW", rows,
                  baseline="muon", measures={"ms_per_step_median": "ms/step (median)",
                                             "optimizer_bytes": "optimizer state, bytes",
@@ -231,7 +238,8 @@ def _warmup_table():
 
 def _dlm_table():
     """Converting the ternary AR model to a masked-diffusion LM; the mask token's init, lambda warm-up."""
-    src = Row("ar", "the AR source model (stage 2 from scratch)", "--stage=2 --init_from=scratch", shown=False)
+    src = Row("ar", "the AR source model (stage 2 from scratch)", f"--stage=2 --init_from=scratch {AT_3E3}",
+              shown=False)
     conv = "--stage=dlm --init_from={run}/ar/ckpt.pt"
     rows = [src,
             Row("mean", "mask = vocabulary mean, lambda warm-up", f"{conv} --dlm_mask_init=mean", needs=("ar",)),
@@ -316,26 +324,9 @@ def _smollm2_table():
                         f"row closes"])
 
 
-# What every table before the lr table was measured at (the earlier CPU stage-2 defaults, lab/results/lr-notes.md):
-# their stage-2 rows pin it, so each command still reproduces its committed table (the defaults follow lr.md).
-OLD_STAGE2 = {"lr": "3e-3", "muon_lr": "3e-3", "lambda_warmup_steps": "200"}
-
-
-def _pinned(make):
-    def table():
-        t = make()
-        for r in t.rows:
-            if "--stage=2" in r.args.split():
-                r.args += "".join(f" --{k}={v}" for k, v in OLD_STAGE2.items() if f"--{k}=" not in r.args)
-        return t
-    table.__doc__ = make.__doc__
-    return table
-
-
-TABLES = {name: _pinned(make) for name, make in (
-    ("distill", _distill_table), ("switch", _switch_table), ("curriculum", _curriculum_table), ("order", _order_table),
-    ("mix", _mix_table), ("muon", _muon_table), ("dlm", _dlm_table))}
-TABLES |= {"lr": _lr_table, "warmup": _warmup_table, "smollm2": _smollm2_table}
+TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table,
+          "order": _order_table, "mix": _mix_table, "muon": _muon_table, "dlm": _dlm_table, "lr": _lr_table,
+          "warmup": _warmup_table, "smollm2": _smollm2_table}
 
 
 def _shipped_dir(name, tokenizer="byte"):

@@ -681,15 +681,15 @@ def test_curriculum_refuses_shards_without_scores_and_resume_with_another_order(
         data.DataLoader(d, "train", B=1, T=8, order="sequential").load_state_dict(sd)
 
 
-def test_loader_refuses_a_state_from_before_orders_naming_the_converter(tmp_path):
-    """A loader state holding "pos", (shard, offset) per source, and no cursor: tools/checkpoint.py's upgrade
-    converts it (tests/test_fault.py); the loader alone refuses it in one line rather than guess."""
+def test_loader_refuses_a_state_from_before_orders(tmp_path):
+    """A loader state holding "pos", (shard, offset) per source, and no cursor (an older layout): refused in one
+    line rather than guessed (tools/checkpoint.py's load names such a checkpoint first, tests/test_fault.py)."""
     d = _shards(tmp_path / "a", np.arange(20), np.arange(100, 125))
     loader = data.DataLoader(d, "train", B=1, T=8, order="sequential")
     sd = {k: v for k, v in loader.state_dict().items() if k not in ("order", "span", "cursor")}
     with pytest.raises(ValueError) as e:
         loader.load_state_dict(dict(sd, pos=[[1, 8]]))
-    assert "pos" in str(e.value) and "checkpoint.upgrade" in str(e.value) and "\n" not in str(e.value)
+    assert "pos" in str(e.value) and "lacks" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_difficulty_is_the_zlib_ratio_of_each_chunk_and_prepare_writes_it(tmp_path):

@@ -630,61 +630,35 @@ def test_a_shipped_corpus_directory_holding_other_data_stops_the_run(tmp_path, c
     assert not [f for _, _, files in os.walk(tmp_path) for f in files]  # nothing written
 
 # -----------------------------------------------------------------------------
-# checkpoints of an older layout: checkpoint.upgrade, applied when a resumed run's loader exists
+# damaged checkpoints, and those of an older layout: one line naming the part and the fix, before anything loads
+
+DAMAGED = [  # (key, value) put into an otherwise whole resume checkpoint, and the words its line must hold
+    ("optimizer", {"muon": {"state": {}, "param_groups": []}, "adamw": None}, "without state, param_groups"),
+    ("optimizer", None, "optimizer is NoneType, not a dict"),
+    ("loader", None, "loader is NoneType, not a dict"),
+    ("loader", {"pos": [[0, 8]], "dirs": ["shakespeare_byte"], "split": "train"}, "without order, cursor"),
+    ("rng", {"python": None}, "without numpy, torch, cuda"),
+    ("step", "2", "step is str, not an int"),
+]
 
 
-def test_a_loader_state_at_shard_and_offset_is_upgraded_and_resumes_at_its_window(tmp_path):
-    """A loader state holding "pos", (shard, offset) per source and no cursor, continues at that window."""
-    d = tmp_path / "a"
+@pytest.mark.parametrize("key,value,words", DAMAGED)
+def test_a_damaged_or_older_layout_checkpoint_is_one_line_naming_the_part(tmp_path, capsys, key, value, words):
+    """--resume=True from a checkpoint whose optimizer, loader, RNG or step state is damaged or of an older
+    layout (Muon's and AdamW's states apart, a (shard, offset) loader state): one line naming that part and
+    --init_from=<it> (its weights are whole), the file unchanged. Its weights alone still start a run."""
+    d = tmp_path / "stage2"
     d.mkdir()
-    data.write_shard(str(d / "train_000.bin"), np.arange(20))  # windows of T=8 start at 0, 8 | 100, 108, 116
-    data.write_shard(str(d / "train_001.bin"), np.arange(100, 125))
-    loader = data.DataLoader(str(d), "train", B=1, T=8, order="sequential")
-    sd = {k: v for k, v in loader.state_dict().items() if k not in ("order", "span", "cursor")}
-
-    def starts(n):
-        return [int(loader.next_batch()[0][0, 0]) for _ in range(n)]
-
-    def upgraded(state):
-        return checkpoint.upgrade({"loader": state}, loader)["loader"]
-    loader.load_state_dict(upgraded(dict(sd, pos=[[1, 8]])))
-    assert starts(4) == [108, 116, 0, 8]
-    loader.load_state_dict(upgraded(dict(sd, pos=[[0, 16]])))
-    assert starts(1) == [100]  # past shard 0's last window: the next shard's first
-    today = loader.state_dict()
-    assert upgraded(today) is today  # a state of today's loader: as it is
-    with pytest.raises(ValueError, match="shard 2 of .*2 train shards"):
-        upgraded(dict(sd, pos=[[2, 0]]))
-
-
-@pytest.mark.slow
-def test_a_run_resumed_from_the_older_layout_continues_exactly(tmp_path):
-    """A checkpoint whose optimizer state is a Muon's and an AdamW's side by side, and whose loader state is
-    (shard, offset), resumes through train.py to the same losses, bit for bit, as the same checkpoint in today's
-    layout: the upgrade runs where the run loads it."""
-    flags = ["--stage=1", *TINY, "--data_order=sequential", "--eval_interval=2"]
-    run(f"--out_dir={tmp_path / 'today'}", *flags, "--max_iters=2")
-    shutil.copytree(tmp_path / "today", tmp_path / "older")
-    path = str(tmp_path / "older" / "stage1" / "ckpt.pt")
-    ckpt = torch.load(path, weights_only=True)
-    from tools import plumbing
-    sources = plumbing.resolve_data(train.build_config({"stage": 1, "device": "cpu"}))  # the shipped corpus
-    opt, loader = ckpt["optimizer"], data.DataLoader(sources, "train", 4, 32, order="sequential")
-    n = len(opt["param_groups"][0]["params"])
-    strip = [{k: v for k, v in g.items() if k != "kind"} for g in opt["param_groups"]]
-    ckpt["optimizer"] = {
-        "muon": {"state": {i: s for i, s in opt["state"].items() if i < n}, "param_groups": strip[:1]},
-        "adamw": {"state": {i - n: s for i, s in opt["state"].items() if i >= n},
-                  "param_groups": [dict(g, params=[i - n for i in g["params"]]) for g in strip[1:]]}}
-    j = ckpt["loader"]["cursor"][0]
-    ckpt["loader"] = {k: v for k, v in ckpt["loader"].items() if k not in ("order", "span", "cursor")}
-    ckpt["loader"]["pos"] = [[int(loader.windows[0][0][j]), int(loader.windows[0][1][j])]]
-    torch.save(ckpt, path)
-    for name in ("today", "older"):
-        run(f"--out_dir={tmp_path / name}", *flags, "--max_iters=4", "--resume=True")
-    today, older = ({r["step"]: r["loss"] for r in records(str(tmp_path / n), stage=1) if "loss" in r}
-                    for n in ("today", "older"))
-    assert older == today and sorted(today) == [1, 2, 3, 4]
+    ckpt = {"step": 2, "config": {}, "model_args": {}, "model": {}, "val_loss": None,
+            "optimizer": {"state": {}, "param_groups": []}, "zclip": None, "rng": checkpoint.rng_state(),
+            "loader": {"order": "sequential", "cursor": [0]}}
+    path = str(d / "ckpt.pt")
+    torch.save({**ckpt, key: value}, path)
+    before = open(path, "rb").read()
+    line = fails(capsys, "--stage=2", "--resume=True", f"--out_dir={tmp_path}", *TINY)
+    assert words in line and f"--init_from={path}" in line and path in line, line
+    assert open(path, "rb").read() == before
+    assert checkpoint.load(path)["model_args"] == {}  # the weights alone load, as --init_from reads them
 
 
 def test_rotation_keeps_the_best_evaluated_checkpoint_until_one_as_good_replaces_it(tmp_path):

@@ -109,49 +109,6 @@ def test_train_py_help_from_the_command_line():
     assert p.returncode == 0 and "--lambda_warmup_steps=200" in p.stdout and "--grad_accum=8" in p.stdout
 
 
-# train.py's renamed flags: lambda and gamma are BitNet's quantisation blend and weight scale, so the distillation
-# weights are named for what they weigh; both warm-ups count _steps
-OLD_NAMES = {"distill_lambda": "kd_logits", "distill_gamma": "kd_relation", "distill_hidden": "kd_hidden",
-             "warmup_iters": "warmup_steps"}
-
-
-def test_train_py_refuses_each_old_flag_name_with_its_new_name(capsys):
-    import train
-    from tools import config
-    assert config.RENAMED == OLD_NAMES
-    fields = {f.name for f in dataclasses.fields(config.TrainConfig)}
-    for old, new in OLD_NAMES.items():
-        assert new in fields and old not in fields
-        with pytest.raises(SystemExit) as e:
-            train.main([f"--{old}=0", "--device=cpu"])
-        err = capsys.readouterr().err.strip().splitlines()
-        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"error: --{old} is now --{new}"), err
-
-
-@pytest.mark.slow
-def test_train_py_old_flag_from_the_command_line_is_one_line_and_no_traceback():
-    p = subprocess.run([sys.executable, "train.py", "--stage=3", "--distill_lambda=0"], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=60)
-    err = p.stderr.strip().splitlines()
-    assert p.returncode == 2 and len(err) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert err[0].startswith("error: --distill_lambda is now --kd_logits"), err
-
-
-def test_a_config_saved_under_the_old_names_resumes_under_the_new_ones():
-    """A checkpoint written before the rename holds config["distill_lambda"] etc.: build_config(base=...) reads
-    each value into its new field (and none falls back to the default)."""
-    from tools import config
-    new = dataclasses.asdict(config.build_config({"device": "cpu", "stage": 3, "kd_logits": 0.0, "kd_relation": 7.0,
-                                                  "kd_hidden": 2.5, "warmup_steps": 3}))
-    back = {n: o for o, n in OLD_NAMES.items()}
-    old = {back.get(k, k): v for k, v in new.items()}  # the same config as an old checkpoint saved it
-    assert set(OLD_NAMES) <= set(old) and not set(OLD_NAMES.values()) & set(old)
-    cfg = config.build_config({}, base=old)
-    assert (cfg.kd_logits, cfg.kd_relation, cfg.kd_hidden, cfg.warmup_steps) == (0.0, 7.0, 2.5, 3)
-    assert dataclasses.asdict(cfg) == new
-    assert config.build_config({"kd_relation": 1.0}, base=old).kd_relation == 1.0  # a flag given now still wins
-
-
 def test_only_tools_flags_parses_command_lines():
     """One parser: no other module reads sys.argv as --key=value pairs by hand."""
     hits = []

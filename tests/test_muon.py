@@ -1,8 +1,6 @@
 """Tests for muon.py: NS5 against an independent fp32 loop and the SVD, the momentum update against its closed
 form, bitwise parity with torch.optim.Muon (Muon groups) and torch.optim.AdamW (AdamW groups), the lr formulas by
-hand, parameter routing, exact resume (also from a two-optimizer checkpoint, through tools/checkpoint.py's
-upgrade), standard torch.optim.lr_scheduler
-schedules, and that Muon+AdamW actually lowers a loss. Distributed Muon (DDP, FSDP2) is tested in tests/test_scale.py."""
+hand, parameter routing, exact resume, standard torch.optim.lr_scheduler schedules, and that Muon+AdamW actually lowers a loss. Distributed Muon (DDP, FSDP2) is tested in tests/test_scale.py."""
 import copy
 import io
 import math
@@ -297,60 +295,6 @@ def test_state_dict_round_trip_resumes_bitwise():
     for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
     assert not torch.equal(model.q.weight, init["q.weight"])
-
-
-
-
-def _old_form_state_dict(muon, adamw):
-    """The two-optimizer form checkpoint.upgrade converts: a Muon (its groups without a kind) and a
-    torch.optim.AdamW side by side, {"muon": ..., "adamw": ...}, each numbering its parameters from 0."""
-    sd = copy.deepcopy(muon.state_dict())
-    for g in sd["param_groups"]:
-        del g["kind"]
-    return {"muon": sd, "adamw": copy.deepcopy(adamw.state_dict())}
-
-
-def test_checkpoint_of_the_old_two_optimizer_form_loads_and_steps_as_the_old_class():
-    from tools import checkpoint
-    torch.manual_seed(12)
-    old_model = TinyLM(tied=False)
-    muon_params, adamw_params = split_muon_params(old_model)
-    old_muon = Muon([{"params": muon_params}], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
-    old_adamw = torch.optim.AdamW([{"params": [p for p in adamw_params if p.ndim == 2], "weight_decay": 0.1},
-                                   {"params": [p for p in adamw_params if p.ndim < 2], "weight_decay": 0.0}],
-                                  lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
-    for g in old_muon.param_groups + old_adamw.param_groups:
-        g["initial_lr"], g["initial_wd"] = g["lr"], g["weight_decay"]  # as MuonWithAdamW and train.py set them
-
-    def step_old(it):
-        for p, grad in zip(old_model.parameters(), _grads_for(old_model, it)):
-            p.grad = grad
-        old_muon.step()  # MuonWithAdamW.step: its Muon, then its AdamW
-        old_adamw.step()
-
-    for it in range(2):
-        step_old(it)
-    buf = io.BytesIO()
-    torch.save({"model": old_model.state_dict(), "opt": _old_form_state_dict(old_muon, old_adamw)}, buf)
-    buf.seek(0)
-    ckpt = torch.load(buf)
-    model = TinyLM(tied=False)
-    model.load_state_dict(ckpt["model"])
-    opt = configure_muon(model, muon_lr=0.5, adamw_lr=0.5, ns_dtype=torch.float32)  # the saved lrs must win
-    with pytest.raises(KeyError, match="param_groups"):  # Muon alone takes only its own form
-        opt.load_state_dict(ckpt["opt"])
-    opt.load_state_dict(checkpoint.upgrade({"optimizer": ckpt["opt"]}, loader=None)["optimizer"])
-    assert [(g["kind"], g["lr"], g["weight_decay"]) for g in opt.param_groups] == [
-        ("muon", 0.02, 0.1), ("adamw", 1e-3, 0.1), ("adamw", 1e-3, 0.0)]
-    for it in range(2, 4):
-        step_old(it)
-        for p, grad in zip(model.parameters(), _grads_for(model, it)):
-            p.grad = grad
-        opt.step()
-        for (name, a), b in zip(model.named_parameters(), old_model.parameters()):
-            assert torch.equal(a, b), f"{name} after step {it}"
-    assert opt.state[model.wte.weight]["step"] == 4 and torch.equal(
-        opt.state[model.q.weight]["momentum_buffer"], old_muon.state[old_model.q.weight]["momentum_buffer"])
 
 
 @pytest.mark.parametrize("fused", [None, True])

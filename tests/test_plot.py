@@ -145,8 +145,8 @@ def _step(s, **drop):
     ("no-gradient-norm", [_step(s, raw_norm=0, clipped_norm=0) for s in (1, 2, 3)],
      ["no raw_norm in any of its step records", "no clipped_norm in any"]),
     ("norm-in-some-records", [_step(1), _step(2, raw_norm=0), _step(3)], ["no raw_norm in 1 of its 3 step records"]),
-    ("old-names", [{"step": s, "loss": 1.0, "lambda": 1.0, "lr": 1e-3, "grad_norm_raw": 2.0, "grad_norm": 1.0,
-                    "clipped": s == 2} for s in (1, 2, 3)], []),  # runtime.read_metrics maps them: nothing missing
+    ("clipped", [{"step": s, "loss": 1.0, "lambda": 1.0, "lr": 1e-3, "raw_norm": 2.0, "clipped_norm": 1.0,
+                  "was_clipped": s == 2} for s in (1, 2, 3)], []),
 ])
 def test_plot_draws_the_series_a_record_holds_and_notes_a_missing_one(case, recs, notes, tmp_path, capsys):
     """Records without lambda or the gradient norm (a log of fewer series) plot what they hold, no KeyError."""
@@ -156,7 +156,7 @@ def test_plot_draws_the_series_a_record_holds_and_notes_a_missing_one(case, recs
     assert out[-1].startswith(f"wrote {d}/curves.png: 3 steps, 0 evaluations") and out[:-1] == [
         line for line in out[:-1] if line.startswith("note: ")], out
     assert all(any(n in line for line in out[:-1]) for n in notes) and len(out) - 1 == len(notes), out
-    if case == "old-names":
+    if case == "clipped":
         assert out[-1].endswith("1 clipped steps"), out
     with open(os.path.join(d, "curves.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"

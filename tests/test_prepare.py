@@ -297,7 +297,7 @@ def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
     day_old = time.time() - 2 * 86400
     names = {f".o.tmp_{host}_{dead_pid}_abc123": "stale", f".o.old_{host}_{dead_pid}_abc123": "stale",
              f".o.tmp_{host}_1_abc123": "live", f".o.tmp_{host}_{os.getpid()}_abc123": "live",  # running
-             ".o.tmp_k2j3h4g5": "live", ".o.tmp_q9w8e7r6": "stale",  # an older tools/prepare.py's names: by age
+             ".o.tmp_k2j3h4g5": "live", ".o.tmp_q9w8e7r6": "live",  # no writer's host and pid: never ours
              f".o.tmp_otherhost_{dead_pid}_abc123": "live",  # another machine's pid cannot be checked here
              ".other.tmp_x_1_y": "live"}  # not this out_dir's
     for name in names:

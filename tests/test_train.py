@@ -433,18 +433,6 @@ def test_teacher_weights_apply_to_the_teachers_in_the_order_given(setup_run, tmp
         assert want[which] != pytest.approx(want[1 - which], rel=1e-3)  # the teachers do differ
 
 
-def test_step_records_log_the_clipping_statistics_under_zclips_names_and_old_files_still_read(tmp_path):
-    """A step record's clipping statistics are zclip.py's raw_norm, clipped_norm, was_clipped, z_score (one name
-    each); a metrics.jsonl written before (grad_norm_raw, grad_norm, clipped, z) reads back under those names."""
-    from tools import runtime
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "loss": 2.0, "grad_norm_raw": 3.0, "grad_norm": 1.0, "clipped": 1, "z": 4.5}\n'
-                    '{"step": 1, "val_loss": 2.5}\n')
-    steps, evals = runtime.read_metrics(str(path))
-    assert steps == {"step": 1, "loss": 2.0, "raw_norm": 3.0, "clipped_norm": 1.0, "was_clipped": 1, "z_score": 4.5}
-    assert evals == {"step": 1, "val_loss": 2.5}
-
-
 def test_metrics_jsonl_names_the_commit_of_the_code_that_wrote_each_run_and_each_resume(tmp_path):
     """The first record a train.py process writes into metrics.jsonl names the commit of the code (git rev-parse HEAD
     of this checkout, or "unknown" outside a git checkout); a resumed run's first record names its own."""

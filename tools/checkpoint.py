@@ -244,10 +244,9 @@ def save(obj, d, keep_last=1):
     """Write obj as d/ckpt_<step>.pt, point d/ckpt.pt at it, then delete all but the newest keep_last numbered
     checkpoints, except the one with the best finite val loss when obj's is not known to be as good. Returns
     (d/ckpt.pt, None or (val loss, path) of the older checkpoint kept for its val loss)."""
-    for n in {n.split(".pt.")[0] + ".pt" for n in os.listdir(d) if n.endswith(".tmp")}:  # a killed writer's leftovers
+    for n in {n.split(".pt.")[0] + ".pt" for n in os.listdir(d) if n.endswith(".tmp")}:  # killed writers'
         if n == LATEST or NUMBERED.fullmatch(n):
-            for stale in common.stale_tmps(os.path.join(d, n)):
-                os.remove(stale)
+            common.clear_stale(os.path.join(d, n))
     path = os.path.join(d, f"ckpt_{obj['step']:06d}.pt")
     atomic_save(obj, path)
     latest = os.path.join(d, LATEST)
@@ -292,7 +291,32 @@ def load(path, required=("model", "model_args"), mmap=False):
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a training checkpoint (missing {', '.join(missing)})")
+    resume = [k for k in ("zclip", "rng") if "optimizer" in required and ckpt.get(k) is not None]
+    for key in (*required, *resume):
+        why = _damaged(key, ckpt[key])
+        if why:
+            fix = (f"start a new run from its weights with --init_from={path}" if key in RESUME_ONLY
+                   and not _damaged("model", ckpt.get("model")) else "use a checkpoint written by train.py")
+            raise CheckpointError(f"{path}: a damaged or older-layout checkpoint: its {key} {why}; {fix}")
     return ckpt
+
+
+RESUME_ONLY = ("step", "config", "optimizer", "loader", "zclip", "rng")  # --resume's; the weights load without
+
+
+def _damaged(key, value):
+    """Why value cannot be a training checkpoint's `key` of today's layout (the table in the docstring), or None."""
+    want = {"step": int, "config": dict, "model_args": dict, "model": dict, "optimizer": dict, "loader": dict,
+            "zclip": dict, "rng": dict}
+    if key not in want:
+        return None
+    if not isinstance(value, want[key]) or isinstance(value, bool):
+        return f"is {type(value).__name__}, not {'an' if want[key] is int else 'a'} {want[key].__name__}"
+    keys = {"optimizer": ("state", "param_groups"), "loader": ("order", "cursor"),
+            "rng": ("python", "numpy", "torch", "cuda")}.get(key, ())
+    lacks = [k for k in keys if k not in value]
+    return f"has keys {', '.join(map(str, sorted(value, key=str))) or 'none'}, without {', '.join(lacks)}" \
+        if lacks else None
 
 def saved_lambda(ckpt):
     """The lambda a checkpoint's BitLinear buffers hold (their smallest), or None for a full-precision model."""
@@ -328,41 +352,6 @@ def load_weights(model, state, path, insert_subln=False):
     if missing or unexpected:
         raise CheckpointError(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, unexpected "
                               f"{unexpected[:3]}); check n_layer/n_embd/n_head/subln/tokenizer")
-
-
-
-# -----------------------------------------------------------------------------
-# checkpoints of an older layout
-
-
-def upgrade(ckpt, loader):
-    """ckpt (a training checkpoint's dict) in today's layout, changed in place and returned; a checkpoint of today's
-    layout passes unchanged. Called once per resumed run, where its loader exists (plumbing.make_loaders), before
-    any state is loaded. Every older layout this file knows of, and what it becomes:
-      optimizer  {"muon": a Muon's state, "adamw": a torch.optim.AdamW's}, each numbering its parameters from 0:
-                 one muon.Muon state, groups tagged with their kind, AdamW's parameter ids after Muon's
-      loader     "pos", [shard, offset] per source, read in shard order: order "sequential" with cursor = the
-                 number of that window, so the run continues at the same place (needs loader's shard lengths)"""
-    opt = ckpt.get("optimizer")
-    if isinstance(opt, dict) and set(opt) == {"muon", "adamw"}:
-        muon, adamw = opt["muon"], opt["adamw"]
-        n = sum(len(g["params"]) for g in muon["param_groups"])
-        groups = ([{**g, "kind": "muon"} for g in muon["param_groups"]] +
-                  [{**g, "kind": "adamw", "params": [i + n for i in g["params"]]} for g in adamw["param_groups"]])
-        ckpt["optimizer"] = {"state": {**muon["state"], **{i + n: st for i, st in adamw["state"].items()}},
-                             "param_groups": groups}
-    sd = ckpt.get("loader")
-    if isinstance(sd, dict) and "pos" in sd:
-        if len(sd["pos"]) != len(loader.dirs):
-            raise ValueError(f"loader state {sd['pos']} does not fit the {len(loader.dirs)} source(s) of this run")
-        for s, (k, off) in enumerate(sd["pos"]):
-            if not 0 <= k < len(loader.shards[s]):
-                raise ValueError(f"loader state points at shard {k} of {loader.dirs[s]}, which has "
-                                 f"{len(loader.shards[s])} {loader.split} shards; was the data prepared again?")
-        first = [np.concatenate([[0], np.cumsum([(n - 1) // loader.T for n in ns])]) for ns in loader.lengths]
-        cursor = [int(first[s][k]) + off // loader.T for s, (k, off) in enumerate(sd["pos"])]
-        ckpt["loader"] = dict({k: v for k, v in sd.items() if k != "pos"}, order="sequential", span=0, cursor=cursor)
-    return ckpt
 
 
 

@@ -18,9 +18,8 @@ files, so a directory is swapped in by two renames, path -> .<name>.old_<owner>_
 <host>_<pid>_<start> (start: when that process started, from /proc/<pid>/stat, so a pid reused by a later process
 is told apart; without /proc, <host>_<pid>): a later writer, on this machine or another one sharing the disk, tells
 what a writer that is gone left (removed; an old directory whose path is missing is put back) from what a running
-one is using (left alone). Any other name
-beside path (.<name>.old-backup, .<name>.tmp_mine) is not provably a writer's and is never touched, save an older
-tools/prepare.py's .<name>.tmp_<8 characters>, removed once a day old.
+one is using (left alone), and each one removed is named in a line. Any other name beside path (<name>.tmp,
+.<name>.old-backup, .<name>.tmp_mine) is not provably a writer's and is never touched.
 Test: python -m pytest tests/test_common.py tests/test_prepare.py
 """
 
@@ -53,9 +52,7 @@ def atomic_write(path):
     disk, errno ENOSPC; torch.save's RuntimeError; Ctrl-C; SystemExit) tmp is removed and path is left as it was.
     tmp is path + ".<owner>_<random>.tmp", this writer's own (two writers of one path never share it), in the same
     directory (a rename cannot cross filesystems); what a writer that is gone left (stale_tmps) is removed first."""
-    for stale in stale_tmps(path):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(stale)
+    clear_stale(path)
     tmp = f"{path}.{_owner()}_{os.urandom(4).hex()}.tmp"
     with _installing(tmp, path):
         yield tmp
@@ -64,11 +61,19 @@ def atomic_write(path):
 def stale_tmps(path):
     """The files atomic_write(path) left beside path whose writer is gone: path.<host>_<pid>[_<start>]_<hex>.tmp of
     a process of this host that no longer runs (a pid now another process's counts as gone; another host's after
-    STALE_AFTER_S), and an older writer's path.tmp."""
+    STALE_AFTER_S). No other name: a user's path.tmp is not ours."""
     parent, name = os.path.split(os.path.abspath(path))
-    ours = re.compile(re.escape(name) + r"(?:\.([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+)?\.tmp")
+    ours = re.compile(re.escape(name) + r"\.([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+\.tmp")
     return [os.path.join(parent, n) for n, st, m in _beside(parent, ours, stat.S_ISREG)
-            if m[1] is None or _writer_gone(m[1], m[2], m[3], st.st_mtime)]
+            if _writer_gone(m[1], m[2], m[3], st.st_mtime)]
+
+
+def clear_stale(path):
+    """Remove stale_tmps(path), one line naming each (what a killed writer of path left)."""
+    for stale in stale_tmps(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(stale)
+            print(f"removed {stale}, left by a writer of {path} that is gone")
 
 
 def _beside(parent, pattern, kind):
@@ -86,7 +91,7 @@ def _beside(parent, pattern, kind):
 
 def _writer_gone(host, pid, start, mtime):
     """Whether the writer named by (host, pid, start) is gone: on this host, its pid no longer runs or is another
-    process's (start given); elsewhere (or no host in the name), the leftover is older than STALE_AFTER_S."""
+    process's (start given); on another host, the leftover is older than STALE_AFTER_S."""
     if host == _host() and os.name == "posix":
         return not _running(int(pid), int(start) if start else None)
     return time.time() - mtime > STALE_AFTER_S
@@ -170,6 +175,7 @@ def _recover(path):
         gone.remove((olds[-1], "old"))
     for n, _ in gone:
         _delete(os.path.join(parent, n))
+        print(f"removed {os.path.join(parent, n)}, left by a writer of {path} that is gone")
 
 
 def swapped_out(path):
@@ -184,15 +190,13 @@ def swapped_out(path):
 
 def _leftovers(path):
     """[(name, "tmp" or "old", whether its writer may still be running)] of the directories beside path that its
-    writers made, oldest first. Only two shapes of name count: this writer's .<name>.tmp_<owner>_<hex> and
-    .<name>.old_<owner>_<hex> (owner: <host>_<pid>_<start> or <host>_<pid>), and an older tools/prepare.py's
-    .<name>.tmp_<8 characters> (mkdtemp's). A pid of this host is asked whether it runs, and when it carries a
-    start, whether the process with that pid is the one that started then; another host's leftover, or an older
-    one, is gone after STALE_AFTER_S."""
+    writers made, oldest first. Only two shapes of name count: .<name>.tmp_<owner>_<hex> and
+    .<name>.old_<owner>_<hex> (owner: <host>_<pid>_<start> or <host>_<pid>). A pid of this host is asked whether it
+    runs, and when it carries a start, whether the process with that pid is the one that started then; another
+    host's leftover is gone after STALE_AFTER_S."""
     parent, name = os.path.split(path)
-    ours = re.compile(re.escape(f".{name}.") +
-                      r"(?:(tmp|old)_([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+|tmp_[a-z0-9_]{8})")
-    found = sorted((st.st_mtime, n, m[1] or "tmp", not _writer_gone(m[2], m[3], m[4], st.st_mtime))
+    ours = re.compile(re.escape(f".{name}.") + r"(tmp|old)_([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+")
+    found = sorted((st.st_mtime, n, m[1], not _writer_gone(m[2], m[3], m[4], st.st_mtime))
                    for n, st, m in _beside(parent, ours, stat.S_ISDIR))
     return [(n, kind, running) for _, n, kind, running in found]
 

@@ -109,11 +109,6 @@ class TrainConfig(LessonFlags, CoreFlags):
     A dataclass orders the fields of its bases from the last base to the first: CoreFlags' come first."""
 
 
-# Renamed flags, {old: new}: an old name on the command line stops with its new one (tools/flags.py), and a
-# checkpoint's config saved under an old name resumes under the new one (build_config).
-RENAMED = {"distill_lambda": "kd_logits", "distill_gamma": "kd_relation", "distill_hidden": "kd_hidden",
-           "warmup_iters": "warmup_steps"}
-
 DEVICE_PRESETS = {
     "cpu": dict(),  # the defaults above are the CPU quick start
     # 8 x 8 sequences of 1024 = 65,536 tokens a step on 1, 2, 4 or 8 GPUs alike (grad_accum counts all ranks)
@@ -155,7 +150,7 @@ def parse_args(argv):
             return str(to_bool(v)).lower()
         except ValueError:
             raise ValueError("expected auto, true or false (also 1/0, yes/no, on/off)") from None
-    return parse(argv, TrainConfig, USAGE, convert=dict(stage=stage, compile=compile_), renamed=RENAMED)
+    return parse(argv, TrainConfig, USAGE, convert=dict(stage=stage, compile=compile_))
 
 
 USAGE = """python train.py [--key=value ...]: train a ternary (BitNet b1.58) model; stage 1 fp, 2 ternary, 3 distill.
@@ -181,7 +176,7 @@ def pretrained_run(overrides):
 def build_config(overrides, base=None):
     """Defaults + device preset + stage preset + overrides; or, on resume, the saved config + overrides."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = {RENAMED.get(k, k): v for k, v in (base or {}).items() if RENAMED.get(k, k) in known}  # old names: new
+    cfg = {k: v for k, v in (base or {}).items() if k in known}
     if not base:
         device = overrides.get("device", "auto")
         device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device

@@ -21,13 +21,11 @@ from tools.outputs import hf_marker, why_not_a_checkpoint
 
 PACKED = "nanobitnet-packed-v"  # every packed export's "format" starts so (tools/export.py's docstring shows the dict)
 FORMAT = PACKED + "2"  # quant.pack_ternary's bytes as they are; v1 held each row's codes in k order (upgraded on load)
-LEGACY_MODEL_ARGS = ("track_max_logit", "max_logit_rows")  # QK-clip's tracking is a hook now (lessons/muon_variants.py)
 
 
 def gpt_config(model_args):
-    """The GPTConfig of a checkpoint's or an export's model_args; keys of older versions that no longer shape the
-    model are dropped."""
-    return GPTConfig(**{k: v for k, v in model_args.items() if k not in LEGACY_MODEL_ARGS})
+    """The GPTConfig of a checkpoint's or an export's model_args."""
+    return GPTConfig(**model_args)
 
 
 def saved_tokenizer(obj):

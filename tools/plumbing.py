@@ -147,7 +147,7 @@ def make_loaders(cfg, rt, resume):
                                               order="sequential"), w / total)
                        for name, (d, w) in zip(names, sources.items())}
         if resume is not None:
-            train_loader.load_state_dict(checkpoint.upgrade(resume, train_loader)["loader"])  # older layouts too
+            train_loader.load_state_dict(resume["loader"])
     except ValueError as e:
         die(str(e))
     have = [data.read_meta(d).get("train_tokens") for d in sources]

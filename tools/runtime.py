@@ -168,16 +168,9 @@ class StepTimer:
         return dt
 
 
-# other names a step record of a metrics.jsonl may hold, and the names log_step writes: the clipping statistics
-# (zclip.py's) and stage 3's loss terms (distill.BitDistillLoss's, each the name of the flag that weighs it)
-OLD_NAMES = {"grad_norm_raw": "raw_norm", "grad_norm": "clipped_norm", "clipped": "was_clipped", "z": "z_score",
-             "ld": "kd_logits", "ad": "kd_relation", "hidden": "kd_hidden"}
-
-
 def read_metrics(path):
-    """The records of a metrics.jsonl as log_json writes them (a step record's other names under log_step's,
-    OLD_NAMES). A torn last line (a run killed while writing it) is left out; an earlier line that is not a
-    JSON object raises ValueError naming the file and the line."""
+    """The records of a metrics.jsonl as log_json writes them. A torn last line (a run killed while writing
+    it) is left out; an earlier line that is not a JSON object raises ValueError naming the file and the line."""
     with open(path, errors="replace") as f:
         lines = f.read().split("\n")  # a complete file ends with "\n": its last item is ""
     recs = []
@@ -189,7 +182,7 @@ def read_metrics(path):
         except ValueError as e:
             rec = e
         if isinstance(rec, dict):
-            recs.append({OLD_NAMES.get(k, k): v for k, v in rec.items()})
+            recs.append(rec)
         elif i < len(lines):
             raise ValueError(f"{path}, line {i}: not a JSON object ({rec}); repair or delete that line")
     return recs
