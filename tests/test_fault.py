@@ -747,3 +747,34 @@ def test_a_signal_during_torch_save_is_a_stop_not_a_disk_failure(tmp_path, monke
         checkpoint.atomic_save({"step": 2, "w": torch.randn(1000, 100)}, path)
     assert e.value.signum == signal.SIGTERM
     assert torch.load(path, weights_only=True) == {"step": 1} and os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+@pytest.fixture
+def size_limit():
+    """lower(n): this process may write files of at most n bytes (RLIMIT_FSIZE, `ulimit -f`; Python ignores
+    SIGXFSZ, so a write past it fails with EFBIG) until the test ends."""
+    import resource
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    yield lambda n: resource.setrlimit(resource.RLIMIT_FSIZE, (n, old[1]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+
+
+def test_the_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path, capsys, size_limit):
+    """`ulimit -f` stopping a write (torch.save says only "unexpected pos ...") is EFBIG and its line names the
+    limit and how to raise it, not the disk's free space; the file there stays whole and no .tmp is left."""
+    from model import GPT, GPTConfig
+    from tools import export
+    ckpt, out = str(tmp_path / "ckpt.pt"), str(tmp_path / "packed.pt")
+    m = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=32, vocab_size=257))
+    torch.save({"model_args": vars(m.config), "config": {"tokenizer": "byte"}, "model": m.state_dict()}, ckpt)
+    export.main([f"--ckpt={ckpt}", f"--out={out}"])
+    before = digest(out)
+    size_limit(8 * 1024)  # the export of 64-wide matrices is larger
+    with pytest.raises(OSError) as e:
+        checkpoint.atomic_save({"step": 2, "w": torch.zeros(10_000)}, str(tmp_path / "other.pt"))
+    assert e.value.errno == errno.EFBIG
+    capsys.readouterr()
+    err = fails(capsys, f"--ckpt={ckpt}", f"--out={out}", "--overwrite=True", code=1, main=export.main)
+    assert "file-size limit (8,192 bytes)" in err and "ulimit -f unlimited" in err, err
+    assert "free disk space" not in err and "GB free" not in err, err
+    assert digest(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt.pt", "packed.pt"]

@@ -166,12 +166,18 @@ def check_writable(d):
 
 def atomic_save(obj, path):
     """torch.save through common.atomic_write: path is the whole old file or the whole new one. A failed write
-    raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which becomes ENOSPC (else EIO).
+    raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which becomes ENOSPC (else EIO),
+    and the file-size limit (ulimit -f) as one, which becomes EFBIG.
     A signal that stopped the write (Ctrl-C, or StopSignal's Interrupted raised inside the writer, which torch
     turns into a RuntimeError) is raised as itself: a stop, not a disk failure."""
     try:
         with common.atomic_write(path) as tmp, open(tmp, "wb") as f:
-            torch.save(obj, f)
+            try:
+                torch.save(obj, f)
+            except RuntimeError as e:
+                if common.past_size_limit(f):  # ulimit -f: EFBIG, whatever torch's message says
+                    raise OSError(errno.EFBIG, os.strerror(errno.EFBIG)) from e
+                raise
     except RuntimeError as e:
         cause = e.__context__
         while cause is not None and not isinstance(cause, (KeyboardInterrupt, common.Interrupted)):

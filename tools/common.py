@@ -267,6 +267,45 @@ def _signals_deferred():
             signal.raise_signal(s)
 
 
+def size_limit():
+    """The largest file this process may write (the soft RLIMIT_FSIZE: `ulimit -f` in bytes), or None."""
+    try:
+        import resource
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return None if limit == resource.RLIM_INFINITY else limit
+    except (ImportError, OSError, ValueError):
+        return None
+
+
+def past_size_limit(f):
+    """Whether the open file f has reached this process's file-size limit: a write failing there failed for it
+    (EFBIG; a library's writer, torch.save's, may report it as a RuntimeError "unexpected pos ...")."""
+    limit = size_limit()
+    return limit is not None and os.fstat(f.fileno()).st_size + (1 << 13) >= limit  # 8 KiB: a write buffer
+
+
+def write_failed(e, path):
+    """(why, cause, fix) for the error line of a write of path that raised e (an OSError): the error's words; the
+    file-size limit (EFBIG: `ulimit -f`) or the free space of the disk holding path (measured now, after the
+    partial file is gone); and the fix, "raise the limit (ulimit -f unlimited)" or "free disk space"."""
+    why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+    if getattr(e, "errno", None) == errno.EFBIG:
+        limit = size_limit()
+        cap = f" ({_bytes(limit)})" if limit is not None else ""
+        return why, f"this shell's file-size limit{cap} stopped it, not the disk", \
+            "raise the limit (ulimit -f unlimited)"
+    where = os.path.dirname(os.path.abspath(path))
+    try:
+        disk = f"the disk holding {where} has {_bytes(shutil.disk_usage(where).free)} free"
+    except OSError:
+        disk = f"the disk holding {where} cannot be read"
+    return why, disk, "free disk space"
+
+
+def _bytes(n):
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n:,} bytes"
+
+
 def link_or_copy(src, dst):
     """dst names the file src: a hard link (no extra space), or a copy where the filesystem has none."""
     try:

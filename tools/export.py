@@ -103,18 +103,11 @@ def export(ckpt_path, out_path):
 
 
 def _cannot_write(flag, path, what, e, kept="the file there, if any, is unchanged"):
-    """The one error line of an output that could not be written, a full disk mostly: the flag and the path, the
-    error, the disk holding it with what it has free (measured now: the partial file is gone), what became of the
-    earlier output, and the fix. Never blames the input: the checkpoint was read."""
-    why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
-    where = os.path.dirname(os.path.abspath(path))
-    try:
-        free = shutil.disk_usage(where).free
-        size = f"{free / 1e9:.1f} GB" if free >= 1e9 else f"{free / 1e6:.1f} MB" if free >= 1e6 else f"{free:,} bytes"
-        disk = f"the disk holding {where} has {size} free"
-    except OSError:
-        disk = f"the disk holding {where} cannot be read"
-    die(f"{flag}={path}: cannot write {what} ({why}); {disk}; {kept}; free disk space or pass another {flag}")
+    """The one error line of an output that could not be written: the flag and the path, the cause (a full disk
+    with what it has free, or the file-size limit: common.write_failed), what became of the earlier output, and
+    the fix. Never blames the input: the checkpoint was read."""
+    why, cause, fix = common.write_failed(e, path)
+    die(f"{flag}={path}: cannot write {what} ({why}); {cause}; {kept}; {fix} or pass another {flag}")
 
 
 def main(argv):

