@@ -327,6 +327,10 @@ def setup(argv):
     if given.resume:  # the saved run's config, the flags given now on top
         path = os.path.join(out_dir, checkpoint.LATEST)
         if not os.path.exists(path):
+            if checkpoint.before_first_save(out_dir):
+                die(f"--resume=True: the run in {out_dir} ended before its first checkpoint (only its "
+                    f"metrics.jsonl is there), so there is nothing to resume; start it again: the same command "
+                    f"with --overwrite=True instead of --resume=True")
             die(f"--resume=True but there is no checkpoint at {path}; start without --resume")
         resume = checkpoint.load(path, ("model", "model_args", "config", "step", "optimizer", "loader"))
         saved = resume["config"]
@@ -360,6 +364,9 @@ def build(run, resume, teachers):
     cfg, rt = run.cfg, run.rt
     earlier = checkpoint.existing_run(run.out_dir) if rt.master and not cfg.resume else []
     if earlier and not cfg.overwrite:
+        if checkpoint.before_first_save(run.out_dir):
+            die(f"{run.out_dir} already holds a run that ended before its first checkpoint (only its "
+                f"metrics.jsonl): replace it with --overwrite=True, or keep it and pass another --run_name")
         die(f"{run.out_dir} already holds a run ({', '.join(earlier[:3])}); continue it with --resume=True, "
             f"replace it with --overwrite=True, or keep it and pass another --run_name")
     try:

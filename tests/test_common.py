@@ -390,3 +390,23 @@ def test_another_hosts_fresh_leftover_is_kept_even_if_its_pid_runs_nowhere_here(
     then = time.time() - common.STALE_AFTER_S - 60
     os.utime(old, (then, then))
     assert sorted(common.stale_tmps(path)) == sorted([old, mine])
+
+
+def test_a_mount_point_as_the_output_directory_is_refused_before_anything_is_written(tmp_path, capsys,
+                                                                                      monkeypatch):
+    """A directory swapped in whole (tools.prepare --out_dir, an HF export) cannot replace a mount point (the
+    rename fails: EBUSY): refused before a byte is written, in one line naming it and a directory inside it,
+    never "free disk space"."""
+    from tools import prepare
+    mount = str(tmp_path / "mnt")
+    os.mkdir(mount)
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.path.abspath(p) == mount or real(p))
+    wrote = []
+    monkeypatch.setattr(prepare, "iter_documents", lambda *a: wrote.append(a) or iter(()))
+    src = tmp_path / "a.txt"
+    src.write_text("one\n\ntwo\n")
+    assert prepare.main([str(src), f"--out_dir={mount}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ") and f"{mount} is a mount point" in err and f"{mount}/out" in err and "free disk space" not in err, err
+    assert wrote == [] and os.listdir(mount) == [] and sorted(os.listdir(tmp_path)) == ["a.txt", "mnt"]

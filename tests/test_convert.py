@@ -364,3 +364,28 @@ def test_calibration_batches_come_from_a_loader_of_their_own():
     assert after["cursor"] == before["cursor"] and np.array_equal(after["rng"]["state"]["state"],
                                                                   before["rng"]["state"]["state"])
     assert all(torch.equal(a, b) for a, b in zip(run_loader.next_batch(), fresh.next_batch()))
+
+
+def test_a_resume_of_a_moved_model_reads_the_shipped_shards_it_was_reading():
+    """--resume=True --tokenizer=<the model at its new path> on a shipped corpus: the shards the run read are
+    named for the model's old path, so the run's --data becomes those directories (the loader state's, in
+    order, with their weights) and its note says so; --data given, or sources that are not shipped corpora,
+    are left as they are."""
+    from types import SimpleNamespace
+    from conftest import ROOT
+    from tools import start
+    data_dir = os.path.join(ROOT, "data")
+    ckpt = {"config": {"tokenizer": "/old/place/model", "data": "shakespeare:0.75,python:0.25"},
+            "loader": {"dirs": ["shakespeare_byte", "python_byte"]}}  # shipped corpora's directories
+    cfg = SimpleNamespace(tokenizer="/new/place/model", data="")
+    note = start.shipped_of_moved_model(cfg, ckpt, given={"tokenizer": cfg.tokenizer})
+    want = f"{data_dir}/shakespeare_byte:0.75,{data_dir}/python_byte:0.25"
+    assert cfg.data == want and f"--data={want}" in note and "/old/place/model" in note, note
+    ckpt["config"]["data"] = "shakespeare"
+    ckpt["loader"]["dirs"] = ["shakespeare_byte"]
+    cfg = SimpleNamespace(tokenizer="/new/place/model", data="")
+    assert start.shipped_of_moved_model(cfg, ckpt, {}) and cfg.data == f"{data_dir}/shakespeare_byte"
+    for given, dirs in (({"data": "shakespeare"}, ["shakespeare_byte"]), ({}, ["my_shards"])):
+        cfg = SimpleNamespace(tokenizer="/new/place/model", data="")
+        ckpt["loader"]["dirs"] = dirs
+        assert start.shipped_of_moved_model(cfg, ckpt, given) == "" and cfg.data == ""

@@ -778,3 +778,17 @@ def test_the_file_size_limit_is_named_as_such_not_as_a_full_disk(tmp_path, capsy
     assert "file-size limit (8,192 bytes)" in err and "ulimit -f unlimited" in err, err
     assert "free disk space" not in err and "GB free" not in err, err
     assert digest(out) == before and sorted(os.listdir(tmp_path)) == ["ckpt.pt", "packed.pt"]
+
+
+def test_a_run_that_ended_before_its_first_checkpoint_is_not_sent_round_in_a_circle(tmp_path, capsys):
+    """A directory holding only a run's metrics.jsonl (stopped before its first save): a fresh run is told to
+    replace it or pass another --run_name, never to --resume it; --resume=True is told there is nothing to
+    resume and to start again with --overwrite=True, never to drop --resume (which would send it back)."""
+    d = tmp_path / "stage2"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    fresh = fails(capsys, "--stage=2", f"--out_dir={tmp_path}", *TINY)
+    assert "before its first checkpoint" in fresh and "--overwrite=True" in fresh and "--resume" not in fresh, fresh
+    again = fails(capsys, "--stage=2", "--resume=True", f"--out_dir={tmp_path}", *TINY)
+    assert "nothing to resume" in again and "--overwrite=True" in again and "without --resume" not in again, again
+    assert os.listdir(d) == ["metrics.jsonl"]

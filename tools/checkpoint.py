@@ -200,6 +200,12 @@ def existing_run(d):
     return sorted(n for n in names if n in (LATEST, AVERAGED, "metrics.jsonl") or NUMBERED.fullmatch(n))
 
 
+def before_first_save(d):
+    """Whether d holds a run that ended before its first checkpoint: its metrics.jsonl, no checkpoint to resume."""
+    names = existing_run(d)
+    return "metrics.jsonl" in names and not (set(names) - {"metrics.jsonl"})
+
+
 def remove_run(d):
     """Delete an earlier run's files from d (asked for with --overwrite=True)."""
     for n in existing_run(d):

@@ -104,6 +104,8 @@ def atomic_dir(path):
     the swap and the old directory is deleted; on any exception tmp is deleted and path is left as it was. What
     writers that are gone left beside path is cleared first (_recover)."""
     path = os.path.abspath(path)
+    if os.path.ismount(path):  # checked before anything is written: the swap's rename of it would fail (EBUSY)
+        raise OSError(errno.EBUSY, f"{path} is a mount point, which a new directory cannot replace")
     _recover(path)
     parent, name = os.path.split(path)
     mine = f"{_owner()}_{os.urandom(4).hex()}"
@@ -286,14 +288,18 @@ def past_size_limit(f):
 
 def write_failed(e, path):
     """(why, cause, fix) for the error line of a write of path that raised e (an OSError): the error's words; the
-    file-size limit (EFBIG: `ulimit -f`) or the free space of the disk holding path (measured now, after the
-    partial file is gone); and the fix, "raise the limit (ulimit -f unlimited)" or "free disk space"."""
+    file-size limit (EFBIG: `ulimit -f`), a mount point (EBUSY, atomic_dir) or the free space of the disk holding
+    path (measured now, after the partial file is gone); and the fix: "raise the limit (ulimit -f unlimited)",
+    a directory inside the mount point, or "free disk space"."""
     why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
     if getattr(e, "errno", None) == errno.EFBIG:
         limit = size_limit()
         cap = f" ({_bytes(limit)})" if limit is not None else ""
         return why, f"this shell's file-size limit{cap} stopped it, not the disk", \
             "raise the limit (ulimit -f unlimited)"
+    if getattr(e, "errno", None) == errno.EBUSY:
+        return why, "a whole directory is swapped in by renames, which cannot move a mount point", \
+            f"pass a directory inside it (e.g. {os.path.join(path, 'out')})"
     where = os.path.dirname(os.path.abspath(path))
     try:
         disk = f"the disk holding {where} has {_bytes(shutil.disk_usage(where).free)} free"

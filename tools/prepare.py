@@ -53,7 +53,7 @@ import numpy as np
 import data
 from tokenizer import fingerprint, get_tokenizer
 from lessons import clean
-from tools.common import ROOT, atomic_dir, stoppable, swapped_out
+from tools.common import ROOT, atomic_dir, stoppable, swapped_out, write_failed
 from tools.flags import die, parse
 
 DATA_DIR = os.path.join(ROOT, "data")  # shipped assets, default outputs
@@ -278,8 +278,9 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
             with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=2)
     except OSError as e:  # writing failed (a full disk, no permission): the sources were read without error
-        raise ValueError(f"{out_dir}: cannot write the new dataset ({e.strerror or e}); free disk space or pass "
-                         f"another --out_dir; nothing in {out_dir} was changed") from None
+        why, cause, fix = write_failed(e, out_dir)
+        raise ValueError(f"{out_dir}: cannot write the new dataset ({why}; {cause}); {fix} or pass another "
+                         f"--out_dir; nothing in {out_dir} was changed") from None
     seconds = time.time() - t0
     print(f"{cleaner.report() if cleaner else 'cleaning: none (--clean=prose|code|dedup to filter)'}\n"
           f"{tok.name} tokens of {len(paths)} file(s) -> {out_dir} in {seconds:.1f}s, "

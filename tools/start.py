@@ -16,7 +16,7 @@ import data
 from model import GPT
 from quant import set_lambda
 from tokenizer import fingerprint, get_tokenizer
-from tools import checkpoint, outputs, seams
+from tools import checkpoint, common, outputs, prepare, seams
 from tools.flags import die
 from tools.load import is_model_source
 from tools.pretrained import from_pretrained, hf_config_of
@@ -55,8 +55,9 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
         check_saved_tokenizer(cfg, resume_ckpt, resume_path)
         model_conf = adopt_architecture(model_conf, resume_ckpt, given, resume_path)
         checkpoint.check_fits(resume_ckpt["model_args"], model_conf, resume_path)
+        moved = shipped_of_moved_model(cfg, resume_ckpt, given)
         return Start(resume_ckpt["step"], resume_ckpt, resume_path, model_conf=model_conf,
-                     note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}")
+                     note=f"resuming stage {cfg.stage} from {resume_path} at step {resume_ckpt['step']}" + moved)
     if run_lesson is not None:  # a stage of a lesson's own (--stage=dlm): (checkpoint, its path, the note)
         ckpt, path, note = run_lesson.start(model_conf)
         return Start(0, ckpt, path, note=note)
@@ -93,6 +94,25 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
                  f"from its first step. To finish the warm-up first: python train.py --stage=2 --resume=True "
                  f"--max_iters=<more steps>")
     return Start(0, ckpt, path, insert, note, model_conf)
+
+
+def shipped_of_moved_model(cfg, ckpt, given):
+    """--resume=True --tokenizer=<the run's model at a new path>: a shipped corpus (--data=shakespeare) the run
+    read was tokenised into data/<corpus>_<model>-<hash of the model's old path>, and the new path names another
+    directory. Unless --data is given, cfg.data becomes the directories the saved loader state names, so the run
+    continues on the shards it was reading; returns what the run's note says about it ("" if nothing changed)."""
+    saved = (ckpt.get("config") or {}).get("tokenizer")
+    dirs = (ckpt.get("loader") or {}).get("dirs") or []
+    if saved in (None, cfg.tokenizer) or "data" in (given or {}) or not dirs:
+        return ""
+    paths = [os.path.join(common.ROOT, "data", d) for d in dirs]
+    if not all(d.split("_")[0] in prepare.CORPORA and os.path.isdir(p) for d, p in zip(dirs, paths)):
+        return ""  # not all shipped corpora: --data names directories, which moving a model does not rename
+    items = str(ckpt["config"].get("data") or "").split(",")
+    weighted = len(items) == len(paths) and all(":" in item for item in items)
+    cfg.data = ",".join(f"{p}:{item.rpartition(':')[2]}" if weighted else p for p, item in zip(paths, items * len(paths)))
+    return (f"; the model moved from {saved}: the shipped corpus' shards it made are read again "
+            f"(--data={cfg.data})")
 
 
 def check_saved_tokenizer(cfg, ckpt, path):
