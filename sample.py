@@ -24,9 +24,8 @@ bit for bit); --decode=eager on CUDA too. Greedy decoding is --top_k=1; --temper
 Test: python -m pytest tests/test_sample.py tests/test_packed.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import dataclasses
 import json
@@ -40,9 +39,11 @@ import torch
 from tools import checkpoint, common, decode, outputs
 from tokenizer import get_tokenizer
 from lessons import dlm
-from tools.load import PACKED, load_gpt, saved_tokenizer
+from tools.load import PACKED, load_gpt
+from tools.outputs import saved_tokenizer
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from tools.flags import die, parse
+from tools.runtime import check_device
 
 @dataclass
 class SampleConfig:
@@ -190,14 +191,9 @@ def _check_args(args):
         args["start"].encode("utf-8")
     except UnicodeEncodeError:  # an undecodable byte on the command line arrives as a lone surrogate
         die("--start: not valid UTF-8 text; pass the prompt in UTF-8", 2)
-    device, dev = args["device"], args["device"].split(":")  # the same rules as train.py (config.check_config)
-    if device != "auto" and (dev[0] not in ("cpu", "cuda") or len(dev) > 2 or (len(dev) == 2 and not dev[1].isdigit())):
-        die(f"--device={device}: expected auto, cpu, cuda or cuda:<index>", 2)
-    if dev[0] == "cuda" and not torch.cuda.is_available():
-        die(f"--device={device}: no CUDA device here; use --device=cpu", 2)
-    if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
-        die(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
-    if args["decode"] in ("graph", "compile") and (dev[0] == "cpu" or not torch.cuda.is_available()):
+    device = args["device"]
+    check_device(device)  # train.py's rule (tools/runtime.py)
+    if args["decode"] in ("graph", "compile") and (device.split(":")[0] == "cpu" or not torch.cuda.is_available()):
         die(f"--decode={args['decode']} replays a CUDA graph: it needs a CUDA device (--device={device}); use "
             f"--decode=eager or fixed", 2)
     outputs.check_input("--ckpt", args["ckpt"])

@@ -48,7 +48,7 @@ import data
 from lab import tables
 from lab.report import Report, _committed_runs, _current_keys
 from lab.tables import LabError, _shipped_dir
-from tools import checkpoint, common, load, plumbing, prepare, runtime
+from tools import checkpoint, common, load, metrics, prepare, runtime
 from tools.common import ROOT
 from tools.flags import parse
 
@@ -64,10 +64,10 @@ class Stopped(LabError):
 
 
 def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
-    """Mean next-token loss of a checkpoint over every val window of shard_dir once (plumbing.whole_val_loss, the
+    """Mean next-token loss of a checkpoint over every val window of shard_dir once (metrics.whole_val_loss, the
     number train.py's final evaluation prints). Returns (loss, n_tokens)."""
     try:
-        return plumbing.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
+        return metrics.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
     except ValueError as e:
         raise LabError(str(e)) from None
 
@@ -149,7 +149,8 @@ class Lab(Report):
         if name not in self._max_iters:
             if self.rows[name].build is not None:
                 return 0  # scored as built: no steps
-            from tools.config import build_config, parse_args
+            from tools.checks import build_config
+            from tools.config import parse_args
             flags, err = self.argv(self.rows[name], self.seeds[0], resume=False)[2:], io.StringIO()
             try:
                 with contextlib.redirect_stderr(err):  # train.py's one error line, for ours
@@ -323,8 +324,8 @@ class Lab(Report):
         if not os.path.exists(os.path.join(self.shipped, "meta.json")):  # no run has made its shards yet
             _shipped_dir("shakespeare", self.table.tokenizer)
         try:
-            loss, n = plumbing.whole_val_loss(model, self.shipped, 16, "cpu")
-            extra_val_loss = {name: plumbing.whole_val_loss(model, self.corpus_dir(name), 16, "cpu")[0]
+            loss, n = metrics.whole_val_loss(model, self.shipped, 16, "cpu")
+            extra_val_loss = {name: metrics.whole_val_loss(model, self.corpus_dir(name), 16, "cpu")[0]
                               for name in self.table.extra_corpora}
         except ValueError as e:
             raise LabError(str(e)) from None

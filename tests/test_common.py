@@ -316,7 +316,7 @@ def test_load_gpt_builds_the_same_model_from_a_checkpoint_an_average_and_an_expo
         want = model(idx, idx)[0]
         for name in ("ckpt.pt", "avg.pt", "packed.pt"):
             got, obj = load.load_gpt(str(d / name))
-            assert not got.training and load.saved_tokenizer(obj) == "byte"
+            assert not got.training and outputs.saved_tokenizer(obj) == "byte"
             assert torch.allclose(got(idx, idx)[0], want, atol=1e-5), name  # packed: integer path, same codes
 
 

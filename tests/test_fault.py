@@ -667,8 +667,8 @@ def test_a_run_resumed_from_the_older_layout_continues_exactly(tmp_path):
     shutil.copytree(tmp_path / "today", tmp_path / "older")
     path = str(tmp_path / "older" / "stage1" / "ckpt.pt")
     ckpt = torch.load(path, weights_only=True)
-    from tools import plumbing
-    sources = plumbing.resolve_data(train.build_config({"stage": 1, "device": "cpu"}))  # the shipped corpus
+    from tools import loaders
+    sources = loaders.resolve_data(train.build_config({"stage": 1, "device": "cpu"}))  # the shipped corpus
     opt, loader = ckpt["optimizer"], data.DataLoader(sources, "train", 4, 32, order="sequential")
     n = len(opt["param_groups"][0]["params"])
     strip = [{k: v for k, v in g.items() if k != "kind"} for g in opt["param_groups"]]

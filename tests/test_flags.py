@@ -140,16 +140,16 @@ def test_train_py_old_flag_from_the_command_line_is_one_line_and_no_traceback():
 def test_a_config_saved_under_the_old_names_resumes_under_the_new_ones():
     """A checkpoint written before the rename holds config["distill_lambda"] etc.: build_config(base=...) reads
     each value into its new field (and none falls back to the default)."""
-    from tools import config
-    new = dataclasses.asdict(config.build_config({"device": "cpu", "stage": 3, "kd_logits": 0.0, "kd_relation": 7.0,
+    from tools import checks, config
+    new = dataclasses.asdict(checks.build_config({"device": "cpu", "stage": 3, "kd_logits": 0.0, "kd_relation": 7.0,
                                                   "kd_hidden": 2.5, "warmup_steps": 3}))
     back = {n: o for o, n in OLD_NAMES.items()}
     old = {back.get(k, k): v for k, v in new.items()}  # the same config as an old checkpoint saved it
     assert set(OLD_NAMES) <= set(old) and not set(OLD_NAMES.values()) & set(old)
-    cfg = config.build_config({}, base=old)
+    cfg = checks.build_config({}, base=old)
     assert (cfg.kd_logits, cfg.kd_relation, cfg.kd_hidden, cfg.warmup_steps) == (0.0, 7.0, 2.5, 3)
     assert dataclasses.asdict(cfg) == new
-    assert config.build_config({"kd_relation": 1.0}, base=old).kd_relation == 1.0  # a flag given now still wins
+    assert checks.build_config({"kd_relation": 1.0}, base=old).kd_relation == 1.0  # a flag given now still wins
 
 
 def test_only_tools_flags_parses_command_lines():

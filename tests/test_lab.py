@@ -17,7 +17,7 @@ import data
 from lab import report, runner, tables
 from conftest import ENV, ROOT, TINY
 from model import GPT, GPTConfig
-from tools import common, plumbing
+from tools import common, metrics
 
 
 @pytest.fixture(autouse=True)
@@ -623,7 +623,7 @@ def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_tabl
     res = t.result("fp", 0)
     assert res["steps"] == 0 and res["val_tokens"] == 5 * 32
     assert res["commit"] == runner._commit() != "unknown"
-    assert res["val_loss"] == pytest.approx(plumbing.whole_val_loss(model, d)[0])
+    assert res["val_loss"] == pytest.approx(metrics.whole_val_loss(model, d)[0])
     t.run(["fp"], log=lambda line: None)  # done: not built again
     assert len(built) == 1 and t.summary()["fp"]["n"] == 1
     t.report(log=lambda line: None)

@@ -118,21 +118,33 @@ def test_train_py_and_the_concept_files_import_no_lesson():
     assert "lessons" in _imports(_tree("tools/seams.py"))  # where they do come in
 
 
-def test_every_entry_points_ctrl_c_preamble_is_code_not_docstring():
-    """Each command's first statements after its docstring restore Ctrl-C's default while the imports load: the
-    preamble is an `if __name__ == "__main__"` statement of the module, never text inside its docstring."""
+def test_every_entry_points_ctrl_c_preamble_is_one_call_in_code_not_docstring():
+    """Each command's first statement after its docstring is the one call stop_on_ctrl_c(__name__) (tools/flags.py),
+    which restores Ctrl-C's default while the imports load: code of the module, never text inside its docstring,
+    and nowhere the pasted `signal.signal(...)` lines it replaces."""
     import glob
+    import signal
+    from tools.flags import stop_on_ctrl_c
     found = 0
     for path in sorted(glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)):
-        if "/tests/" in path:
+        if "/tests/" in path or path.endswith("tools/flags.py"):
             continue
         src = open(path).read()
-        if "signal.SIGINT, signal.SIG_DFL" not in src:
+        assert "signal.SIGINT, signal.SIG_DFL" not in src, path  # the preamble pasted, not called
+        if "stop_on_ctrl_c" not in src:
             continue
         tree = ast.parse(src)
         doc = ast.get_docstring(tree, clean=False) or ""
-        assert "signal.SIG_DFL" not in doc, path
-        guards = [n for n in tree.body[:4] if isinstance(n, ast.If) and "SIG_DFL" in ast.unparse(n)]
-        assert guards, path
+        assert "stop_on_ctrl_c" not in doc, path
+        calls = [ast.unparse(n) for n in tree.body[:4] if isinstance(n, ast.Expr)]
+        assert "stop_on_ctrl_c(__name__)" in calls, path
         found += 1
     assert found >= 13, found
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        stop_on_ctrl_c("tools.export")  # imported, not run: left alone
+        assert signal.getsignal(signal.SIGINT) is before
+        stop_on_ctrl_c("__main__")
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, before)

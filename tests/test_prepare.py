@@ -528,18 +528,18 @@ def test_llmc_shards_are_adopted_without_re_tokenising_and_train(tmp_path, capsy
 
 def test_the_gpt2_default_data_is_fineweb_edu_once_prepared_and_overuse_is_said(tmp_path, monkeypatch, capsys):
     import types
-    from tools import config, plumbing
-    monkeypatch.setattr(plumbing, "FINEWEB_EDU", str(tmp_path / "fineweb_edu_gpt2"))
+    from tools import config, loaders
+    monkeypatch.setattr(loaders, "FINEWEB_EDU", str(tmp_path / "fineweb_edu_gpt2"))
     gpt2, byte = config.TrainConfig(tokenizer="gpt2"), config.TrainConfig(tokenizer="byte")
-    assert plumbing.default_data(gpt2) == plumbing.default_data(byte) == {"shakespeare": 1.0}
+    assert loaders.default_data(gpt2) == loaders.default_data(byte) == {"shakespeare": 1.0}
     (tmp_path / "fineweb_edu_gpt2").mkdir()
     (tmp_path / "fineweb_edu_gpt2" / "meta.json").write_text("{}")
-    assert plumbing.default_data(gpt2) == {str(tmp_path / "fineweb_edu_gpt2"): 1.0}
-    assert plumbing.default_data(byte) == {"shakespeare": 1.0}
+    assert loaders.default_data(gpt2) == {str(tmp_path / "fineweb_edu_gpt2"): 1.0}
+    assert loaders.default_data(byte) == {"shakespeare": 1.0}
     rt = types.SimpleNamespace(local_rank=0, rank=0, world=1, barrier=lambda: None, log=print)
-    plumbing.make_loaders(config.TrainConfig(max_iters=600), rt, None)  # the quick start: half an epoch
+    loaders.make_loaders(config.TrainConfig(max_iters=600), rt, None)  # the quick start: half an epoch
     assert "times over" not in capsys.readouterr().out
-    plumbing.make_loaders(config.TrainConfig(max_iters=60000), rt, None)  # 246M tokens of a 4.8M-token corpus
+    loaders.make_loaders(config.TrainConfig(max_iters=60000), rt, None)  # 246M tokens of a 4.8M-token corpus
     assert "reads its training data 51 times over" in capsys.readouterr().out
 
 # -----------------------------------------------------------------------------

@@ -33,10 +33,12 @@ finishes its step, saves and exits with code 0. A second signal of the same kind
 checkpoint is kept).
 
 Test:  python -m pytest tests/test_fault.py tests/test_scale.py
-This file imports only torch, numpy, the standard library and tools/common.py.
+This file imports only torch, numpy, the standard library, tokenizer.py (save_run records the
+tokenizer's fingerprint), tools/common.py and tools/flags.py.
 """
 
 import copy
+import dataclasses
 import errno
 import math
 import os
@@ -48,7 +50,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tokenizer import fingerprint, get_tokenizer
 from tools import common
+from tools.flags import die
 
 LATEST = "ckpt.pt"
 AVERAGED = "avg.pt"  # the checkpoint average (lessons/averaging.py), when a run keeps one
@@ -275,6 +279,47 @@ def step_of(path):
     return int(NUMBERED.fullmatch(os.path.basename(path)).group(1))
 
 
+# -----------------------------------------------------------------------------
+# a training run's checkpoint: its state gathered, written by rank 0
+
+
+def save_run(run, step, val_loss=None):
+    """train.py's checkpoint of run at step: every rank calls it (FSDP2 gathers shards); rank 0 writes. A failed
+    write keeps the previous checkpoint, and so do non-finite weights: they never replace a finite checkpoint.
+    val_loss: this step's, when evaluated; an older checkpoint with a better one is kept beside the new (save),
+    and a line says so."""
+    if not all_finite(run.model):
+        die(f"step {step}: the weights are not finite, so they were not saved; {run.ckpt_path} is kept; lower "
+            f"--lr or --muon_lr and continue from it with --resume=True")
+    tok = fingerprint(get_tokenizer(run.cfg.tokenizer))
+    config = {**dataclasses.asdict(run.cfg), "tokenizer_fingerprint": tok}
+    state = training_state(step, config, dataclasses.asdict(run.model.config),
+                           run.model, run.optimizer, run.clipper, run.train_loader, val_loss)
+    averaged = None
+    if run.average is not None:
+        state["average"] = run.average.state_dict()
+        averaged = averaged_state(state, run.model, run.average) if run.average.count else None
+    wrote = None
+    try:
+        if run.rt.master:
+            wrote, kept = save(state, run.out_dir, run.cfg.keep_last)
+            if kept is not None:
+                now = f"val loss {val_loss:.4g}" if val_loss is not None else "no val loss (not evaluated)"
+                run.rt.log(f"kept {kept[1]} (step {step_of(kept[1])}, val loss {kept[0]:.4f}) beside "
+                           f"the new {run.ckpt_path} (step {step}, {now}): rotation never deletes a "
+                           f"better checkpoint")
+            if averaged is not None:
+                atomic_save(averaged, os.path.join(run.out_dir, AVERAGED))
+    except OSError as e:  # e.g. a full disk: the atomic write left the file it was writing as it was
+        if wrote is None:
+            die(f"cannot write a checkpoint to {run.out_dir}: {e.strerror}; the previous one is kept, "
+                f"free space and continue with --resume=True")
+        die(f"cannot write {os.path.join(run.out_dir, AVERAGED)}: {e.strerror}; the checkpoint of "
+            f"step {step} was saved, the previous average is kept (it does not include step {step}); free "
+            f"space and continue with --resume=True")
+    run.rt.barrier()
+
+
 def load(path, required=("model", "model_args"), mmap=False):
     """torch.load(weights_only=True) with one clear error for a missing, truncated, corrupt or foreign file.
     mmap=True maps the tensors instead of reading them (a look at model_args costs nothing)."""
@@ -337,7 +382,7 @@ def load_weights(model, state, path, insert_subln=False):
 
 def upgrade(ckpt, loader):
     """ckpt (a training checkpoint's dict) in today's layout, changed in place and returned; a checkpoint of today's
-    layout passes unchanged. Called once per resumed run, where its loader exists (plumbing.make_loaders), before
+    layout passes unchanged. Called once per resumed run, where its loader exists (loaders.make_loaders), before
     any state is loaded. Every older layout this file knows of, and what it becomes:
       optimizer  {"muon": a Muon's state, "adamw": a torch.optim.AdamW's}, each numbering its parameters from 0:
                  one muon.Muon state, groups tagged with their kind, AdamW's parameter ids after Muon's

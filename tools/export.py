@@ -23,9 +23,8 @@ Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 b
 Test: python -m pytest tests/test_packed.py tests/test_gguf.py tests/test_hf.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import contextlib
 import dataclasses
@@ -42,7 +41,8 @@ from quant import weight_quant
 from tools import checkpoint, common, outputs
 from tools.flags import die, parse
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
-from tools.load import FORMAT, PACKED, load_gpt, saved_tokenizer
+from tools.load import FORMAT, PACKED, load_gpt
+from tools.outputs import saved_tokenizer
 
 
 @dataclass

@@ -16,9 +16,8 @@ Test:
     python -m pytest tests/test_get_model.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import contextlib
 import hashlib

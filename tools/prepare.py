@@ -30,9 +30,8 @@ Test:
     python -m pytest tests/test_prepare.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import contextlib
 import dataclasses
@@ -43,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 import zlib
