@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tools import checkpoint, common, decode, outputs
+from tools import atomic, checkpoint, decode, outputs
 from tokenizer import get_tokenizer
 from lessons import dlm
 from tools.load import PACKED, load_gpt
@@ -100,7 +100,7 @@ def main(argv):
     if args["dlm"]:
         return sample_dlm(model, tok, args, device)
     if args["jsonl"]:
-        with common.stoppable("--jsonl", args["jsonl"]):
+        with atomic.stoppable("--jsonl", args["jsonl"]):
             n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"],
                              args["temperature"], args["top_k"], args["start"], mode=args["decode"])
         print(f"wrote {args['num_samples']} samples, {n} characters, to {args['jsonl']}")
@@ -139,12 +139,12 @@ def sample_dlm(model, tok, args, device):
 def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0, top_k=None, start="", batch_size=64,
                  mode="auto"):
     """Teacher-generated data: num_samples documents sampled from the model, each cut at its first end-of-text,
-    written as jsonl ({"text": ...} per line, tools/prepare.py's input), all or nothing (common.atomic_write).
+    written as jsonl ({"text": ...} per line, tools/prepare.py's input), all or nothing (atomic.atomic_write).
     mode: tools/decode.py's. Returns the number of characters written."""
     ids = torch.tensor([tok.eot] + tok.encode(start), dtype=torch.long)  # a document starts after end-of-text
     device = next(model.parameters()).device
     chars, decoder = 0, decode.Decoder(model, mode)
-    with common.atomic_write(path) as tmp, open(tmp, "w") as f:
+    with atomic.atomic_write(path) as tmp, open(tmp, "w") as f:
         for i in range(0, num_samples, batch_size):
             x = ids.to(device).expand(min(batch_size, num_samples - i), -1)
             y = decoder.generate(x, max_new_tokens, temperature=temperature, top_k=top_k,

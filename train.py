@@ -42,7 +42,7 @@ from model import GPT
 from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tokenizer import get_tokenizer
-from tools import checkpoint, common, loaders, metrics, seams, start
+from tools import atomic, checkpoint, loaders, metrics, seams, start
 from tools.checks import build_config, check_resume, check_run
 from tools.config import TrainConfig, model_config, parse_args, stage_dir, teacher_paths
 from tools.flags import die
@@ -198,7 +198,7 @@ def training_loop(run):
     step = start = run.start.step
     val_loss, skipped_steps, skipped_in_a_row = None, 0, 0
     timer = StepTimer()  # ms per step, averaged between log lines
-    with common.StopSignal() as stop:
+    with atomic.StopSignal() as stop:
         while True:
             last = step >= cfg.max_iters
             if step > start or last:
@@ -478,7 +478,7 @@ def check_lambda_on_resume(step, saved, new, path):
 
 def main(argv):
     try:
-        with common.StopSignal(at_once="stopped before training began; no checkpoint was written"):
+        with atomic.StopSignal(at_once="stopped before training began; no checkpoint was written"):
             run = setup(argv)
     except checkpoint.CheckpointError as e:  # missing, corrupt, not fitting this model, locked: one line
         die(str(e))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import data
-from tools.common import ROOT
+from tools.atomic import ROOT
 from tools.flags import die, parse
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)  # our CPU preset's (tools/config.py)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import data
 from tokenizer import get_tokenizer
-from tools import common, export, loaders, outputs
+from tools import atomic, export, loaders, outputs
 from tools.flags import die, parse
 
 
@@ -63,7 +63,7 @@ def main(argv):
         die("needs llama-cpp-python (pip install llama-cpp-python; it compiles llama.cpp), "
                  "or run bash lab/check_llamacpp.sh, which installs it")
     model, tokenizer = export.load_training_checkpoint(ckpt)
-    with common.stoppable("--gguf", path):
+    with atomic.stoppable("--gguf", path):
         export.export_gguf(ckpt, path, "--gguf")
     T, tok = model.config.block_size, get_tokenizer(tokenizer)
     shards = loaders.shipped_dir("shakespeare", SimpleNamespace(tokenizer=tokenizer, data_order="sequential"))
@@ -101,7 +101,7 @@ def main(argv):
         result["samples"].append(out["choices"][0]["text"])
         print(f"--- llama.cpp sample {s}\n{result['samples'][-1]}")
     if args["out"]:
-        with common.atomic_write(args["out"]) as tmp, open(tmp, "w") as f:
+        with atomic.atomic_write(args["out"]) as tmp, open(tmp, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args['out']}")
     return 0 if math.isfinite(theirs_l) else 1

@@ -29,7 +29,7 @@ import data
 import quant
 from lessons import dlm
 from model import GPT
-from tools import common, loaders, outputs, start
+from tools import atomic, loaders, outputs, start
 from tools.flags import die, parse
 from tools.pretrained import is_model_source
 
@@ -83,7 +83,7 @@ def main(argv):
     for name, (m, o) in res.items():
         print(f"  mask row {name}: mask tokens {m:.2f}, other tokens {o:.2f} ({m / o:.2f}x)")
     if args.out:
-        with common.atomic_write(args.out) as tmp, open(tmp, "w") as f:
+        with atomic.atomic_write(args.out) as tmp, open(tmp, "w") as f:
             json.dump({"model": args.model, "windows": windows, "block_size": args.block_size, "t": args.t,
                        "seed": args.seed, "ratios": {k: {"mask": m, "other": o} for k, (m, o) in res.items()}},
                       f, indent=1)

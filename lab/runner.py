@@ -48,8 +48,8 @@ import data
 from lab import tables
 from lab.report import Report, _committed_runs, _current_keys
 from lab.tables import LabError, _shipped_dir
-from tools import checkpoint, common, load, metrics, prepare, runtime
-from tools.common import ROOT
+from tools import atomic, checkpoint, load, metrics, prepare, runtime
+from tools.atomic import ROOT
 from tools.flags import parse
 
 SEEDS = (0, 1, 2)
@@ -210,8 +210,8 @@ class Lab(Report):
         """Train and score every (row, seed) that has no result yet. A SIGTERM or SIGINT (Ctrl-C) meanwhile is
         passed on to the train.py that is running, which saves at the end of its step; then Stopped is raised
         and nothing more is trained or scored. A second signal of the kind while lab scores stops it at once
-        (common.Interrupted; a result.json is written whole or not at all)."""
-        with common.StopSignal(forward=self._pass_on) as self.signals:
+        (atomic.Interrupted; a result.json is written whole or not at all)."""
+        with atomic.StopSignal(forward=self._pass_on) as self.signals:
             todo = list(self.order(wanted))
             self.adopt(todo, log)
             left = [(n, s) for n, s in todo if self.result(n, s) is None]
@@ -450,7 +450,7 @@ def _last_line(path):
 
 
 def _write_json(path, obj):
-    with common.atomic_write(path) as tmp, open(tmp, "w") as f:
+    with atomic.atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
 
 
@@ -493,7 +493,7 @@ def main(argv):
             lab.run(wanted)
             print(f"[lab] {table.name}: ran in {(time.time() - t0) / 60:.1f} min")
         lab.report()
-    except (Stopped, KeyboardInterrupt, common.Interrupted) as e:  # every checkpoint and result.json so far is kept
+    except (Stopped, KeyboardInterrupt, atomic.Interrupted) as e:  # every checkpoint and result.json so far is kept
         why = e if isinstance(e, Stopped) else "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
             f"interrupted (a second {signal.Signals(e.signum).name})"
         print(f"error: {why}; nothing was written to {lab.results}; to resume, run the same command again: {again}",

@@ -20,7 +20,7 @@ import torch
 
 import data
 from tokenizer import get_tokenizer
-from tools import common, prepare
+from tools import atomic, prepare
 from conftest import ENV, ROOT
 
 DOCS_TXT = "First document.\nIt has two lines.\n"
@@ -232,8 +232,8 @@ def test_prepare_killed_at_any_write_or_rename_leaves_the_old_dataset_or_the_new
     # exception (clean-up runs: the old dataset must be back), and as a kill (the disk copied just before it)
     d = _write_corpus(tmp_path)
     (tmp_path / "empty.txt").write_text("")
-    owner = f"{common._host()}_{_dead_pid()}"  # the temporary directories look like a killed process's
-    monkeypatch.setattr(common, "_owner", lambda: owner)
+    owner = f"{atomic._host()}_{_dead_pid()}"  # the temporary directories look like a killed process's
+    monkeypatch.setattr(atomic, "_owner", lambda: owner)
     parent = tmp_path / "ds"
     out = parent / "o"
     old_run = dict(sources=[str(d / "*")], out_dir=str(out), val_every=3, shard_tokens=10)
@@ -293,7 +293,7 @@ def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
     d = _write_corpus(tmp_path)
     parent = tmp_path / "ds"
     parent.mkdir()
-    dead_pid, host = _dead_pid(), common._host()
+    dead_pid, host = _dead_pid(), atomic._host()
     day_old = time.time() - 2 * 86400
     names = {f".o.tmp_{host}_{dead_pid}_abc123": "stale", f".o.old_{host}_{dead_pid}_abc123": "stale",
              f".o.tmp_{host}_1_abc123": "live", f".o.tmp_{host}_{os.getpid()}_abc123": "live",  # running

@@ -24,17 +24,17 @@ to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt). Ro
 checkpoint with the best finite val loss while the new one is not known to be as good (a run that diverged, or a
 save between evaluations): that one stays beside the newest.
 
-Atomic write (tools/common.py atomic_write): torch.save into <name>.<writer>.tmp, fsync, rename over <name>, fsync the
+Atomic write (tools/atomic.py atomic_write): torch.save into <name>.<writer>.tmp, fsync, rename over <name>, fsync the
 directory. A rename is atomic on POSIX, so <name> is always a complete old or a complete new file; a process
 killed mid-write leaves only a stale .tmp, which the next save removes.
 
-Preemption: common.StopSignal turns SIGTERM/SIGINT into a flag; the training loop
+Preemption: atomic.StopSignal turns SIGTERM/SIGINT into a flag; the training loop
 finishes its step, saves and exits with code 0. A second signal of the same kind stops at once (the last
 checkpoint is kept).
 
 Test:  python -m pytest tests/test_fault.py tests/test_scale.py
 This file imports only torch, numpy, the standard library, tokenizer.py (save_run records the
-tokenizer's fingerprint), tools/common.py and tools/flags.py.
+tokenizer's fingerprint), tools/atomic.py and tools/flags.py.
 """
 
 import copy
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from tokenizer import fingerprint, get_tokenizer
-from tools import common
+from tools import atomic
 from tools.flags import die
 
 LATEST = "ckpt.pt"
@@ -169,16 +169,16 @@ def check_writable(d):
 
 
 def atomic_save(obj, path):
-    """torch.save through common.atomic_write: path is the whole old file or the whole new one. A failed write
+    """torch.save through atomic.atomic_write: path is the whole old file or the whole new one. A failed write
     raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which becomes ENOSPC (else EIO).
     A signal that stopped the write (Ctrl-C, or StopSignal's Interrupted raised inside the writer, which torch
     turns into a RuntimeError) is raised as itself: a stop, not a disk failure."""
     try:
-        with common.atomic_write(path) as tmp, open(tmp, "wb") as f:
+        with atomic.atomic_write(path) as tmp, open(tmp, "wb") as f:
             torch.save(obj, f)
     except RuntimeError as e:
         cause = e.__context__
-        while cause is not None and not isinstance(cause, (KeyboardInterrupt, common.Interrupted)):
+        while cause is not None and not isinstance(cause, (KeyboardInterrupt, atomic.Interrupted)):
             cause = cause.__context__
         if cause is not None:
             raise cause from None
@@ -188,8 +188,8 @@ def atomic_save(obj, path):
 
 def _atomic_link(src, dst):
     """Make dst name the file src (a hard link; a copy where the filesystem has none), atomically."""
-    with common.atomic_write(dst) as tmp:
-        common.link_or_copy(src, tmp)
+    with atomic.atomic_write(dst) as tmp:
+        atomic.link_or_copy(src, tmp)
 
 
 def existing_run(d):
@@ -205,7 +205,7 @@ def remove_run(d):
 
 
 def lock(d):
-    """Claim d for this process: d/.lock holds our pid and when this process started (common._start_time). Another
+    """Claim d for this process: d/.lock holds our pid and when this process started (atomic._start_time). Another
     live process's lock raises CheckpointError; a dead one's (a killed run, also when its pid now belongs to another
     process, this one included) is taken over. Returns a function that releases the lock."""
     path = os.path.join(d, ".lock")
@@ -217,13 +217,13 @@ def lock(d):
                 pid, *start = (int(v) for v in open(path).read().split())  # "<pid> <start>", or "<pid>"
             except (ValueError, FileNotFoundError):
                 pid, start = 0, []
-            if pid <= 0 or not common._running(pid, start[0] if start else None):  # stale: its run is gone
+            if pid <= 0 or not atomic._running(pid, start[0] if start else None):  # stale: its run is gone
                 if os.path.exists(path):
                     os.remove(path)
                 continue
             raise CheckpointError(f"{d}: another run (pid {pid}, in its lock file {path}) is writing here; wait "
                                   f"for it, stop it, or pass another --out_dir or --run_name") from None
-        start = common._start_time(os.getpid())
+        start = atomic._start_time(os.getpid())
         os.write(fd, f"{os.getpid()}{'' if start is None else f' {start}'}".encode())
         os.close(fd)
         return lambda: os.path.exists(path) and os.remove(path)
@@ -250,7 +250,7 @@ def save(obj, d, keep_last=1):
     (d/ckpt.pt, None or (val loss, path) of the older checkpoint kept for its val loss)."""
     for n in {n.split(".pt.")[0] + ".pt" for n in os.listdir(d) if n.endswith(".tmp")}:  # a killed writer's leftovers
         if n == LATEST or NUMBERED.fullmatch(n):
-            for stale in common.stale_tmps(os.path.join(d, n)):
+            for stale in atomic.stale_tmps(os.path.join(d, n)):
                 os.remove(stale)
     path = os.path.join(d, f"ckpt_{obj['step']:06d}.pt")
     atomic_save(obj, path)

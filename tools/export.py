@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from quant import weight_quant
-from tools import checkpoint, common, outputs
+from tools import atomic, checkpoint, outputs
 from tools.flags import die, parse
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
 from tools.load import FORMAT, PACKED, load_gpt
@@ -126,10 +126,10 @@ def main(argv):
                                                                    "hf": "hf"}[fmt])
     outputs.check_input("--ckpt", ckpt)
     if fmt == "hf":
-        with common.stoppable("--out", out_path):  # Ctrl-C while the checkpoint and its tokenizer load: one line
+        with atomic.stoppable("--out", out_path):  # Ctrl-C while the checkpoint and its tokenizer load: one line
             return export_hf(ckpt, out_path, args["overwrite"])
     outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)], ckpt)
-    with common.stoppable("--out", out_path):
+    with atomic.stoppable("--out", out_path):
         if fmt == "gguf":
             return export_gguf(ckpt, out_path)
         obj = export(ckpt, out_path)
@@ -148,7 +148,7 @@ def export_gguf(ckpt_path, out_path, flag="--out"):
         die("--format=gguf needs the gguf package (pip install gguf, or pip install -r requirements.txt)")
     model, tokenizer = load_training_checkpoint(ckpt_path)
     try:
-        with common.atomic_write(out_path) as tmp:  # only a verified file lands under the final name
+        with atomic.atomic_write(out_path) as tmp:  # only a verified file lands under the final name
             counts = write_gguf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
             bad = verify_gguf(tmp, model)
             if bad:
@@ -554,7 +554,7 @@ def _save_model_tokenizer(tokenizer, block_size, out_dir):
 
 
 def export_hf(ckpt_path, out_dir, overwrite=False):
-    """--format=hf: write the whole directory beside out_dir, then swap it in (common.atomic_dir), so out_dir is the
+    """--format=hf: write the whole directory beside out_dir, then swap it in (atomic.atomic_dir), so out_dir is the
     old directory or the new one whatever stops the export. Files in out_dir that are not ours (no name an export of
     ours writes or wrote) are carried into the new directory as hard links."""
     import importlib.util
@@ -569,9 +569,9 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
     if why:
         die(f"{ckpt_path}: cannot export for transformers' bitnet: {why}")
     earlier = outputs.hf_marker(out_dir) or {}
-    with common.stoppable("--out", out_dir):
+    with atomic.stoppable("--out", out_dir):
         try:
-            with common.atomic_dir(out_dir) as tmp:
+            with atomic.atomic_dir(out_dir) as tmp:
                 names = write_hf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
                 ours = set(names) | set(earlier.get("files", ()))  # an earlier export's names that this one drops go
                 for n in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else ():
@@ -592,9 +592,9 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
 def _carry(src, dst):
     """src (a file or a folder of them) also at dst, as hard links: no copy of the data."""
     if os.path.isdir(src) and not os.path.islink(src):
-        shutil.copytree(src, dst, symlinks=True, copy_function=common.link_or_copy)
+        shutil.copytree(src, dst, symlinks=True, copy_function=atomic.link_or_copy)
     else:
-        common.link_or_copy(src, dst)
+        atomic.link_or_copy(src, dst)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from tools.common import ROOT, atomic_write, stoppable
+from tools.atomic import ROOT, atomic_write, stoppable
 from tools.flags import die, parse
 
 MODELS_DIR = os.path.join(ROOT, "data", "models")  # data/*/ is not tracked by git

@@ -6,7 +6,7 @@ A GPT from any file we write: a training checkpoint, a checkpoint average, a pac
     gpt_config(model_args)                       the model's shape
 
 A GGUF or an HF export of ours passed where a checkpoint is read is named as such (outputs.why_not_a_checkpoint).
-Test: python -m pytest tests/test_common.py tests/test_packed.py tests/test_sample.py
+Test: python -m pytest tests/test_atomic.py tests/test_packed.py tests/test_sample.py
 """
 
 import math

@@ -11,7 +11,7 @@ import os
 import data
 from tokenizer import fingerprint, get_tokenizer
 from tools import checkpoint, prepare
-from tools.common import ROOT
+from tools.atomic import ROOT
 from tools.config import parse_data
 from tools.flags import die
 from tools.prepare import same_source, source_slug

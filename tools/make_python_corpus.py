@@ -20,7 +20,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
-from tools.common import ROOT, atomic_write
+from tools.atomic import ROOT, atomic_write
 from tools.flags import die, parse
 
 OUT = os.path.join(ROOT, "data", "python.jsonl.gz")

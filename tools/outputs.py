@@ -14,7 +14,7 @@ again (its pretrained model, tokenizer, teachers, shards), nor lands inside such
 --overwrite=True (ckpt.pt is a hard link to ckpt_<step>.pt, so files are compared, not names); never a file of another kind (a training checkpoint, a packed export, a GGUF, an
 HF export directory, a metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
 --overwrite=True. A file of its own kind made from the same source (a re-export) is replaced.
-Test: python -m pytest tests/test_common.py tests/test_outputs.py
+Test: python -m pytest tests/test_atomic.py tests/test_outputs.py
 """
 
 import json

@@ -7,7 +7,7 @@ gradient norm before and after clipping (clipped steps marked), to one PNG besid
 
 The PNG names the metrics.jsonl it was drawn from (its Source text chunk): plotting the same run again replaces it;
 any other PNG (another run's, a committed figure) is replaced only with --overwrite=True, and a file of another
-kind never (tools/outputs.py check_output). The PNG is written whole or not at all (common.atomic_write).
+kind never (tools/outputs.py check_output). The PNG is written whole or not at all (atomic.atomic_write).
 Each curve is drawn from the records that hold it: a series the log lacks is left out with a note naming it;
 the steps skipped as non-finite (no loss, no update) are marked on the loss panel and counted in the last line.
 
@@ -23,7 +23,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from tools import common, outputs, runtime
+from tools import atomic, outputs, runtime
 from tools.flags import die, parse
 
 
@@ -134,7 +134,7 @@ def plot(run_dir, out, steps, evals):
     fig.suptitle(os.path.abspath(run_dir))
     fig.tight_layout()
     try:
-        with common.atomic_write(out) as tmp:
+        with atomic.atomic_write(out) as tmp:
             fig.savefig(tmp, dpi=100, format="png", metadata={outputs.PNG_SOURCE: path})
     finally:
         plt.close(fig)
@@ -161,7 +161,7 @@ def main(argv):
         die(str(e))
     outputs.check_output("--out", out, "png", _source(dirs[0]), flags.get("overwrite", False))
     try:
-        with common.stoppable("--out", out):
+        with atomic.stoppable("--out", out):
             n_clip, n_bad, notes = plot(dirs[0], out, steps, evals)
     except OSError as e:
         die(f"--out={out}: cannot write it ({e.strerror or e}); the file there, if any, is unchanged; pass another --out")

@@ -21,7 +21,7 @@ what a writer that is gone left (removed; an old directory whose path is missing
 one is using (left alone). Any other name
 beside path (.<name>.old-backup, .<name>.tmp_mine) is not provably a writer's and is never touched, save an older
 tools/prepare.py's .<name>.tmp_<8 characters>, removed once a day old.
-Test: python -m pytest tests/test_common.py tests/test_prepare.py
+Test: python -m pytest tests/test_atomic.py tests/test_prepare.py
 """
 
 import contextlib
