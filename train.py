@@ -43,8 +43,8 @@ from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tokenizer import get_tokenizer
 from tools import atomic, checkpoint, loaders, metrics, seams, start
-from tools.checks import build_config, check_resume, check_run
-from tools.config import TrainConfig, model_config, parse_args, stage_dir, teacher_paths
+from tools.checks import build_config, check_resume, check_run, teacher_paths
+from tools.config import TrainConfig, model_config, parse_args, stage_dir
 from tools.flags import die
 from tools.runtime import Runtime, StepTimer, git_commit, lost_rank
 from zclip import ZClip

@@ -6,8 +6,8 @@ file costs nothing already saved.
                                          the saved config, then the flags given
     check_config(cfg)                    every value's range, and the flags against each other
     check_resume(cfg, overrides, saved)  what a resumed run cannot change; a note for what it changes on purpose
-    check_run(cfg, rt, out_dir, ...)     the batch split over the ranks, stage 3's teachers, an out_dir that can be
-                                         written and that holds none of the run's inputs
+    check_run(cfg, rt, out_dir, ...)     the batch split over the ranks, stage 3's teachers (teacher_paths), an
+                                         out_dir that can be written and that holds none of the run's inputs
 Test: python -m pytest tests/test_train.py tests/test_flags.py
 """
 
@@ -20,7 +20,7 @@ import torch
 from tokenizer import TOKENIZERS
 from tools import checkpoint, outputs
 from tools.config import (DEVICE_PRESETS, DEVICE_STAGE_PRESETS, DLM_STAGE, PRETRAINED_PRESET, RENAMED,
-                          SCHEDULE_PRESETS, STAGE_PRESETS, TrainConfig, parse_data, parse_teacher_weights)
+                          SCHEDULE_PRESETS, STAGE_PRESETS, TrainConfig, parse_data)
 from tools.flags import die
 from tools.pretrained import is_model_source
 from tools.runtime import check_device
@@ -146,6 +146,25 @@ def check_run(cfg, rt, out_dir, teachers):
             checkpoint.check_writable(out_dir)
     except OSError as e:
         die(f"cannot write to {out_dir}: {e.strerror}; pass a writable --out_dir")
+
+
+def teacher_paths(cfg):
+    """Stage 3's teacher checkpoints: --teacher split at commas; "" = the stage-1 run of this out_dir."""
+    return [p for p in cfg.teacher.split(",") if p] or [os.path.join(cfg.out_dir, "stage1", "ckpt.pt")]
+
+
+def parse_teacher_weights(cfg, n):
+    """--teacher_weights as n floats >= 0 with a positive sum, or None (equal weights)."""
+    if not cfg.teacher_weights:
+        return None
+    try:
+        w = [float(x) for x in cfg.teacher_weights.split(",")]
+    except ValueError:
+        w = []
+    if len(w) != n or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
+        die(f"--teacher_weights={cfg.teacher_weights}: expected {n} comma-separated numbers >= 0 with a positive "
+            f"sum, one per --teacher", 2)
+    return w
 
 
 def check_inputs_kept(cfg, out_dir, teachers):

@@ -199,20 +199,6 @@ def parse_data(spec):
     return sources
 
 
-def parse_teacher_weights(cfg, n):
-    """--teacher_weights as n floats >= 0 with a positive sum, or None (equal weights)."""
-    if not cfg.teacher_weights:
-        return None
-    try:
-        w = [float(x) for x in cfg.teacher_weights.split(",")]
-    except ValueError:
-        w = []
-    if len(w) != n or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
-        die(f"--teacher_weights={cfg.teacher_weights}: expected {n} comma-separated numbers >= 0 with a positive "
-            f"sum, one per --teacher", 2)
-    return w
-
-
 def model_config(cfg, vocab_size, eot):
     if cfg.pad_vocab:
         vocab_size = 64 * math.ceil(vocab_size / 64)
@@ -223,8 +209,3 @@ def model_config(cfg, vocab_size, eot):
 def stage_dir(stage):
     """out_dir's subdirectory of a stage: stage1, stage2, stage3, dlm."""
     return "dlm" if stage == DLM_STAGE else f"stage{stage}"
-
-
-def teacher_paths(cfg):
-    """Stage 3's teacher checkpoints: --teacher split at commas; "" = the stage-1 run of this out_dir."""
-    return [p for p in cfg.teacher.split(",") if p] or [os.path.join(cfg.out_dir, "stage1", "ckpt.pt")]

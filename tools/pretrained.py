@@ -24,7 +24,7 @@ import torch
 
 from model import GPT, GPTConfig, precompute_rope
 from tokenizer import hub_unreachable
-from tools.outputs import hf_marker
+from tools.outputs import HF_MARKER
 
 
 def from_pretrained(source, block_size=None, check=None):
@@ -196,9 +196,10 @@ def is_model_source(name):
         return False
     if os.path.isfile(name):
         return name.endswith(".gguf")
-    if os.path.isdir(name):  # a model (config.json) or a tokenizer alone (for --tokenizer)
-        return any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "tokenizer.json",
-                                                                    "tokenizer_config.json")) and not hf_marker(name)
+    if os.path.isdir(name):  # a model (config.json) or a tokenizer alone (for --tokenizer), not an export of ours
+        files = ("config.json", "tokenizer.json", "tokenizer_config.json")
+        return any(os.path.exists(os.path.join(name, f)) for f in files) and \
+            not os.path.exists(os.path.join(name, HF_MARKER))
     parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.endswith((".pt", ".gguf", ".bin")) and not name.startswith(".") \
-        and not os.path.isdir(parts[0])  # data/tiny_lama: a mistyped path here, not a hub id
+    return len(parts) == 2 and all(parts) and not name.endswith((".pt", ".gguf", ".bin")) and \
+        not name.startswith(".") and not os.path.isdir(parts[0])  # data/tiny_lama: a mistyped path, not a hub id

@@ -21,7 +21,7 @@ from model import GPT, precompute_rope
 from quant import set_lambda
 from tokenizer import fingerprint, get_tokenizer
 from tools import checkpoint, outputs, seams
-from tools.config import parse_teacher_weights
+from tools.checks import parse_teacher_weights
 from tools.flags import die
 from tools.load import load_gpt
 from tools.outputs import saved_tokenizer
