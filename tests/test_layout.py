@@ -148,3 +148,35 @@ def test_every_entry_points_ctrl_c_preamble_is_one_call_in_code_not_docstring():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+# ----------------------------------------------------------------------------- the flags and train.py's order
+
+
+def test_every_flag_of_train_py_is_on_one_page_that_reads_no_file():
+    """tools/config.py holds every field of TrainConfig (no base class brings more from elsewhere), each with a
+    --help line, and imports of this repository only the parser and model.py's GPTConfig: no module that reads
+    a file (checkpoints, shards, pretrained models), so the flag page sits low in the house."""
+    import dataclasses
+    import sys
+    from tools import config, flags
+    tree = _tree("tools/config.py")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    declared = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+    assert not cls.bases and declared == [f.name for f in dataclasses.fields(config.TrainConfig)]
+    comments = flags.field_comments(config.TrainConfig)
+    assert all(comments.get(name) for name in declared), [n for n in declared if not comments.get(n)]
+    ours = _imports(tree) - set(sys.stdlib_module_names) - ALLOWED
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert ours <= {"tools", "model"} and modules - set(sys.stdlib_module_names) <= {"tools.flags", "model"}, modules
+
+
+def test_train_py_reads_schedules_step_loop_loss_set_up_checks_with_the_step_on_its_first_screens():
+    """train.py in the order a learner reads it: the schedules, train_step, the loop, each stage's loss, the
+    set-up, then the checks of the schedule flags; train_step starts within 100 lines of the docstring's end."""
+    tree = _tree("train.py")
+    line = {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    order = ["lr_mult", "lambda_at", "train_step", "training_loop", "make_loss_fn", "Run", "setup",
+             "configure_optimizer", "check_quant_start", "check_lambda_on_resume", "main"]
+    assert [line[n] for n in order] == sorted(line[n] for n in order), {n: line[n] for n in order}
+    assert line["train_step"] - tree.body[0].end_lineno <= 100, (line["train_step"], tree.body[0].end_lineno)
