@@ -24,9 +24,8 @@ bit for bit); --decode=eager on CUDA too. Greedy decoding is --top_k=1; --temper
 Test: python -m pytest tests/test_sample.py tests/test_packed.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import dataclasses
 import json
@@ -37,12 +36,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tools import checkpoint, common, decode, outputs
+from tools import atomic, checkpoint, decode, outputs
 from tokenizer import get_tokenizer
 from lessons import dlm
-from tools.load import PACKED, load_gpt, saved_tokenizer
+from tools.load import PACKED, load_gpt
+from tools.outputs import saved_tokenizer
 from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from tools.flags import die, parse
+from tools.runtime import check_device
 
 @dataclass
 class SampleConfig:
@@ -99,7 +100,7 @@ def main(argv):
     if args["dlm"]:
         return sample_dlm(model, tok, args, device)
     if args["jsonl"]:
-        with common.stoppable("--jsonl", args["jsonl"]):
+        with atomic.stoppable("--jsonl", args["jsonl"]):
             n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"],
                              args["temperature"], args["top_k"], args["start"], mode=args["decode"])
         print(f"wrote {args['num_samples']} samples, {n} characters, to {args['jsonl']}")
@@ -138,12 +139,12 @@ def sample_dlm(model, tok, args, device):
 def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0, top_k=None, start="", batch_size=64,
                  mode="auto"):
     """Teacher-generated data: num_samples documents sampled from the model, each cut at its first end-of-text,
-    written as jsonl ({"text": ...} per line, tools/prepare.py's input), all or nothing (common.atomic_write).
+    written as jsonl ({"text": ...} per line, tools/prepare.py's input), all or nothing (atomic.atomic_write).
     mode: tools/decode.py's. Returns the number of characters written."""
     ids = torch.tensor([tok.eot] + tok.encode(start), dtype=torch.long)  # a document starts after end-of-text
     device = next(model.parameters()).device
     chars, decoder = 0, decode.Decoder(model, mode)
-    with common.atomic_write(path) as tmp, open(tmp, "w") as f:
+    with atomic.atomic_write(path) as tmp, open(tmp, "w") as f:
         for i in range(0, num_samples, batch_size):
             x = ids.to(device).expand(min(batch_size, num_samples - i), -1)
             y = decoder.generate(x, max_new_tokens, temperature=temperature, top_k=top_k,
@@ -190,14 +191,9 @@ def _check_args(args):
         args["start"].encode("utf-8")
     except UnicodeEncodeError:  # an undecodable byte on the command line arrives as a lone surrogate
         die("--start: not valid UTF-8 text; pass the prompt in UTF-8", 2)
-    device, dev = args["device"], args["device"].split(":")  # the same rules as train.py (config.check_config)
-    if device != "auto" and (dev[0] not in ("cpu", "cuda") or len(dev) > 2 or (len(dev) == 2 and not dev[1].isdigit())):
-        die(f"--device={device}: expected auto, cpu, cuda or cuda:<index>", 2)
-    if dev[0] == "cuda" and not torch.cuda.is_available():
-        die(f"--device={device}: no CUDA device here; use --device=cpu", 2)
-    if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
-        die(f"--device={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
-    if args["decode"] in ("graph", "compile") and (dev[0] == "cpu" or not torch.cuda.is_available()):
+    device = args["device"]
+    check_device(device)  # train.py's rule (tools/runtime.py)
+    if args["decode"] in ("graph", "compile") and (device.split(":")[0] == "cpu" or not torch.cuda.is_available()):
         die(f"--decode={args['decode']} replays a CUDA graph: it needs a CUDA device (--device={device}); use "
             f"--decode=eager or fixed", 2)
     outputs.check_input("--ckpt", args["ckpt"])

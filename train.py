@@ -15,37 +15,38 @@ One node, 8 GPUs (DDP; NCCL on CUDA, gloo on CPU); add --fsdp=True to shard para
 Two nodes of 8 GPUs: the same command on each, with --node_rank=0 / 1 and the address of node 0:
   torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py --stage=2
 
-Read top to bottom: the schedules (lr and lambda), train_step (one step of ternary QAT), the training loop, the
-three-stage recipe (where a run starts, and each stage's loss), then set-up. One step needs model.py, quant.py,
-muon.py, zclip.py and data.py (stage 3 adds distill.py); flags, checkpoints, evaluation, logs and distributed
-wrapping are plumbing in tools/. batch_size is one micro-batch on one rank; grad_accum counts the micro-batches
+Read top to bottom: the schedules (lr and lambda), train_step (one step of ternary QAT), the training loop,
+each stage's loss, the set-up (what a run holds, and the optimizer groups), then the checks of the schedule flags.
+One step needs model.py, quant.py, muon.py, zclip.py and data.py (stage 3 adds distill.py); the flags
+(tools/config.py), checkpoints, evaluation, logs and distributed wrapping are in tools/. batch_size is one micro-batch on one rank; grad_accum counts the micro-batches
 of a step over ALL ranks, so the global batch does not depend on the world size.
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import contextlib
 import dataclasses
 import math
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import data
-from tokenizer import get_tokenizer
 from distill import match_layers
+from model import GPT
+from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
-from tools import checkpoint, common, plumbing, seams, start
-from tools.config import (TrainConfig, build_config, check_resume, check_run, model_config, parse_args,
-                          stage_dir, teacher_paths)
+from tokenizer import get_tokenizer
+from tools import atomic, checkpoint, loaders, metrics, seams, start
+from tools.checks import build_config, check_resume, check_run, teacher_paths
+from tools.config import TrainConfig, model_config, parse_args, stage_dir
 from tools.flags import die
-from tools.plumbing import Run, log_step, save
-from tools.runtime import Runtime, StepTimer
+from tools.runtime import Runtime, StepTimer, git_commit, lost_rank
 from zclip import ZClip
 
 # -----------------------------------------------------------------------------
@@ -92,32 +93,6 @@ def quant_start_step(cfg):
     q = cfg.quant_start
     return round(q * cfg.max_iters) if q < 1 else int(q)
 
-
-def check_quant_start(cfg):
-    """A --quant_start at or past the run's last step would leave its stage-2 checkpoint full precision: refused.
-    (Its range, and that only stage 2 takes it, are checked with every other flag in tools/config.py.)"""
-    q = quant_start_step(cfg)
-    if cfg.quant_start and q >= cfg.max_iters:
-        die(f"--quant_start={cfg.quant_start} is step {q}, not before --max_iters={cfg.max_iters}: the run would "
-            f"never go ternary and its stage-2 checkpoint would be full precision; pass a smaller --quant_start", 2)
-
-
-def check_lambda_on_resume(step, saved, new, path):
-    """A resumed run continues its lambda schedule (saved: the checkpoint's config, a dict): flags given now
-    (--lambda_warmup_steps, --quant_start, or --max_iters with a fractional --quant_start) that would move lambda
-    at the next step are refused in one line; a change that only moves steps still ahead of the warm-up is allowed
-    and said."""
-    schedule = ("lambda_warmup_steps", "quant_start", "max_iters")
-    old = dataclasses.replace(new, **{k: saved.get(k, getattr(type(new), k)) for k in schedule})
-    keys = [k for k in schedule if getattr(old, k) != getattr(new, k)]
-    was, now = lambda_at(step, old), lambda_at(step, new)
-    flags = " ".join(f"--{k}={getattr(new, k)}" for k in keys)
-    if was != now:
-        die(f"{flags} would move lambda at step {step} from {was:.3g} to {now:.3g}, but the run in {path} continues "
-            f"its lambda schedule (--lambda_warmup_steps={old.lambda_warmup_steps}, --quant_start={old.quant_start}); "
-            f"drop the flag, or start a new run with it (--run_name=<name>)", 2)
-    ends = [quant_start_step(c) + c.lambda_warmup_steps for c in (old, new)]
-    return f"lambda now reaches 1 at step {ends[1]} (was {ends[0]})" if ends[0] != ends[1] and now < 1 else ""
 
 
 # -----------------------------------------------------------------------------
@@ -212,6 +187,7 @@ class WithStates(torch.nn.Module):
         return self.model.forward_with_states(x, y, **kw) if kw else self.model(x, y)
 
 
+
 # -----------------------------------------------------------------------------
 # the training loop
 
@@ -222,7 +198,7 @@ def training_loop(run):
     step = start = run.start.step
     val_loss, skipped_steps, skipped_in_a_row = None, 0, 0
     timer = StepTimer()  # ms per step, averaged between log lines
-    with common.StopSignal() as stop:
+    with atomic.StopSignal() as stop:
         while True:
             last = step >= cfg.max_iters
             if step > start or last:
@@ -230,8 +206,8 @@ def training_loop(run):
                 if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
                     lam = set_step_lambda(run, step)  # both see the model that step `step` trains
                     if evaluate:
-                        val_loss = plumbing.evaluate(run, step, lam, whole=last and cfg.eval_whole)  # logged
-                    save(run, step, val_loss if evaluate else None)
+                        val_loss = metrics.evaluate(run, step, lam, whole=last and cfg.eval_whole)  # logged
+                    checkpoint.save_run(run, step, val_loss if evaluate else None)
                     timer.reset()  # evaluation and checkpoint time are not step time
             if last:
                 break
@@ -243,18 +219,18 @@ def training_loop(run):
             skipped_steps, skipped_in_a_row = ((skipped_steps, 0) if out["ok"] else
                                                (skipped_steps + 1, skipped_in_a_row + 1))
             if not out["ok"] or step % cfg.log_interval == 0:
-                log_step(run, step, out, skipped_steps, skipped_in_a_row, timer)
+                metrics.log_step(run, step, out, skipped_steps, skipped_in_a_row, timer)
             if not out["ok"] and not checkpoint.all_finite(run.model):  # skipping cannot mend broken weights
                 die(f"step {step}: the weights are no longer finite (the update of an earlier step overflowed: is "
                     f"--lr or --muon_lr too high?); nothing was saved over {run.ckpt_path}; lower the lr and "
                     f"continue from it with --resume=True")
             if skipped_in_a_row >= cfg.max_bad_steps:
-                save(run, step)
+                checkpoint.save_run(run, step)
                 die(f"{skipped_in_a_row} steps in a row with a non-finite loss or gradient, the last at step {step}; "
                     f"saved {run.ckpt_path} (weights as after step {step - skipped_in_a_row}); lower --lr or check "
                     f"the data, then continue with --resume=True")
             if out["stop"]:
-                save(run, step)
+                checkpoint.save_run(run, step)
                 rt.log(f"{stop.requested or 'stop signal on another rank'}: finished step {step}, saved "
                        f"{run.ckpt_path}; continue with --resume=True")
                 break
@@ -281,6 +257,7 @@ def unfinished_warmup(run, step):
             f"and the packed export need lambda 1")
 
 
+
 # -----------------------------------------------------------------------------
 # each stage's loss (where each run starts, the three-stage recipe: tools/start.py)
 
@@ -293,7 +270,7 @@ def make_loss_fn(run, teachers):
         return run.lesson.loss_fn(run)
     if run.cfg.stage < 3:
         return lambda x, y: (run.train_model(x, y)[1], None)
-    models, crit = plumbing.make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
+    models, crit = start.make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
     if not models:
         run.rt.log("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
         return lambda x, y: (run.train_model(x, y)[1], None)
@@ -313,8 +290,40 @@ def make_loss_fn(run, teachers):
     return distill_loss
 
 
+
 # -----------------------------------------------------------------------------
-# set-up: every input is checked before anything is written (the pieces are in tools/)
+# set-up: what a run holds, built once; every input is checked before anything is written
+
+
+@dataclass
+class Run:
+    """Everything train_step and the loop touch, built once by setup()."""
+    cfg: TrainConfig
+    rt: Runtime
+    out_dir: str
+    given: dict = dataclasses.field(default_factory=dict)  # the flags given on the command line, {name: value}
+    model: GPT = None            # the model itself: its weights are what checkpoints hold
+    train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
+    optimizer: object = None
+    clipper: ZClip = None
+    loss_fn: object = None
+    train_loader: data.DataLoader = None
+    val_loaders: dict = None     # source name -> (its val DataLoader, its mixing weight)
+    autocast: object = None
+    accum: int = 1               # micro-batches per step on this rank
+    device: str = "cpu"          # where the step runs (rt.device)
+    start: "start.Start" = None  # where the run starts: its step, weights and note (tools/start.py)
+    callbacks: list = dataclasses.field(default_factory=list)  # the lessons' step callbacks (tools/seams.py)
+    average: object = None       # --avg_checkpoints: the average of the last checkpoints (one of the callbacks)
+    lesson: object = None        # a lesson's own stage (tools/seams.py: --stage=dlm), else None
+    eval_loss: object = None     # a lesson's evaluation loss (eval_loss(run) -> loss(x, y)); None: the model's CE
+    unlock: object = None        # releases out_dir's lock (rank 0)
+    commit: str = dataclasses.field(default_factory=git_commit)  # the code's (log_record writes it once)
+    records: int = 0             # metrics.jsonl records this process has written
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.out_dir, checkpoint.LATEST)
 
 
 def setup(argv):
@@ -388,7 +397,7 @@ def build(run, resume, teachers):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = rt.device_type == "cuda"
     dtype = ("bfloat16" if rt.device_type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype
     run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
-    run.train_loader, run.val_loaders = plumbing.make_loaders(cfg, rt, resume)
+    run.train_loader, run.val_loaders = loaders.make_loaders(cfg, rt, resume)
 
     run.model = start.starting_model(run, model_conf)  # its weights; a pretrained model converted
     model_conf = run.model.config
@@ -401,7 +410,7 @@ def build(run, resume, teachers):
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
     run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile, WithStates)  # compiled, DDP or FSDP2 as asked
     run.loss_fn = make_loss_fn(run, teachers)
-    run.optimizer = plumbing.configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
+    run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
     seams.plug_in(run, resume)  # the lessons' callbacks: QK-clip, checkpoint averaging
     try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
@@ -413,16 +422,70 @@ def build(run, resume, teachers):
     if earlier:
         checkpoint.remove_run(run.out_dir)  # --overwrite=True, and only now that everything else has loaded
         rt.log(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {run.out_dir}")
-    start.report_conversion(run, plumbing.estimate_val_loss)  # a pretrained start: the conversion's cost at step 0
+    start.report_conversion(run)  # a pretrained start: the conversion's cost at step 0
     rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, quant={model_conf.quant}, "
            f"subln={model_conf.subln}, vocab={model_conf.vocab_size}, device={rt.device}, dtype={dtype}, world={rt.world} "
            f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'}), "
            f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences, compile {'on' if use_compile else 'off'}")
 
 
+def configure_optimizer(model, cfg, device_type, process_group=None):
+    """muon: one muon.Muon whose groups are tagged muon (the 2-D hidden matrices) or adamw (embeddings and head,
+    decayed; norm gains, not);
+    adamw: AdamW for all, weight decay on matrices only. Every group records its initial lr and wd.
+    process_group (DDP): the ranks that share out Muon's Newton-Schulz work (FSDP2 params bring their own)."""
+    fused = device_type == "cuda" and not cfg.fsdp  # fused AdamW over DTensor shards: not tried, so not used
+    if cfg.optimizer == "muon":  # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower (bench.py --muon)
+        opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr, muon_weight_decay=cfg.weight_decay,
+                             adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
+                             adamw_betas=(cfg.beta1, cfg.beta2), fused=fused, process_group=process_group,
+                             ns_dtype=torch.bfloat16 if device_type == "cuda" else torch.float32)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    for g in opt.param_groups:
+        g["initial_lr"], g["initial_wd"] = g["lr"], g["weight_decay"]
+    return opt
+
+
+
+# -----------------------------------------------------------------------------
+# checks of the schedule flags against the run (the other flags: tools/checks.py)
+
+
+def check_quant_start(cfg):
+    """A --quant_start at or past the run's last step would leave its stage-2 checkpoint full precision: refused.
+    (Its range, and that only stage 2 takes it, are checked with every other flag in tools/config.py.)"""
+    q = quant_start_step(cfg)
+    if cfg.quant_start and q >= cfg.max_iters:
+        die(f"--quant_start={cfg.quant_start} is step {q}, not before --max_iters={cfg.max_iters}: the run would "
+            f"never go ternary and its stage-2 checkpoint would be full precision; pass a smaller --quant_start", 2)
+
+
+def check_lambda_on_resume(step, saved, new, path):
+    """A resumed run continues its lambda schedule (saved: the checkpoint's config, a dict): flags given now
+    (--lambda_warmup_steps, --quant_start, or --max_iters with a fractional --quant_start) that would move lambda
+    at the next step are refused in one line; a change that only moves steps still ahead of the warm-up is allowed
+    and said."""
+    schedule = ("lambda_warmup_steps", "quant_start", "max_iters")
+    old = dataclasses.replace(new, **{k: saved.get(k, getattr(type(new), k)) for k in schedule})
+    keys = [k for k in schedule if getattr(old, k) != getattr(new, k)]
+    was, now = lambda_at(step, old), lambda_at(step, new)
+    flags = " ".join(f"--{k}={getattr(new, k)}" for k in keys)
+    if was != now:
+        die(f"{flags} would move lambda at step {step} from {was:.3g} to {now:.3g}, but the run in {path} continues "
+            f"its lambda schedule (--lambda_warmup_steps={old.lambda_warmup_steps}, --quant_start={old.quant_start}); "
+            f"drop the flag, or start a new run with it (--run_name=<name>)", 2)
+    ends = [quant_start_step(c) + c.lambda_warmup_steps for c in (old, new)]
+    return f"lambda now reaches 1 at step {ends[1]} (was {ends[0]})" if ends[0] != ends[1] and now < 1 else ""
+
+
+
 def main(argv):
     try:
-        with common.StopSignal(at_once="stopped before training began; no checkpoint was written"):
+        with atomic.StopSignal(at_once="stopped before training began; no checkpoint was written"):
             run = setup(argv)
     except checkpoint.CheckpointError as e:  # missing, corrupt, not fitting this model, locked: one line
         die(str(e))
@@ -434,10 +497,11 @@ def main(argv):
         if run.rt.world == 1 or not isinstance(e, getattr(torch.distributed, "DistError", ())) and not any(
                 w in str(e) for w in ("gloo", "NCCL", "Connection", "connection")):
             raise
-        plumbing.lost_rank(run, e)
+        lost_rank(run, e)
     finally:
         if run.unlock:
             run.unlock()
+
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """python -m lab <table> [--seeds=3 --rows=a,b --report=True --root=DIR]: a table of lab/tables.py, run by
 lab/runner.py."""
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import sys
 

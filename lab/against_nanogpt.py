@@ -11,9 +11,8 @@ written into its checkout. Then `python train.py --stage=2` (ours, into a tempor
 wall time and median ms per step (steps after the 10th; nanoGPT's evaluation steps are the outliers the median
 drops, ours excludes evaluation from its step time), and ours / nanoGPT for both. Time it on an idle machine.
 """
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import os
 import pickle
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import data
-from tools.common import ROOT
+from tools.atomic import ROOT
 from tools.flags import die, parse
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)  # our CPU preset's (tools/config.py)

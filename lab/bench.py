@@ -20,9 +20,8 @@ copies to exceed L2, so each call streams its weights from HBM as a real decode 
 reported against a measured device-to-device copy (read + write bytes / time).
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import dataclasses
 import math
@@ -112,13 +111,14 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2):
     """ms/step and tokens/s of full training steps (forward, backward, clipping, optimizer) for one shape: the
     device preset's (shape: TrainConfig fields on top, e.g. a smaller model), then where a compiled step's time
     goes, op by op (torch.profiler over profile_steps steps), for nanoGPT, ours fp and ours QAT."""
-    from tools import config, plumbing
+    import train
+    from tools import checks, config
     from model import GPT
     from zclip import ZClip
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     shape = shape or {}
-    base = config.build_config({"device": dev, "stage": 2, **shape})  # the device preset's model shape
+    base = checks.build_config({"device": dev, "stage": 2, **shape})  # the device preset's model shape
     B, T, V = base.batch_size, base.block_size, 50304 if base.tokenizer == "gpt2" else 257
     ctx = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     if cuda:
@@ -135,13 +135,13 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2):
 
     def run(label, quant, compile_=False, nanogpt=False, autocast=None, fused=True, profile_=False):
         torch.manual_seed(0)
-        cfg = config.build_config({"device": dev, "stage": 2 if quant else 1, **shape})
+        cfg = checks.build_config({"device": dev, "stage": 2 if quant else 1, **shape})
         if nanogpt:
             model = NanoGPT(V, T, cfg.n_layer, cfg.n_head, cfg.n_embd).to(dev)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
         else:
             model = GPT(dataclasses.replace(config.model_config(cfg, V, V - 1), fused=fused)).to(dev)
-            opt = plumbing.configure_optimizer(model, cfg, dev)
+            opt = train.configure_optimizer(model, cfg, dev)
         clipper = None if nanogpt else ZClip()
         step_model = torch.compile(model) if compile_ else model
         c = ctx if autocast is None else autocast
@@ -294,7 +294,7 @@ def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
     from kernels.packed_linear import freeze_ternary
     from model import GPT
     from tools import pretrained
-    from tools.load import is_model_source
+    from tools.pretrained import is_model_source
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
     if not is_model_source(source):
@@ -320,8 +320,9 @@ def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
         if optimizer == "adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         else:
-            from tools import config, plumbing
-            opt = plumbing.configure_optimizer(model, config.build_config({"device": "cpu", "stage": 2}), "cpu")
+            import train
+            from tools import checks
+            opt = train.configure_optimizer(model, checks.build_config({"device": "cpu", "stage": 2}), "cpu")
         times = []
         for _ in range(warmup + steps):
             t0 = time.perf_counter()
@@ -391,8 +392,8 @@ def val_windows(shard_dir, T, n):
 
 @torch.no_grad()
 def window_loss(model, windows, batch=16):
-    """Mean next-token cross-entropy over the windows (plumbing.token_loss_sums), in eval mode (then train mode)."""
-    from tools.plumbing import token_loss_sums
+    """Mean next-token cross-entropy over the windows (metrics.token_loss_sums), in eval mode (then train mode)."""
+    from tools.metrics import token_loss_sums
     model.eval()
     batches = ((w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows.split(batch))
     total, n = token_loss_sums(lambda x, y: model(x, y)[1], batches, windows.device).tolist()
@@ -426,14 +427,14 @@ def bench_quality(train_args="", target=0.0, every=20, windows=64):
     import copy
     import tempfile
     import train
-    from tools import plumbing
+    from tools import loaders
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["--stage=2", "--device=cpu", f"--out_dir={tmp}"] + extra
         run = train.setup(argv)
         try:
             cfg = run.cfg
             B, T, V = cfg.batch_size * cfg.grad_accum, cfg.block_size, run.model.config.vocab_size
-            val = val_windows(next(iter(plumbing.resolve_data(cfg))), T, windows)
+            val = val_windows(next(iter(loaders.resolve_data(cfg))), T, windows)
             print(f"time to quality: {cfg.max_iters} steps of {B} x {T} tokens, {cfg.n_layer} x {cfg.n_embd}, "
                   f"{cfg.n_head} heads, {torch.get_num_threads()} threads; val loss on {len(val)} fixed val windows "
                   f"every {every} steps (not timed)", flush=True)
@@ -521,10 +522,10 @@ def check_quality(train_args, target):
 
 def bench_profile():
     """Where the CPU step time goes: torch.profiler over 2 forward+backward passes, ours fp vs nanoGPT."""
-    from tools import config
+    from tools import checks, config
     from model import GPT
     from torch.profiler import ProfilerActivity, profile
-    cfg = config.build_config({"device": "cpu", "stage": 1})
+    cfg = checks.build_config({"device": "cpu", "stage": 1})
     B, T = cfg.batch_size, cfg.block_size
     x, y = torch.randint(0, 257, (B, T)), torch.randint(0, 257, (B, T))
     for name, model in (("ours fp", GPT(config.model_config(cfg, 257, 256))),
@@ -609,11 +610,11 @@ def bench_decode(new_tokens=128, prompt_len=16):
     "same" counts the tokens equal to model.generate's (random weights: near-ties, so float rounding can differ)."""
     from kernels.packed_linear import freeze_ternary
     from model import GPT, GPTConfig
-    from tools import config, decode
+    from tools import checks, config, decode
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if cuda:
-        shape = {s: config.model_config(config.build_config({"device": dev, "stage": s}), 50257, 50256) for s in (1, 2)}
+        shape = {s: config.model_config(checks.build_config({"device": dev, "stage": s}), 50257, 50256) for s in (1, 2)}
     else:
         tiny = dict(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=64)
         shape = {1: GPTConfig(**tiny, quant=False), 2: GPTConfig(**tiny, quant=True)}

@@ -12,9 +12,8 @@ of 256 for TQ2_0), so the two differ by about what activation quantisation costs
 Not in CI: it needs llama-cpp-python, whose install compiles llama.cpp (minutes on 2 cores).
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import dataclasses
 import json
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 import data
 from tokenizer import get_tokenizer
-from tools import common, export, outputs, plumbing
+from tools import atomic, export, loaders, outputs
 from tools.flags import die, parse
 
 
@@ -64,10 +63,10 @@ def main(argv):
         die("needs llama-cpp-python (pip install llama-cpp-python; it compiles llama.cpp), "
                  "or run bash lab/check_llamacpp.sh, which installs it")
     model, tokenizer = export.load_training_checkpoint(ckpt)
-    with common.stoppable("--gguf", path):
+    with atomic.stoppable("--gguf", path):
         export.export_gguf(ckpt, path, "--gguf")
     T, tok = model.config.block_size, get_tokenizer(tokenizer)
-    shards = plumbing.shipped_dir("shakespeare", SimpleNamespace(tokenizer=tokenizer, data_order="sequential"))
+    shards = loaders.shipped_dir("shakespeare", SimpleNamespace(tokenizer=tokenizer, data_order="sequential"))
     val = np.asarray(data.read_shard(os.path.join(shards, "val_000.bin")), np.int64)  # an imported model's ids too
     n = min(args["windows"], (len(val) - 1) // T)
     rows = torch.from_numpy(np.stack([val[i * T:i * T + T + 1] for i in range(n)]))  # (n, T+1)
@@ -102,7 +101,7 @@ def main(argv):
         result["samples"].append(out["choices"][0]["text"])
         print(f"--- llama.cpp sample {s}\n{result['samples'][-1]}")
     if args["out"]:
-        with common.atomic_write(args["out"]) as tmp, open(tmp, "w") as f:
+        with atomic.atomic_write(args["out"]) as tmp, open(tmp, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args['out']}")
     return 0 if math.isfinite(theirs_l) else 1

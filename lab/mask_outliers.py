@@ -12,9 +12,8 @@ val split in its tokenizer, each token masked with probability --t (seeded). The
 (lessons/dlm.outlier_ratio): per token, max|y| / mean|y| of what each activation quantiser sees, averaged over the
 quantisers; reported for the mask tokens and for the others, per mask row.
 """
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import dataclasses
 import json
@@ -30,9 +29,9 @@ import data
 import quant
 from lessons import dlm
 from model import GPT
-from tools import common, outputs, plumbing, start
+from tools import atomic, loaders, outputs, start
 from tools.flags import die, parse
-from tools.load import is_model_source
+from tools.pretrained import is_model_source
 
 
 @dataclass
@@ -75,7 +74,7 @@ def main(argv):
     if args.out:
         outputs.check_output("--out", args.out, "text", overwrite=args.overwrite, inputs=[("--model", args.model)])
     fp = start.import_model(args.model, args.block_size, "--model")
-    shards = plumbing.shipped_dir("shakespeare", SimpleNamespace(tokenizer=args.model, data_order="sequential"))
+    shards = loaders.shipped_dir("shakespeare", SimpleNamespace(tokenizer=args.model, data_order="sequential"))
     val = np.asarray(data.read_shard(os.path.join(shards, "val_000.bin")))
     windows = min(args.windows, len(val) // args.block_size)
     res = measure(fp, val, windows, args.block_size, args.t, args.seed)
@@ -84,7 +83,7 @@ def main(argv):
     for name, (m, o) in res.items():
         print(f"  mask row {name}: mask tokens {m:.2f}, other tokens {o:.2f} ({m / o:.2f}x)")
     if args.out:
-        with common.atomic_write(args.out) as tmp, open(tmp, "w") as f:
+        with atomic.atomic_write(args.out) as tmp, open(tmp, "w") as f:
             json.dump({"model": args.model, "windows": windows, "block_size": args.block_size, "t": args.t,
                        "seed": args.seed, "ratios": {k: {"mask": m, "other": o} for k, (m, o) in res.items()}},
                       f, indent=1)

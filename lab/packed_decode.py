@@ -9,9 +9,8 @@ ratio packed/fp is read from pairs of runs made back to back.
 The target (issue 42): packed >= 1.0x fp on 2 cores. Packed layers on CPU keep int8 codes (unpacked once) and
 multiply with torch._int_mm (kernels/packed_linear.py).
 """
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import statistics
 import sys

@@ -16,7 +16,7 @@ import statistics
 import tempfile
 
 from lab.tables import LabError
-from tools import common
+from tools import atomic
 
 
 class Report:
@@ -83,7 +83,7 @@ class Report:
         return self.summary(runs)
 
     def _write(self, stem, runs):
-        """The page, its JSON and plots, each written beside its old file (common.atomic_write), and all renamed
+        """The page, its JSON and plots, each written beside its old file (atomic.atomic_write), and all renamed
         over them together once every one is complete: a full disk or a read-only directory leaves the committed
         pages as they were."""
         name, written = self.table.name, []
@@ -91,7 +91,7 @@ class Report:
 
         def place(filename):  # where to write results/<filename> now; it lands there when every file is written
             written.append(filename)
-            return files.enter_context(common.atomic_write(os.path.join(self.results, filename)))
+            return files.enter_context(atomic.atomic_write(os.path.join(self.results, filename)))
         try:
             with contextlib.ExitStack() as files:
                 with open(place(name + ".md"), "w") as f:

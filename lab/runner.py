@@ -48,8 +48,8 @@ import data
 from lab import tables
 from lab.report import Report, _committed_runs, _current_keys
 from lab.tables import LabError, _shipped_dir
-from tools import checkpoint, common, load, plumbing, prepare, runtime
-from tools.common import ROOT
+from tools import atomic, checkpoint, load, metrics, prepare, runtime
+from tools.atomic import ROOT
 from tools.flags import parse
 
 SEEDS = (0, 1, 2)
@@ -64,10 +64,10 @@ class Stopped(LabError):
 
 
 def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
-    """Mean next-token loss of a checkpoint over every val window of shard_dir once (plumbing.whole_val_loss, the
+    """Mean next-token loss of a checkpoint over every val window of shard_dir once (metrics.whole_val_loss, the
     number train.py's final evaluation prints). Returns (loss, n_tokens)."""
     try:
-        return plumbing.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
+        return metrics.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
     except ValueError as e:
         raise LabError(str(e)) from None
 
@@ -149,7 +149,8 @@ class Lab(Report):
         if name not in self._max_iters:
             if self.rows[name].build is not None:
                 return 0  # scored as built: no steps
-            from tools.config import build_config, parse_args
+            from tools.checks import build_config
+            from tools.config import parse_args
             flags, err = self.argv(self.rows[name], self.seeds[0], resume=False)[2:], io.StringIO()
             try:
                 with contextlib.redirect_stderr(err):  # train.py's one error line, for ours
@@ -209,8 +210,8 @@ class Lab(Report):
         """Train and score every (row, seed) that has no result yet. A SIGTERM or SIGINT (Ctrl-C) meanwhile is
         passed on to the train.py that is running, which saves at the end of its step; then Stopped is raised
         and nothing more is trained or scored. A second signal of the kind while lab scores stops it at once
-        (common.Interrupted; a result.json is written whole or not at all)."""
-        with common.StopSignal(forward=self._pass_on) as self.signals:
+        (atomic.Interrupted; a result.json is written whole or not at all)."""
+        with atomic.StopSignal(forward=self._pass_on) as self.signals:
             todo = list(self.order(wanted))
             self.adopt(todo, log)
             left = [(n, s) for n, s in todo if self.result(n, s) is None]
@@ -323,8 +324,8 @@ class Lab(Report):
         if not os.path.exists(os.path.join(self.shipped, "meta.json")):  # no run has made its shards yet
             _shipped_dir("shakespeare", self.table.tokenizer)
         try:
-            loss, n = plumbing.whole_val_loss(model, self.shipped, 16, "cpu")
-            extra_val_loss = {name: plumbing.whole_val_loss(model, self.corpus_dir(name), 16, "cpu")[0]
+            loss, n = metrics.whole_val_loss(model, self.shipped, 16, "cpu")
+            extra_val_loss = {name: metrics.whole_val_loss(model, self.corpus_dir(name), 16, "cpu")[0]
                               for name in self.table.extra_corpora}
         except ValueError as e:
             raise LabError(str(e)) from None
@@ -449,7 +450,7 @@ def _last_line(path):
 
 
 def _write_json(path, obj):
-    with common.atomic_write(path) as tmp, open(tmp, "w") as f:
+    with atomic.atomic_write(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
 
 
@@ -492,7 +493,7 @@ def main(argv):
             lab.run(wanted)
             print(f"[lab] {table.name}: ran in {(time.time() - t0) / 60:.1f} min")
         lab.report()
-    except (Stopped, KeyboardInterrupt, common.Interrupted) as e:  # every checkpoint and result.json so far is kept
+    except (Stopped, KeyboardInterrupt, atomic.Interrupted) as e:  # every checkpoint and result.json so far is kept
         why = e if isinstance(e, Stopped) else "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
             f"interrupted (a second {signal.Signals(e.signum).name})"
         print(f"error: {why}; nothing was written to {lab.results}; to resume, run the same command again: {again}",

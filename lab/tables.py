@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 import data
-from tools import checkpoint, common, prepare, pretrained
-from tools.common import ROOT
+from tools import atomic, checkpoint, prepare, pretrained
+from tools.atomic import ROOT
 from tools.flags import die
 
 

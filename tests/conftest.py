@@ -128,10 +128,10 @@ def pytest_configure(config):
     other, which stops that run (data.DataChanged), as it should."""
     if hasattr(config, "workerinput"):  # a worker: the controller made them
         return
-    from tools import plumbing
+    from tools import loaders
     from types import SimpleNamespace
     for corpus in ("shakespeare", "python"):
-        plumbing.shipped_dir(corpus, SimpleNamespace(tokenizer="byte", data_order="curriculum"))
+        loaders.shipped_dir(corpus, SimpleNamespace(tokenizer="byte", data_order="curriculum"))
 
 
 def pytest_collection_modifyitems(items):
@@ -187,7 +187,7 @@ LONGEST_FIRST = ["test_readme.py", "test_kernels.py", "test_convert.py", "test_l
 
 def pytest_sessionfinish(session):
     """A run with --init_from=<a model in a test's temporary directory> tokenises the shipped corpus into
-    data/<corpus>_<model>-<hash> (tools/plumbing.shipped_dir): those shards go when the session ends (on the
+    data/<corpus>_<model>-<hash> (tools/loaders.shipped_dir): those shards go when the session ends (on the
     controller, after every worker), so the suite leaves the checkout's data/ as it found it. Only directories
     whose meta.json names a tokenizer inside this session's temporary directory are removed."""
     import shutil

@@ -22,7 +22,7 @@ import torch
 
 from tools import checkpoint  # the repository root is on PYTHONPATH (tests/conftest.py sets it)
 import train
-from tools import plumbing
+from tools import loaders
 
 
 def parse(spec):
@@ -67,7 +67,7 @@ def inject_hang_in_setup():
         print("setting up", flush=True)
         while True:
             time.sleep(0.05)
-    plumbing.make_loaders = make_loaders
+    loaders.make_loaders = make_loaders
 
 
 def inject_hang(at):

@@ -101,7 +101,8 @@ def test_the_runs_own_doc_mask_and_block_size_are_carried_into_a_pretrained_mode
     """pretrained_start: the architecture is the model's, and quant, subln, doc_mask and block_size the run's."""
     from tokenizer import get_tokenizer
     from tools import start
-    from tools.config import build_config, model_config
+    from tools.checks import build_config
+    from tools.config import model_config
     for doc_mask in (True, False):
         cfg = build_config({"stage": 2, "init_from": tiny_llama, "doc_mask": doc_mask, "block_size": 48,
                             "device": "cpu"})
@@ -153,7 +154,7 @@ def test_a_model_we_cannot_carry_is_one_error_line_naming_the_field(tiny_llama, 
 
 def test_check_llamacpp_scores_an_imported_model_on_its_own_tokenizers_val_text(imported_model, tmp_path, monkeypatch):
     """lab/check_llamacpp.py read data/shakespeare_<tokenizer>, a path that does not exist for a model's own
-    tokenizer: it reads the shards train.py reads (plumbing.shipped_dir), made if missing. llama.cpp is a
+    tokenizer: it reads the shards train.py reads (loaders.shipped_dir), made if missing. llama.cpp is a
     stand-in here (uniform logits: its loss is ln V exactly); the real run is in lab/results/convert.md."""
     import math
     import sys
@@ -205,7 +206,8 @@ def test_the_models_eot_is_the_document_separator_of_its_shards_not_the_configs_
     import shutil
     from tokenizer import get_tokenizer
     from tools import export, prepare, start
-    from tools.config import build_config, model_config
+    from tools.checks import build_config
+    from tools.config import model_config
     d = tmp_path / "chat"
     shutil.copytree(tiny_llama, d)
     conf = json.loads((d / "config.json").read_text())
@@ -227,8 +229,8 @@ def test_another_tokenizer_than_the_models_is_refused_by_its_vocabulary_not_its_
     is A."""
     import shutil
     from tokenizer import fingerprint, get_tokenizer
-    from tools import plumbing, start
-    from tools.config import build_config
+    from tools import start
+    from tools.checks import build_config
     smaller, same_size = _bpe(tmp_path / "smaller", 300, slice(0, 5)), _bpe(tmp_path / "other", 384, slice(5, 10))
     assert get_tokenizer(same_size).vocab_size == get_tokenizer(tiny_llama).vocab_size == 384
     assert fingerprint(get_tokenizer(same_size)) != fingerprint(get_tokenizer(tiny_llama))
@@ -239,7 +241,7 @@ def test_another_tokenizer_than_the_models_is_refused_by_its_vocabulary_not_its_
         assert not os.path.exists(tmp_path / "o" / "stage2" / "ckpt.pt")
         cfg = build_config({"stage": 3, "teacher": tiny_llama, "tokenizer": tok, "device": "cpu"})
         with pytest.raises(SystemExit) as e:
-            plumbing._load_teacher(cfg, None, tiny_llama, None, "cpu", True)
+            start._load_teacher(cfg, None, tiny_llama, None, "cpu", True)
         err = capsys.readouterr().err
         assert e.value.code == 2 and "the tokenizer of the --teacher" in err and tok in err, err
     moved = str(tmp_path / "moved")
@@ -295,18 +297,18 @@ def test_shards_of_another_vocabulary_at_the_same_path_are_refused(tmp_path, cap
     """meta.json records the tokenizer's fingerprint: a run whose --tokenizer names the path the shards were made
     with, where another tokenizer now is, stops before training on ids of another vocabulary."""
     import shutil
-    from tools import plumbing, prepare
-    from tools.config import build_config
+    from tools import loaders, prepare
+    from tools.checks import build_config
     tok, shards = _bpe(tmp_path / "tok", 384, slice(0, 5)), str(tmp_path / "shards")
     prepare.prepare(tokenizer=tok, out_dir=shards, corpus="shakespeare")
     cfg = build_config({"stage": 2, "tokenizer": tok, "data": shards, "device": "cpu"})
-    assert plumbing.resolve_data(cfg) == {shards: 1.0}
+    assert loaders.resolve_data(cfg) == {shards: 1.0}
     shutil.rmtree(tok)
     _bpe(tmp_path / "tok", 384, slice(5, 10))  # another vocabulary of the same size at the same path
     import tokenizer
     tokenizer._tokenizers.pop(tok)  # a new process would load it afresh
     with pytest.raises(SystemExit):
-        plumbing.resolve_data(cfg)
+        loaders.resolve_data(cfg)
     err = capsys.readouterr().err
     assert "was tokenised with" in err and "fingerprint" in err and tok in err, err
 

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from tools import checkpoint, common
+from tools import atomic, checkpoint
 import data
 import train
 from conftest import TINY, fails, records, run, start
@@ -187,7 +187,7 @@ def test_rng_state_round_trips_python_numpy_and_torch(tmp_path):
 
 def test_stop_signal_sets_a_flag_and_restores_the_previous_handler():
     before = signal.getsignal(signal.SIGTERM)
-    with common.StopSignal() as stop:
+    with atomic.StopSignal() as stop:
         assert stop.requested is None
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
@@ -739,11 +739,11 @@ def test_a_signal_during_torch_save_is_a_stop_not_a_disk_failure(tmp_path, monke
         def write(self, b):
             self.n += 1
             if self.n == 3:
-                raise common.Interrupted(signal.SIGTERM, "SIGTERM: stopped")
+                raise atomic.Interrupted(signal.SIGTERM, "SIGTERM: stopped")
             return self.f.write(b)
 
     monkeypatch.setattr(torch, "save", lambda obj, f: real(obj, Cut(f)))
-    with pytest.raises(common.Interrupted) as e:
+    with pytest.raises(atomic.Interrupted) as e:
         checkpoint.atomic_save({"step": 2, "w": torch.randn(1000, 100)}, path)
     assert e.value.signum == signal.SIGTERM
     assert torch.load(path, weights_only=True) == {"step": 1} and os.listdir(tmp_path) == ["ckpt.pt"]

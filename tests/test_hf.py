@@ -205,7 +205,7 @@ def test_out_is_a_directory_never_a_file_nor_another_directory_unless_overwrite(
 
 
 # -----------------------------------------------------------------------------
-# the directory is swapped in whole (tools/common.py atomic_dir): a stop, a kill or a full disk at any moment
+# the directory is swapped in whole (tools/atomic.py atomic_dir): a stop, a kill or a full disk at any moment
 # leaves --out the old export or the new one, never a mix, and says which
 
 
@@ -254,12 +254,12 @@ def test_an_hf_export_clears_what_a_killed_export_left_beside_out(tmp_path):
     its two renames, it leaves the old directory under .hf.old_<owner>, which goes back to --out."""
     import subprocess
     import sys
-    from tools import common
+    from tools import atomic
     ckpt, out = _save_ckpt(str(tmp_path / "ckpt.pt")), str(tmp_path / "hf")
     export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={out}"])
     before = _snapshot(out)
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    owner = f"{common._host()}_{done.stdout.strip()}_ab12"  # the host and pid of an export that was killed
+    owner = f"{atomic._host()}_{done.stdout.strip()}_ab12"  # the host and pid of an export that was killed
     half = tmp_path / f".hf.tmp_{owner}"  # a half-written directory
     half.mkdir()
     (half / "model.safetensors").write_bytes(b"half")

@@ -17,7 +17,7 @@ import data
 from lab import report, runner, tables
 from conftest import ENV, ROOT, TINY
 from model import GPT, GPTConfig
-from tools import common, plumbing
+from tools import atomic, metrics
 
 
 @pytest.fixture(autouse=True)
@@ -311,7 +311,7 @@ def test_a_fresh_machine_takes_finished_runs_from_the_committed_table_not_retrai
 
 
 def test_a_full_disk_while_writing_the_table_keeps_every_committed_page(tmp_path, monkeypatch):
-    """The page, its JSON and its plots land together (common.atomic_write each), or none of them does."""
+    """The page, its JSON and its plots land together (atomic.atomic_write each), or none of them does."""
     import errno
     results = str(tmp_path / "results")
     t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=results)
@@ -623,7 +623,7 @@ def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_tabl
     res = t.result("fp", 0)
     assert res["steps"] == 0 and res["val_tokens"] == 5 * 32
     assert res["commit"] == runner._commit() != "unknown"
-    assert res["val_loss"] == pytest.approx(plumbing.whole_val_loss(model, d)[0])
+    assert res["val_loss"] == pytest.approx(metrics.whole_val_loss(model, d)[0])
     t.run(["fp"], log=lambda line: None)  # done: not built again
     assert len(built) == 1 and t.summary()["fp"]["n"] == 1
     t.report(log=lambda line: None)

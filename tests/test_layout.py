@@ -118,21 +118,65 @@ def test_train_py_and_the_concept_files_import_no_lesson():
     assert "lessons" in _imports(_tree("tools/seams.py"))  # where they do come in
 
 
-def test_every_entry_points_ctrl_c_preamble_is_code_not_docstring():
-    """Each command's first statements after its docstring restore Ctrl-C's default while the imports load: the
-    preamble is an `if __name__ == "__main__"` statement of the module, never text inside its docstring."""
+def test_every_entry_points_ctrl_c_preamble_is_one_call_in_code_not_docstring():
+    """Each command's first statement after its docstring is the one call stop_on_ctrl_c(__name__) (tools/flags.py),
+    which restores Ctrl-C's default while the imports load: code of the module, never text inside its docstring,
+    and nowhere the pasted `signal.signal(...)` lines it replaces."""
     import glob
+    import signal
+    from tools.flags import stop_on_ctrl_c
     found = 0
     for path in sorted(glob.glob(os.path.join(ROOT, "**", "*.py"), recursive=True)):
-        if "/tests/" in path:
+        if "/tests/" in path or path.endswith("tools/flags.py"):
             continue
         src = open(path).read()
-        if "signal.SIGINT, signal.SIG_DFL" not in src:
+        assert "signal.SIGINT, signal.SIG_DFL" not in src, path  # the preamble pasted, not called
+        if "stop_on_ctrl_c" not in src:
             continue
         tree = ast.parse(src)
         doc = ast.get_docstring(tree, clean=False) or ""
-        assert "signal.SIG_DFL" not in doc, path
-        guards = [n for n in tree.body[:4] if isinstance(n, ast.If) and "SIG_DFL" in ast.unparse(n)]
-        assert guards, path
+        assert "stop_on_ctrl_c" not in doc, path
+        calls = [ast.unparse(n) for n in tree.body[:4] if isinstance(n, ast.Expr)]
+        assert "stop_on_ctrl_c(__name__)" in calls, path
         found += 1
     assert found >= 13, found
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        stop_on_ctrl_c("tools.export")  # imported, not run: left alone
+        assert signal.getsignal(signal.SIGINT) is before
+        stop_on_ctrl_c("__main__")
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+# ----------------------------------------------------------------------------- the flags and train.py's order
+
+
+def test_every_flag_of_train_py_is_on_one_page_that_reads_no_file():
+    """tools/config.py holds every field of TrainConfig (no base class brings more from elsewhere), each with a
+    --help line, and imports of this repository only the parser and model.py's GPTConfig: no module that reads
+    a file (checkpoints, shards, pretrained models), so the flag page sits low in the house."""
+    import dataclasses
+    import sys
+    from tools import config, flags
+    tree = _tree("tools/config.py")
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TrainConfig")
+    declared = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+    assert not cls.bases and declared == [f.name for f in dataclasses.fields(config.TrainConfig)]
+    comments = flags.field_comments(config.TrainConfig)
+    assert all(comments.get(name) for name in declared), [n for n in declared if not comments.get(n)]
+    ours = _imports(tree) - set(sys.stdlib_module_names) - ALLOWED
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert ours <= {"tools", "model"} and modules - set(sys.stdlib_module_names) <= {"tools.flags", "model"}, modules
+
+
+def test_train_py_reads_schedules_step_loop_loss_set_up_checks_with_the_step_on_its_first_screens():
+    """train.py in the order a learner reads it: the schedules, train_step, the loop, each stage's loss, the
+    set-up, then the checks of the schedule flags; train_step starts within 100 lines of the docstring's end."""
+    tree = _tree("train.py")
+    line = {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    order = ["lr_mult", "lambda_at", "train_step", "training_loop", "make_loss_fn", "Run", "setup",
+             "configure_optimizer", "check_quant_start", "check_lambda_on_resume", "main"]
+    assert [line[n] for n in order] == sorted(line[n] for n in order), {n: line[n] for n in order}
+    assert line["train_step"] - tree.body[0].end_lineno <= 100, (line["train_step"], tree.body[0].end_lineno)

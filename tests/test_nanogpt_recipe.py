@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from tools import config, plumbing
+from tools import config, loaders
 import data
 from muon import configure_muon  # recipe: new import
 from quant import BitLinear  # recipe: new import
@@ -202,7 +202,7 @@ def get_lr(it):
 
 def sources():
     """The shipped corpus as byte shards (tokenised on first use) and its vocab size, as nanoGPT's meta.pkl."""
-    src = plumbing.resolve_data(config.TrainConfig(tokenizer="byte"))
+    src = loaders.resolve_data(config.TrainConfig(tokenizer="byte"))
     with open(os.path.join(next(iter(src)), "meta.json")) as f:
         return src, json.load(f)["vocab_size"]
 

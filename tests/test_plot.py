@@ -64,8 +64,8 @@ def test_wandb_gets_every_logged_record_and_a_missing_wandb_is_said(tmp_path, mo
 @pytest.mark.slow
 def test_a_long_whole_split_evaluation_shows_its_progress(tmp_path, monkeypatch, capsys):
     import train
-    from tools import plumbing
-    monkeypatch.setattr(plumbing, "EVAL_PROGRESS_S", 0.0)  # every batch counts as long
+    from tools import metrics
+    monkeypatch.setattr(metrics, "EVAL_PROGRESS_S", 0.0)  # every batch counts as long
     args = [a for a in TINY if a != "--eval_whole=False"]
     train.main(["--stage=1", *args, "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path}"])
     lines = [line for line in capsys.readouterr().out.splitlines() if "evaluating shakespeare_byte" in line]

@@ -20,7 +20,7 @@ import torch
 
 import data
 from tokenizer import get_tokenizer
-from tools import common, prepare
+from tools import atomic, prepare
 from conftest import ENV, ROOT
 
 DOCS_TXT = "First document.\nIt has two lines.\n"
@@ -232,8 +232,8 @@ def test_prepare_killed_at_any_write_or_rename_leaves_the_old_dataset_or_the_new
     # exception (clean-up runs: the old dataset must be back), and as a kill (the disk copied just before it)
     d = _write_corpus(tmp_path)
     (tmp_path / "empty.txt").write_text("")
-    owner = f"{common._host()}_{_dead_pid()}"  # the temporary directories look like a killed process's
-    monkeypatch.setattr(common, "_owner", lambda: owner)
+    owner = f"{atomic._host()}_{_dead_pid()}"  # the temporary directories look like a killed process's
+    monkeypatch.setattr(atomic, "_owner", lambda: owner)
     parent = tmp_path / "ds"
     out = parent / "o"
     old_run = dict(sources=[str(d / "*")], out_dir=str(out), val_every=3, shard_tokens=10)
@@ -293,7 +293,7 @@ def test_prepare_cleans_stale_temp_dirs_but_not_those_of_a_live_run(tmp_path):
     d = _write_corpus(tmp_path)
     parent = tmp_path / "ds"
     parent.mkdir()
-    dead_pid, host = _dead_pid(), common._host()
+    dead_pid, host = _dead_pid(), atomic._host()
     day_old = time.time() - 2 * 86400
     names = {f".o.tmp_{host}_{dead_pid}_abc123": "stale", f".o.old_{host}_{dead_pid}_abc123": "stale",
              f".o.tmp_{host}_1_abc123": "live", f".o.tmp_{host}_{os.getpid()}_abc123": "live",  # running
@@ -528,18 +528,18 @@ def test_llmc_shards_are_adopted_without_re_tokenising_and_train(tmp_path, capsy
 
 def test_the_gpt2_default_data_is_fineweb_edu_once_prepared_and_overuse_is_said(tmp_path, monkeypatch, capsys):
     import types
-    from tools import config, plumbing
-    monkeypatch.setattr(plumbing, "FINEWEB_EDU", str(tmp_path / "fineweb_edu_gpt2"))
+    from tools import config, loaders
+    monkeypatch.setattr(loaders, "FINEWEB_EDU", str(tmp_path / "fineweb_edu_gpt2"))
     gpt2, byte = config.TrainConfig(tokenizer="gpt2"), config.TrainConfig(tokenizer="byte")
-    assert plumbing.default_data(gpt2) == plumbing.default_data(byte) == {"shakespeare": 1.0}
+    assert loaders.default_data(gpt2) == loaders.default_data(byte) == {"shakespeare": 1.0}
     (tmp_path / "fineweb_edu_gpt2").mkdir()
     (tmp_path / "fineweb_edu_gpt2" / "meta.json").write_text("{}")
-    assert plumbing.default_data(gpt2) == {str(tmp_path / "fineweb_edu_gpt2"): 1.0}
-    assert plumbing.default_data(byte) == {"shakespeare": 1.0}
+    assert loaders.default_data(gpt2) == {str(tmp_path / "fineweb_edu_gpt2"): 1.0}
+    assert loaders.default_data(byte) == {"shakespeare": 1.0}
     rt = types.SimpleNamespace(local_rank=0, rank=0, world=1, barrier=lambda: None, log=print)
-    plumbing.make_loaders(config.TrainConfig(max_iters=600), rt, None)  # the quick start: half an epoch
+    loaders.make_loaders(config.TrainConfig(max_iters=600), rt, None)  # the quick start: half an epoch
     assert "times over" not in capsys.readouterr().out
-    plumbing.make_loaders(config.TrainConfig(max_iters=60000), rt, None)  # 246M tokens of a 4.8M-token corpus
+    loaders.make_loaders(config.TrainConfig(max_iters=60000), rt, None)  # 246M tokens of a 4.8M-token corpus
     assert "reads its training data 51 times over" in capsys.readouterr().out
 
 # -----------------------------------------------------------------------------

@@ -350,7 +350,7 @@ def test_a_hub_id_without_a_network_fails_at_once(monkeypatch):
 def test_a_mistyped_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
     """models/tiny_lama, where models/ is a directory here: no such directory, said at once."""
     import tokenizer
-    from tools.load import is_model_source
+    from tools.pretrained import is_model_source
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
     assert not is_model_source("models/tiny_lama") and not tokenizer.is_model_source("models/tiny_lama")

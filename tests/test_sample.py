@@ -74,6 +74,14 @@ def test_device_cuda_without_cuda_is_one_line(capsys):
     assert all(f in err for f in ("--device=cuda", "no CUDA device", "--device=cpu")), err
 
 
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:0:1", "cuda:99"])
+def test_sample_and_train_refuse_a_device_in_the_same_line(device, capsys, tmp_path):
+    """One device rule for both commands (tools/runtime.check_device): the same error line, naming the flag."""
+    said = fails(capsys, f"--ckpt={MISSING}", f"--device={device}", code=2, main=sample.main)
+    assert said == fails(capsys, f"--device={device}", f"--out_dir={tmp_path}", code=2)
+    assert f"--device={device}" in said
+
+
 def test_sample_runs_on_the_test_files(files, capsys):
     """The files below are sound: what the refusals break is only what each case changes."""
     for name in ("ckpt.pt", "packed.pt"):

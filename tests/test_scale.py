@@ -210,7 +210,8 @@ def test_the_cuda_preset_global_batch_runs_unchanged_on_1_2_4_and_8_gpus(tmp_pat
     """grad_accum counts micro-batches over all ranks: the preset's must divide by 1, 2, 4 and 8 (what README's
     torchrun commands use); other world sizes are refused with a --grad_accum that fits."""
     import types
-    from tools.config import DEVICE_PRESETS, TrainConfig, check_run
+    from tools.checks import check_run
+    from tools.config import DEVICE_PRESETS, TrainConfig
     cfg = TrainConfig(**DEVICE_PRESETS["cuda"], out_dir=str(tmp_path))
     assert cfg.batch_size * cfg.grad_accum * cfg.block_size == 65536
     for world in range(1, 9):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import train
-from tools import config, plumbing, seams, start
+from tools import checks, config, loaders, metrics, seams, start
 from zclip import ZClip
 from conftest import ROOT, TINY, fails, records, run
 
@@ -45,7 +45,7 @@ def test_wrong_type_and_bad_stage_fail_clearly(capsys, flag, facts):
 def test_nonsense_values_stop_with_one_line_before_any_data_or_model(tmp_path, capsys, monkeypatch, flag, facts):
     def too_late(*args, **kwargs):
         raise AssertionError("the flag was checked only after data or a model was set up")
-    monkeypatch.setattr(plumbing, "make_loaders", too_late)
+    monkeypatch.setattr(loaders, "make_loaders", too_late)
     monkeypatch.setattr(start, "starting_model", too_late)  # where train.py builds the model
     msg = fails(capsys, flag, f"--out_dir={tmp_path}", code=2)
     assert flag.split(",")[0] in msg and all(f in msg for f in facts), msg  # the flag, what it must be
@@ -193,13 +193,13 @@ def _spiked_run(clip, spike_step, steps=50):
     from model import GPT
     cfg = config.TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, warmup_steps=5,
                             max_iters=steps, zclip=clip == "zclip", grad_clip=0.0, device="cpu")
-    src = plumbing.resolve_data(cfg)
+    src = loaders.resolve_data(cfg)
     loader = data.DataLoader(src, "train", 8, 32, order="sequential")
     val = data.DataLoader(src, "val", 8, 32, order="sequential")
     val_batches = [val.next_batch() for _ in range(8)]
     torch.manual_seed(0)
     model = GPT(train.model_config(cfg, 257, 256))
-    opt = plumbing.configure_optimizer(model, cfg, "cpu")
+    opt = train.configure_optimizer(model, cfg, "cpu")
     clipper = ZClip() if cfg.zclip else None
     spike_stats, untouched = None, True
     for step in range(steps):
@@ -318,12 +318,12 @@ def test_quant_start_outside_stage_2_is_refused(capsys):
 def test_constant_and_moderate_schedules():
     """constant: warmup then the peak to the end; moderate: WSD ending at 1/3 of the peak (Luo et al.'s preset),
     its end movable with --min_lr_frac like any WSD."""
-    cfg = config.build_config({"schedule": "constant", "max_iters": 100, "warmup_steps": 10, "device": "cpu"})
+    cfg = checks.build_config({"schedule": "constant", "max_iters": 100, "warmup_steps": 10, "device": "cpu"})
     assert [train.lr_mult(s, cfg) for s in (0, 10, 99, 100)] == [pytest.approx(1 / 11), 1.0, 1.0, 1.0]
-    cfg = config.build_config({"schedule": "moderate", "max_iters": 100, "warmup_steps": 10, "device": "cpu"})
+    cfg = checks.build_config({"schedule": "moderate", "max_iters": 100, "warmup_steps": 10, "device": "cpu"})
     assert cfg.min_lr_frac == pytest.approx(1 / 3) and train.lr_mult(100, cfg) == pytest.approx(1 / 3)
     assert train.lr_mult(79, cfg) == 1.0 and train.lr_mult(90, cfg) == pytest.approx(1 - (2 / 3) / 2)
-    cfg = config.build_config({"schedule": "moderate", "min_lr_frac": 0.5, "max_iters": 100, "device": "cpu"})
+    cfg = checks.build_config({"schedule": "moderate", "min_lr_frac": 0.5, "max_iters": 100, "device": "cpu"})
     assert train.lr_mult(100, cfg) == pytest.approx(0.5)
     assert seams.avg_interval(dataclasses.replace(cfg, avg_checkpoints=6, max_iters=600)) == 20  # 0.2 * 600 / 6
 
@@ -385,7 +385,7 @@ def test_two_phase_drops_lr_and_weight_decay_from_step_max_iters_over_2_on(setup
 def test_quant_start_1_is_step_1_not_a_fraction_of_the_run():
     """--quant_start below 1 is a fraction of max_iters, from 1 on a step: 1 means step 1 (not max_iters), so
     lambda is 0 at steps 0 and 1 and then ramps over lambda_warmup_steps."""
-    cfg = config.build_config({"stage": 2, "max_iters": 1000, "lambda_warmup_steps": 100, "quant_start": 1.0,
+    cfg = checks.build_config({"stage": 2, "max_iters": 1000, "lambda_warmup_steps": 100, "quant_start": 1.0,
                                "device": "cpu"})
     assert train.quant_start_step(cfg) == 1
     assert [train.lambda_at(s, cfg) for s in (0, 1, 51, 101, 999)] == [0.0, 0.0, 0.5, 1.0, 1.0]
@@ -397,7 +397,7 @@ def test_evaluations_of_the_same_weights_read_the_same_val_rows_and_agree(setup_
     run = setup_run("--eval_iters=2")
     for step in range(2):
         train.train_step(run, step, False)
-    first, second = plumbing.estimate_val_loss(run), plumbing.estimate_val_loss(run)
+    first, second = metrics.estimate_val_loss(run), metrics.estimate_val_loss(run)
     assert first == second
     import data
     (name, (loader, _)), = run.val_loaders.items()
@@ -486,11 +486,11 @@ def test_the_cpu_stage2_preset_is_what_the_lr_and_warmup_tables_chose_and_what_a
     lrs = [float(a.split("=")[1]) for r in warmup_table["runs"] for a in r["argv"] if a.startswith("--lr=")]
     assert lrs and set(lrs) == {lr}  # the warm-up was measured at the lr the lr table chose
     assert config.DEVICE_STAGE_PRESETS[("cpu", 2)] == dict(lr=lr, muon_lr=lr, lambda_warmup_steps=warmup)
-    cfg = config.build_config(config.parse_args(["--stage=2", "--device=cpu"]))
+    cfg = checks.build_config(config.parse_args(["--stage=2", "--device=cpu"]))
     assert (cfg.lr, cfg.muon_lr, cfg.lambda_warmup_steps, cfg.max_iters) == (lr, lr, warmup, 600)
     assert [train.lambda_at(s, cfg) for s in (0, 300, 599, 600)] == [0.0, 0.5, 599 / 600, 1.0]
-    assert config.build_config({"stage": 2, "device": "cpu", "lambda_warmup_steps": 200}).lambda_warmup_steps == 200
-    assert config.build_config({"stage": 1, "device": "cpu"}).lambda_warmup_steps == config.TrainConfig.lambda_warmup_steps
+    assert checks.build_config({"stage": 2, "device": "cpu", "lambda_warmup_steps": 200}).lambda_warmup_steps == 200
+    assert checks.build_config({"stage": 1, "device": "cpu"}).lambda_warmup_steps == config.TrainConfig.lambda_warmup_steps
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -528,7 +528,7 @@ def test_a_checkpoint_named_in_a_models_tokenizer_keeps_the_pretrained_preset_an
     """Stage 2 or 3 from a checkpoint named explicitly, in a model's tokenizer (what check_fits asks of a checkpoint
     of a run that began from a pretrained model): AdamW at 1e-4 as with --init_from=auto. Stage 1 in a model's
     tokenizer, from scratch or from a checkpoint, keeps its own preset (Muon at 3e-3)."""
-    from tools.config import build_config
+    from tools.checks import build_config
     model = "HuggingFaceTB/SmolLM2-135M"  # a hub id: a pretrained model by name (nothing is downloaded here)
     for stage in (2, 3):
         c = build_config({"stage": stage, "init_from": "out/stage1/ckpt.pt", "tokenizer": model, "teacher": "t.pt",
@@ -540,10 +540,10 @@ def test_a_checkpoint_named_in_a_models_tokenizer_keeps_the_pretrained_preset_an
 
 
 def test_a_pretrained_model_trains_with_adamw_at_1e_4_unless_told_otherwise():
-    """tools/config.PRETRAINED_PRESET: --init_from or --teacher a pretrained model, or stage 2/3 after a stage that
+    """tools/config.py's PRETRAINED_PRESET: --init_from or --teacher a pretrained model, or stage 2/3 after a stage that
     began from one (train.py passes its tokenizer), gets AdamW at 1e-4; a flag given wins; from scratch keeps the
     CPU stage-2 preset (lr 2e-2, Muon), even in a model's tokenizer."""
-    from tools.config import build_config
+    from tools.checks import build_config
     model = "HuggingFaceTB/SmolLM2-135M"  # a hub id: a pretrained model by name (nothing is downloaded here)
     for flags in ({"stage": 2, "init_from": model}, {"stage": 3, "teacher": model}, {"stage": 2, "tokenizer": model},
                   {"tokenizer": model}):
@@ -573,12 +573,12 @@ def test_the_compiled_training_step_has_no_graph_break_and_no_recompile_as_lambd
     run = setup_run(*flags, "--compile=true")
     lams = [train.train_step(run, step, False)["lam"] for step in range(3)]
     assert counter.frame_count == 1
-    plumbing.estimate_val_loss(run)
+    metrics.estimate_val_loss(run)
     run.model.train()
     assert counter.frame_count == 2  # the evaluation's graph: no_grad is part of a graph's guards
     with torch._dynamo.config.patch(error_on_recompile=True):
         lams += [train.train_step(run, step, False)["lam"] for step in range(3, 7)]
-        plumbing.estimate_val_loss(run)
+        metrics.estimate_val_loss(run)
         run.model.train()
     assert counter.frame_count == 2 and not counters["graph_break"], dict(counters["graph_break"])
     assert lams == ([0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 1.0] if "--stage=2" in flags else [0.0] * 7)

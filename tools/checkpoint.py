@@ -24,19 +24,21 @@ to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt). Ro
 checkpoint with the best finite val loss while the new one is not known to be as good (a run that diverged, or a
 save between evaluations): that one stays beside the newest.
 
-Atomic write (tools/common.py atomic_write): torch.save into <name>.<writer>.tmp, fsync, rename over <name>, fsync the
+Atomic write (tools/atomic.py atomic_write): torch.save into <name>.<writer>.tmp, fsync, rename over <name>, fsync the
 directory. A rename is atomic on POSIX, so <name> is always a complete old or a complete new file; a process
 killed mid-write leaves only a stale .tmp, which the next save removes.
 
-Preemption: common.StopSignal turns SIGTERM/SIGINT into a flag; the training loop
+Preemption: atomic.StopSignal turns SIGTERM/SIGINT into a flag; the training loop
 finishes its step, saves and exits with code 0. A second signal of the same kind stops at once (the last
 checkpoint is kept).
 
 Test:  python -m pytest tests/test_fault.py tests/test_scale.py
-This file imports only torch, numpy, the standard library and tools/common.py.
+This file imports only torch, numpy, the standard library, tokenizer.py (save_run records the
+tokenizer's fingerprint), tools/atomic.py and tools/flags.py.
 """
 
 import copy
+import dataclasses
 import errno
 import math
 import os
@@ -48,7 +50,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tools import common
+from tokenizer import fingerprint, get_tokenizer
+from tools import atomic
+from tools.flags import die
 
 LATEST = "ckpt.pt"
 AVERAGED = "avg.pt"  # the checkpoint average (lessons/averaging.py), when a run keeps one
@@ -165,22 +169,22 @@ def check_writable(d):
 
 
 def atomic_save(obj, path):
-    """torch.save through common.atomic_write: path is the whole old file or the whole new one. A failed write
+    """torch.save through atomic.atomic_write: path is the whole old file or the whole new one. A failed write
     raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which becomes ENOSPC (else EIO),
     and the file-size limit (ulimit -f) as one, which becomes EFBIG.
     A signal that stopped the write (Ctrl-C, or StopSignal's Interrupted raised inside the writer, which torch
     turns into a RuntimeError) is raised as itself: a stop, not a disk failure."""
     try:
-        with common.atomic_write(path) as tmp, open(tmp, "wb") as f:
+        with atomic.atomic_write(path) as tmp, open(tmp, "wb") as f:
             try:
                 torch.save(obj, f)
             except RuntimeError as e:
-                if common.past_size_limit(f):  # ulimit -f: EFBIG, whatever torch's message says
+                if atomic.past_size_limit(f):  # ulimit -f: EFBIG, whatever torch's message says
                     raise OSError(errno.EFBIG, os.strerror(errno.EFBIG)) from e
                 raise
     except RuntimeError as e:
         cause = e.__context__
-        while cause is not None and not isinstance(cause, (KeyboardInterrupt, common.Interrupted)):
+        while cause is not None and not isinstance(cause, (KeyboardInterrupt, atomic.Interrupted)):
             cause = cause.__context__
         if cause is not None:
             raise cause from None
@@ -190,8 +194,8 @@ def atomic_save(obj, path):
 
 def _atomic_link(src, dst):
     """Make dst name the file src (a hard link; a copy where the filesystem has none), atomically."""
-    with common.atomic_write(dst) as tmp:
-        common.link_or_copy(src, tmp)
+    with atomic.atomic_write(dst) as tmp:
+        atomic.link_or_copy(src, tmp)
 
 
 def existing_run(d):
@@ -213,7 +217,7 @@ def remove_run(d):
 
 
 def lock(d):
-    """Claim d for this process: d/.lock holds our pid and when this process started (common._start_time). Another
+    """Claim d for this process: d/.lock holds our pid and when this process started (atomic._start_time). Another
     live process's lock raises CheckpointError; a dead one's (a killed run, also when its pid now belongs to another
     process, this one included) is taken over. Returns a function that releases the lock."""
     path = os.path.join(d, ".lock")
@@ -225,13 +229,13 @@ def lock(d):
                 pid, *start = (int(v) for v in open(path).read().split())  # "<pid> <start>", or "<pid>"
             except (ValueError, FileNotFoundError):
                 pid, start = 0, []
-            if pid <= 0 or not common._running(pid, start[0] if start else None):  # stale: its run is gone
+            if pid <= 0 or not atomic._running(pid, start[0] if start else None):  # stale: its run is gone
                 if os.path.exists(path):
                     os.remove(path)
                 continue
             raise CheckpointError(f"{d}: another run (pid {pid}, in its lock file {path}) is writing here; wait "
                                   f"for it, stop it, or pass another --out_dir or --run_name") from None
-        start = common._start_time(os.getpid())
+        start = atomic._start_time(os.getpid())
         os.write(fd, f"{os.getpid()}{'' if start is None else f' {start}'}".encode())
         os.close(fd)
         return lambda: os.path.exists(path) and os.remove(path)
@@ -258,7 +262,7 @@ def save(obj, d, keep_last=1):
     (d/ckpt.pt, None or (val loss, path) of the older checkpoint kept for its val loss)."""
     for n in {n.split(".pt.")[0] + ".pt" for n in os.listdir(d) if n.endswith(".tmp")}:  # killed writers'
         if n == LATEST or NUMBERED.fullmatch(n):
-            common.clear_stale(os.path.join(d, n))
+            atomic.clear_stale(os.path.join(d, n))
     path = os.path.join(d, f"ckpt_{obj['step']:06d}.pt")
     atomic_save(obj, path)
     latest = os.path.join(d, LATEST)
@@ -284,6 +288,48 @@ def saved_val_loss(path):
 
 def step_of(path):
     return int(NUMBERED.fullmatch(os.path.basename(path)).group(1))
+
+
+# -----------------------------------------------------------------------------
+# a training run's checkpoint: its state gathered, written by rank 0
+
+
+def save_run(run, step, val_loss=None):
+    """train.py's checkpoint of run at step: every rank calls it (FSDP2 gathers shards); rank 0 writes. A failed
+    write keeps the previous checkpoint, and so do non-finite weights: they never replace a finite checkpoint.
+    val_loss: this step's, when evaluated; an older checkpoint with a better one is kept beside the new (save),
+    and a line says so."""
+    if not all_finite(run.model):
+        die(f"step {step}: the weights are not finite, so they were not saved; {run.ckpt_path} is kept; lower "
+            f"--lr or --muon_lr and continue from it with --resume=True")
+    tok = fingerprint(get_tokenizer(run.cfg.tokenizer))
+    config = {**dataclasses.asdict(run.cfg), "tokenizer_fingerprint": tok}
+    state = training_state(step, config, dataclasses.asdict(run.model.config),
+                           run.model, run.optimizer, run.clipper, run.train_loader, val_loss)
+    averaged = None
+    if run.average is not None:
+        state["average"] = run.average.state_dict()
+        averaged = averaged_state(state, run.model, run.average) if run.average.count else None
+    wrote = None
+    try:
+        if run.rt.master:
+            wrote, kept = save(state, run.out_dir, run.cfg.keep_last)
+            if kept is not None:
+                now = f"val loss {val_loss:.4g}" if val_loss is not None else "no val loss (not evaluated)"
+                run.rt.log(f"kept {kept[1]} (step {step_of(kept[1])}, val loss {kept[0]:.4f}) beside "
+                           f"the new {run.ckpt_path} (step {step}, {now}): rotation never deletes a "
+                           f"better checkpoint")
+            if averaged is not None:
+                atomic_save(averaged, os.path.join(run.out_dir, AVERAGED))
+    except OSError as e:  # e.g. a full disk: the atomic write left the file it was writing as it was
+        why, cause, fix = atomic.write_failed(e, run.ckpt_path)
+        if wrote is None:
+            die(f"cannot write a checkpoint to {run.out_dir}: {why}; {cause}; the previous one is kept; "
+                f"{fix} and continue with --resume=True")
+        die(f"cannot write {os.path.join(run.out_dir, AVERAGED)}: {why}; {cause}; the checkpoint of "
+            f"step {step} was saved, the previous average is kept (it does not include step {step}); "
+            f"{fix} and continue with --resume=True")
+    run.rt.barrier()
 
 
 def load(path, required=("model", "model_args"), mmap=False):

@@ -23,9 +23,8 @@ Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 b
 Test: python -m pytest tests/test_packed.py tests/test_gguf.py tests/test_hf.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import contextlib
 import dataclasses
@@ -39,10 +38,11 @@ import numpy as np
 import torch
 
 from quant import weight_quant
-from tools import checkpoint, common, outputs
+from tools import atomic, checkpoint, outputs
 from tools.flags import die, parse
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
-from tools.load import FORMAT, PACKED, load_gpt, saved_tokenizer
+from tools.load import FORMAT, PACKED, load_gpt
+from tools.outputs import saved_tokenizer
 
 
 @dataclass
@@ -104,9 +104,9 @@ def export(ckpt_path, out_path):
 
 def _cannot_write(flag, path, what, e, kept="the file there, if any, is unchanged"):
     """The one error line of an output that could not be written: the flag and the path, the cause (a full disk
-    with what it has free, or the file-size limit: common.write_failed), what became of the earlier output, and
+    with what it has free, or the file-size limit: atomic.write_failed), what became of the earlier output, and
     the fix. Never blames the input: the checkpoint was read."""
-    why, cause, fix = common.write_failed(e, path)
+    why, cause, fix = atomic.write_failed(e, path)
     die(f"{flag}={path}: cannot write {what} ({why}); {cause}; {kept}; {fix} or pass another {flag}")
 
 
@@ -119,10 +119,10 @@ def main(argv):
                                                                    "hf": "hf"}[fmt])
     outputs.check_input("--ckpt", ckpt)
     if fmt == "hf":
-        with common.stoppable("--out", out_path):  # Ctrl-C while the checkpoint and its tokenizer load: one line
+        with atomic.stoppable("--out", out_path):  # Ctrl-C while the checkpoint and its tokenizer load: one line
             return export_hf(ckpt, out_path, args["overwrite"])
     outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)], ckpt)
-    with common.stoppable("--out", out_path):
+    with atomic.stoppable("--out", out_path):
         if fmt == "gguf":
             return export_gguf(ckpt, out_path)
         obj = export(ckpt, out_path)
@@ -141,7 +141,7 @@ def export_gguf(ckpt_path, out_path, flag="--out"):
         die("--format=gguf needs the gguf package (pip install gguf, or pip install -r requirements.txt)")
     model, tokenizer = load_training_checkpoint(ckpt_path)
     try:
-        with common.atomic_write(out_path) as tmp:  # only a verified file lands under the final name
+        with atomic.atomic_write(out_path) as tmp:  # only a verified file lands under the final name
             counts = write_gguf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
             bad = verify_gguf(tmp, model)
             if bad:
@@ -547,7 +547,7 @@ def _save_model_tokenizer(tokenizer, block_size, out_dir):
 
 
 def export_hf(ckpt_path, out_dir, overwrite=False):
-    """--format=hf: write the whole directory beside out_dir, then swap it in (common.atomic_dir), so out_dir is the
+    """--format=hf: write the whole directory beside out_dir, then swap it in (atomic.atomic_dir), so out_dir is the
     old directory or the new one whatever stops the export. Files in out_dir that are not ours (no name an export of
     ours writes or wrote) are carried into the new directory as hard links."""
     import importlib.util
@@ -562,9 +562,9 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
     if why:
         die(f"{ckpt_path}: cannot export for transformers' bitnet: {why}")
     earlier = outputs.hf_marker(out_dir) or {}
-    with common.stoppable("--out", out_dir):
+    with atomic.stoppable("--out", out_dir):
         try:
-            with common.atomic_dir(out_dir) as tmp:
+            with atomic.atomic_dir(out_dir) as tmp:
                 names = write_hf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
                 ours = set(names) | set(earlier.get("files", ()))  # an earlier export's names that this one drops go
                 for n in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else ():
@@ -585,9 +585,9 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
 def _carry(src, dst):
     """src (a file or a folder of them) also at dst, as hard links: no copy of the data."""
     if os.path.isdir(src) and not os.path.islink(src):
-        shutil.copytree(src, dst, symlinks=True, copy_function=common.link_or_copy)
+        shutil.copytree(src, dst, symlinks=True, copy_function=atomic.link_or_copy)
     else:
-        common.link_or_copy(src, dst)
+        atomic.link_or_copy(src, dst)
 
 
 if __name__ == "__main__":

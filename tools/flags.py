@@ -29,6 +29,13 @@ def die(msg, code=1):
     sys.exit(code)
 
 
+def stop_on_ctrl_c(name):
+    """An entry point's first call, stop_on_ctrl_c(__name__): while its imports load, Ctrl-C stops the program at
+    once, with no traceback; parse() makes Ctrl-C a KeyboardInterrupt again. An imported module is left alone."""
+    if name == "__main__":
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def to_bool(val):
     """A boolean flag's value: true/false, 1/0, yes/no, on/off in any case; ValueError otherwise."""
     try:

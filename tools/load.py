@@ -1,14 +1,12 @@
 """
-A GPT from any file we write, and which names are pretrained models as published instead.
+A GPT from any file we write: a training checkpoint, a checkpoint average, a packed export.
 
     load_gpt(path) -> (model, the loaded dict)   a training checkpoint, a checkpoint average (avg.pt), a packed export
     model_from_packed(obj)                       a packed export's dict (tools/export.py writes it) as a GPT
-    gpt_config(model_args), saved_tokenizer(obj) the model's shape and the tokenizer a saved dict names
-    is_model_source(name)                        a GGUF, a Hugging Face model directory or a hub id: GPT.from_pretrained
-                                                 builds it (--init_from, --teacher, --tokenizer)
+    gpt_config(model_args)                       the model's shape
 
 A GGUF or an HF export of ours passed where a checkpoint is read is named as such (outputs.why_not_a_checkpoint).
-Test: python -m pytest tests/test_common.py tests/test_packed.py tests/test_sample.py
+Test: python -m pytest tests/test_atomic.py tests/test_packed.py tests/test_sample.py
 """
 
 import math
@@ -17,7 +15,8 @@ import os
 from model import GPT, GPTConfig
 from tokenizer import TOKENIZERS, fingerprint, get_tokenizer
 from tools import checkpoint
-from tools.outputs import hf_marker, why_not_a_checkpoint
+from tools.outputs import saved_tokenizer, why_not_a_checkpoint
+from tools.pretrained import is_model_source
 
 PACKED = "nanobitnet-packed-v"  # every packed export's "format" starts so (tools/export.py's docstring shows the dict)
 FORMAT = PACKED + "2"  # quant.pack_ternary's bytes as they are; v1 held each row's codes in k order (upgraded on load)
@@ -28,16 +27,11 @@ def gpt_config(model_args):
     return GPTConfig(**model_args)
 
 
-def saved_tokenizer(obj):
-    """The tokenizer name ("byte", "gpt2") a checkpoint's config or an export names, or None."""
-    return obj.get("tokenizer") if "format" in obj else (obj.get("config") or {}).get("tokenizer")
-
-
 def load_gpt(path, device="cpu"):
     """Build the GPT saved at path: a training checkpoint, a checkpoint average (avg.pt) or a packed export (whose
     hidden matrices come back as PackedBitLinear). Returns (model in eval mode on device, the loaded dict:
     model_args, and the config of a checkpoint or the format of an export; saved_tokenizer(obj) names its
-    tokenizer). model.dlm_shift says how a masked-diffusion model reads its predictions.
+    tokenizer: tools/outputs.py). model.dlm_shift says how a masked-diffusion model reads its predictions.
     Raises checkpoint.CheckpointError, one line naming the file: missing, corrupt, a tokenizer that does not fit
     the vocabulary, or no checkpoint at all (a GGUF, an HF export directory, its model.safetensors or
     nanobitnet.json: what it is and which command takes it)."""
@@ -109,18 +103,3 @@ def model_from_packed(obj, source="export"):
     model.load_state_dict(state)  # strict: every tensor of the model must come from the file
     model.dlm_shift = obj.get("dlm_shift", True)  # a masked-diffusion export: how it reads its predictions
     return model.eval()
-
-
-def is_model_source(name):
-    """True when name is a pretrained model as published (tools/pretrained.py takes it): a GGUF file, a Hugging
-    Face model directory (config.json), or a hub id ("org/name", not a path on this machine)."""
-    if not name or name in ("auto", "scratch", "byte", "gpt2"):
-        return False
-    if os.path.isfile(name):
-        return name.endswith(".gguf")
-    if os.path.isdir(name):  # a model (config.json) or a tokenizer alone (for --tokenizer)
-        return any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "tokenizer.json",
-                                                                    "tokenizer_config.json")) and not hf_marker(name)
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.endswith((".pt", ".gguf", ".bin")) and not name.startswith(".") \
-        and not os.path.isdir(parts[0])  # data/tiny_lama: a mistyped path here, not a hub id

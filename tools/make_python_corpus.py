@@ -7,9 +7,8 @@ The gzip header carries no name and no time, so the output is the same bytes on 
 
     python -m tools.make_python_corpus              # needs CPython 3.11.7; checks the sha256 in data/README.md
 """
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import glob
 import gzip
@@ -21,7 +20,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
-from tools.common import ROOT, atomic_write
+from tools.atomic import ROOT, atomic_write
 from tools.flags import die, parse
 
 OUT = os.path.join(ROOT, "data", "python.jsonl.gz")

@@ -7,13 +7,14 @@ What a file on disk is, and what an output may replace: one `error:` line before
     run_inputs(ckpt), config_inputs(cfg)  what the run behind a checkpoint, or of a config, reads
     check_not_input(flag, path, inputs)   an output is none of them, nor inside one
     why_not_a_checkpoint(path)            a GGUF or an HF export where a checkpoint is read: which program reads it
+    saved_tokenizer(obj)                  the tokenizer a checkpoint's or an export's dict names
 
 The output rules: an output never replaces what its command reads, nor what the run behind its checkpoint reads
 again (its pretrained model, tokenizer, teachers, shards), nor lands inside such a directory, not even with
 --overwrite=True (ckpt.pt is a hard link to ckpt_<step>.pt, so files are compared, not names); never a file of another kind (a training checkpoint, a packed export, a GGUF, an
 HF export directory, a metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
 --overwrite=True. A file of its own kind made from the same source (a re-export) is replaced.
-Test: python -m pytest tests/test_common.py tests/test_outputs.py
+Test: python -m pytest tests/test_atomic.py tests/test_outputs.py
 """
 
 import json
@@ -146,12 +147,16 @@ def run_inputs(ckpt_path):
     and --resume read its tokenizer from the model it started from): config_inputs of its saved config. [] for a
     file that is not a training checkpoint (its reader says why)."""
     import torch
-    from tools.load import saved_tokenizer
     try:
         obj = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return []
     return config_inputs(obj.get("config") or {}, saved_tokenizer(obj)) if isinstance(obj, dict) else []
+
+
+def saved_tokenizer(obj):
+    """The tokenizer name ("byte", "gpt2") a checkpoint's config or an export names, or None."""
+    return obj.get("tokenizer") if "format" in obj else (obj.get("config") or {}).get("tokenizer")
 
 
 def config_inputs(cfg, tokenizer):

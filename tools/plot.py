@@ -7,7 +7,7 @@ gradient norm before and after clipping (clipped steps marked), to one PNG besid
 
 The PNG names the metrics.jsonl it was drawn from (its Source text chunk): plotting the same run again replaces it;
 any other PNG (another run's, a committed figure) is replaced only with --overwrite=True, and a file of another
-kind never (tools/outputs.py check_output). The PNG is written whole or not at all (common.atomic_write).
+kind never (tools/outputs.py check_output). The PNG is written whole or not at all (atomic.atomic_write).
 Each curve is drawn from the records that hold it: a series the log lacks is left out with a note naming it;
 the steps skipped as non-finite (no loss, no update) are marked on the loss panel and counted in the last line.
 
@@ -15,16 +15,15 @@ matplotlib is needed here only (pip install -r requirements.txt has it); trainin
 Test: python -m pytest tests/test_plot.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import math
 import os
 import sys
 from dataclasses import dataclass
 
-from tools import common, outputs, runtime
+from tools import atomic, outputs, runtime
 from tools.flags import die, parse
 
 
@@ -135,7 +134,7 @@ def plot(run_dir, out, steps, evals):
     fig.suptitle(os.path.abspath(run_dir))
     fig.tight_layout()
     try:
-        with common.atomic_write(out) as tmp:
+        with atomic.atomic_write(out) as tmp:
             fig.savefig(tmp, dpi=100, format="png", metadata={outputs.PNG_SOURCE: path})
     finally:
         plt.close(fig)
@@ -162,7 +161,7 @@ def main(argv):
         die(str(e))
     outputs.check_output("--out", out, "png", _source(dirs[0]), flags.get("overwrite", False))
     try:
-        with common.stoppable("--out", out):
+        with atomic.stoppable("--out", out):
             n_clip, n_bad, notes = plot(dirs[0], out, steps, evals)
     except OSError as e:
         die(f"--out={out}: cannot write it ({e.strerror or e}); the file there, if any, is unchanged; pass another --out")

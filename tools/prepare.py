@@ -8,7 +8,7 @@ i % val_every == val_every - 1, so the split is by document and the same corpus 
 shards. Each document is written as [eot] + tokens into {train,val}_000.bin, ... of exactly shard_tokens tokens
 (the last shorter; uint16 ids, llm.c's version 1, or uint32, version 2, when the vocabulary exceeds 65,536), each with its difficulty scores (<shard>.difficulty.npy, difficulty(): what
 --data_order=curriculum sorts by), plus a meta.json. The dataset is built in a temporary directory beside
-out_dir, which then replaces out_dir whole (tools/common.py atomic_dir), so a failed, stopped or killed run leaves
+out_dir, which then replaces out_dir whole (tools/atomic.py atomic_dir), so a failed, stopped or killed run leaves
 an older dataset intact, and a loader never sees a mix of two runs.
 
 Run (the default corpus is the shipped data/shakespeare.jsonl.gz, written to data/shakespeare_<tokenizer>/):
@@ -30,9 +30,8 @@ Test:
     python -m pytest tests/test_prepare.py
 """
 
-import signal
-if __name__ == "__main__":  # Ctrl-C while the imports load: stop at once, no traceback (flags.parse restores it)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+from tools.flags import stop_on_ctrl_c
+stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import contextlib
 import dataclasses
@@ -43,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 import zlib
@@ -53,7 +53,7 @@ import numpy as np
 import data
 from tokenizer import fingerprint, get_tokenizer
 from lessons import clean
-from tools.common import ROOT, atomic_dir, stoppable, swapped_out, write_failed
+from tools.atomic import ROOT, atomic_dir, stoppable, swapped_out, write_failed
 from tools.flags import die, parse
 
 DATA_DIR = os.path.join(ROOT, "data")  # shipped assets, default outputs
@@ -591,7 +591,7 @@ def check_shipped(d, corpus):
 
 def check_not_mid_swap(d):
     """For a reader that finds no dataset d: if a tools/prepare.py was killed between the two renames that swap a
-    dataset in (common.atomic_dir), raise a ValueError saying where the previous dataset is (the next run puts it
+    dataset in (atomic.atomic_dir), raise a ValueError saying where the previous dataset is (the next run puts it
     back)."""
     old = swapped_out(d)
     if old:

@@ -5,6 +5,8 @@ forward gives transformers' logits (tests/test_pretrained.py: bit-identical on t
 
     from_pretrained(source)          a Hugging Face directory, a hub id or a .gguf file -> GPT
     from_transformers(hf, source)    a transformers model already in memory -> GPT (sharing its tensors)
+    is_model_source(name)            a GGUF, a Hugging Face model directory or a hub id: a name from_pretrained
+                                     takes (--init_from, --teacher, --tokenizer)
 
 A GGUF file loads through transformers' own reader (the gguf package dequantises it, and transformers undoes
 llama.cpp's q/k row permutation), so a GGUF model is the same transformers model as its Hugging Face original.
@@ -22,6 +24,7 @@ import torch
 
 from model import GPT, GPTConfig, precompute_rope
 from tokenizer import hub_unreachable
+from tools.outputs import HF_MARKER
 
 
 def from_pretrained(source, block_size=None, check=None):
@@ -180,3 +183,23 @@ def config_from_hf(hf, block_size=None):
                      qk_norm=hf.model_type == "qwen3", mlp_hidden=hf.intermediate_size, quant=False, subln=False,
                      tie_embeddings=bool(hf.tie_word_embeddings), rope_theta=float(rope["rope_theta"]),
                      norm_eps=hf.rms_norm_eps, eot=int(eos))
+
+
+# -----------------------------------------------------------------------------
+# which names are pretrained models
+
+
+def is_model_source(name):
+    """True when name is a pretrained model as published (from_pretrained takes it): a GGUF file, a Hugging
+    Face model directory (config.json), or a hub id ("org/name", not a path on this machine)."""
+    if not name or name in ("auto", "scratch", "byte", "gpt2"):
+        return False
+    if os.path.isfile(name):
+        return name.endswith(".gguf")
+    if os.path.isdir(name):  # a model (config.json) or a tokenizer alone (for --tokenizer), not an export of ours
+        files = ("config.json", "tokenizer.json", "tokenizer_config.json")
+        return any(os.path.exists(os.path.join(name, f)) for f in files) and \
+            not os.path.exists(os.path.join(name, HF_MARKER))
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.endswith((".pt", ".gguf", ".bin")) and \
+        not name.startswith(".") and not os.path.isdir(parts[0])  # data/tiny_lama: a mistyped path, not a hub id

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tools import checkpoint
 from tools.flags import die
 
 
@@ -150,6 +151,35 @@ def git_commit(d=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return p.stdout.strip() if p.returncode == 0 and p.stdout.strip() else "unknown"
+
+
+# -----------------------------------------------------------------------------
+# the device flag, and the line a rank prints when another rank is lost
+
+
+def check_device(device, flag="--device"):
+    """auto, cpu, cuda or cuda:<index> that this machine has: train.py's and sample.py's one rule, refused in
+    one line naming the flag before anything is read."""
+    dev = device.split(":")
+    if device != "auto" and (dev[0] not in ("cpu", "cuda") or len(dev) > 2 or
+                             (len(dev) == 2 and not dev[1].isdigit())):
+        die(f"{flag}={device}: expected auto, cpu, cuda or cuda:<index>", 2)
+    if dev[0] == "cuda" and not torch.cuda.is_available():
+        die(f"{flag}={device}: no CUDA device here; use {flag}=cpu", 2)
+    if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
+        die(f"{flag}={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+
+
+def lost_rank(run, e):
+    """A collective failed because another rank stopped: one line per rank instead of a traceback, naming the
+    checkpoint the whole job resumes from (torchrun's own summary names the rank that exited first)."""
+    why = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:160]
+    step = checkpoint.load(run.ckpt_path, ("step",))["step"] if os.path.exists(run.ckpt_path) else None
+    resume = (f"restart all {run.rt.world} ranks with the same torchrun command and --resume=True to "
+              f"continue from {run.ckpt_path} (step {step})") if step is not None else \
+        "no checkpoint was written yet; start again"
+    die(f"lost contact with another rank of this {run.rt.world}-process run ({why}); torchrun's summary names "
+        f"the rank that stopped; {resume}")
 
 
 class StepTimer:

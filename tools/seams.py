@@ -1,6 +1,6 @@
 """
 Where the lessons plug into train.py. train.py and the concept files import no lesson; they offer seams, and this
-file fills them from the flags, which it declares beside them (LessonFlags, the last fields of TrainConfig):
+file fills them from the lessons' flags (the last group of tools/config.py's TrainConfig):
   a stage of its own     --stage=dlm: lessons/dlm.py's start (the AR model plus a mask token), model shape
                          (bidirectional attention) and loss (the masked-diffusion loss), in place of the recipe's
   run.callbacks          objects train_step calls each step: watch() -> 0-d tensors it reads with the rest,
@@ -13,36 +13,13 @@ Test: python -m pytest tests/test_dlm.py tests/test_muon_variants.py tests/test_
 
 import dataclasses
 import os
-from dataclasses import dataclass
 
 import torch
 
 from tools import checkpoint
 from tools.load import load_gpt
+from tools.config import DLM_STAGE
 from tools.flags import die
-
-DLM_STAGE = 4  # the stage number --stage=dlm stands for (cfg.stage, a checkpoint's config["stage"])
-
-
-@dataclass
-class LessonFlags:
-    """The lessons' flags, each group beside the seam it fills; the last fields of tools/config.py's TrainConfig."""
-    # a stage of its own: --stage=dlm (stage_lesson, DlmStage)
-    dlm_mask_init: str = "mean"  # the new mask token's embedding: mean (of the vocabulary) or random
-    dlm_shift: bool = True       # Dream's shift: position i's prediction read from position i - 1's output
-    # run.callbacks (plug_in): QK-clip, checkpoint averaging
-    qk_clip_tau: float = 0.0     # QK-clip (MuonClip) threshold on the max attention logit; 0 = off (Kimi K2: 100)
-    log_max_logit: bool = False  # log each step's max attention logit (on whenever qk_clip_tau > 0)
-    avg_checkpoints: int = 0     # checkpoint averaging (lessons/averaging.py): an EMA of the last k snapshots,
-                                 # saved as <run>/avg.pt; k = 0: off (Luo et al.: 6)
-    avg_interval: int = 0        # steps between snapshots; 0 = decay_frac * max_iters / k (a WSD decay's window)
-    avg_alpha: float = 0.2       # EMA coefficient over the snapshots; 0 = their plain mean
-    # the Muon update (plug_in)
-    normuon: bool = False        # NorMuon: per-neuron normalised Muon updates (lessons/muon_variants.py)
-    muon_state: str = "fp32"     # Muon momentum stored as fp32, linear8 or dynamic8 (8-bit blockwise)
-    # the SubLN gain (calibrate_subln)
-    subln_gain: str = "unit"     # inserted into a pretrained model (--init_from): unit (the paper) or calibrated
-                                 # (each gain the mean rms of its input, so the fp model's function barely changes)
 
 
 def stage_lesson(cfg):

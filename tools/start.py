@@ -6,20 +6,27 @@ model as published (tools/pretrained.py) is converted by convert_pretrained: the
 every hidden linear a BitLinear, and SubLN inserted in front of o_proj and down_proj (unit gain, the paper's; or
 --subln_gain=calibrated: g = mean rms of the input, lessons/subln.py); report_conversion prints what that costs
 at step 0. A run that began from a pretrained model keeps its architecture and tokenizer in the stages after it.
+Stage 3's frozen teachers (make_teachers) load here too, beside the student's start.
 Test: python -m pytest tests/test_train.py tests/test_convert.py tests/test_fault.py
 """
 import dataclasses
 import os
 from dataclasses import dataclass
 
+import torch
+
 import data
-from model import GPT
+from distill import BitDistillLoss
+from model import GPT, precompute_rope
 from quant import set_lambda
 from tokenizer import fingerprint, get_tokenizer
-from tools import checkpoint, common, outputs, prepare, seams
+from tools import atomic, checkpoint, outputs, prepare, seams
+from tools.checks import parse_teacher_weights
 from tools.flags import die
-from tools.load import is_model_source
-from tools.pretrained import from_pretrained, hf_config_of
+from tools.load import load_gpt
+from tools.outputs import saved_tokenizer
+from tools.metrics import estimate_val_loss
+from tools.pretrained import from_pretrained, hf_config_of, is_model_source
 
 
 @dataclass
@@ -105,7 +112,7 @@ def shipped_of_moved_model(cfg, ckpt, given):
     dirs = (ckpt.get("loader") or {}).get("dirs") or []
     if saved in (None, cfg.tokenizer) or "data" in (given or {}) or not dirs:
         return ""
-    paths = [os.path.join(common.ROOT, "data", d) for d in dirs]
+    paths = [os.path.join(atomic.ROOT, "data", d) for d in dirs]
     if not all(d.split("_")[0] in prepare.CORPORA and os.path.isdir(p) for d, p in zip(dirs, paths)):
         return ""  # not all shipped corpora: --data names directories, which moving a model does not rename
     items = str(ckpt["config"].get("data") or "").split(",")
@@ -264,10 +271,10 @@ def calibration_batches(cfg, train_loader, n=8):
     return [loader.next_batch() for _ in range(n)]
 
 
-def report_conversion(run, estimate_val_loss):
+def report_conversion(run):
     """A run that starts from a pretrained model logs what the conversion costs before any training: the val loss
-    of the converted model at lambda 0 beside the model's as published, on the same val rows (estimate_val_loss:
-    tools/plumbing.py's, which imports this file). Then the published model is freed (a teacher is loaded apart)."""
+    of the converted model at lambda 0 beside the model's as published, on the same val rows. Then the published
+    model is freed (a teacher is loaded apart)."""
     st = run.start
     if st.pretrained is None:
         return
@@ -277,3 +284,73 @@ def report_conversion(run, estimate_val_loss):
     run.rt.log(f"step 0: val loss {estimate_val_loss(run)[0]:.4f} at lambda 0{subln}, against {fp:.4f} for "
                f"{st.path} as published")
     st.pretrained = None
+
+
+# -----------------------------------------------------------------------------
+# stage 3's teachers: frozen full-precision models, and the BitDistill loss against them
+
+
+def make_teachers(cfg, paths, student_conf, device):
+    """Stage 3: the frozen full-precision teachers (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
+    With every distillation weight 0 there is no teacher: ([], crit), plain CE, the control run."""
+    try:
+        crit = BitDistillLoss(cfg.distill_preset, kd_logits=None if cfg.kd_logits < 0 else cfg.kd_logits,
+                              kd_relation=None if cfg.kd_relation < 0 else cfg.kd_relation,
+                              kd_hidden=cfg.kd_hidden, temperature=cfg.distill_tau,
+                              n_relation_heads=cfg.distill_relation_heads, distill_layer=cfg.distill_layer,
+                              teacher_weights=parse_teacher_weights(cfg, len(paths)))
+    except ValueError as e:
+        die(str(e), 2)
+    if crit.kd_logits == crit.kd_relation == crit.kd_hidden == 0:
+        return [], crit
+    return [_load_teacher(cfg, crit, p, student_conf, device, first=i == 0) for i, p in enumerate(paths)], crit
+
+
+def _load_teacher(cfg, crit, path, student_conf, device, first):
+    if is_model_source(path):  # the original model as published (BitDistill's teacher): full precision, no SubLN
+        check_same_tokenizer("--tokenizer", cfg.tokenizer, "the tokenizer of the --teacher", path)
+        teacher = import_model(path, cfg.block_size, "--teacher")
+        check_teacher(cfg, crit, student_conf, teacher.config, path, first)
+        return _frozen(teacher, device)
+    outputs.check_input("--teacher", path)  # an HF export of ours: named as such
+    if not checkpoint.load(path, ("model_args",), mmap=True)["model_args"].get("causal", True):
+        die(f"{path}: a masked-diffusion model (--stage=dlm) cannot be a teacher: stage 3 distils next-token "
+            f"predictions; pass a stage-1 (or any autoregressive) checkpoint as --teacher", 2)
+    teacher, obj = load_gpt(path)
+    if saved_tokenizer(obj):  # the teacher's ids are the student's: one vocabulary, not only one size
+        check_same_tokenizer("--tokenizer", cfg.tokenizer, f"the tokenizer of the --teacher {path}",
+                             saved_tokenizer(obj))
+    tconf = teacher.config
+    check_teacher(cfg, crit, student_conf, tconf, path, first)  # shapes that would only fail at the first step
+    return _frozen(teacher, device)
+
+
+def _frozen(teacher, device):
+    tconf = teacher.config
+    teacher.requires_grad_(False).eval().to(device)
+    if device.startswith("cuda"):
+        teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
+        cos, sin = precompute_rope(tconf.head_size(), tconf.block_size, tconf.rope_theta)
+        teacher.rope_cos, teacher.rope_sin = cos.to(device), sin.to(device)
+    return teacher
+
+
+def check_teacher(cfg, crit, s, t, path, first=True):
+    """Stage 3 settings that only fail at the first step, refused before training: another vocabulary, a
+    --distill_layer outside either model, relation heads that do not divide both widths, a context longer
+    than the teacher's. Only the first teacher gives relations and hidden states (first=False: the others)."""
+    if t.vocab_size != s.vocab_size:
+        die(f"{path}: teacher vocabulary {t.vocab_size} != student {s.vocab_size}; the same --tokenizer is needed")
+    try:
+        crit.layer_index(s.n_layer), crit.layer_index(t.n_layer) if first else None
+    except ValueError as e:  # --distill_layer outside one of the models
+        die(str(e), 2)
+    heads = crit.n_relation_heads
+    widths = sorted({c.n_head * c.head_size() for c in (s, t)} | {c.kv_heads() * c.head_size() for c in (s, t)})
+    if first and crit.kd_relation and any(w % heads for w in widths):  # q's width, and k's and v's under GQA
+        fits = max(a for a in range(1, heads + 1) if all(w % a == 0 for w in widths))
+        die(f"--distill_relation_heads={heads} must divide the widths of the student's and the teacher's q, k and v "
+            f"({', '.join(map(str, widths))}); try --distill_relation_heads={fits}", 2)
+    if cfg.block_size > t.block_size:
+        die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
+            f"--block_size={t.block_size} or less", 2)

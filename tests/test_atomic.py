@@ -1,8 +1,8 @@
-"""tools/common.py: a write that fails or is stopped leaves the old file (or directory) whole and no temporary one,
+"""tools/atomic.py: a write that fails or is stopped leaves the old file (or directory) whole and no temporary one,
 and removes only what its own writers left; StopSignal. tools/outputs.py: file_kind tells every kind of output apart;
 check_output refuses what would lose a file. tools/load.py: load_gpt builds the same model from a checkpoint, an
 average or a packed export, loads old checkpoints, and names what is not one.
-Run: python -m pytest tests/test_common.py"""
+Run: python -m pytest tests/test_atomic.py"""
 
 import dataclasses
 import errno
@@ -16,14 +16,14 @@ import torch
 from conftest import fails
 from kernels.packed_linear import freeze_ternary
 from model import GPT, GPTConfig
-from tools import checkpoint, common, export, load, outputs
+from tools import atomic, checkpoint, export, load, outputs
 
 TINY = GPTConfig(vocab_size=257, block_size=16, n_layer=1, n_head=2, n_embd=32)  # the byte tokenizer's vocabulary
 
 
 def test_root_is_the_repository():
-    assert common.ROOT == os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert os.path.exists(os.path.join(common.ROOT, "train.py"))
+    assert atomic.ROOT == os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert os.path.exists(os.path.join(atomic.ROOT, "train.py"))
 
 # -----------------------------------------------------------------------------
 # atomic_write, atomic_dir
@@ -32,7 +32,7 @@ def test_root_is_the_repository():
 def test_atomic_write_replaces_the_file_only_when_the_write_completes(tmp_path):
     path = str(tmp_path / "f")
     open(path + ".tmp", "w").write("mine")  # a user's file: no writer's host and pid in its name, never ours
-    with common.atomic_write(path) as tmp:
+    with atomic.atomic_write(path) as tmp:
         assert tmp.startswith(path + ".") and tmp.endswith(".tmp") and not os.path.exists(tmp)
         open(tmp, "w").write("old")
     assert open(path).read() == "old" and open(path + ".tmp").read() == "mine"
@@ -40,7 +40,7 @@ def test_atomic_write_replaces_the_file_only_when_the_write_completes(tmp_path):
     for error in (OSError(errno.ENOSPC, "No space left on device"), RuntimeError("unexpected pos 64 vs 0"),
                   KeyboardInterrupt(), SystemExit(1)):
         with pytest.raises(type(error)):
-            with common.atomic_write(path) as tmp:
+            with atomic.atomic_write(path) as tmp:
                 open(tmp, "w").write("half")
                 raise error
         assert open(path).read() == "old" and os.listdir(tmp_path) == ["f"], error  # the old file whole, no .tmp
@@ -53,21 +53,21 @@ def test_two_atomic_writes_of_one_path_never_share_a_temporary_file(tmp_path, ca
     import subprocess
     import sys
     path = str(tmp_path / "f")
-    with common.atomic_write(path) as a:
+    with atomic.atomic_write(path) as a:
         open(a, "w").write("first, half written")
-        with common.atomic_write(path) as b:
+        with atomic.atomic_write(path) as b:
             assert b != a and os.path.exists(a)  # the second writer did not remove the first one's file
             open(b, "w").write("second")
         assert open(a).read() == "first, half written"
         open(a, "a").write(" and finished")
     assert open(path).read() == "first, half written and finished" and os.listdir(tmp_path) == ["f"]
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, host = int(done.stdout), common._host()
+    dead, host = int(done.stdout), atomic._host()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         for n in (f"f.{host}_{dead}_a1.tmp", f"f.{host}_{live.pid}_b2.tmp"):
             open(tmp_path / n, "w").write("left")
-        with common.atomic_write(path) as tmp:
+        with atomic.atomic_write(path) as tmp:
             open(tmp, "w").write("new")
         assert sorted(os.listdir(tmp_path)) == ["f", f"f.{host}_{live.pid}_b2.tmp"]
         assert capsys.readouterr().out == f"removed {tmp_path}/f.{host}_{dead}_a1.tmp, left by a writer of {path} " \
@@ -79,15 +79,15 @@ def test_two_atomic_writes_of_one_path_never_share_a_temporary_file(tmp_path, ca
 
 def test_atomic_dir_swaps_in_the_whole_directory_or_nothing(tmp_path):
     path = str(tmp_path / "d")
-    with common.atomic_dir(path) as tmp:
+    with atomic.atomic_dir(path) as tmp:
         open(os.path.join(tmp, "a"), "w").write("1")
     assert os.listdir(path) == ["a"] and os.stat(path).st_mode & 0o777 == 0o777 & ~_umask()  # not mkdtemp's 0700
     with pytest.raises(OSError):
-        with common.atomic_dir(path) as tmp:
+        with atomic.atomic_dir(path) as tmp:
             open(os.path.join(tmp, "b"), "w").write("2")
             raise OSError(errno.ENOSPC, "No space left on device")
     assert os.listdir(path) == ["a"] and os.listdir(tmp_path) == ["d"]
-    with common.atomic_dir(path) as tmp:
+    with atomic.atomic_dir(path) as tmp:
         open(os.path.join(tmp, "b"), "w").write("2")
     assert os.listdir(path) == ["b"] and os.listdir(tmp_path) == ["d"]  # the old directory is gone, not merged
 
@@ -101,13 +101,13 @@ def test_atomic_dir_clears_what_dead_writers_left_but_not_a_running_writers_dire
     path = str(tmp_path / "d")
     os.mkdir(path)
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead, host = done.stdout.strip(), common._host()  # a pid that has exited
+    dead, host = done.stdout.strip(), atomic._host()  # a pid that has exited
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         for n in (f".d.tmp_{host}_{dead}_a1", f".d.old_{host}_{dead}_a1", f".d.tmp_{host}_{live.pid}_b2",
                   f".d.old_{host}_{live.pid}_b2", ".d.tmp-k1ll3d"):
             os.mkdir(tmp_path / n)
-        with common.atomic_dir(path) as tmp:
+        with atomic.atomic_dir(path) as tmp:
             assert os.path.basename(tmp).startswith(f".d.tmp_{host}_{os.getpid()}_")
             open(os.path.join(tmp, "a"), "w").write("1")
         assert sorted(os.listdir(tmp_path)) == [f".d.old_{host}_{live.pid}_b2", ".d.tmp-k1ll3d",
@@ -118,7 +118,7 @@ def test_atomic_dir_clears_what_dead_writers_left_but_not_a_running_writers_dire
 
 
 def _started(pid):
-    """Field 22 of /proc/<pid>/stat (read here, independently of tools/common.py): when the process started."""
+    """Field 22 of /proc/<pid>/stat (read here, independently of tools/atomic.py): when the process started."""
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[19])
 
@@ -132,7 +132,7 @@ def test_atomic_dir_tells_a_dead_writers_reused_pid_from_the_writer(tmp_path):
     import sys
     path = str(tmp_path / "d")
     os.mkdir(path)
-    host, me = common._host(), os.getpid()
+    host, me = atomic._host(), os.getpid()
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         mine, theirs = _started(me), _started(live.pid)
@@ -142,7 +142,7 @@ def test_atomic_dir_tells_a_dead_writers_reused_pid_from_the_writer(tmp_path):
                    f".d.tmp_{host}_{me}_{mine}_b3", f".d.tmp_{host}_{live.pid}_b4"]
         for n in reused + running:
             os.mkdir(tmp_path / n)
-        with common.atomic_dir(path) as tmp:
+        with atomic.atomic_dir(path) as tmp:
             assert os.path.basename(tmp).startswith(f".d.tmp_{host}_{me}_{mine}_")
             open(os.path.join(tmp, "a"), "w").write("1")
         assert sorted(os.listdir(tmp_path)) == sorted(running + ["d"])
@@ -159,16 +159,16 @@ def test_atomic_dir_leaves_a_users_directories_named_like_its_leftovers_alone(tm
     for n in names:
         os.mkdir(tmp_path / n)
         (tmp_path / n / "mine.txt").write_text(n)
-        os.utime(tmp_path / n, (time.time() - 2 * common.STALE_AFTER_S,) * 2)  # however old
+        os.utime(tmp_path / n, (time.time() - 2 * atomic.STALE_AFTER_S,) * 2)  # however old
     path = str(tmp_path / "hf")
     for new in ("1", "2"):  # --out missing, then there
-        with common.atomic_dir(path) as tmp:
+        with atomic.atomic_dir(path) as tmp:
             open(os.path.join(tmp, "a"), "w").write(new)
         assert os.listdir(path) == ["a"] and open(os.path.join(path, "a")).read() == new
         assert sorted(os.listdir(tmp_path)) == sorted(names + ("hf",))
         assert all((tmp_path / n / "mine.txt").read_text() == n for n in names)
     os.rename(path, tmp_path / "elsewhere")
-    assert common.swapped_out(path) is None  # no old directory of a writer: nothing to tell a reader
+    assert atomic.swapped_out(path) is None  # no old directory of a writer: nothing to tell a reader
 
 def test_atomic_dir_puts_the_old_directory_back_when_the_second_rename_fails(tmp_path, monkeypatch):
     path, renames = str(tmp_path / "d"), []
@@ -183,7 +183,7 @@ def test_atomic_dir_puts_the_old_directory_back_when_the_second_rename_fails(tmp
         real(src, dst)
     monkeypatch.setattr(os, "rename", second_fails)
     with pytest.raises(OSError):
-        with common.atomic_dir(path) as tmp:
+        with atomic.atomic_dir(path) as tmp:
             open(os.path.join(tmp, "b"), "w").write("2")
     monkeypatch.undo()
     assert renames[0] != path and os.listdir(path) == ["a"] and os.listdir(tmp_path) == ["d"]
@@ -274,21 +274,21 @@ def _signal(sig):
 
 def test_stop_signal_is_a_flag_then_stops_at_once_and_can_pass_signals_on():
     before = signal.getsignal(signal.SIGTERM)
-    with common.StopSignal() as stop:
+    with atomic.StopSignal() as stop:
         _signal(signal.SIGINT)
         _signal(signal.SIGTERM)  # another kind (torchrun's SIGTERM after a Ctrl-C): not an abort
         assert stop.requested == "SIGINT"
-        with pytest.raises(common.Interrupted) as e:
+        with pytest.raises(atomic.Interrupted) as e:
             _signal(signal.SIGINT)
         assert e.value.signum == signal.SIGINT and e.value.code.startswith("error: second SIGINT")
     assert signal.getsignal(signal.SIGTERM) is before
     passed = []
-    with common.StopSignal(forward=lambda s: passed.append(s) or True) as stop:
+    with atomic.StopSignal(forward=lambda s: passed.append(s) or True) as stop:
         _signal(signal.SIGTERM)
         _signal(signal.SIGTERM)  # passed on both times: the child decides
     assert passed == [signal.SIGTERM] * 2 and stop.requested == "SIGTERM"
-    with pytest.raises(common.Interrupted, match="SIGTERM: before anything"):
-        with common.StopSignal(at_once="before anything"):
+    with pytest.raises(atomic.Interrupted, match="SIGTERM: before anything"):
+        with atomic.StopSignal(at_once="before anything"):
             _signal(signal.SIGTERM)
 
 
@@ -297,8 +297,8 @@ def test_stoppable_says_whether_the_output_was_written(tmp_path, capsys):
     open(path, "w").write("old")
 
     def stopped(argv, commit):
-        with common.stoppable("--out", path):
-            with common.atomic_write(path) as tmp:
+        with atomic.stoppable("--out", path):
+            with atomic.atomic_write(path) as tmp:
                 open(tmp, "w").write("new")
                 if not commit:
                     _signal(signal.SIGTERM)
@@ -320,7 +320,7 @@ def test_load_gpt_builds_the_same_model_from_a_checkpoint_an_average_and_an_expo
         want = model(idx, idx)[0]
         for name in ("ckpt.pt", "avg.pt", "packed.pt"):
             got, obj = load.load_gpt(str(d / name))
-            assert not got.training and load.saved_tokenizer(obj) == "byte"
+            assert not got.training and outputs.saved_tokenizer(obj) == "byte"
             assert torch.allclose(got(idx, idx)[0], want, atol=1e-5), name  # packed: integer path, same codes
 
 
@@ -368,7 +368,7 @@ def test_atomic_write_syncs_the_new_file_before_the_rename_and_the_directory_aft
                         or real_fsync(fd))
     monkeypatch.setattr(os, "rename", lambda a, b: events.append(("replace", str(b))) or real_rename(a, b))
     path = str(tmp_path / "f.txt")
-    with common.atomic_write(path) as tmp:
+    with atomic.atomic_write(path) as tmp:
         open(tmp, "w").write("new")
     kinds = [e[0] for e in events]
     at = kinds.index("replace")
@@ -384,12 +384,12 @@ def test_another_hosts_fresh_leftover_is_kept_even_if_its_pid_runs_nowhere_here(
     dead_pid = 2**22 + 12345  # above pid_max: no process here has it
     fresh = f"{path}.otherhost_{dead_pid}_1_00ff00ff.tmp"
     old = f"{path}.otherhost_{dead_pid}_1_11aa11aa.tmp"
-    mine = f"{path}.{common._host()}_{dead_pid}_1_22bb22bb.tmp"
+    mine = f"{path}.{atomic._host()}_{dead_pid}_1_22bb22bb.tmp"
     for p in (fresh, old, mine):
         open(p, "w").close()
-    then = time.time() - common.STALE_AFTER_S - 60
+    then = time.time() - atomic.STALE_AFTER_S - 60
     os.utime(old, (then, then))
-    assert sorted(common.stale_tmps(path)) == sorted([old, mine])
+    assert sorted(atomic.stale_tmps(path)) == sorted([old, mine])
 
 
 def test_a_mount_point_as_the_output_directory_is_refused_before_anything_is_written(tmp_path, capsys,

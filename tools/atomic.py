@@ -20,7 +20,7 @@ is told apart; without /proc, <host>_<pid>): a later writer, on this machine or 
 what a writer that is gone left (removed; an old directory whose path is missing is put back) from what a running
 one is using (left alone), and each one removed is named in a line. Any other name beside path (<name>.tmp,
 .<name>.old-backup, .<name>.tmp_mine) is not provably a writer's and is never touched.
-Test: python -m pytest tests/test_common.py tests/test_prepare.py
+Test: python -m pytest tests/test_atomic.py tests/test_prepare.py
 """
 
 import contextlib
