@@ -12,13 +12,16 @@ table compare the same tokens, and a row trained on a mix of sources is still sc
     python -m lab distill --seeds=1        one seed of each row (a quick look; not for README)
     python -m lab distill --rows=teacher,student   only those rows (and what they need)
     python -m lab distill --report         no training: the table from the runs that exist
+    python -m lab distill --rerun=True     train every run here, taking none from the committed table
     python -m lab list                     the tables and their rows
 
 Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A run counts once its checkpoint
 reaches the row's max_iters: then it is scored (result.json beside the checkpoint, with the commit it was run
 at: git rev-parse HEAD, or "unknown") and skipped next time; a stopped one is resumed (--resume=True), so a
 long table can be finished over several sittings; on another machine (no out/), a run the committed
-<table>.json holds with the same flags is taken from it (Lab.adopt). SIGTERM or Ctrl-C to lab goes on to the
+<table>.json holds with the same flags is taken from it (Lab.adopt), unless --rerun=True: then every run
+is trained here, those taken earlier too (a run trained here keeps its result: delete its directory under
+out/lab/<table>/ to train it again). SIGTERM or Ctrl-C to lab goes on to the
 running train.py, which saves at the end of its step; lab then writes no table and says to run the same
 command again. The table goes to lab/results/<table>.md and .json, and lab/results/<table>.png (val curves)
 when matplotlib is installed (and <table>_logits.png, the max attention logit per step, for tables that log
@@ -114,8 +117,9 @@ class Lab(Report):
     """A table's runs under root: what to run in which order (order), running and scoring them (run, run_one),
     taking finished ones from the committed table (adopt); the pages are Report's (lab/report.py)."""
 
-    def __init__(self, table, seeds=SEEDS, root=None, results=None, python=sys.executable):
+    def __init__(self, table, seeds=SEEDS, root=None, results=None, python=sys.executable, rerun=False):
         self.table, self.seeds, self.python = table, list(seeds), python
+        self.rerun = rerun  # take no run from the committed table, and train again those taken before
         self.root = root or os.path.join("out", "lab", table.name)
         self.results = results or os.path.join(ROOT, "lab", "results")  # where the table is written
         self.rows = {r.name: r for r in table.rows}
@@ -167,7 +171,7 @@ class Lab(Report):
         if not os.path.exists(path):
             return None
         res = _read_result(path, row, seed)
-        if res["steps"] < self.max_iters(row):
+        if res["steps"] < self.max_iters(row) or (self.rerun and res.get("adopted")):
             return None
         if "ratio_mask" in res and "ratio_mask_start" not in res:  # scored before the start columns existed
             metrics = os.path.join(self.run_dir(row, seed), "metrics.jsonl")
@@ -213,7 +217,8 @@ class Lab(Report):
         (atomic.Interrupted; a result.json is written whole or not at all)."""
         with atomic.StopSignal(forward=self._pass_on) as self.signals:
             todo = list(self.order(wanted))
-            self.adopt(todo, log)
+            if not self.rerun:
+                self.adopt(todo, log)
             left = [(n, s) for n, s in todo if self.result(n, s) is None]
             t0, ran = time.time(), 0
             for i, (name, seed) in enumerate(todo, 1):
@@ -460,6 +465,7 @@ class LabFlags:
     rows: str = ""               # comma-separated rows to run; "" = every row of the table
     report: bool = False         # no training: write the table from the runs that exist
     root: str = ""               # where the runs live; "" = out/lab/<table>
+    rerun: bool = False          # train every run here: none taken from the committed <table>.json
 
 
 def main(argv):
@@ -479,7 +485,7 @@ def main(argv):
     if args.seeds < 1:
         print(f"error: --seeds={args.seeds}: expected an integer >= 1", file=sys.stderr)
         return 2
-    lab = Lab(table, seeds=range(args.seeds), root=args.root or None)
+    lab = Lab(table, seeds=range(args.seeds), root=args.root or None, rerun=args.rerun)
     wanted = args.rows.split(",") if args.rows else [r.name for r in table.rows]
     bad = [w for w in wanted if w not in lab.rows]
     if bad:

@@ -22,6 +22,7 @@ always gives the same result. tools/prepare.py runs it (--clean=prose|code|none)
 
 Run:
     python -m lessons.clean        # the report for the shipped code corpus, nothing written
+    python -m lessons.clean --kind=prose data/shakespeare.jsonl.gz   # the plays under Gopher's rules
     python -m tools.prepare --clean=prose --out_dir=/tmp/x mine.jsonl   # your own files, cleaned and tokenised
 Test:
     python -m pytest tests/test_clean.py
@@ -187,11 +188,49 @@ class Cleaner:
                     chars_out=self.chars_out, seconds=round(self.seconds, 3))
 
 
-if __name__ == "__main__":  # the demo: the shipped code corpus ({"text": ...} per line), cleaned as code; nothing written
+def main(argv):
+    """python -m lessons.clean [--kind=code|prose|dedup] [FILE.jsonl[.gz] ...]: the cleaning report of the
+    files ({"text": ...} per line; none: the shipped code corpus), nothing written; 0, or 2 after one
+    'error: ...' line for a bad argument or file."""
     import os
-    cleaner = Cleaner("code")
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "python.jsonl.gz")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            cleaner.keep(json.loads(line)["text"])
+    import sys
+    kind, paths = "code", []
+    for a in argv:
+        if a in ("-h", "--help"):
+            print(__doc__.split("Run:")[0].rstrip() + "\n\n" + main.__doc__.split(":")[0] + "\n"
+                  "  --kind=code|prose|dedup  quality rules for code or prose, then deduplication; dedup: "
+                  "only that (default code)")
+            return 0
+        if a.startswith("--kind="):
+            kind = a.split("=", 1)[1]
+            if kind not in ("code", "prose", "dedup"):
+                print(f"error: --kind={kind}: expected code, prose or dedup", file=sys.stderr)
+                return 2
+        elif a.startswith("-"):
+            print(f"error: {a}: unknown option; python -m lessons.clean --help lists them", file=sys.stderr)
+            return 2
+        else:
+            paths.append(a)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cleaner = Cleaner(None if kind == "dedup" else kind)
+    for path in paths or [os.path.join(root, "data", "python.jsonl.gz")]:
+        n = 0
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else \
+                    open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        cleaner.keep(json.loads(line)["text"])
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
+            why = getattr(e, "strerror", None) or f"not a {{\"text\": ...}} JSON line ({type(e).__name__})"
+            where = f"line {n}: " if n else ""
+            print(f"error: {path}: {where}{why}; pass .jsonl or .jsonl.gz files of {{\"text\": ...}} lines",
+                  file=sys.stderr)
+            return 2
     print(cleaner.report())
+    return 0
+
+
+if __name__ == "__main__":  # the demo: the shipped code corpus cleaned as code, or your files; nothing written
+    import sys
+    sys.exit(main(sys.argv[1:]))

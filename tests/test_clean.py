@@ -176,3 +176,24 @@ def test_clean_and_prepare_command_lines_print_the_report(tmp_path):
                          text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "prose, code, dedup, none" in bad.stderr
 
+
+
+def test_clean_command_line_takes_help_a_kind_and_files_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    assert clean.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m lessons.clean [--kind=code|prose|dedup]" in out and "MinHash" in out
+    words = " ".join(_words(60, 0))
+    src = tmp_path / "mine.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in (words, words.upper(), "too short")))
+    assert clean.main(["--kind=dedup", str(src)]) == 0  # the upper-cased copy is an exact duplicate
+    assert "3 documents in, 1 removed (1 exact duplicate), 2 kept" in capsys.readouterr().out
+    assert clean.main(["--kind=prose", str(src)]) == 0  # and Gopher's 50-word minimum drops the third
+    assert "3 documents in, 2 removed" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
+    for argv, fact in ((["--kind=web"], "--kind=web: expected code, prose or dedup"),
+                       (["--bogus"], "--bogus: unknown option"),
+                       ([str(tmp_path / "none.jsonl")], "none.jsonl: No such file"),
+                       ([str(tmp_path / "bad.jsonl")], "bad.jsonl: line 2: not a {\"text\": ...} JSON line")):
+        assert clean.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and fact in err[0], (argv, err)

@@ -353,3 +353,16 @@ def test_check_llamacpp_times_greedy_generation_in_both_and_counts_the_tokens_th
         r = check_llamacpp.generation_speed(model, "unused.gguf", prompt, 8)
         assert r["greedy_tokens_agreeing_from_the_start"] == agree and r["gen_tokens"] == 8
         assert r["llamacpp_gen_tokens_per_s"] > 0 and r["ours_packed_gen_tokens_per_s"] > 0
+
+
+def test_check_llamacpp_sh_help_prints_the_flags_without_installing_anything(tmp_path):
+    """--help answers at once: the script's pip install (a compile of tens of minutes) is not reached; a pip
+    that records being called stands in for the real one on PATH."""
+    (tmp_path / "pip").write_text(f"#!/bin/sh\ntouch {tmp_path / 'pip_ran'}\nexit 1\n")
+    os.chmod(tmp_path / "pip", 0o755)
+    env = dict(ENV, PATH=f"{tmp_path}{os.pathsep}{ENV.get('PATH', '')}", PYTHONPATH=ROOT)
+    for flag in ("--help", "-h"):
+        r = subprocess.run(["bash", os.path.join(ROOT, "lab", "check_llamacpp.sh"), flag], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "--gen_tokens" in r.stdout and "llama.cpp" in r.stdout, r.stderr
+    assert not (tmp_path / "pip_ran").exists()

@@ -710,3 +710,24 @@ def test_the_dlm_score_averages_the_masked_tokens_only(monkeypatch):
     monkeypatch.setattr(dlm, "predictions", wrong_unless_masked)
     loss, count = runner.dlm_val_loss("unused.pt", os.path.join(ROOT, "data", "shakespeare_byte"), 0.15)
     assert abs(loss - math.log(V)) < 1e-5 and count > 0, (loss, math.log(V))
+
+
+def test_rerun_takes_nothing_from_the_committed_table_and_trains_again_what_was_taken(tmp_path, monkeypatch):
+    """A fresh clone takes every committed run (nothing trained); --rerun=True takes none and trains every run,
+    those taken in an earlier sitting too (their result.json says "adopted"), in the runner's order."""
+    results, root, t = _committed_table(tmp_path)
+    t.run(["a", "b", "c"], log=lambda line: None)  # the earlier sitting: all three taken
+    assert all(t.result(r, 0)["adopted"] for r in "abc")
+    trained = []
+    monkeypatch.setattr(runner.Lab, "run_one", lambda self, row, seed, log: trained.append((row.name, seed)))
+    again = runner.Lab(_table(), seeds=(0,), root=root, results=results, python="/nonexistent/python", rerun=True)
+    logs = []
+    again.run(["a", "b", "c"], log=logs.append)
+    assert trained == [("a", 0), ("b", 0), ("c", 0)] and not [x for x in logs if "not trained again" in x]
+    seen = []  # the command line passes the flag on
+    monkeypatch.setattr(tables, "TABLES", {"t": _table})
+    monkeypatch.setattr(runner.Lab, "run", lambda self, wanted: seen.append(self.rerun))
+    monkeypatch.setattr(runner.Lab, "report", lambda self: None)
+    monkeypatch.setattr(runner.Lab, "check_writable", lambda self: None)
+    assert runner.main(["t", "--rerun=True", f"--root={root}"]) == 0 and runner.main(["t"]) == 0
+    assert seen == [True, False]

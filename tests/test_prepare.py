@@ -899,3 +899,23 @@ def test_ctrl_c_while_a_models_tokenizer_loads_is_one_line(tmp_path, capsys, mon
     monkeypatch.setattr(prepare, "get_tokenizer", interrupted)
     line = fails(capsys, "--tokenizer=byte", f"--out_dir={tmp_path / 'o'}", main=prepare.main, code=130)
     assert "Ctrl-C" in line and "--tokenizer=byte" in line and not os.path.exists(tmp_path / "o")
+
+
+def test_a_single_txt_like_nanogpts_input_txt_is_split_into_its_paragraphs(tmp_path, capsys):
+    # nanoGPT's data/shakespeare_char/input.txt is one file: given alone, its paragraphs are the documents
+    # (every 3rd to val here), and the documents joined are the file byte for byte
+    speeches = [f"SPEAKER {k}:\nLine {k} of the play.\r\n" + ("\n \n" if k % 2 else "\n\n") for k in range(9)]
+    text = "\n\n" + "".join(speeches) + "END"  # blank lines first stay with the first paragraph
+    (tmp_path / "input.txt").write_bytes(text.encode())
+    assert prepare.main([f"--out_dir={tmp_path / 'o'}", "--val_every=3", str(tmp_path / "input.txt")]) == 0
+    assert f"the 10 paragraphs of {tmp_path / 'input.txt'}" in capsys.readouterr().out
+    tok = get_tokenizer("byte")
+    docs = [tok.decode(d.tolist()) for split in ("train", "val") for shard in _read_split(tmp_path / "o", split)
+            for d in np.split(shard, np.flatnonzero(shard == tok.eot))[1:]]
+    assert sorted(docs) == sorted(["\n\n" + speeches[0]] + speeches[1:] + ["END"])
+    assert data.read_meta(str(tmp_path / "o"))["n_docs_val"] == 3
+    (tmp_path / "two.txt").write_text("one paragraph only\n")  # beside another file, a .txt is one document
+    prepare.prepare([str(tmp_path / "input.txt"), str(tmp_path / "two.txt")], out_dir=str(tmp_path / "p"),
+                    val_every=2)
+    meta = data.read_meta(str(tmp_path / "p"))
+    assert meta["n_docs_train"] + meta["n_docs_val"] == 2

@@ -128,8 +128,13 @@ def check_run(cfg, rt, out_dir, teachers):
     teachers, or an out_dir that cannot be written."""
     world = rt.world
     if cfg.grad_accum % world:
-        die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} ranks, so it must "
-            f"be a multiple of {world}; pass --grad_accum={world * max(1, cfg.grad_accum // world)}", 2)
+        seqs = cfg.batch_size * cfg.grad_accum  # a step's sequences, kept by a smaller micro-batch
+        k = next((k for k in range(world, seqs + 1, world) if seqs % k == 0), None)
+        same = f", or --batch_size={seqs // k} --grad_accum={k} for the same {seqs} sequences a " \
+            f"step" if k else ""
+        die(f"--grad_accum={cfg.grad_accum} counts the micro-batches of one step over all {world} "
+            f"ranks, so it must be a multiple of {world}; pass "
+            f"--grad_accum={world * max(1, cfg.grad_accum // world)}{same}", 2)
     if world > 1 and cfg.stage == DLM_STAGE:
         die("--stage=dlm runs in one process here (its loss calls the model directly, not the DDP wrapper)", 2)
     if world > 1 and (cfg.normuon or cfg.muon_state != "fp32" or cfg.qk_clip_tau > 0):
