@@ -336,3 +336,49 @@ def test_against_nanogpt_refuses_too_few_steps_for_its_median(capsys):
     from lab import against_nanogpt
     msg = fails(capsys, "--max_iters=5", main=against_nanogpt.main, code=2)
     assert "--max_iters=5" in msg and "at least 11" in msg, msg
+
+
+def fake_nanogpt(root, body):
+    """A directory that passes for a nanoGPT checkout, whose train.py is body."""
+    root.mkdir()
+    (root / "train.py").write_text(body)
+    (root / "model.py").write_text("")
+    (root / "configurator.py").write_text("")
+    return root
+
+
+@pytest.mark.slow
+def test_against_nanogpt_ctrl_c_stops_the_child_in_one_line_with_the_signal_status(tmp_path):
+    """Ctrl-C (SIGINT to our process only) while nanoGPT's train.py runs: one error line, exit 130 (128 + SIGINT),
+    no traceback; the child is stopped and the temporary directory it ran in removed."""
+    import signal
+    import time
+    ng = fake_nanogpt(tmp_path / "nanoGPT", "import os, time\nopen(os.environ['SEEN'], 'w').write("
+                      "f'{os.getpid()} {os.getcwd()}')\ntime.sleep(120)\n")
+    seen = tmp_path / "seen"
+    p = subprocess.Popen([sys.executable, "-m", "lab.against_nanogpt", f"--nanogpt={ng}", "--max_iters=12"],
+                         cwd=ROOT, env=dict(ENV, SEEN=str(seen)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    deadline = time.time() + 120
+    while not (seen.exists() and seen.read_text()) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    pid, cwd = seen.read_text().split()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert p.returncode == 128 + signal.SIGINT and len(lines) == 1, (p.returncode, err)
+    assert lines[0].startswith("error: stopped by Ctrl-C while nanoGPT's train.py ran"), err
+    assert not os.path.exists(f"/proc/{pid}") and not os.path.exists(cwd)
+
+
+def test_against_nanogpt_says_in_one_line_when_a_log_has_too_few_steps_or_train_args_clash(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """A nanoGPT whose log holds fewer step times than the median needs is one line naming it (a
+    StatisticsError before); --train_args that set what the comparison sets, or do not split, are refused."""
+    from lab import against_nanogpt
+    ng = fake_nanogpt(tmp_path / "nanoGPT", "for i in range(5):\n    print(f'iter {i}: loss 2.0, time 100.00ms')\n")
+    msg = fails(capsys, f"--nanogpt={ng}", "--max_iters=12", code=2, main=against_nanogpt.main)
+    assert "nanoGPT logged 5 step times" in msg and "at least 11" in msg, msg
+    for args, fact in (("--max_iters=5", "--max_iters=5 is set by this comparison"), ('"x', "cannot split")):
+        msg = fails(capsys, f"--nanogpt={ng}", f"--train_args={args}", code=2, main=against_nanogpt.main)
+        assert fact in msg, msg
