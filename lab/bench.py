@@ -1,30 +1,40 @@
 """
 Benchmarks. Every speed number in the results pages comes from one of these commands.
 
-  python -m lab.bench            the Triton ternary matmul (decode: dp4a, prefill: int8 MMA) vs bf16 F.linear, here
-                                 (CUDA only; prints a note and exits 0 without a GPU)
-  python -m lab.bench --data     tokeniser throughput on the shipped corpus (target: gpt2 >= 2M tokens/s on 2 cores)
-  python -m lab.bench --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the hidden matrices of the CPU model
-  python -m lab.bench --train    training steps at the device preset's grad accumulation: nanoGPT baseline vs ours
-                                 fp vs ours QAT, eager and compiled (lab/bench_train.py; --runs= picks some)
-  python -m lab.bench --train --model=M   a pretrained model's shape against transformers' own step and generate
-  python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours fp vs the nanoGPT baseline
-  python -m lab.bench --decode   batch-1 greedy decoding, fp bf16 vs packed ternary (lab/bench_decode.py); with
-                                 --shape=1b a 1B-class model (16 x 2048, GQA 32/8, vocab 128,256), random weights
-  python -m lab.bench --quality  time to quality: our quick start vs a nanoGPT-shaped fp baseline to the same val
-                                 loss, as a ratio from one run (lab/bench_quality.py)
+  python -m lab.bench            the Triton ternary matmul (decode: dp4a, prefill: int8 MMA) vs bf16
+                                 F.linear, here (CUDA only; prints a note and exits 0 without a GPU)
+  python -m lab.bench --data     tokeniser throughput on the shipped corpus (target: gpt2 >= 2M
+                                 tokens/s on 2 cores)
+  python -m lab.bench --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the CPU model's matrices
+  python -m lab.bench --train    training steps at the device preset's grad accumulation: nanoGPT
+                                 baseline vs ours fp vs ours QAT, eager and compiled
+                                 (lab/bench_train.py; --runs= picks some)
+  python -m lab.bench --train --model=M   a pretrained model's shape against transformers' own
+                                 training step and generate
+  python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours fp vs nanoGPT
+  python -m lab.bench --decode   batch-1 greedy decoding, fp bf16 vs packed ternary
+                                 (lab/bench_decode.py); with --shape=1b a 1B-class model
+                                 (16 x 2048, GQA 32/8, vocab 128,256), random weights
+  python -m lab.bench --quality  time to quality: our quick start vs a nanoGPT-shaped fp baseline to
+                                 the same val loss, as a ratio from one run (lab/bench_quality.py)
 
-The nanoGPT baseline of every comparison is lab/nanogpt.py; real nanoGPT is lab/against_nanogpt.py's.
+The nanoGPT baseline of every comparison is lab/nanogpt.py; real nanoGPT is
+lab/against_nanogpt.py's.
 
-Kernel timing (this file). Each shape's weights are rotated through enough copies to exceed the L2 cache (> 256
-MiB in all), so each call streams its weights from HBM as a real decode step does. Columns:
-  graph us     GPU time per call: one CUDA graph holding one call per weight copy, replayed 10 times, timed
-               with CUDA events; the median replay over the calls it holds. No host time in it.
-  do_bench us  triton.testing.do_bench's median (return_mode="median"), the column of earlier measurements; at
-               small shapes it holds host time, since do_bench only hides what its cache flush outlasts
-  host us      wall time per call of 50 calls issued back to back without a sync: the Python and launch cost
-Bandwidth (GB/s, % copy) is from the graph time, against a measured device-to-device copy (read + write bytes).
-On CPU (tests) the same functions run with plain-torch stand-ins of the kernels and no graph column.
+Kernel timing (this file). Each shape's weights are rotated through enough copies to exceed the L2
+cache (> 256 MiB in all), so each call streams its weights from HBM as a real decode step does.
+Columns:
+  graph us     GPU time per call: one CUDA graph holding one call per weight copy, replayed 10
+               times, timed with CUDA events; the median replay over the calls it holds. No host
+               time in it.
+  do_bench us  triton.testing.do_bench's median (return_mode="median"), the column of earlier
+               measurements; at small shapes it holds host time, since do_bench only hides what its
+               cache flush outlasts
+  host us      wall time per call of 50 calls issued back to back without a sync: the Python and
+               launch cost
+Bandwidth (GB/s, % copy) is from the graph time, against a measured device-to-device copy (read +
+write bytes). On CPU (tests) the same functions run with plain-torch stand-ins of the kernels and no
+graph column.
 """
 
 import signal
@@ -48,8 +58,8 @@ def bench_data():
     for name in TOKENIZERS:  # the built-in ones
         prepare.tokenize_throughput(name)  # warm-up: builds the encoder, reads the corpus
         rates = sorted(prepare.tokenize_throughput(name) for _ in range(3))
-        print(f"{name:5s} tokeniser: {rates[1] / 1e6:7.2f} M tokens/s (median of 3, encode_batch on the "
-              f"shipped corpus, {torch.get_num_threads()} threads)")
+        print(f"{name:5s} tokeniser: {rates[1] / 1e6:7.2f} M tokens/s (median of 3, encode_batch "
+              f"on the shipped corpus, {torch.get_num_threads()} threads)")
 
 
 def bench_muon():
@@ -64,14 +74,16 @@ def bench_muon():
         for _ in range(5):
             [zeropower_via_newtonschulz5(m, dtype=dtype) for m in mats]
         ms = (time.perf_counter() - t) / 5 * 1000
-        print(f"NS5 on the {len(mats)} hidden matrices of the CPU model, {str(dtype):15s}: {ms:8.1f} ms per step")
+        print(f"NS5 on the {len(mats)} hidden matrices of the CPU model, {str(dtype):15s}: "
+              f"{ms:8.1f} ms per step")
 
 
 # -----------------------------------------------------------------------------
 # kernels: M x K activations times an N x K weight
 
 SHAPES = [(m, n, k) for m in (1, 16, 2048) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008))]
-SHAPES += [(1, 576, 576), (1, 1536, 576), (1, 576, 1536), (4, 4096, 4096)]  # SmolLM2-135M's layers; a batch of 4
+# SmolLM2-135M's layers; a batch of 4
+SHAPES += [(1, 576, 576), (1, 1536, 576), (1, 576, 1536), (4, 4096, 4096)]
 L2_BUDGET = 256 * 2**20  # bytes of rotated weight copies per shape: more than any GPU's L2
 
 
@@ -81,8 +93,9 @@ def copies_for(nbytes, budget=L2_BUDGET):
 
 
 def kernel_ops(cuda):
-    """(quantise, ternary matmul) as the benchmark calls them: the Triton kernels on CUDA; on CPU their plain-torch
-    contract (quant.activation_quant, kernels.planes.ternary_matmul_reference), so the harness runs in tests."""
+    """(quantise, ternary matmul) as the benchmark calls them: the Triton kernels on CUDA; on CPU
+    their plain-torch contract (quant.activation_quant, kernels.planes.ternary_matmul_reference), so
+    the harness runs in tests."""
     if cuda:
         from kernels.ternary_matmul import quantize_activations, ternary_matmul
         return quantize_activations, ternary_matmul
@@ -92,8 +105,9 @@ def kernel_ops(cuda):
 
 
 def host_us(fn, n=50, sync=lambda: None):
-    """Wall microseconds per call of n calls issued back to back (no sync between them): the host's cost of a
-    call while the device keeps up; on CPU, where nothing is asynchronous, the whole call."""
+    """Wall microseconds per call of n calls issued back to back (no sync between them): the host's
+    cost of a call while the device keeps up; on CPU, where nothing is asynchronous, the whole
+    call."""
     fn()
     sync()
     t0 = time.perf_counter()
@@ -105,7 +119,8 @@ def host_us(fn, n=50, sync=lambda: None):
 
 
 def wall_median_us(fn, n=20, sync=lambda: None):
-    """The median of n synchronised wall-clock calls, in microseconds (do_bench's stand-in off CUDA)."""
+    """The median of n synchronised wall-clock calls, in microseconds (do_bench's stand-in off
+    CUDA)."""
     times = []
     for _ in range(n + 1):
         sync()
@@ -122,8 +137,9 @@ def per_call_median_us(replay_ms, calls):
 
 
 def cuda_graph_replays_ms(calls, replays=10):
-    """CUDA only: the list calls (no-argument functions) captured in order in one CUDA graph after one warm-up
-    pass on a side stream (Triton compiles there); the milliseconds of each of `replays` replays (CUDA events)."""
+    """CUDA only: the list calls (no-argument functions) captured in order in one CUDA graph after
+    one warm-up pass on a side stream (Triton compiles there); the milliseconds of each of `replays`
+    replays (CUDA events)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -135,7 +151,8 @@ def cuda_graph_replays_ms(calls, replays=10):
         for fn in calls:
             fn()
     graph.replay()  # first replay: uploads the graph
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(replays)]
     for start, end in events:
         start.record()
         graph.replay()
@@ -145,7 +162,8 @@ def cuda_graph_replays_ms(calls, replays=10):
 
 
 def cuda_do_bench_us(fn):
-    """CUDA only: triton.testing.do_bench's median, in microseconds (its default return_mode is the mean)."""
+    """CUDA only: triton.testing.do_bench's median, in microseconds (its default return_mode is the
+    mean)."""
     from triton.testing import do_bench
     return 1e3 * do_bench(fn, return_mode="median")
 
@@ -158,9 +176,10 @@ def cuda_copy_bandwidth():
 
 
 def kernel_row(M, N, K, dev, budget=L2_BUDGET):
-    """One shape's timings (us per call) of bf16 F.linear, the ternary matmul alone and the whole packed linear
-    (quantise + matmul from the bf16 input), each over its rotated weight copies: graph (CUDA), do_bench (CUDA;
-    CPU: a wall-clock median), host; the copies' count and the bytes a ternary call moves."""
+    """One shape's timings (us per call) of bf16 F.linear, the ternary matmul alone and the whole
+    packed linear (quantise + matmul from the bf16 input), each over its rotated weight copies:
+    graph (CUDA), do_bench (CUDA; CPU: a wall-clock median), host; the copies' count and the bytes a
+    ternary call moves."""
     import torch.nn.functional as F
     cuda = dev == "cuda"
     quantize, matmul = kernel_ops(cuda)
@@ -172,15 +191,18 @@ def kernel_row(M, N, K, dev, budget=L2_BUDGET):
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=g)
     x_q, x_scale = quantize(x)
     gamma = torch.tensor(0.02, device=dev)
+    bf16 = torch.bfloat16
     calls = {"bf16": [lambda w=w: F.linear(x, w) for w in ws],
-             "ternary": [lambda w=w: matmul(x_q, x_scale, w, gamma, out_dtype=torch.bfloat16) for w in wp],
-             "linear": [lambda w=w: matmul(*quantize(x), w, gamma, out_dtype=torch.bfloat16) for w in wp]}
+             "ternary": [lambda w=w: matmul(x_q, x_scale, w, gamma, out_dtype=bf16) for w in wp],
+             "linear": [lambda w=w: matmul(*quantize(x), w, gamma, out_dtype=bf16) for w in wp]}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # moved: the packed weights, int8 x, bf16 y and the scales
     row = dict(M=M, N=N, K=K, copies=(len(ws), len(wp)),
-               moved=N * ((K + 3) // 4) + M * K + M * N * 2 + M * 4)  # packed weights, int8 x, bf16 y, scales
+               moved=N * ((K + 3) // 4) + M * K + M * N * 2 + M * 4)
     for name, fns in calls.items():
         rotate = _rotation(fns)
-        row[name] = dict(graph=per_call_median_us(cuda_graph_replays_ms(fns), len(fns)) if cuda else None,
+        graph = per_call_median_us(cuda_graph_replays_ms(fns), len(fns)) if cuda else None
+        row[name] = dict(graph=graph,
                          do_bench=cuda_do_bench_us(rotate) if cuda else wall_median_us(rotate),
                          host=host_us(rotate, sync=sync))
     return row
@@ -197,7 +219,8 @@ def _rotation(fns):
 
 
 def kernel_line(r, copy_bw=None, decode_max_m=16):
-    """A row of the kernel table from kernel_row's dict; '-' where a column was not measured (no graph on CPU)."""
+    """A row of the kernel table from kernel_row's dict; '-' where a column was not measured (no
+    graph on CPU)."""
     def us(v):
         return f"{v:9.1f}" if v is not None else f"{'-':>9s}"
     b, t, lin = r["bf16"], r["ternary"], r["linear"]
@@ -206,24 +229,27 @@ def kernel_line(r, copy_bw=None, decode_max_m=16):
     pct = f"{100 * gbs * 1e9 / copy_bw:6.1f}" if gbs and copy_bw else f"{'-':>6s}"
     kind = "decode" if r["M"] <= decode_max_m else "prefill"
     bw = f"{gbs:8.0f}" if gbs else f"{'-':>8s}"
-    return (f"{r['M']:5d} {r['N']:6d} {r['K']:6d} {kind:>7} | {us(b['graph'])} {us(t['graph'])} {speedup} "
-            f"{us(lin['graph'])} | {bw} {pct} | {us(b['do_bench'])} "
-            f"{us(t['do_bench'])} {us(lin['do_bench'])} | {us(b['host'])} {us(t['host'])} {us(lin['host'])}")
+    return (f"{r['M']:5d} {r['N']:6d} {r['K']:6d} {kind:>7} | {us(b['graph'])} {us(t['graph'])} "
+            f"{speedup} {us(lin['graph'])} | {bw} {pct} | {us(b['do_bench'])} "
+            f"{us(t['do_bench'])} {us(lin['do_bench'])} | {us(b['host'])} {us(t['host'])} "
+            f"{us(lin['host'])}")
 
 
-KERNEL_HEADER = (f"{'':27s} | {'graph us (GPU time)':^37s} | {'ternary BW':^15s} | {'do_bench median us':^29s} | "
-                 f"{'host us per call':^29s}\n"
-                 f"{'M':>5} {'N':>6} {'K':>6} {'kernel':>7} | {'bf16':>9} {'ternary':>9} {'speedup':>7} "
-                 f"{'linear':>9} | {'GB/s':>8} {'% copy':>6} | {'bf16':>9} {'ternary':>9} {'linear':>9} | "
-                 f"{'bf16':>9} {'ternary':>9} {'linear':>9}")
+COLUMNS = f"{'bf16':>9} {'ternary':>9} {'linear':>9}"
+KERNEL_HEADER = (f"{'':27s} | {'graph us (GPU time)':^37s} | {'ternary BW':^15s} | "
+                 f"{'do_bench median us':^29s} | {'host us per call':^29s}\n"
+                 f"{'M':>5} {'N':>6} {'K':>6} {'kernel':>7} | {'bf16':>9} {'ternary':>9} "
+                 f"{'speedup':>7} {'linear':>9} | {'GB/s':>8} {'% copy':>6} | {COLUMNS} | "
+                 f"{COLUMNS}")
 
 
 def bench_kernels(shapes=None, dev=None, budget=L2_BUDGET):
-    """The kernel table (this file's docstring says what each column times). dev None: CUDA, or a note and
-    nothing without it; dev="cpu" runs the harness with the plain-torch stand-ins (tests, tiny shapes)."""
+    """The kernel table (this file's docstring says what each column times). dev None: CUDA, or a
+    note and nothing without it; dev="cpu" runs the harness with the plain-torch stand-ins (tests,
+    tiny shapes)."""
     if dev is None and not torch.cuda.is_available():
-        print("bench.py: no CUDA device here; the kernel benchmark needs a GPU (the kernels are tested on CPU "
-              "under TRITON_INTERPRET=1: python -m pytest tests/test_kernels.py)")
+        print("bench.py: no CUDA device here; the kernel benchmark needs a GPU (the kernels are "
+              "tested on CPU under TRITON_INTERPRET=1: python -m pytest tests/test_kernels.py)")
         return []
     dev = dev or "cuda"
     cuda = dev == "cuda"
@@ -232,9 +258,9 @@ def bench_kernels(shapes=None, dev=None, budget=L2_BUDGET):
     copy_bw = cuda_copy_bandwidth() if cuda else None
     if copy_bw:
         print(f"measured device-to-device copy: {copy_bw / 1e9:.0f} GB/s")
-    print("us per call. ternary: the matmul kernel alone; linear: quantise + matmul from the bf16 input "
-          "(a PackedBitLinear's two launches). Columns: GPU time in one CUDA graph | ternary's bandwidth from "
-          "it | do_bench median (the earlier column) | host time per call")
+    print("us per call. ternary: the matmul kernel alone; linear: quantise + matmul from the bf16 "
+          "input (a PackedBitLinear's two launches). Columns: GPU time in one CUDA graph | "
+          "ternary's bandwidth from it | do_bench median (the earlier column) | host time per call")
     print(KERNEL_HEADER)
     rows = []
     for M, N, K in shapes or SHAPES:
@@ -259,19 +285,26 @@ class BenchFlags:
     muon: bool = False           # Newton-Schulz in bf16 vs fp32 on the CPU model's hidden matrices
     train: bool = False          # training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
     profile: bool = False        # where the CPU step time goes (torch.profiler)
-    decode: bool = False         # batch-1 greedy decoding: fp vs packed, eager vs one CUDA graph a step
-    quality: bool = False        # time to quality: ours vs a nanoGPT-shaped fp baseline, to the same val loss
-    target: float = 0.0          # --quality: the val loss to reach (finite, > 0); 0 = the baseline's final val loss
-    train_args: str = ""         # --quality: more train.py flags for our run and the shape of both, e.g. "--lr=3e-3"
-    model: str = ""              # --train: a pretrained model's real shape against transformers' own training step
-                                 # and generate (e.g. data/models/SmolLM2-135M-Instruct.Q4_1.gguf)
-    runs: str = ""               # --train: some of the runs, comma-separated (default all): nanogpt, fp, qat,
-                                 # qat_sep, qat_bf16 (CPU), nanogpt_c, fp_c, qat_c (_c: compiled)
-    shape: str = "preset"        # --decode: preset (the device preset's model) or 1b (16 x 2048, GQA 32/8 heads,
-                                 # FFN 8192, vocab 128,256, random weights: the weights set the decode time)
+    decode: bool = False         # batch-1 greedy decoding: fp vs packed, eager vs CUDA graphs
+    quality: bool = False        # time to quality: ours vs a nanoGPT-shaped fp baseline, to the
+                                 # same val loss
+    target: float = 0.0          # --quality: the val loss to reach (finite, > 0); 0 = the
+                                 # baseline's final val loss
+    train_args: str = ""         # --quality: more train.py flags for our run and the shape of both,
+                                 # e.g. "--lr=3e-3"
+    model: str = ""              # --train: a pretrained model's real shape against transformers'
+                                 # own training step and generate
+                                 # (e.g. data/models/SmolLM2-135M-Instruct.Q4_1.gguf)
+    runs: str = ""               # --train: some of the runs, comma-separated (default all):
+                                 # nanogpt, fp, qat, qat_sep, qat_bf16 (CPU), nanogpt_c, fp_c,
+                                 # qat_c (_c: compiled)
+    shape: str = "preset"        # --decode: preset (the device preset's model) or 1b (16 x 2048,
+                                 # GQA 32/8 heads, FFN 8192, vocab 128,256, random weights: the
+                                 # weights set the decode time)
 
 
-OPTIONS = {"target": "quality", "train_args": "quality", "model": "train", "runs": "train", "shape": "decode"}
+OPTIONS = {"target": "quality", "train_args": "quality", "model": "train", "runs": "train",
+           "shape": "decode"}  # option: the benchmark it belongs to
 
 
 def main(argv):
@@ -285,17 +318,19 @@ def main(argv):
         if OPTIONS[k] not in flags:
             die(f"--{k} is an option of --{OPTIONS[k]}; add --{OPTIONS[k]}", 2)
     if "train" in flags and opts.get("model") and opts.get("runs"):
-        die("--runs picks runs of the preset's benchmark; with --model the pretrained model's runs are fixed: "
-            "drop one of them", 2)
+        die("--runs picks runs of the preset's benchmark; with --model the pretrained model's runs "
+            "are fixed: drop one of them", 2)
     which = next(iter(flags), "kernels")
     if which == "train":
         from lab import bench_train
         runs = bench_train.check_runs(opts.get("runs", ""))
-        return bench_train.bench_pretrained(opts["model"]) if opts.get("model") else bench_train.bench_train(
-            runs=runs)
+        if opts.get("model"):
+            return bench_train.bench_pretrained(opts["model"])
+        return bench_train.bench_train(runs=runs)
     if which == "decode":
         from lab import bench_decode
-        return bench_decode.bench_decode(shape=bench_decode.check_shape(opts.get("shape", "preset")))
+        shape = bench_decode.check_shape(opts.get("shape", "preset"))
+        return bench_decode.bench_decode(shape=shape)
     if which == "quality":
         from lab import bench_quality
         return bench_quality.bench_quality(**opts)

@@ -1,27 +1,32 @@
 """
-python -m lab.bench --decode [--shape=1b]: batch-1 greedy decoding, fp vs packed ternary, measured in parts.
+python -m lab.bench --decode [--shape=1b]: batch-1 greedy decoding, fp vs packed ternary, measured
+in parts.
 
-Two models of one shape, random weights: fp (bf16 on CUDA) and packed ternary (kernels/packed_linear.py), each
-decoded by model.generate (dynamic KV cache) and by tools/decode.py's Decoder(model, mode).generate (static KV
-cache: eager; on CUDA also graph, one captured CUDA graph a token, and compile, torch.compile then captured).
-Shapes: preset, the device preset's model (CUDA: 12 x 768, GPT-2 vocabulary; CPU: a tiny fp32 model), and 1b, a
-1B-class Llama shape (16 x 2048, FFN 8192, GQA 32/8 heads, vocab 128,256), at which the weights, not the launches,
-should set the time of a token (2.5 GB in bf16 against ~0.8 GB packed, the bf16 embedding/head included).
-Columns, per (model, mode):
-  tok/s      new_tokens / the wall time of one generate call (its prompt's prefill included): the earlier column
-  loop us    wall us per token of the decode loop alone: (t(N) - t(N/2)) / (N/2), so the prefill cancels
-  replay us  CUDA graph modes: the decoder's captured step (the CUDA graph it holds) replayed alone, us per replay
-             (CUDA events): the GPU time of a token with no host loop around it
-  ops/token  CUDA: GPU activities (kernels, copies) per token in torch.profiler, inside graphs too; CPU: aten ops
-             dispatched per token. Both from two generate lengths, (n(2k) - n(k)) / k, so the prefill cancels
-  syncs      CUDA: host syncs per token (torch.cuda.set_sync_debug_mode("warn") warnings), the same difference
-  same       tokens equal to model.generate's (random weights: near-ties, so float rounding can differ)
-Every measurement runs on CPU too (tests), where the CUDA-only ones print "-"; each torch.cuda call sits in a small
-function named cuda_*.
-Test: python -m pytest tests/test_bench.py -k decode
+Two models of one shape, random weights: fp (bf16 on CUDA) and packed ternary
+(kernels/packed_linear.py), each decoded by model.generate (dynamic KV cache) and by
+tools/decode.py's Decoder(model, mode).generate (static KV cache: eager; on CUDA also graph, one
+captured CUDA graph a token, and compile, torch.compile then captured). Shapes: preset, the device
+preset's model (CUDA: 12 x 768, GPT-2 vocabulary; CPU: a tiny fp32 model), and 1b, a 1B-class Llama
+shape (16 x 2048, FFN 8192, GQA 32/8 heads, vocab 128,256), at which the weights, not the launches,
+should set the time of a token (2.5 GB in bf16 against ~0.8 GB packed, the bf16 embedding/head
+included). Columns, per (model, mode):
+  tok/s      new_tokens / the wall time of one generate call (its prompt's prefill included): the
+             earlier column
+  loop us    wall us per token of the decode loop alone: (t(N) - t(N/2)) / (N/2), so the prefill
+             cancels
+  replay us  CUDA graph modes: the decoder's captured step (the CUDA graph it holds) replayed alone,
+             us per replay (CUDA events): the GPU time of a token with no host loop around it
+  ops/token  CUDA: GPU activities (kernels, copies) per token in torch.profiler, inside graphs too;
+             CPU: aten ops dispatched per token. Both from two generate lengths, (n(2k) - n(k)) / k,
+             so the prefill cancels
+  syncs      CUDA: host syncs per token (torch.cuda.set_sync_debug_mode("warn") warnings), the same
+             difference
+  same       tokens equal to model.generate's (random weights: near-ties, so float rounding can
+             differ)
+Every measurement runs on CPU too (tests), where the CUDA-only ones print "-"; each torch.cuda call
+sits in a small function named cuda_*. Test: python -m pytest tests/test_bench.py -k decode
 """
 
-import statistics
 import time
 import warnings
 
@@ -34,33 +39,36 @@ SHAPES = ("preset", "1b")
 
 def check_shape(shape):
     if shape not in SHAPES:
-        die(f"--shape={shape}: expected one of {', '.join(SHAPES)} (preset: the device preset's model; 1b: "
-            f"16 x 2048, GQA 32/8 heads, vocab 128,256)", 2)
+        die(f"--shape={shape}: expected one of {', '.join(SHAPES)} (preset: the device preset's "
+            f"model; 1b: 16 x 2048, GQA 32/8 heads, vocab 128,256)", 2)
     return shape
 
 
 def decode_config(shape, cuda, quant):
-    """The GPTConfig of a shape: on CUDA the real one; on CPU a tiny model of the same kind (GQA for 1b)."""
+    """The GPTConfig of a shape: on CUDA the real one; on CPU a tiny model of the same kind (GQA for
+    1b)."""
     from model import GPTConfig
     from tools import config
     if shape == "1b":
         if cuda:
-            return GPTConfig(vocab_size=128256, block_size=512, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048,
-                             mlp_hidden=8192, quant=quant, subln=False, rope_theta=500000.0)
-        return GPTConfig(vocab_size=1000, block_size=128, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
-                         mlp_hidden=256, quant=quant, subln=False)
+            return GPTConfig(vocab_size=128256, block_size=512, n_layer=16, n_head=32, n_kv_head=8,
+                             n_embd=2048, mlp_hidden=8192, quant=quant, subln=False,
+                             rope_theta=500000.0)
+        return GPTConfig(vocab_size=1000, block_size=128, n_layer=2, n_head=4, n_kv_head=2,
+                         n_embd=64, mlp_hidden=256, quant=quant, subln=False)
     if cuda:
-        return config.model_config(config.build_config({"device": "cuda", "stage": 2 if quant else 1}), 50257,
-                                   50256)
+        cfg = config.build_config({"device": "cuda", "stage": 2 if quant else 1})
+        return config.model_config(cfg, 50257, 50256)
     return GPTConfig(vocab_size=257, block_size=256, n_layer=2, n_head=2, n_embd=64, quant=quant)
 
 
 def make_models(shape, dev, dtype):
-    """{"fp": the fp model, "packed": the ternary one frozen to packed weights}, random weights, built on dev."""
+    """{"fp": the fp model, "packed": the ternary one frozen to packed weights}, random weights,
+    built on dev."""
     from kernels.packed_linear import freeze_ternary
     from model import GPT
     torch.manual_seed(0)
-    with torch.device(dev):  # initialised on the device: a 1B model in seconds, not minutes of CPU init
+    with torch.device(dev):  # initialised on the device: a 1B model in seconds, not minutes
         fp = GPT(decode_config(shape, dev == "cuda", False)).to(dtype).eval()
         packed = freeze_ternary(GPT(decode_config(shape, dev == "cuda", True)).to(dtype).eval())
     return {"fp": fp, "packed": packed}
@@ -70,8 +78,9 @@ def modes(shape, cuda):
     """{mode: its label}: the ways of decoding the benchmark times at a shape."""
     out = {"generate": "model.generate (dynamic KV cache)", "eager": "static KV cache, eager"}
     if cuda:
-        out |= {"graph": "static KV cache, CUDA graph", "compile": "static KV cache, torch.compile + CUDA graph"}
-        if shape == "1b":  # 2 compiles of a 1B model do not fit gpu_check's window; generate is the slowest
+        out |= {"graph": "static KV cache, CUDA graph",
+                "compile": "static KV cache, torch.compile + CUDA graph"}
+        if shape == "1b":  # two 1B compiles do not fit gpu_check's window; generate is the slowest
             out = {k: v for k, v in out.items() if k in ("eager", "graph")}
     return out
 
@@ -92,8 +101,8 @@ def count_aten_ops(fn):
 
 
 def cuda_gpu_ops(fn):
-    """CUDA only: GPU activities (kernels, memcpy, memset) torch.profiler records while fn() runs, graphs
-    included."""
+    """CUDA only: GPU activities (kernels, memcpy, memset) torch.profiler records while fn() runs,
+    graphs included."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -116,8 +125,9 @@ def cuda_syncs(fn):
 
 
 def cuda_replay_us(decoder, n):
-    """CUDA only: us per replay of the one CUDA graph the decoder holds after a generate call (None if it holds
-    no single one), replayed n times alone; each replay steps on by one position (n below what is left)."""
+    """CUDA only: us per replay of the one CUDA graph the decoder holds after a generate call (None
+    if it holds no single one), replayed n times alone; each replay steps on by one position (n
+    below what is left)."""
     graphs = [v for v in vars(decoder).values() if isinstance(v, torch.cuda.CUDAGraph)]
     if len(graphs) != 1 or n < 1:
         return None
@@ -133,7 +143,8 @@ def cuda_replay_us(decoder, n):
 
 
 def per_token(count, gen, k):
-    """count(lambda: gen(n)) per token from two lengths: (count at 2k - count at k) / k (the prefill cancels)."""
+    """count(lambda: gen(n)) per token from two lengths: (count at 2k - count at k) / k (the prefill
+    cancels)."""
     return (count(lambda: gen(2 * k)) - count(lambda: gen(k))) / k
 
 
@@ -147,7 +158,8 @@ def timed(gen, n, sync):
 
 
 def measure(model, mode, prompt, new_tokens, want, cuda, sync):
-    """One row's numbers (this file's docstring): tok/s, loop us, replay us, ops/token, syncs, same."""
+    """One row's numbers (this file's docstring): tok/s, loop us, replay us, ops/token, syncs,
+    same."""
     from tools import decode
     decoder = None if mode == "generate" else decode.Decoder(model, mode)
     gen = (lambda n: model.generate(prompt, n, top_k=1)) if decoder is None else (
@@ -158,7 +170,8 @@ def measure(model, mode, prompt, new_tokens, want, cuda, sync):
     t_half = timed(gen, half, sync)[0]
     room = model.config.block_size - prompt.size(1) - new_tokens - 1
     k = 2
-    row = dict(tps=new_tokens / t_full, loop_us=1e6 * max(t_full - t_half, 0.0) / (new_tokens - half),
+    loop_us = 1e6 * max(t_full - t_half, 0.0) / (new_tokens - half)
+    row = dict(tps=new_tokens / t_full, loop_us=loop_us,
                replay_us=None, ops=per_token(cuda_gpu_ops if cuda else count_aten_ops, gen, k),
                syncs=per_token(cuda_syncs, gen, k) if cuda else None,
                same=int((out[0, prompt.size(1):] == want[0, prompt.size(1):]).cumprod(0).sum()))
@@ -178,35 +191,38 @@ def line(label, r, new_tokens):
 
 
 def bench_decode(shape="preset", new_tokens=128, prompt_len=16):
-    """Batch-1 greedy decoding of new_tokens after a prompt_len-token prompt, each model by each mode of the shape
-    (this file's docstring). Returns {(model, mode): row dict}."""
+    """Batch-1 greedy decoding of new_tokens after a prompt_len-token prompt, each model by each
+    mode of the shape (this file's docstring). Returns {(model, mode): row dict}."""
     cuda = torch.cuda.is_available()
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    dname = str(dtype).removeprefix("torch.")
     models = make_models(shape, dev, dtype)
     c = models["fp"].config
     print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; model {c.n_layer}x{c.n_embd}, {c.n_head}/{c.kv_heads()} heads, FFN "
-          f"{c.hidden_dim()}, vocab {c.vocab_size}, block_size {c.block_size}; {str(dtype).removeprefix('torch.')}; "
+          f"{torch.get_num_threads()} threads; model {c.n_layer}x{c.n_embd}, "
+          f"{c.n_head}/{c.kv_heads()} heads, FFN {c.hidden_dim()}, vocab {c.vocab_size}, "
+          f"block_size {c.block_size}; {dname}; "
           f"batch 1, greedy, {new_tokens} new tokens after a {prompt_len}-token prompt")
     from kernels.packed_linear import weight_bytes
     for name, m in models.items():
         b = weight_bytes(m)
-        print(f"{name} weights: {(b['hidden'] + b['other']) / 1e9:.3f} GB read per token (hidden matrices "
-              f"{b['hidden'] / 1e9:.3f} GB as stored, the rest {b['other'] / 1e9:.3f} GB)")
+        print(f"{name} weights: {(b['hidden'] + b['other']) / 1e9:.3f} GB read per token (hidden "
+              f"matrices {b['hidden'] / 1e9:.3f} GB as stored, the rest {b['other'] / 1e9:.3f} GB)")
     g = torch.Generator(dev).manual_seed(0)
     prompt = torch.randint(0, c.vocab_size, (1, prompt_len), device=dev, generator=g)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    print(f"{'run':58s} {'tok/s':>9s} {'loop us':>9s} {'replay us':>9s} {'ops/tok':>9s} {'syncs':>6s} "
-          f"{'same':>9s}")
+    print(f"{'run':58s} {'tok/s':>9s} {'loop us':>9s} {'replay us':>9s} {'ops/tok':>9s} "
+          f"{'syncs':>6s} {'same':>9s}")
     rows = {}
     for name, model in models.items():
         want = model.generate(prompt, new_tokens, top_k=1)
         for mode, label in modes(shape, cuda).items():
-            label = f"{name} {'ternary' if name == 'packed' else str(dtype).removeprefix('torch.')}: {label}"
+            label = f"{name} {'ternary' if name == 'packed' else dname}: {label}"
             try:
                 rows[name, mode] = measure(model, mode, prompt, new_tokens, want, cuda, sync)
-            except Exception as e:  # a step that cannot be captured or compiled: say why, time the others
-                print(f"{label:58s} failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
+            except Exception as e:  # a step that cannot be captured or compiled: say why, go on
+                why = (str(e).strip().splitlines() or [""])[0][:200]
+                print(f"{label:58s} failed: {type(e).__name__}: {why}")
                 continue
             print(line(label, rows[name, mode], new_tokens), flush=True)
     print_ratios(rows, modes(shape, cuda), models)
@@ -215,14 +231,19 @@ def bench_decode(shape="preset", new_tokens=128, prompt_len=16):
 
 def print_ratios(rows, mode_names, models):
     def ratio(a, b, key="tps"):
-        return f"{rows[a][key] / rows[b][key]:.2f}" if a in rows and b in rows and rows[b][key] else "-"
-    print("packed / fp tokens/s: " + ", ".join(f"{m} {ratio(('packed', m), ('fp', m))}" for m in mode_names))
+        if a in rows and b in rows and rows[b][key]:
+            return f"{rows[a][key] / rows[b][key]:.2f}"
+        return "-"
+    print("packed / fp tokens/s: " + ", ".join(
+        f"{m} {ratio(('packed', m), ('fp', m))}" for m in mode_names))
     print("fp / packed loop us per token: " + ", ".join(
         f"{m} {ratio(('fp', m), ('packed', m), 'loop_us')}" for m in mode_names))
     if any(r["replay_us"] for r in rows.values()):
         print("fp / packed replay us per token: " + ", ".join(
-            f"{m} {ratio(('fp', m), ('packed', m), 'replay_us')}" for m in mode_names if m in ("graph", "compile")))
+            f"{m} {ratio(('fp', m), ('packed', m), 'replay_us')}" for m in mode_names
+            if m in ("graph", "compile")))
     if "generate" in mode_names:
         print("static cache / model.generate tokens/s: " + "; ".join(
-            f"{n}: " + ", ".join(f"{m} {ratio((n, m), (n, 'generate'))}" for m in mode_names if m != "generate")
+            f"{n}: " + ", ".join(f"{m} {ratio((n, m), (n, 'generate'))}" for m in mode_names
+                                 if m != "generate")
             for n in models))

@@ -1,13 +1,14 @@
 """
 python -m lab.bench --train (--profile, --train --model=M): what a training step costs.
 
---train times whole optimizer steps (every micro-batch's forward and backward, clipping, the optimizer) at the
-device preset's shape and grad accumulation: on CUDA 8 micro-batches of 8 x 1024 tokens before one optimizer step
-(65,536 tokens, nanoGPT's config), bf16 autocast; on CPU the CPU preset (1 x 16 x 256), fp32. The runs: the
-nanoGPT baseline (lab/nanogpt.py: AdamW, clip 1.0, GPT-2's biases), ours fp (stage 1: Muon + ZClip), ours ternary
-QAT (stage 2; its weights quantised once per step, as train.py does), eager and compiled (--runs= picks some).
-Then the work of one eager step (aten ops and MB per phase, count_work: the same on any machine) and where each
-compiled step's time goes (torch.profiler: GPU kernels on CUDA).
+--train times whole optimizer steps (every micro-batch's forward and backward, clipping, the
+optimizer) at the device preset's shape and grad accumulation: on CUDA 8 micro-batches of 8 x 1024
+tokens before one optimizer step (65,536 tokens, nanoGPT's config), bf16 autocast; on CPU the CPU
+preset (1 x 16 x 256), fp32. The runs: the nanoGPT baseline (lab/nanogpt.py: AdamW, clip 1.0,
+GPT-2's biases), ours fp (stage 1: Muon + ZClip), ours ternary QAT (stage 2; its weights quantised
+once per step, as train.py does), eager and compiled (--runs= picks some). Then the work of one
+eager step (aten ops and MB per phase, count_work: the same on any machine) and where each compiled
+step's time goes (torch.profiler: GPU kernels on CUDA).
 --profile: where the CPU time of a forward+backward goes, ours fp vs nanoGPT.
 --train --model=M: a pretrained model's shape against transformers' own training step and generate.
 
@@ -30,7 +31,7 @@ RUNS = {  # key: (label, how to build and run it)
     "fp": ("ours fp (stage 1)", dict()),
     "qat": ("ours ternary QAT (stage 2)", dict(quant=True)),
     "qat_sep": ("ours ternary QAT, q/k/v gate/up unfused", dict(quant=True, fused=False)),
-    "qat_bf16": ("ours ternary QAT, bf16 autocast", dict(quant=True, bf16=True)),  # CPU: CUDA runs are bf16
+    "qat_bf16": ("ours ternary QAT, bf16 autocast", dict(quant=True, bf16=True)),  # CPU only
     "nanogpt_c": ("nanoGPT baseline, compiled", dict(nanogpt=True, compiled=True)),
     "fp_c": ("ours fp, compiled", dict(compiled=True)),
     "qat_c": ("ours ternary QAT, compiled", dict(quant=True, compiled=True)),
@@ -43,18 +44,19 @@ def check_runs(runs):
     if not runs:
         return [k for k in RUNS if not (cuda and k == "qat_bf16")]
     wanted = [r.strip() for r in runs.split(",") if r.strip()]
-    bad = [r for r in wanted if r not in RUNS or (cuda and r == "qat_bf16")]
-    if bad or not wanted:
-        die(f"--runs={runs}: expected some of {','.join(k for k in RUNS if not (cuda and k == 'qat_bf16'))} "
-            f"(comma-separated; qat_bf16 is CPU-only: CUDA runs are all bf16)", 2)
+    valid = [k for k in RUNS if not (cuda and k == "qat_bf16")]
+    if not wanted or any(r not in valid for r in wanted):
+        die(f"--runs={runs}: expected some of {','.join(valid)} (comma-separated; qat_bf16 is "
+            f"CPU-only: CUDA runs are all bf16)", 2)
     return [k for k in RUNS if k in wanted]
 
 
 @dataclasses.dataclass
 class Shape:
-    """What every run of one --train benchmark shares: the device, the preset's config and the batches."""
+    """What every run of one --train benchmark shares: the device, the preset's config, the
+    batches."""
     dev: str
-    cfg: object  # tools.config.TrainConfig: the device preset's stage-1 config with the shape overrides
+    cfg: object  # tools.config.TrainConfig: the device preset's stage 1 with the shape overrides
     V: int
     x: torch.Tensor  # (accum, B, T) token ids, one row of micro-batches a step
     y: torch.Tensor
@@ -74,19 +76,20 @@ class Shape:
 
 
 def train_shape(dev, shape):
-    """The device preset's shape (shape: TrainConfig fields on top, e.g. a smaller model) and random batches."""
+    """The device preset's shape (shape: TrainConfig fields on top, e.g. a smaller model) and
+    random batches."""
     from tools import config
     cfg = config.build_config({"device": dev, "stage": 1, **shape})
     V = 50304 if cfg.tokenizer == "gpt2" else 257
     g = torch.Generator(dev).manual_seed(0)
-    x, y = (torch.randint(0, V, (cfg.grad_accum, cfg.batch_size, cfg.block_size), device=dev, generator=g)
-            for _ in range(2))
+    size = (cfg.grad_accum, cfg.batch_size, cfg.block_size)
+    x, y = (torch.randint(0, V, size, device=dev, generator=g) for _ in range(2))
     return Shape(dev, cfg, V, x, y)
 
 
 def build(s, quant=False, nanogpt=False, fused=True, shape=None):
-    """(model, optimizer, clipper or None) of one run: the nanoGPT baseline (its own AdamW at nanoGPT's
-    defaults, clip_grad_norm_ 1.0) or ours (train.py's optimizer for the stage, ZClip)."""
+    """(model, optimizer, clipper or None) of one run: the nanoGPT baseline (its own AdamW at
+    nanoGPT's defaults, clip_grad_norm_ 1.0) or ours (train.py's optimizer for the stage, ZClip)."""
     from model import GPT
     from tools import config, plumbing
     from zclip import ZClip
@@ -103,7 +106,8 @@ def build(s, quant=False, nanogpt=False, fused=True, shape=None):
 
 
 class Step:
-    """One optimizer step of a run, in its phases: forward(i) and backward(loss) of micro-batch i, optimize()."""
+    """One optimizer step of a run, in its phases: forward(i) and backward(loss) of micro-batch i,
+    optimize()."""
 
     def __init__(self, s, model, opt, clipper, compiled=False, bf16=False):
         import quant
@@ -111,7 +115,8 @@ class Step:
         self.fwd = torch.compile(model) if compiled else model
         self.ctx = s.autocast(bf16)
         self.accum = s.x.size(0)
-        self.muon = any(g.get("kind") == "muon" for g in opt.param_groups)  # muon.Muon: time its groups alone
+        # muon.Muon: its groups can be timed alone
+        self.muon = any(g.get("kind") == "muon" for g in opt.param_groups)
         self.qat = getattr(getattr(model, "config", None), "quant", False)
 
     def forward(self, i):
@@ -148,13 +153,14 @@ class Step:
     def phases(self):
         """count_work's phases of one step, in the order they run."""
         loss = []
-        return [p for i in range(self.accum) for p in (
-            ("forward", lambda i=i: loss.append(self.forward(i))), ("backward", lambda: loss.pop().backward()))
-        ] + [("optimizer", self.optimize)]
+        micro = [(("forward", lambda i=i: loss.append(self.forward(i))),
+                  ("backward", lambda: loss.pop().backward())) for i in range(self.accum)]
+        return [p for pair in micro for p in pair] + [("optimizer", self.optimize)]
 
 
 def time_steps(step, warmup, steps, sync):
-    """(ms per step over the timed steps, seconds of the first step (compiles), Muon's ms of each step)."""
+    """(ms per step over the timed steps, seconds of the first step (compiles), Muon's ms of each
+    step)."""
     muon_ms, total, first = [], 0.0, 0.0
     for i in range(warmup + steps):
         sync()
@@ -169,26 +175,28 @@ def time_steps(step, warmup, steps, sync):
 
 
 def mfu(s, n_params, ms):
-    """Model FLOPs utilisation against the GPU's bf16 peak ('' off the GPUs PEAK_BF16_FLOPS knows)."""
+    """Model FLOPs utilisation against the GPU's bf16 peak ('' off the GPUs PEAK_BF16_FLOPS
+    knows)."""
     c = s.cfg
     name = torch.cuda.get_device_name() if s.cuda else ""
     flops = 6 * n_params + 12 * c.n_layer * c.n_embd * c.block_size  # per token, PaLM appendix B
     tokens = s.x.numel()
-    return next((f"{100 * flops * tokens / (ms / 1000) / peak:5.1f}%" for key, peak in PEAK_BF16_FLOPS.items()
-                 if key in name), "")
+    return next((f"{100 * flops * tokens / (ms / 1000) / peak:5.1f}%"
+                 for key, peak in PEAK_BF16_FLOPS.items() if key in name), "")
 
 
 def time_run(s, key, steps, warmup, profile_steps, shape=None):
-    """One run of RUNS: its timing row printed; returns dict(ms, work (eager runs), profile (compiled runs))."""
+    """One run of RUNS: its timing row printed; returns dict(ms, work (eager runs), profile
+    (compiled runs))."""
     label, how = RUNS[key]
-    model, opt, clipper = build(s, how.get("quant", False), how.get("nanogpt", False), how.get("fused", True),
-                                shape)
+    model, opt, clipper = build(s, how.get("quant", False), how.get("nanogpt", False),
+                                how.get("fused", True), shape)
     step = Step(s, model, opt, clipper, how.get("compiled", False), how.get("bf16", False))
     ms, first, muon_ms = time_steps(step, warmup, steps, s.sync)
     n_params = sum(p.numel() for p in model.parameters())
     muon = f"{100 * sum(muon_ms) / steps / ms:5.1f}%" if muon_ms else "    -"
-    print(f"{label:40s} {n_params / 1e6:7.2f}M {ms:9.1f} {s.x.numel() / ms * 1000:10.0f} {muon:>7s} "
-          f"{mfu(s, n_params, ms):>6s} {first:8.1f}", flush=True)
+    print(f"{label:40s} {n_params / 1e6:7.2f}M {ms:9.1f} {s.x.numel() / ms * 1000:10.0f} "
+          f"{muon:>7s} {mfu(s, n_params, ms):>6s} {first:8.1f}", flush=True)
     out = dict(ms=ms)
     if how.get("compiled"):
         out["profile"] = profile_ops(step, s.cuda, profile_steps)
@@ -203,18 +211,21 @@ def print_ratios(r):
 
     def ratio(a, b):
         return f"{ms[a] / ms[b]:.3f}" if a in ms and b in ms else "-"
-    print(f"QAT / fp step time: eager {ratio('qat', 'fp')}, compiled {ratio('qat_c', 'fp_c')}; ours fp / nanoGPT "
-          f"step time {ratio('fp', 'nanogpt')}; QAT fused / unfused projections {ratio('qat', 'qat_sep')}")
-    print(f"compiled, against the compiled nanoGPT step: ours fp {ratio('fp_c', 'nanogpt_c')} (target <= 1.10), "
-          f"ours QAT {ratio('qat_c', 'nanogpt_c')} (target <= 1.25)")
+    print(f"QAT / fp step time: eager {ratio('qat', 'fp')}, compiled {ratio('qat_c', 'fp_c')}; "
+          f"ours fp / nanoGPT step time {ratio('fp', 'nanogpt')}; QAT fused / unfused projections "
+          f"{ratio('qat', 'qat_sep')}")
+    print(f"compiled, against the compiled nanoGPT step: ours fp {ratio('fp_c', 'nanogpt_c')} "
+          f"(target <= 1.10), ours QAT {ratio('qat_c', 'nanogpt_c')} (target <= 1.25)")
 
 
 def print_work(r):
-    """The aten ops and MB of one eager step of each eager run, phase by phase, and ours over nanoGPT's."""
+    """The aten ops and MB of one eager step of each eager run, phase by phase, and ours over
+    nanoGPT's."""
     work = {RUNS[k][0]: v["work"] for k, v in r.items() if "work" in v}
     if not work:
         return
-    print("the work of one eager step, the same on any machine (aten ops dispatched / MB their tensors hold):")
+    print("the work of one eager step, the same on any machine (aten ops dispatched / MB their "
+          "tensors hold):")
     for label, w in work.items():
         ops, mb = sum(o for o, _ in w.values()), sum(b for _, b in w.values())
         print(f"  {label:40s} " + "  ".join(f"{k} {o:5d} / {b:8.1f}" for k, (o, b) in w.items()) +
@@ -223,9 +234,9 @@ def print_work(r):
     for key in ("fp", "qat"):
         if base and RUNS[key][0] in work:
             w = work[RUNS[key][0]]
-            print(f"{RUNS[key][0]} / nanoGPT: "
-                  f"{sum(o for o, _ in w.values()) / sum(o for o, _ in base.values()):.2f}x the ops, "
-                  f"{sum(b for _, b in w.values()) / sum(b for _, b in base.values()):.2f}x the bytes")
+            ops = sum(o for o, _ in w.values()) / sum(o for o, _ in base.values())
+            mb = sum(b for _, b in w.values()) / sum(b for _, b in base.values())
+            print(f"{RUNS[key][0]} / nanoGPT: {ops:.2f}x the ops, {mb:.2f}x the bytes")
 
 
 def print_profiles(r):
@@ -233,16 +244,17 @@ def print_profiles(r):
         if "profile" not in v:
             continue
         unit, total, ops = v["profile"]
-        print(f"where a step of {RUNS[key][0]} goes: {v['ms']:.1f} ms/step timed, {total:.1f} ms of {unit} time "
-              f"per step profiled; top ops by self {unit} time, ms per step:")
+        print(f"where a step of {RUNS[key][0]} goes: {v['ms']:.1f} ms/step timed, {total:.1f} ms "
+              f"of {unit} time per step profiled; top ops by self {unit} time, ms per step:")
         for name, count, t in ops:
             print(f"  {name[:70]:70s} x{count:<5g} {t:8.2f} ms  {100 * t / total:5.1f}%")
 
 
 def bench_train(steps=10, warmup=3, shape=None, profile_steps=2, runs=None):
-    """ms/step and tokens/s of whole optimizer steps at the device preset's shape and grad accumulation (shape:
-    TrainConfig fields on top), for each run of RUNS named in runs (default: all); then the ratios, the work of
-    each eager step and where each compiled step's time goes. Returns {run: dict(ms, work or profile)}."""
+    """ms/step and tokens/s of whole optimizer steps at the device preset's shape and grad
+    accumulation (shape: TrainConfig fields on top), for each run of RUNS named in runs (default:
+    all); then the ratios, the work of each eager step and where each compiled step's time goes.
+    Returns {run: dict(ms, work or profile)}."""
     cuda = torch.cuda.is_available()
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -250,11 +262,12 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2, runs=None):
     s = train_shape("cuda" if cuda else "cpu", shape or {})
     c, (accum, B, T) = s.cfg, s.x.shape
     print(f"device: {torch.cuda.get_device_name() if cuda else 'CPU'}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; model {c.n_layer}x{c.n_embd}, {c.n_head} heads, vocab {s.V}; "
+          f"{torch.get_num_threads()} threads; model {c.n_layer}x{c.n_embd}, {c.n_head} heads, "
+          f"vocab {s.V}; "
           f"{accum} micro-batch(es) of {B} x {T} a step ({s.x.numel():,} tokens); "
           f"{'bf16 autocast' if cuda else 'fp32'}, Muon+ZClip unless noted")
-    print(f"{'run':40s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} {'MFU':>6s} "
-          f"{'1st s':>8s}")
+    print(f"{'run':40s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} "
+          f"{'MFU':>6s} {'1st s':>8s}")
     r = {key: time_run(s, key, steps, warmup, profile_steps, shape)
          for key in (runs or check_runs(""))}
     print_ratios(r)
@@ -264,11 +277,11 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2, runs=None):
 
 
 def count_work(phases):
-    """The work of one training step in counts that hold on any machine: {phase: (aten ops, MB they touch)} for
-    phases, a list of (name, function) run in order (forward, backward, optimizer; a name repeated, as each
-    micro-batch's forward, adds up). An op touches the bytes of its tensor inputs and outputs (each read or
-    written once: a lower bound of its memory traffic); a view op (reshape, transpose, ...) moves none but is
-    counted as an op, as it costs a dispatch."""
+    """The work of one training step in counts that hold on any machine: {phase: (aten ops, MB they
+    touch)} for phases, a list of (name, function) run in order (forward, backward, optimizer; a
+    name repeated, as each micro-batch's forward, adds up). An op touches the bytes of its tensor
+    inputs and outputs (each read or written once: a lower bound of its memory traffic); a view op
+    (reshape, transpose, ...) moves none but is counted as an op, as it costs a dispatch."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -277,7 +290,8 @@ def count_work(phases):
             out = func(*args, **(kwargs or {}))
             self.ops += 1
             if not func.is_view:
-                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                self.bytes += sum(t.numel() * t.element_size()
+                                  for t in tree_leaves((args, kwargs, out))
                                   if isinstance(t, torch.Tensor))
             return out
 
@@ -292,8 +306,9 @@ def count_work(phases):
 
 
 def profile_ops(step, cuda, n, top=12):
-    """(unit, total ms per step, [(op, calls per step, self ms per step)] of the top ops): torch.profiler over n
-    calls of step(), by self time on the GPU (kernels) on CUDA, on the CPU elsewhere."""
+    """(unit, total ms per step, [(op, calls per step, self ms per step)] of the top ops):
+    torch.profiler over n calls of step(), by self time on the GPU (kernels) on CUDA, on the CPU
+    elsewhere."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
@@ -309,12 +324,14 @@ def profile_ops(step, cuda, n, top=12):
             return e.self_cpu_time_total
     events = [e for e in prof.key_averages() if self_time(e) > 0]
     total = sum(self_time(e) for e in events) / 1e3 / n
-    ops = [(e.key, e.count / n, self_time(e) / 1e3 / n) for e in sorted(events, key=lambda e: -self_time(e))[:top]]
+    events = sorted(events, key=lambda e: -self_time(e))[:top]
+    ops = [(e.key, e.count / n, self_time(e) / 1e3 / n) for e in events]
     return ("GPU" if cuda else "CPU"), total, ops
 
 
 def bench_profile():
-    """Where the CPU step time goes: torch.profiler over 2 forward+backward passes, ours fp vs nanoGPT."""
+    """Where the CPU step time goes: torch.profiler over 2 forward+backward passes, ours fp vs
+    nanoGPT."""
     from torch.profiler import ProfilerActivity, profile
     s = train_shape("cpu", {})
     x, y = s.x[0], s.y[0]
@@ -329,7 +346,8 @@ def bench_profile():
         total = sum(e.self_cpu_time_total for e in events)
         print(f"{name}: {total / 1e3:.0f} ms of CPU time for 2 forward+backward passes; top ops:")
         for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]:
-            print(f"  {e.key:45s} x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.0f} ms  {e.input_shapes}")
+            print(f"  {e.key:45s} x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.0f} ms  "
+                  f"{e.input_shapes}")
 
 
 # -----------------------------------------------------------------------------
@@ -337,18 +355,20 @@ def bench_profile():
 
 
 def load_pretrained(source, T):
-    """(ours fp, ours QAT at lambda 1 with SubLN, transformers' model, T capped at the model's context) from a
-    pretrained model; a model we do not import (GPT-2, a damaged file) is one error line naming it."""
+    """(ours fp, ours QAT at lambda 1 with SubLN, transformers' model, T capped at the model's
+    context) from a pretrained model; a model we do not import (GPT-2, a damaged file) is one error
+    line naming it."""
     import quant
     from model import GPT
     from tools import pretrained
     from tools.load import is_model_source
     if not is_model_source(source):
-        die(f"--model={source}: not a pretrained model (a Hugging Face directory, a hub id or a .gguf file); "
-            f"python -m tools.get_model smollm2 fetches SmolLM2-135M", 2)
+        die(f"--model={source}: not a pretrained model (a Hugging Face directory, a hub id or a "
+            f".gguf file); python -m tools.get_model smollm2 fetches SmolLM2-135M", 2)
     try:  # ours first: a model we do not import is one ValueError line naming it
         from transformers import AutoModelForCausalLM
-        T = min(T, pretrained.hf_config_of(source)[2].max_position_embeddings)  # a short-context model: its own
+        # a short-context model: its own context
+        T = min(T, pretrained.hf_config_of(source)[2].max_position_embeddings)
         fp = pretrained.from_pretrained(source, block_size=T)
         path, kw, _ = pretrained.hf_config_of(source)
         theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
@@ -362,13 +382,14 @@ def load_pretrained(source, T):
 
 
 def pretrained_train_ms(label, model, loss_fn, steps, warmup, tokens, optimizer="adamw"):
-    """The median ms of `steps` optimizer steps (after warmup) of model on loss_fn(model): AdamW for all, or
-    train.py's Muon + AdamW; printed as a row."""
+    """The median ms of `steps` optimizer steps (after warmup) of model on loss_fn(model): AdamW for
+    all, or train.py's Muon + AdamW; printed as a row."""
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     else:
         from tools import config, plumbing
-        opt = plumbing.configure_optimizer(model, config.build_config({"device": "cpu", "stage": 2}), "cpu")
+        cfg = config.build_config({"device": "cpu", "stage": 2})
+        opt = plumbing.configure_optimizer(model, cfg, "cpu")
     times = []
     for _ in range(warmup + steps):
         t0 = time.perf_counter()
@@ -406,44 +427,49 @@ def top_cpu_ops(what, fn, top=8):
 
 
 def bench_pretrained(source, steps=3, warmup=1, B=4, T=256, new_tokens=64):
-    """A pretrained model's real shape (lab/results/smollm2-speed.md: SmolLM2-135M): training steps of
-    transformers' own model, ours fp and ours ternary QAT on one batch (fp32, this process's threads, AdamW for all,
-    so the models are what differs), then greedy generation of new_tokens after the same prompt: transformers'
-    generate, ours fp, and our packed ternary model (kernels/: int8 activations, 2-bit weights); finally where a
-    QAT step's time goes (torch.profiler)."""
+    """A pretrained model's real shape (lab/results/smollm2-speed.md: SmolLM2-135M): training steps
+    of transformers' own model, ours fp and ours ternary QAT on one batch (fp32, this process's
+    threads, AdamW for all, so the models are what differs), then greedy generation of new_tokens
+    after the same prompt: transformers' generate, ours fp, and our packed ternary model (kernels/:
+    int8 activations, 2-bit weights); finally where a QAT step's time goes (torch.profiler)."""
     from kernels.packed_linear import freeze_ternary
     fp, qat, theirs, T = load_pretrained(source, T)
     c = fp.config
-    print(f"{source}: {c.n_layer} layers, width {c.n_embd}, {c.n_head} heads / {c.kv_heads()} kv heads, vocab "
-          f"{c.vocab_size}; batch {B} x {T} tokens, fp32, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}")
+    print(f"{source}: {c.n_layer} layers, width {c.n_embd}, {c.n_head} heads / {c.kv_heads()} kv "
+          f"heads, vocab {c.vocab_size}; batch {B} x {T} tokens, fp32, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, c.vocab_size, (B, T), generator=g) for _ in range(2))
     ours_loss = lambda m: m(x, y)[1]  # noqa: E731
-    hf_loss = lambda m: torch.nn.functional.cross_entropy(m(x).logits.flatten(0, 1), y.flatten())  # noqa: E731
-    print("training step (forward, backward, clip, optimizer; median of", steps, "after", warmup, "warm-up):")
-    r = {key: pretrained_train_ms(label, model, loss, steps, warmup, B * T, opt) for key, label, model, loss, opt in (
+    def hf_loss(m):
+        return torch.nn.functional.cross_entropy(m(x).logits.flatten(0, 1), y.flatten())
+    print("training step (forward, backward, clip, optimizer; median of", steps, "after", warmup,
+          "warm-up):")
+    r = {key: pretrained_train_ms(label, model, loss, steps, warmup, B * T, opt)
+         for key, label, model, loss, opt in (
         ("hf", "transformers LlamaForCausalLM (fp, AdamW)", theirs.train(), hf_loss, "adamw"),
         ("fp", "ours fp (AdamW)", fp.train(), ours_loss, "adamw"),
         ("qat", "ours ternary QAT, SubLN, lambda 1 (AdamW)", qat.train(), ours_loss, "adamw"),
         ("qat_muon", "ours ternary QAT, SubLN, lambda 1 (Muon + AdamW)", qat, ours_loss, "muon"))}
-    print(f"ours fp / transformers: {r['fp'] / r['hf']:.3f}; ours QAT / transformers: {r['qat'] / r['hf']:.3f}; "
-          f"QAT / ours fp: {r['qat'] / r['fp']:.3f}; Muon's optimizer step costs {r['qat_muon'] - r['qat']:.0f} "
-          f"ms more than AdamW's")
+    print(f"ours fp / transformers: {r['fp'] / r['hf']:.3f}; ours QAT / transformers: "
+          f"{r['qat'] / r['hf']:.3f}; QAT / ours fp: {r['qat'] / r['fp']:.3f}; Muon's optimizer "
+          f"step costs {r['qat_muon'] - r['qat']:.0f} ms more than AdamW's")
     prompt = x[:1, :16]
-    packed = freeze_ternary(copy.deepcopy(qat).eval())  # what the packed export holds, built in place
+    packed = freeze_ternary(copy.deepcopy(qat).eval())  # what the packed export holds
     print(f"greedy generation, {new_tokens} new tokens after a 16-token prompt, batch 1:")
     theirs.generation_config.eos_token_id = None
     with torch.no_grad():
-        gen = {"hf": generate_tps("transformers generate (fp, KV cache)", lambda n: theirs.eval().generate(
-                   prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                   attention_mask=torch.ones_like(prompt)), new_tokens),
-               "fp": generate_tps("ours fp (KV cache)", lambda n: fp.eval().generate(prompt, n, top_k=1),
-                                  new_tokens),
+        gen = {"hf": generate_tps("transformers generate (fp, KV cache)",
+                                  lambda n: theirs.eval().generate(
+                                      prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      attention_mask=torch.ones_like(prompt)), new_tokens),
+               "fp": generate_tps("ours fp (KV cache)",
+                                  lambda n: fp.eval().generate(prompt, n, top_k=1), new_tokens),
                "packed": generate_tps("ours packed ternary (int8 x 2-bit kernels, KV cache)",
                                       lambda n: packed.generate(prompt, n, top_k=1), new_tokens)}
-    print(f"packed / transformers tokens/s: {gen['packed'] / gen['hf']:.2f}; ours fp / transformers: "
-          f"{gen['fp'] / gen['hf']:.2f}")
+    print(f"packed / transformers tokens/s: {gen['packed'] / gen['hf']:.2f}; ours fp / "
+          f"transformers: {gen['fp'] / gen['hf']:.2f}")
     top_cpu_ops("one QAT forward+backward", lambda: ours_loss(qat.train()).backward())
     with torch.no_grad():
-        top_cpu_ops("the packed model generating 8 tokens", lambda: packed.generate(prompt, 8, top_k=1))
+        top_cpu_ops("the packed model generating 8 tokens",
+                    lambda: packed.generate(prompt, 8, top_k=1))

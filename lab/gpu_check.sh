@@ -9,17 +9,19 @@
 #   kernels       tests/test_kernels.py, test_packed.py and gpu_decode.py compiled on CUDA (not the interpreter), on
 #                 12 pytest-xdist workers sharing one TRITON_CACHE_DIR (each kernel config and shape JIT-compiles
 #                 once, ~1-2 s: measured 96 s on an H100 for the three files)
-#   bench         python -m lab.bench: the ternary kernel vs bf16 F.linear at M = 1, 16, 2048 (GPU time in one CUDA
-#                 graph, do_bench's median, host us per call); then --decode: batch-1 greedy decoding of the CUDA
-#                 preset, fp bf16 and packed (tok/s, loop and replay us per token, kernels and syncs per token)
-#   decode_1b     python -m lab.bench --decode --shape=1b: the same at a 1B-class shape (16 x 2048, GQA 32/8,
-#                 vocab 128,256, random weights), eager and graphed, where the weights set a token's time
-#   train         our train.py --stage=2 on the CUDA preset from scratch for STEPS (default 40) steps of 8
-#                 micro-batches of 8 x 1024 tokens: the median ms/step of the steps after the first fifth
-#                 (compiling the preset, ~40-50 s, is in the first step, so excluded)
-#   bench_train   python -m lab.bench --train --runs=nanogpt_c: the nanoGPT-shaped baseline (lab/nanogpt.py) at the
-#                 same 8 x 8 x 1024 tokens a step, compiled, its compile excluded (warm-up steps); the summary
-#                 prints our train step over it (issue 47's target: <= 1.25x)
+#   bench         python -m lab.bench: the ternary kernel vs bf16 F.linear at M = 1, 16, 2048 (GPU
+#                 time in one CUDA graph, do_bench's median, host us per call); then --decode:
+#                 batch-1 greedy decoding of the CUDA preset, fp bf16 and packed (tok/s, loop and
+#                 replay us per token, kernels and syncs per token)
+#   decode_1b     python -m lab.bench --decode --shape=1b: the same at a 1B-class shape (16 x 2048,
+#                 GQA 32/8, vocab 128,256, random weights), eager and graphed, where the weights set
+#                 a token's time
+#   train         our train.py --stage=2 on the CUDA preset from scratch, STEPS (default 40) steps
+#                 of 8 micro-batches of 8 x 1024 tokens: the median ms/step of the steps after the
+#                 first fifth (compiling the preset, ~40-50 s, is in the first step, so excluded)
+#   bench_train   python -m lab.bench --train --runs=nanogpt_c: the nanoGPT-shaped baseline
+#                 (lab/nanogpt.py) at the same 8 x 8 x 1024 tokens a step, compiled, its compile
+#                 in the warm-up steps; the summary prints our train step over it (target <= 1.25x)
 # Exit status: 0 if every step passed, 1 if a step failed, timed out or was skipped, 2 without a CUDA GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,12 +54,12 @@ step() {  # step NAME SECONDS COMMAND...: run it under min(SECONDS, what is left
   tail -n 3 "$OUT/$name.log"
   echo "$name $rc $((SECONDS - t0))" >> "$OUT/status"
 }
-# budgets (seconds), adding up to the 330 s window; predictions from what was measured on an H100 (issue 47):
-# kernels 96 s (12 workers, one Triton cache) -> 100; bench (kernel table and --decode, 100 s before the graph
-# column) -> 85; decode_1b (two models, no compile) -> 35; train (~45 s compiling + 40 steps of ~0.25 s) -> 65;
-# bench_train (one compile of the nanoGPT shape + 13 steps) -> 45
-step kernels 100 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n 12 tests/test_kernels.py tests/test_packed.py \
-  tests/gpu_decode.py
+# budgets (seconds), adding up to the 330 s window; predictions from issue 47's H100 timings:
+# kernels 96 s (12 workers, one Triton cache) -> 100; bench (kernel table and --decode, 100 s
+# before the graph column) -> 85; decode_1b (two models, no compile) -> 35; train (~45 s
+# compiling + 40 steps of ~0.25 s) -> 65; bench_train (one nanoGPT-shape compile + 13 steps) -> 45
+step kernels 100 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n 12 tests/test_kernels.py \
+  tests/test_packed.py tests/gpu_decode.py
 step bench 85 bash -c "\"$PYTHON\" -m lab.bench && \"$PYTHON\" -m lab.bench --decode"
 step decode_1b 35 "$PYTHON" -m lab.bench --decode --shape=1b
 step train 65 "$PYTHON" train.py --stage=2 --device=cuda --init_from=scratch --max_iters="$STEPS" \
@@ -66,7 +68,7 @@ step bench_train 45 "$PYTHON" -m lab.bench --train --runs=nanogpt_c
 timeout 20 "$PYTHON" - "$OUT" <<'PY'
 import json, os, re, statistics, sys, torch, triton
 out = sys.argv[1]
-device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device (a stand-in run)"
+device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA (a stand-in run)"
 summary = dict(device=device, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, steps={})
 print(f"\n==== GPU check: {device} (torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}) ====")
 failed = 0
@@ -101,10 +103,11 @@ base = os.path.join(out, "bench_train.log")
 base = re.search(r"^nanoGPT baseline, compiled +[\d.]+M +([\d.]+)", open(base).read(), re.M) if \
     os.path.exists(base) else None
 if ours and base:  # both 8 x 8 x 1024 tokens a step, compiled, their compiles excluded
-    summary["train_vs_nanogpt"] = dict(ours_ms=ours, nanogpt_ms=float(base[1]), ratio=ours / float(base[1]),
+    theirs = float(base[1])
+    summary["train_vs_nanogpt"] = dict(ours_ms=ours, nanogpt_ms=theirs, ratio=ours / theirs,
                                        target=1.25)
-    print(f"our train.py --stage=2 step / the nanoGPT-shaped step, 65,536 tokens each, compiled: {ours:.1f} / "
-          f"{float(base[1]):.1f} ms = {ours / float(base[1]):.2f}x (target <= 1.25)")
+    print(f"our train.py --stage=2 step / the nanoGPT-shaped step, 65,536 tokens each, compiled: "
+          f"{ours:.1f} / {theirs:.1f} ms = {ours / theirs:.2f}x (target <= 1.25)")
 with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
 print(f"summary: {out}/summary.json")

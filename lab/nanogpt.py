@@ -1,16 +1,18 @@
 """
-nanoGPT's model (github.com/karpathy/nanoGPT, model.py), the one baseline of every comparison here that needs a
-nanoGPT shape: lab/bench_train.py (step time, the work of a step, profiles), lab/bench_quality.py (time to
-quality) and tests/test_nanogpt_recipe.py (our recipe applied to nanoGPT). Real nanoGPT itself, its train.py
-included, is run only by lab/against_nanogpt.py.
+nanoGPT's model (github.com/karpathy/nanoGPT, model.py), the one baseline of every comparison here
+that needs a nanoGPT shape: lab/bench_train.py (step time, the work of a step, profiles),
+lab/bench_quality.py (time to quality) and tests/test_nanogpt_recipe.py (our recipe applied to
+nanoGPT). Real nanoGPT itself, its train.py included, is run only by lab/against_nanogpt.py.
 
-nanoGPT's names, structure and initialisation: GPTConfig(bias), Block(ln_1, attn(c_attn, c_proj), ln_2,
-mlp(c_fc, gelu, c_proj)), GPT(transformer.wte/wpe/h/ln_f, lm_head tied to wte), N(0, 0.02) weights, zero biases,
-residual projections (c_proj) N(0, 0.02 / sqrt(2 n_layer)), and configure_optimizers (AdamW, weight decay on
-the matrices only). Left out: dropout, from_pretrained, crop_block_size, generate, estimate_mfu.
+nanoGPT's names, structure and initialisation: GPTConfig(bias), Block(ln_1, attn(c_attn, c_proj),
+ln_2, mlp(c_fc, gelu, c_proj)), GPT(transformer.wte/wpe/h/ln_f, lm_head tied to wte), N(0, 0.02)
+weights, zero biases, residual projections (c_proj) N(0, 0.02 / sqrt(2 n_layer)), and
+configure_optimizers (AdamW, weight decay on the matrices only). Left out: dropout, from_pretrained,
+crop_block_size, generate, estimate_mfu.
 
-The one hook: GPT(config, linear=nn.Linear) builds the four projections of each block with `linear`; the recipe
-(README's "Using these files in nanoGPT") passes quant.BitLinear there, as an edit of nanoGPT's model.py would.
+The one hook: GPT(config, linear=nn.Linear) builds the four projections of each block with `linear`;
+the recipe (README's "Using these files in nanoGPT") passes quant.BitLinear there, as an edit of
+nanoGPT's model.py would.
 
     from lab.nanogpt import GPT, GPTConfig
     model = GPT(GPTConfig(vocab_size=257, block_size=256, n_layer=4, n_head=4, n_embd=128))
@@ -35,14 +37,15 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    bias: bool = True  # biases in the Linears and LayerNorms, as GPT-2; False: a bit better and faster
+    bias: bool = True  # biases in Linears and LayerNorms, as GPT-2; False: a bit better and faster
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, linear=nn.Linear):
         super().__init__()
         assert config.n_embd % config.n_head == 0
-        self.c_attn = linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        # q, k, v in one matmul
+        self.c_attn = linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = linear(config.n_embd, config.n_embd, bias=config.bias)
         self.n_head, self.n_embd = config.n_head, config.n_embd
 
@@ -50,7 +53,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)  # (B,nh,T,hs)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -88,7 +91,7 @@ class GPT(nn.Module):
             h=nn.ModuleList([Block(config, linear) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # full precision always
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # full precision
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
         for pn, p in self.named_parameters():  # GPT-2's scaled init of the residual projections
@@ -117,8 +120,8 @@ class GPT(nn.Module):
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """nanoGPT's AdamW: weight decay on every parameter of 2 or more dimensions (matrices, embeddings), none
-        on norms and biases; the fused kernel on CUDA."""
+        """nanoGPT's AdamW: weight decay on every parameter of 2 or more dimensions (matrices,
+        embeddings), none on norms and biases; the fused kernel on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]  # the tied weight once
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]

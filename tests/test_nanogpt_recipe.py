@@ -1,21 +1,26 @@
 """
-README's "Using these files in nanoGPT", run: the recipe applied to a nanoGPT-shaped model and training loop.
+README's "Using these files in nanoGPT", run: the recipe applied to a nanoGPT-shaped model and
+training loop.
 
-nanoGPT's model.py is lab/nanogpt.py (the repository's one copy: GPTConfig(bias), c_attn, c_proj, c_fc, ln_1,
-ln_2, transformer.wte/wpe/h/ln_f, lm_head tied to wte, configure_optimizers); below, the recipe's edits of it and
-nanoGPT's train.py cut down to what the recipe touches (get_lr, the GradScaler, the checkpoint dict and resume).
-Every line the recipe changes ends in a "# recipe:" comment; the rest is nanoGPT's.
-The tests check that with the recipe
-  - Muon gets exactly the c_attn/c_proj/c_fc weights, and AdamW wte (= lm_head, once), wpe, norms and biases;
-  - the schedule line keeps Muon at 0.02 x get_lr's multiplier (nanoGPT's `param_group['lr'] = lr` would not);
-  - 80 steps on the shipped corpus (byte shards) take the val loss more than 1 nat below an untrained model's;
-  - a run resumed from its step-50 checkpoint (model, optimizer, zclip, iter_num) equals the uninterrupted run
-    bit for bit, and an fp16-style GradScaler hands ZClip and the optimizer the same gradients as none (up to subnormals).
-Not nanoGPT, and not the recipe: batches come from data.DataLoader, whose position the checkpoint also stores
-(nanoGPT's get_batch draws from the global torch RNG, which its checkpoint does not save, so its own resume is
-not bitwise); estimate_loss reads the same val batches each time; torch.amp.GradScaler('cuda', ...) for the
-deprecated torch.cuda.amp.GradScaler(...); no dropout, flash attention only, no from_pretrained,
-crop_block_size, DDP, autocast or torch.compile.
+nanoGPT's model.py is lab/nanogpt.py (the repository's one copy: GPTConfig(bias), c_attn, c_proj,
+c_fc, ln_1, ln_2, transformer.wte/wpe/h/ln_f, lm_head tied to wte, configure_optimizers); below, the
+recipe's edits of it and nanoGPT's train.py cut down to what the recipe touches (get_lr, the
+GradScaler, the checkpoint dict and resume). Every line the recipe changes ends in a "# recipe:"
+comment; the rest is nanoGPT's. The tests check that with the recipe
+  - Muon gets exactly the c_attn/c_proj/c_fc weights, and AdamW wte (= lm_head, once), wpe, norms
+    and biases;
+  - the schedule line keeps Muon at 0.02 x get_lr's multiplier (nanoGPT's `param_group['lr'] = lr`
+    would not);
+  - 80 steps on the shipped corpus (byte shards) take the val loss more than 1 nat below an
+    untrained model's;
+  - a run resumed from its step-50 checkpoint (model, optimizer, zclip, iter_num) equals the
+    uninterrupted run bit for bit, and an fp16-style GradScaler hands ZClip and the optimizer the
+    same gradients as none (up to subnormals).
+Not nanoGPT, and not the recipe: batches come from data.DataLoader, whose position the checkpoint
+also stores (nanoGPT's get_batch draws from the global torch RNG, which its checkpoint does not
+save, so its own resume is not bitwise); estimate_loss reads the same val batches each time;
+torch.amp.GradScaler('cuda', ...) for the deprecated torch.cuda.amp.GradScaler(...); no dropout,
+flash attention only, no from_pretrained, crop_block_size, DDP, autocast or torch.compile.
 
 Run: OMP_NUM_THREADS=1 python -m pytest tests/test_nanogpt_recipe.py
 """
@@ -37,14 +42,16 @@ from quant import BitLinear  # recipe: new import
 from zclip import ZClip  # recipe: new import
 
 # -----------------------------------------------------------------------------
-# model.py: nanoGPT's, from lab/nanogpt.py (the one copy in this repository); the recipe's two edits of it
+# model.py: nanoGPT's, from lab/nanogpt.py (the one copy in this repository); the recipe's two edits
+# of it
 
 
 class GPT(nanogpt.GPT):
-    """nanoGPT's GPT with the recipe: each block's four nn.Linear a BitLinear, and Muon in configure_optimizers."""
+    """nanoGPT's GPT with the recipe: each block's four nn.Linear a BitLinear, Muon in
+    configure_optimizers."""
 
     def __init__(self, config):
-        super().__init__(config, linear=BitLinear)  # recipe: was nn.Linear in CausalSelfAttention and MLP
+        super().__init__(config, linear=BitLinear)  # recipe: was nn.Linear in attention and MLP
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         return configure_muon(self, muon_lr=0.02, adamw_lr=learning_rate,  # recipe: the whole body
@@ -96,8 +103,8 @@ def sources():
 
 
 def init(init_from, out_dir):
-    """nanoGPT's init section: model ('scratch' or 'resume' from out_dir/ckpt.pt), GradScaler, optimizer; and
-    ZClip. Returns (model, optimizer, zclip, scaler, train_loader, iter_num)."""
+    """nanoGPT's init section: model ('scratch' or 'resume' from out_dir/ckpt.pt), GradScaler,
+    optimizer; and ZClip. Returns (model, optimizer, zclip, scaler, train_loader, iter_num)."""
     torch.manual_seed(1337)
     src, meta_vocab_size = sources()
     iter_num = 0
@@ -137,8 +144,8 @@ def estimate_loss(model, val_loader):
 
 
 def train(model, optimizer, zclip, scaler, train_loader, iter_num, out_dir, stop_iter=max_iters):
-    """nanoGPT's training loop from iter_num through stop_iter (its max_iters), writing out_dir/ckpt.pt at each
-    eval. Returns ({iter: train loss}, {iter: val loss})."""
+    """nanoGPT's training loop from iter_num through stop_iter (its max_iters), writing
+    out_dir/ckpt.pt at each eval. Returns ({iter: train loss}, {iter: val loss})."""
     val_loader = data.DataLoader(sources()[0], 'val', batch_size, block_size, order='sequential')
     train_losses, val_losses = {}, {}
     while True:
@@ -263,9 +270,12 @@ def test_fp16_style_grad_scaler_unscales_before_zclip_and_step(tmp_path):
         model, optimizer, zclip, off, train_loader, _ = init('scratch', tmp_path)
         train(model, optimizer, zclip, scaler or off, train_loader, 1, tmp_path, stop_iter=3)
         runs.append((model.state_dict(), zclip.state_dict()))
-    # Scaling by 2**16 and unscaling is exact except for gradients below fp32's normal range, which the unscaled
-    # run keeps as subnormals or flushes to zero depending on the process's FTZ/DAZ state (a library loaded
-    # earlier in the same process can set it). Without unscale_ ZClip's statistics would be 2**16 times larger.
+    # Scaling by 2**16 and unscaling is exact except for gradients below fp32's normal range, which
+    # the unscaled
+    # run keeps as subnormals or flushes to zero depending on the process's FTZ/DAZ state (a library
+    # loaded
+    # earlier in the same process can set it). Without unscale_ ZClip's statistics would be 2**16
+    # times larger.
     (w0, z0), (w1, z1) = runs
     assert w0.keys() == w1.keys() and all(torch.allclose(w0[k], w1[k], rtol=1e-6, atol=1e-12) for k in w0)
     for k in ("mean", "var", "warmup_norms"):
