@@ -1,5 +1,8 @@
-"""Tests for lab/bench.py --quality: the time-to-quality interpolation against its closed form, the fixed val
-windows, and one tiny end-to-end run whose printed ratio is the quotient of the two printed times.
+"""Tests for lab/bench*.py and lab/against_nanogpt.py: the time-to-quality interpolation against its
+closed form, the fixed val windows and a tiny end-to-end run whose printed ratio is the quotient of
+the two printed times; the kernel table's and the decode table's harness on CPU (plain-torch
+stand-ins, tiny shapes); the training step's grad accumulation against one big batch; the work
+counter against a closed form; real nanoGPT's stand-in; every bad flag and Ctrl-C as one error line.
 Run: python -m pytest tests/test_bench.py"""
 import os
 import re
@@ -12,16 +15,18 @@ import torch
 
 import data
 from conftest import ENV, ROOT, fails
-from lab import bench
+from lab import bench, bench_decode, bench_quality, bench_train
 
 
 def test_time_to_interpolates_between_evaluations_at_the_first_crossing():
     points = [(0, 0.0, 5.0), (20, 10.0, 3.0), (40, 20.0, 2.0), (60, 30.0, 2.5), (80, 40.0, 1.5)]
-    assert bench.time_to(points, 2.5) == (15.0, 30.0)  # 3.0 -> 2.0 from 10 s to 20 s: half way (not step 60)
-    assert bench.time_to(points, 2.0) == (20.0, 40.0)
-    assert bench.time_to(points, 5.0) == (0.0, 0.0)
-    assert bench.time_to(points, 1.0) is None
-    assert bench.time_to(points[2:], 2.5) == (20.0, 40.0)  # the first point (lambda reaching 1) already below
+    # 3.0 -> 2.0 from 10 s to 20 s: half way (not step 60)
+    assert bench_quality.time_to(points, 2.5) == (15.0, 30.0)
+    assert bench_quality.time_to(points, 2.0) == (20.0, 40.0)
+    assert bench_quality.time_to(points, 5.0) == (0.0, 0.0)
+    assert bench_quality.time_to(points, 1.0) is None
+    # the first point (lambda reaching 1) already below
+    assert bench_quality.time_to(points[2:], 2.5) == (20.0, 40.0)
 
 
 def test_val_windows_are_evenly_spread_and_the_same_each_time(tmp_path):
@@ -29,11 +34,11 @@ def test_val_windows_are_evenly_spread_and_the_same_each_time(tmp_path):
     d.mkdir()
     tokens = np.arange(1000) % 257
     data.write_shard(str(d / "val_000.bin"), tokens)
-    w = bench.val_windows(str(d), 32, 5)
+    w = bench_quality.val_windows(str(d), 32, 5)
     assert w.shape == (5, 33) and w.dtype == torch.int64
     assert w[:, 0].tolist() == [int(s) % 257 for s in np.linspace(0, 1000 - 33, 5).astype(int)]
     assert w[-1, -1] == tokens[-1]  # the last window ends at the split's last token
-    assert torch.equal(w, bench.val_windows(str(d), 32, 5))
+    assert torch.equal(w, bench_quality.val_windows(str(d), 32, 5))
 
 
 @pytest.mark.slow
@@ -58,8 +63,9 @@ def test_quality_prints_the_ratio_of_the_two_times_to_the_same_target():
                                          ('--train_args="x', ['--train_args="x', "No closing quotation"])])
 def test_quality_refuses_an_impossible_target_or_unsplittable_train_args_before_training(flag, facts, capsys,
                                                                                           monkeypatch):
-    """--target=nan (or -1) and --train_args='"x' (shlex cannot split it) are one line, exit 2, before any run is
-    set up (train.setup must not be reached): no benchmark runs only to report "not reached", no traceback."""
+    """--target=nan (or -1) and --train_args='"x' (shlex cannot split it) are one line, exit 2,
+    before any run is set up (train.setup must not be reached): no benchmark runs only to report
+    "not reached", no traceback."""
     import train
 
     def no_setup(argv):
@@ -75,9 +81,10 @@ TINY_QUALITY = ("--max_iters=10 --n_layer=1 --n_head=2 --n_embd=32 --batch_size=
 
 @pytest.fixture(scope="module")
 def quality():
-    """bench_quality in this process on a tiny shape, evaluated every step, to a target of 100 (above any start, so
-    each run counts from its first evaluation that counts): (what it returns, its stdout, the batches each
-    DataLoader handed out, in the order the loaders were first used). About 2 s."""
+    """bench_quality in this process on a tiny shape, evaluated every step, to a target of 100
+    (above any start, so each run counts from its first evaluation that counts): (what it returns,
+    its stdout, the batches each DataLoader handed out, in the order the loaders were first used).
+    About 2 s."""
     import contextlib
     import io
     seen, real = {}, data.DataLoader.next_batch
@@ -91,23 +98,25 @@ def quality():
     try:
         with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
             mp.setattr(data.DataLoader, "next_batch", recording)
-            got = bench.bench_quality(TINY_QUALITY, target=100.0, every=1, windows=4)
+            got = bench_quality.bench_quality(TINY_QUALITY, target=100.0, every=1, windows=4)
     finally:
         torch.set_num_threads(threads)
     return got, out.getvalue(), list(seen.values())
 
 
 def test_quality_counts_ours_only_from_the_step_where_lambda_reaches_1(quality):
-    """Evaluated at every step of an 8-step lambda warm-up, ours' first counted point is step 8 (lambda 1), never a
-    step at lambda < 1 although each was evaluated and already below the target; the baseline counts from step 0."""
+    """Evaluated at every step of an 8-step lambda warm-up, ours' first counted point is step 8
+    (lambda 1), never a step at lambda < 1 although each was evaluated and already below the target;
+    the baseline counts from step 0."""
     got, out, _ = quality
     assert got["ours"][1] == 8 and got["nanoGPT"] == (0.0, 0), (got, out)
     assert re.search(r"^ours    : val [\d.]+ at step 8 ", out, re.M), out
 
 
 def test_quality_baseline_reads_a_copy_of_our_loader_so_both_see_the_same_batches(quality):
-    """Two loaders hand out batches (the baseline's, used first, and ours): ours' 8 batches are the baseline's first
-    8, in order. A shared loader would give ours the batches after the baseline's 10."""
+    """Two loaders hand out batches (the baseline's, used first, and ours): ours' 8 batches are the
+    baseline's first 8, in order. A shared loader would give ours the batches after the baseline's
+    10."""
     _, _, batches = quality
     assert len(batches) == 2, [len(b) for b in batches]
     base, ours = batches
@@ -122,13 +131,13 @@ def test_quality_with_a_target_the_baseline_starts_below_prints_no_ratio(quality
 
 @pytest.mark.slow
 def test_train_with_a_pretrained_model_times_ours_against_transformers_and_generates(tmp_path, capsys):
-    """python -m lab.bench --train --model=<a pretrained model> on tests/imported.py's tiny Llama (no download):
-    transformers' step, ours fp, ours QAT (AdamW and Muon), the ratios, three generators and two profiles."""
+    """python -m lab.bench --train --model=<a pretrained model> on tests/imported.py's tiny Llama
+    (no download): transformers' step, ours fp, ours QAT (AdamW and Muon), the ratios, three
+    generators and two profiles."""
     import re
     from imported import tiny_llama
-    from lab import bench
     src = tiny_llama(str(tmp_path / "tiny_llama"))
-    bench.bench_pretrained(src, steps=1, warmup=0, B=1, T=16, new_tokens=2)
+    bench_train.bench_pretrained(src, steps=1, warmup=0, B=1, T=16, new_tokens=2)
     out = capsys.readouterr().out
     for label in ("transformers LlamaForCausalLM", "ours fp (AdamW)", "ours ternary QAT, SubLN, lambda 1 (AdamW)",
                   "(Muon + AdamW)", "transformers generate", "ours packed ternary", "one QAT forward+backward",
@@ -144,33 +153,132 @@ def test_train_with_a_pretrained_model_times_ours_against_transformers_and_gener
     assert f"--model={gpt2}" in msg and "gpt2" in msg, msg
 
 
-def test_decode_prints_tokens_per_second_of_fp_and_packed_and_their_ratio_on_cpu(capsys):
-    """python -m lab.bench --decode on CPU: a tiny fp32 model, eager only (CUDA adds the graphed rows). Four rows,
-    the static cache's tokens are model.generate's (all 128: exact on CPU), and each printed packed/fp ratio is the
-    quotient of the printed tokens/s (rounded to 0.1) of the same run."""
-    bench.main(["--decode"])
+@pytest.fixture
+def one_thread():
+    """torch on one thread for a timing harness's test (2 shared cores: two threads per process only
+    contend)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_decode_rows_on_cpu_each_ratio_the_quotient_and_the_prefill_cancelled(capsys, one_thread):
+    """bench_decode on CPU: a tiny fp32 model and its packed twin, model.generate and the static
+    cache, eager (CUDA adds the graphed rows and the replay/sync columns, '-' here). Every row's
+    tokens are model.generate's (exact on CPU); each printed packed/fp ratio is the quotient of the
+    printed tokens/s; ops per token is the same from lengths (2, 4) as from (4, 8): the prompt's
+    prefill cancels in the difference."""
+    rows = bench_decode.bench_decode(new_tokens=12, prompt_len=8)
     out = capsys.readouterr().out
-    rows = {(m, mode): (float(t), s) for m, mode, t, s in re.findall(
-        r"^(fp|packed) [\w]+: (model\.generate|static KV cache, eager)\S* *\D*?([\d.]+) +(\d+/\d+)$", out, re.M)}
-    assert len(rows) == 4 and all(t > 0 and s == "128/128" for t, s in rows.values()), out
-    assert "CUDA graph" not in out and "float32; batch 1, greedy, 128 new tokens" in out
+    printed = {(m, mode): (float(t), s) for m, mode, t, s in re.findall(
+        r"^(fp|packed) \w+: (model\.generate|static KV cache, eager)(?: \(dynamic KV cache\))? "
+        r"+([\d.]+) +[\d.]+ +- +[\d.]+ +- +(\d+/\d+)$",
+        out, re.M)}
+    assert len(printed) == 4 and all(t > 0 and s == "12/12" for t, s in printed.values()), out
+    assert "CUDA graph" not in out and "float32; batch 1, greedy, 12 new tokens" in out
     ratios = dict(re.findall(r"(generate|eager) ([\d.]+)", re.search(r"^packed / fp tokens/s: (.*)$", out, re.M)[1]))
     for key, mode in (("generate", "model.generate"), ("eager", "static KV cache, eager")):
-        want = rows["packed", mode][0] / rows["fp", mode][0]
+        want = printed["packed", mode][0] / printed["fp", mode][0]
         assert abs(float(ratios[key]) - want) < 0.006 + 0.002 * want, (key, out)
+    assert all(r["ops"] == int(r["ops"]) > 0 and r["replay_us"] is None and r["syncs"] is None
+               for r in rows.values()), rows
+    from tools import decode
+    model = bench_decode.make_models("preset", "cpu", torch.float32)["packed"]
+    prompt = torch.arange(8).view(1, 8)
+    gen = lambda n: decode.Decoder(model, "eager").generate(prompt, n, top_k=1)  # noqa: E731
+    gen(1)  # the first CPU call of a packed layer unpacks its codes once
+    per = [bench_decode.per_token(bench_decode.count_aten_ops, gen, k) for k in (2, 4)]
+    assert per[0] == per[1] == rows["packed", "eager"]["ops"], per
+
+
+def test_per_token_differences_cancel_a_fixed_cost():
+    """per_token against a closed form: a count of 7 + 3 n for n tokens is 3 per token at any k."""
+    assert bench_decode.per_token(lambda fn: fn(), lambda n: 7 + 3 * n, 2) == 3
+    assert bench_decode.per_token(lambda fn: fn(), lambda n: 7 + 3 * n, 5) == 3
+
+
+def test_decode_1b_shape_is_a_1b_llama_on_cuda_and_its_tiny_twin_runs_on_cpu(capsys, one_thread):
+    """--shape=1b: on CUDA 16 x 2048, FFN 8192, 32 query / 8 kv heads, vocab 128,256 (~1.24B
+    parameters, counted from the config as a closed form); on CPU a tiny GQA twin through the same
+    code."""
+    c = bench_decode.decode_config("1b", True, False)
+    hd, kv = c.head_size(), c.kv_heads()
+    per_layer = (c.n_embd * (c.n_head * hd + 2 * kv * hd) + c.n_head * hd * c.n_embd
+                 + 3 * c.n_embd * c.hidden_dim())
+    got = (c.n_layer, c.n_embd, c.hidden_dim(), c.n_head, kv, c.vocab_size)
+    assert got == (16, 2048, 8192, 32, 8, 128256)
+    assert 1.2e9 < c.n_layer * per_layer + c.vocab_size * c.n_embd < 1.3e9
+    rows = bench_decode.bench_decode(shape="1b", new_tokens=4, prompt_len=4)
+    assert set(rows) == {(m, mode) for m in ("fp", "packed") for mode in ("generate", "eager")}
+    assert "4/2 heads" in capsys.readouterr().out
+
+
+def test_kernel_table_on_cpu_rotates_past_the_budget_and_leaves_graph_columns_empty(capsys,
+                                                                                    one_thread):
+    """bench_kernels with the plain-torch stand-ins on CPU: one row per shape (decode at M <= 16,
+    prefill above), the weight copies just past the budget (a closed form), '-' in the CUDA-graph
+    and bandwidth columns, every measured column > 0; the per-call median of a graph's replays."""
+    rows = bench.bench_kernels(shapes=[(1, 64, 64), (20, 48, 64)], dev="cpu", budget=64 * 1024)
+    out = capsys.readouterr().out
+    # ceil(65536 / (N K 2)), ceil(65536 / (N K / 4))
+    assert [r["copies"] for r in rows] == [(8, 64), (11, 86)]
+    lines = re.findall(r"^ +(\d+) +(\d+) +(\d+) +(decode|prefill) \| +- +- +- +- \| +- +- \|(.*)$",
+                       out, re.M)
+    assert [(m, k) for m, _, _, k, _ in lines] == [("1", "decode"), ("20", "prefill")], out
+    assert all(float(v) > 0 for *_, rest in lines for v in rest.replace("|", " ").split())
+    assert bench.per_call_median_us([3.0, 1.0, 2.0], 4) == 500.0
+    assert bench.copies_for(300 * 2**20) == 2 and bench.copies_for(2**20) == 256
+
+
+def test_train_step_accumulates_micro_batches_as_one_big_batch(one_thread):
+    """A --train step at grad_accum=2: two forward/backward phases then one optimizer phase, and the
+    gradients it accumulates equal the gradients of the mean loss over both micro-batches in one
+    batch (nanoGPT baseline and ours QAT, whose weights are quantised once for the step)."""
+    s = bench_train.train_shape("cpu", dict(n_layer=1, n_head=2, n_embd=32, block_size=16,
+                                            batch_size=2, grad_accum=2))
+    assert tuple(s.x.shape) == (2, 2, 16)
+    for how in (dict(nanogpt=True), dict(quant=True)):
+        model, opt, clipper = bench_train.build(s, **how, shape=dict(n_layer=1, n_head=2, n_embd=32,
+                                                                     block_size=16))
+        step = bench_train.Step(s, model, opt, clipper)
+        assert [n for n, _ in step.phases()] == ["forward", "backward"] * 2 + ["optimizer"]
+        for i in range(2):
+            step.backward(step.forward(i))
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        import quant
+        quant.clear_weight_quant(model)
+        model(s.x.flatten(0, 1), s.y.flatten(0, 1))[1].backward()
+        for n, p in model.named_parameters():
+            assert torch.allclose(got[n], p.grad, rtol=1e-4, atol=1e-6), (how, n)
+
+
+@pytest.mark.parametrize("argv, facts", [
+    (["--decode", "--shape=7b"], ["--shape=7b", "preset", "1b"]),
+    (["--shape=1b"], ["--shape is an option of --decode"]),
+    (["--train", "--runs=fp,warp"], ["--runs=fp,warp", "nanogpt_c"]),
+    (["--runs=fp"], ["--runs is an option of --train"]),
+    (["--train", "--runs=fp", "--model=x"], ["--runs", "--model"])])
+def test_bench_refuses_bad_options_in_one_line(argv, facts, capsys):
+    err = fails(capsys, *argv, code=2, main=bench.main)
+    assert all(f in err for f in facts), err
 
 
 @pytest.mark.slow
 def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(capsys):
-    """bench_train on a tiny shape (CPU: fp32, the compiled runs through inductor): one row per run, the compiled
-    ratios against the compiled nanoGPT step as the quotients of the returned times, and for nanoGPT, ours fp and
-    ours QAT (compiled) the top ops by self time, each a share of that step's profiled total."""
-    r = bench.bench_train(steps=1, warmup=1, shape=dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=2))
+    """bench_train on a tiny shape (CPU: fp32, the compiled runs through inductor): one row per run,
+    the compiled ratios against the compiled nanoGPT step as the quotients of the returned times,
+    and for nanoGPT, ours fp and ours QAT (compiled) the top ops by self time, each a share of that
+    step's profiled total."""
+    shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=2)
+    r = bench_train.bench_train(steps=1, warmup=1, shape=shape)
     out = capsys.readouterr().out
-    assert {"nanogpt", "dense", "qat", "nanogpt_c", "dense_c", "qat_c"} <= set(r) and all(v > 0 for v in r.values())
+    assert {"nanogpt", "fp", "qat", "nanogpt_c", "fp_c", "qat_c"} <= set(r)
+    assert all(v["ms"] > 0 for v in r.values())
     fp, qat = re.search(r"compiled nanoGPT step: ours fp ([\d.]+) .*, ours QAT ([\d.]+)", out).groups()
-    assert float(fp) == pytest.approx(r["dense_c"] / r["nanogpt_c"], abs=6e-4)
-    assert float(qat) == pytest.approx(r["qat_c"] / r["nanogpt_c"], abs=6e-4)
+    assert float(fp) == pytest.approx(r["fp_c"]["ms"] / r["nanogpt_c"]["ms"], abs=6e-4)
+    assert float(qat) == pytest.approx(r["qat_c"]["ms"] / r["nanogpt_c"]["ms"], abs=6e-4)
     sections = re.findall(r"^where a step of (.+?) goes: [\d.]+ ms/step timed, ([\d.]+) ms of CPU time per step "
                           r"profiled.*\n((?:  .*\n)+)", out, re.M)
     assert [s[0] for s in sections] == ["nanoGPT baseline, compiled", "ours fp, compiled", "ours ternary QAT, compiled"]
@@ -190,10 +298,10 @@ def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(caps
 
 
 def test_count_work_counts_ops_and_the_bytes_of_their_tensors():
-    """count_work against a closed form: a (64, 32) @ (32, 16) fp32 mm touches 4 (64*32 + 32*16 + 64*16) bytes; a
-    view is an op that moves nothing."""
+    """count_work against a closed form: a (64, 32) @ (32, 16) fp32 mm touches 4 (64*32 + 32*16 +
+    64*16) bytes; a view is an op that moves nothing."""
     a, b = torch.randn(64, 32), torch.randn(32, 16)
-    w = bench.count_work([("mm", lambda: a @ b), ("view", lambda: a.view(32, 64))])
+    w = bench_train.count_work([("mm", lambda: a @ b), ("view", lambda: a.view(32, 64))])
     assert w["mm"] == (1, 4 * (64 * 32 + 32 * 16 + 64 * 16) / 1e6) and w["view"] == (1, 0.0)
 
 
@@ -212,9 +320,10 @@ for i in range(int(args["max_iters"]) + 1):
 
 @pytest.mark.slow
 def test_against_nanogpt_feeds_it_our_byte_shards_in_its_format_and_prints_both_ratios(tmp_path, monkeypatch, capsys):
-    """lab.against_nanogpt: nanoGPT's train.py (here a stand-in that records what it was given) reads our byte shards
-    as its uint16 train.bin/val.bin with vocab 257 at our shape, from a directory of its own; the ratio is ours over
-    its median step; a path that is not a nanoGPT checkout is one error line."""
+    """lab.against_nanogpt: nanoGPT's train.py (here a stand-in that records what it was given)
+    reads our byte shards as its uint16 train.bin/val.bin with vocab 257 at our shape, from a
+    directory of its own; the ratio is ours over its median step; a path that is not a nanoGPT
+    checkout is one error line."""
     from lab import against_nanogpt
     ng = tmp_path / "nanoGPT"
     ng.mkdir()
@@ -230,7 +339,8 @@ def test_against_nanogpt_feeds_it_our_byte_shards_in_its_format_and_prints_both_
     n, head, nv, meta, given = eval(open(tmp_path / "seen").read())
     assert (n, head, nv, meta) == (len(train), int(train[:1000].astype(np.int64).sum()), n_val, {"vocab_size": 257})
     assert {"n_layer", "n_head", "n_embd", "block_size", "batch_size", "device", "dtype", "compile"} <= set(given)
-    # one micro-batch a step (nanoGPT's default is 40), no dropout, no bias, fp32 on the CPU: our quick start's step
+    # one micro-batch a step (nanoGPT's default is 40), no dropout, no bias, fp32 on the CPU: our
+    # quick start's step
     assert {k: given[k] for k in ("gradient_accumulation_steps", "dropout", "bias", "dtype", "device", "compile")} == \
         dict(gradient_accumulation_steps="1", dropout="0.0", bias="False", dtype="float32", device="cpu", compile="False")
     assert sorted(os.listdir(ng)) == ["configurator.py", "model.py", "train.py"]  # nothing written into it
@@ -247,3 +357,53 @@ def test_against_nanogpt_refuses_too_few_steps_for_its_median(capsys):
     from lab import against_nanogpt
     msg = fails(capsys, "--max_iters=5", main=against_nanogpt.main, code=2)
     assert "--max_iters=5" in msg and "at least 11" in msg, msg
+
+
+def fake_nanogpt(root, body):
+    """A directory that passes for a nanoGPT checkout, whose train.py is body."""
+    root.mkdir()
+    (root / "train.py").write_text(body)
+    (root / "model.py").write_text("")
+    (root / "configurator.py").write_text("")
+    return root
+
+
+@pytest.mark.slow
+def test_against_nanogpt_ctrl_c_stops_the_child_in_one_line_with_the_signal_status(tmp_path):
+    """Ctrl-C (SIGINT to our process only) while nanoGPT's train.py runs: one error line, exit 130
+    (128 + SIGINT), no traceback; the child is stopped and the temporary directory it ran in
+    removed."""
+    import signal
+    import time
+    ng = fake_nanogpt(tmp_path / "nanoGPT", "import os, time\nopen(os.environ['SEEN'], 'w').write("
+                      "f'{os.getpid()} {os.getcwd()}')\ntime.sleep(120)\n")
+    seen = tmp_path / "seen"
+    p = subprocess.Popen([sys.executable, "-m", "lab.against_nanogpt", f"--nanogpt={ng}",
+                          "--max_iters=12"], cwd=ROOT, env=dict(ENV, SEEN=str(seen)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (seen.exists() and seen.read_text()) and time.time() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    pid, cwd = seen.read_text().split()
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert p.returncode == 128 + signal.SIGINT and len(lines) == 1, (p.returncode, err)
+    assert lines[0].startswith("error: stopped by Ctrl-C while nanoGPT's train.py ran"), err
+    assert not os.path.exists(f"/proc/{pid}") and not os.path.exists(cwd)
+
+
+def test_against_nanogpt_says_in_one_line_when_a_log_is_short_or_train_args_clash(tmp_path, capsys):
+    """A nanoGPT whose log holds fewer step times than the median needs is one line naming it (a
+    StatisticsError before); --train_args that set what the comparison sets, or do not split, are
+    refused."""
+    from lab import against_nanogpt
+    ng = fake_nanogpt(tmp_path / "nanoGPT",
+                      "for i in range(5):\n    print(f'iter {i}: loss 2.0, time 100.00ms')\n")
+    msg = fails(capsys, f"--nanogpt={ng}", "--max_iters=12", code=2, main=against_nanogpt.main)
+    assert "nanoGPT logged 5 step times" in msg and "at least 11" in msg, msg
+    for args, fact in (("--max_iters=5", "--max_iters=5 is set by this comparison"),
+                       ('"x', "cannot split")):
+        msg = fails(capsys, f"--nanogpt={ng}", f"--train_args={args}", code=2,
+                    main=against_nanogpt.main)
+        assert fact in msg, msg

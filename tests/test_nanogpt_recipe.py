@@ -1,21 +1,26 @@
 """
-README's "Using these files in nanoGPT", run: the recipe applied to a nanoGPT-shaped model and training loop.
+README's "Using these files in nanoGPT", run: the recipe applied to a nanoGPT-shaped model and
+training loop.
 
-Below are nanoGPT's model.py and train.py cut down to what the recipe touches, with nanoGPT's names and structure:
-GPTConfig(bias), CausalSelfAttention (c_attn, c_proj), MLP (c_fc, GELU, c_proj), Block (ln_1, ln_2), GPT
-(transformer.wte/wpe/h/ln_f, lm_head tied to wte, _init_weights, configure_optimizers), get_lr, the GradScaler,
-the checkpoint dict and resume. Every line the recipe changes ends in a "# recipe:" comment; the rest is nanoGPT's.
-The tests check that with the recipe
-  - Muon gets exactly the c_attn/c_proj/c_fc weights, and AdamW wte (= lm_head, once), wpe, norms and biases;
-  - the schedule line keeps Muon at 0.02 x get_lr's multiplier (nanoGPT's `param_group['lr'] = lr` would not);
-  - 80 steps on the shipped corpus (byte shards) take the val loss more than 1 nat below an untrained model's;
-  - a run resumed from its step-50 checkpoint (model, optimizer, zclip, iter_num) equals the uninterrupted run
-    bit for bit, and an fp16-style GradScaler hands ZClip and the optimizer the same gradients as none (up to subnormals).
-Not nanoGPT, and not the recipe: batches come from data.DataLoader, whose position the checkpoint also stores
-(nanoGPT's get_batch draws from the global torch RNG, which its checkpoint does not save, so its own resume is
-not bitwise); estimate_loss reads the same val batches each time; torch.amp.GradScaler('cuda', ...) for the
-deprecated torch.cuda.amp.GradScaler(...); no dropout, flash attention only, no from_pretrained,
-crop_block_size, DDP, autocast or torch.compile.
+nanoGPT's model.py is lab/nanogpt.py (the repository's one copy: GPTConfig(bias), c_attn, c_proj,
+c_fc, ln_1, ln_2, transformer.wte/wpe/h/ln_f, lm_head tied to wte, configure_optimizers); below, the
+recipe's edits of it and nanoGPT's train.py cut down to what the recipe touches (get_lr, the
+GradScaler, the checkpoint dict and resume). Every line the recipe changes ends in a "# recipe:"
+comment; the rest is nanoGPT's. The tests check that with the recipe
+  - Muon gets exactly the c_attn/c_proj/c_fc weights, and AdamW wte (= lm_head, once), wpe, norms
+    and biases;
+  - the schedule line keeps Muon at 0.02 x get_lr's multiplier (nanoGPT's `param_group['lr'] = lr`
+    would not);
+  - 80 steps on the shipped corpus (byte shards) take the val loss more than 1 nat below an
+    untrained model's;
+  - a run resumed from its step-50 checkpoint (model, optimizer, zclip, iter_num) equals the
+    uninterrupted run bit for bit, and an fp16-style GradScaler hands ZClip and the optimizer the
+    same gradients as none (up to subnormals).
+Not nanoGPT, and not the recipe: batches come from data.DataLoader, whose position the checkpoint
+also stores (nanoGPT's get_batch draws from the global torch RNG, which its checkpoint does not
+save, so its own resume is not bitwise); estimate_loss reads the same val batches each time;
+torch.amp.GradScaler('cuda', ...) for the deprecated torch.cuda.amp.GradScaler(...); no dropout,
+flash attention only, no from_pretrained, crop_block_size, DDP, autocast or torch.compile.
 
 Run: OMP_NUM_THREADS=1 python -m pytest tests/test_nanogpt_recipe.py
 """
@@ -24,139 +29,29 @@ import json
 import math
 import os
 import shutil
-from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn as nn
-from torch.nn import functional as F
 
 from tools import config, loaders
 import data
+from lab import nanogpt
+from lab.nanogpt import GPTConfig
 from muon import configure_muon  # recipe: new import
 from quant import BitLinear  # recipe: new import
 from zclip import ZClip  # recipe: new import
 
 # -----------------------------------------------------------------------------
-# model.py
+# model.py: nanoGPT's, from lab/nanogpt.py (the one copy in this repository); the recipe's two edits
+# of it
 
 
-class LayerNorm(nn.Module):
-    """ LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False """
-
-    def __init__(self, ndim, bias):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-
-    def forward(self, input):
-        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
-class CausalSelfAttention(nn.Module):
+class GPT(nanogpt.GPT):
+    """nanoGPT's GPT with the recipe: each block's four nn.Linear a BitLinear, Muon in
+    configure_optimizers."""
 
     def __init__(self, config):
-        super().__init__()
-        assert config.n_embd % config.n_head == 0
-        # key, query, value projections for all heads, but in a batch
-        self.c_attn = BitLinear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # recipe: was nn.Linear
-        # output projection
-        self.c_proj = BitLinear(config.n_embd, config.n_embd, bias=config.bias)  # recipe: was nn.Linear
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
-
-    def forward(self, x):
-        B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs side by side
-        return self.c_proj(y)
-
-
-class MLP(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = BitLinear(config.n_embd, 4 * config.n_embd, bias=config.bias)  # recipe: was nn.Linear
-        self.gelu = nn.GELU()
-        self.c_proj = BitLinear(4 * config.n_embd, config.n_embd, bias=config.bias)  # recipe: was nn.Linear
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class Block(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
-
-
-@dataclass
-class GPTConfig:
-    block_size: int = 1024
-    vocab_size: int = 50304  # GPT-2 vocab_size of 50257, padded up to nearest multiple of 64 for efficiency
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    bias: bool = False  # True: bias in Linears and LayerNorms, like GPT-2. False: a bit better and faster
-
-
-class GPT(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=LayerNorm(config.n_embd, bias=config.bias),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # stays full precision
-        self.transformer.wte.weight = self.lm_head.weight  # https://paperswithcode.com/method/weight-tying
-        # init all weights (BitLinear is an nn.Linear, so _init_weights reaches it)
-        self.apply(self._init_weights)
-        # apply special scaled init to the residual projections, per GPT-2 paper
-        for pn, p in self.named_parameters():
-            if pn.endswith('c_proj.weight'):
-                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                torch.nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def forward(self, idx, targets=None):
-        b, t = idx.size()
-        pos = torch.arange(0, t, dtype=torch.long, device=idx.device)  # shape (t)
-        tok_emb = self.transformer.wte(idx)  # token embeddings of shape (b, t, n_embd)
-        pos_emb = self.transformer.wpe(pos)  # position embeddings of shape (t, n_embd)
-        x = tok_emb + pos_emb
-        for block in self.transformer.h:
-            x = block(x)
-        x = self.transformer.ln_f(x)
-        if targets is not None:
-            logits = self.lm_head(x)  # (b, t, vocab_size)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
-        else:  # inference: only the last position
-            logits = self.lm_head(x[:, [-1], :])  # (b, 1, vocab_size)
-            loss = None
-        return logits, loss
+        super().__init__(config, linear=BitLinear)  # recipe: was nn.Linear in attention and MLP
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         return configure_muon(self, muon_lr=0.02, adamw_lr=learning_rate,  # recipe: the whole body
@@ -208,8 +103,8 @@ def sources():
 
 
 def init(init_from, out_dir):
-    """nanoGPT's init section: model ('scratch' or 'resume' from out_dir/ckpt.pt), GradScaler, optimizer; and
-    ZClip. Returns (model, optimizer, zclip, scaler, train_loader, iter_num)."""
+    """nanoGPT's init section: model ('scratch' or 'resume' from out_dir/ckpt.pt), GradScaler,
+    optimizer; and ZClip. Returns (model, optimizer, zclip, scaler, train_loader, iter_num)."""
     torch.manual_seed(1337)
     src, meta_vocab_size = sources()
     iter_num = 0
@@ -249,8 +144,8 @@ def estimate_loss(model, val_loader):
 
 
 def train(model, optimizer, zclip, scaler, train_loader, iter_num, out_dir, stop_iter=max_iters):
-    """nanoGPT's training loop from iter_num through stop_iter (its max_iters), writing out_dir/ckpt.pt at each
-    eval. Returns ({iter: train loss}, {iter: val loss})."""
+    """nanoGPT's training loop from iter_num through stop_iter (its max_iters), writing
+    out_dir/ckpt.pt at each eval. Returns ({iter: train loss}, {iter: val loss})."""
     val_loader = data.DataLoader(sources()[0], 'val', batch_size, block_size, order='sequential')
     train_losses, val_losses = {}, {}
     while True:
@@ -375,9 +270,12 @@ def test_fp16_style_grad_scaler_unscales_before_zclip_and_step(tmp_path):
         model, optimizer, zclip, off, train_loader, _ = init('scratch', tmp_path)
         train(model, optimizer, zclip, scaler or off, train_loader, 1, tmp_path, stop_iter=3)
         runs.append((model.state_dict(), zclip.state_dict()))
-    # Scaling by 2**16 and unscaling is exact except for gradients below fp32's normal range, which the unscaled
-    # run keeps as subnormals or flushes to zero depending on the process's FTZ/DAZ state (a library loaded
-    # earlier in the same process can set it). Without unscale_ ZClip's statistics would be 2**16 times larger.
+    # Scaling by 2**16 and unscaling is exact except for gradients below fp32's normal range, which
+    # the unscaled
+    # run keeps as subnormals or flushes to zero depending on the process's FTZ/DAZ state (a library
+    # loaded
+    # earlier in the same process can set it). Without unscale_ ZClip's statistics would be 2**16
+    # times larger.
     (w0, z0), (w1, z1) = runs
     assert w0.keys() == w1.keys() and all(torch.allclose(w0[k], w1[k], rtol=1e-6, atol=1e-12) for k in w0)
     for k in ("mean", "var", "warmup_norms"):
