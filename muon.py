@@ -101,7 +101,7 @@ class Muon(torch.optim.Optimizer):
     A variant changes the update of one matrix by overriding muon_step (lessons/muon_variants.py).
     """
 
-    batched_devices = ("cuda",)  # where step() runs muon_steps (NS5 batched per shape); elsewhere muon_step
+    batched_devices = ("cuda", "cpu")  # where step() runs muon_steps (NS5 batched per shape); else muon_step
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  adjust_lr_fn=None, ns_dtype=torch.bfloat16, process_group=None):
@@ -295,8 +295,11 @@ def _adamw_step(opt, params, group):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states.append(state)
     beta1, beta2 = group["betas"]
+    # foreach: each arithmetic step one op for the whole group; torch.optim.AdamW's default on CUDA, and on
+    # the CPU the same bits as its per-tensor loop (tests/test_muon.py). FSDP2 shards keep torch's default.
+    foreach = None if group["fused"] or any(hasattr(p, "device_mesh") for p in params) else True
     adamw_functional(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                     [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=None,
+                     [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=foreach,
                      fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 

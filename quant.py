@@ -55,23 +55,41 @@ def activation_quant(x):
     return x_q, 1.0 / s
 
 
+@torch.no_grad()
 def weight_fake_quant(w):
-    """W_q * gamma in w's dtype, computed in fp32 (the forward value seen by F.linear in training)."""
+    """W_q * gamma in w's dtype, computed in fp32 (the forward value seen by F.linear in training). No autograd
+    graph: the gradient comes from the STE."""
     wf = w.float()
     scale = wf.abs().mean().clamp(min=GAMMA_MIN)
-    return ((wf / scale).round().clamp(-1, 1) * scale).to(w.dtype)
+    return (wf / scale).round_().clamp_(-1, 1).mul_(scale).to(w.dtype)
 
 
+@torch.no_grad()
 def activation_fake_quant(x):
-    """x_q / s in x's dtype, computed in fp32."""
+    """x_q / s in x's dtype, computed in fp32: one row absmax (the inf-norm), one scale, one rounding per row.
+    The clamp to [-128, 127] never binds here: |x * s| <= 127 (1 + 2^-23) < 127.5 rounds to at most 127.
+    No autograd graph: the gradient comes from the STE."""
     xf = x.float()
-    s = 127.0 / xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)
-    return ((xf * s).round().clamp(-128, 127) / s).to(x.dtype)
+    s = 127.0 / torch.linalg.vector_norm(xf, float("inf"), dim=-1, keepdim=True).clamp_(min=1e-5)
+    return (xf * s).round_().div_(s).to(x.dtype)
+
+
+class STE(torch.autograd.Function):
+    """Forward lerp(v, Q(v), lambda) = v + lambda (Q(v) - v), one op, exactly Q(v) at lambda 1 and v at 0;
+    backward passes the gradient to v unchanged (none to Q(v) or lambda): no op at all."""
+
+    @staticmethod
+    def forward(ctx, v, v_quant, lambda_):
+        return torch.lerp(v, v_quant, lambda_.to(v.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
 
 
 def ste(v, v_quant, lambda_):
     """v + lambda * stopgrad(Q(v) - v): forward value blends to Q(v), gradient is exactly the identity."""
-    return v + lambda_.to(v.dtype) * (v_quant - v).detach()
+    return STE.apply(v, v_quant, lambda_)
 
 
 # -----------------------------------------------------------------------------
@@ -101,7 +119,7 @@ class BitLinear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.register_buffer("lambda_", torch.ones((), device=device))  # 0-d; 0 = fp, 1 = ternary (default)
         self.quantize_input = quantize_input
-        self.w_delta = None  # stopgrad(Q(w) - w), cached once per step by cache_weight_quant (speed section)
+        self.w_quant = None  # W_q * gamma, cached once per step by cache_weight_quant (speed section)
 
     def forward(self, x):
         if self.quantize_input:
@@ -110,9 +128,8 @@ class BitLinear(nn.Linear):
 
     def quantized_weight(self):
         """The weight F.linear sees: the lambda blend of W and W_q * gamma, gamma this matrix's own (out, in)."""
-        if self.w_delta is None:
-            return ste(self.weight, weight_fake_quant(self.weight), self.lambda_)
-        return self.weight + self.lambda_.to(self.weight.dtype) * self.w_delta  # same value and gradient, cached
+        w_quant = weight_fake_quant(self.weight) if self.w_quant is None else self.w_quant  # cached: the same
+        return ste(self.weight, w_quant, self.lambda_)
 
 
 def stacked_linear(x, layers):
@@ -180,13 +197,39 @@ def unpack_ternary(packed, in_features):
 #   - lambda is a tensor, never a Python float: no recompilation as it warms up, and no host sync to read it.
 
 
+class RMSNormCPU(torch.autograd.Function):
+    """F.rms_norm over the last dim, for fp32 CPU tensors, with a hand-written backward. On the CPU torch has no
+    fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates them in about 23 more. The
+    forward here is the same six ops in the same order (the same bits as F.rms_norm); the backward is 9 ops:
+        y = x_hat * w,  x_hat = x * r,  r = 1 / sqrt(mean(x^2) + eps)
+        dx = r * (g w - x_hat * mean(g w x_hat)),  dw = sum over rows of g x_hat"""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        r = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # (..., 1)
+        x_hat = x * r
+        ctx.save_for_backward(x_hat, r, w)
+        return x_hat * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x_hat, r, w = ctx.saved_tensors
+        gw = g * w
+        dx = gw.sub_(x_hat * (gw * x_hat).mean(-1, keepdim=True)).mul_(r)
+        return dx, (g * x_hat).reshape(-1, w.numel()).sum(0), None
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm with its gain cast to the input's dtype, so that under bf16 autocast (a bf16 input, an fp32 gain)
     torch dispatches to its fused RMSNorm kernel instead of the unfused fallback. In fp32 the cast is a no-op: the
-    same op on the same tensors as nn.RMSNorm, bit for bit. The parameter stays fp32 (the optimizer's copy)."""
+    same op on the same tensors as nn.RMSNorm, bit for bit. The parameter stays fp32 (the optimizer's copy).
+    An fp32 CPU input with a gain over one dim runs RMSNormCPU: the same forward bits, a 9-op backward."""
 
     def forward(self, x):
         w = self.weight.to(x.dtype) if self.weight is not None else None
+        if x.device.type == "cpu" and x.dtype == torch.float32 and w is not None and w.dim() == 1:
+            eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # as F.rms_norm
+            return RMSNormCPU.apply(x, w, eps)
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
@@ -213,13 +256,13 @@ def cache_weight_quant(model):
     accumulation). Call after the optimizer step, before the next forward; clear_weight_quant undoes it."""
     for m in model.modules():
         if isinstance(m, BitLinear):
-            m.w_delta = weight_fake_quant(m.weight) - m.weight
+            m.w_quant = weight_fake_quant(m.weight)
 
 
 def clear_weight_quant(model):
     for m in model.modules():
         if isinstance(m, BitLinear):
-            m.w_delta = None
+            m.w_quant = None
 
 
 if __name__ == "__main__":

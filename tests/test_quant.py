@@ -196,7 +196,7 @@ def test_cached_weight_quant_gives_identical_outputs_and_gradients():
     ref_grad, lin.weight.grad = lin.weight.grad.clone(), None
     ref_out = lin(xs[0])
     cache_weight_quant(lin)  # quantised once for all three
-    assert lin.w_delta is not None and not lin.w_delta.requires_grad
+    assert lin.w_quant is not None and not lin.w_quant.requires_grad
     for x in xs:
         lin(x).square().sum().backward()
     assert torch.equal(lin(xs[0]), ref_out) and torch.equal(lin.weight.grad, ref_grad)
