@@ -47,22 +47,29 @@ from kernels import ternary_matmul as tm  # noqa: E402
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")  # Triton's ptxas, cuobjdump
-ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "xq_ptr", "N", "K", "KW", "stride_xm", "stride_wn",
-           "stride_om")  # as a launch on model shapes specialises them: multiples of 16
-DECODE_ARGS = dict(x_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*fp32", out_ptr="*bf16", M="constexpr",
+ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "xq_ptr", "g_ptr", "N", "K", "KW", "stride_xm",
+           "stride_wn", "stride_om", "stride_x")  # as a launch on model shapes specialises them: multiples of 16
+DECODE_ARGS = dict(x_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*fp32", out_ptr="*bf16", M="i32",
                    N="i32", KW="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ws="i32",
-                   BLOCK_N="constexpr", BLOCK_G="constexpr", DP4A="constexpr", WRITE_ACC="constexpr")
-PREFILL_ARGS = dict(x_ptr="*i8", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32",
-                    K="i32", KW="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ws="i32",
-                    BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_G="constexpr", GROUP_M="constexpr",
+                   BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_G="constexpr", DP4A="constexpr",
+                   WRITE_ACC="constexpr")
+PREFILL_ARGS = dict(x_ptr="*i8", xs_ptr="*fp32", w_ptr="*i8", ws_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32",
+                    K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ws="i32",
+                    BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr",
                     WRITE_ACC="constexpr")
-TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_G", "GROUP_M")
+UNPACK_ARGS = dict(w_ptr="*i32", out_ptr="*i32", N="i32", KW="i32", stride_wn="i32", BLOCK_N="constexpr",
+                   BLOCK_G="constexpr")
+TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
 
 
-def _decode(name, cfg, out="*bf16", dp4a=True, write_acc=False):
-    consts = dict(M=1, BLOCK_N=cfg["BLOCK_N"], BLOCK_G=cfg["BLOCK_G"], DP4A=dp4a, WRITE_ACC=write_acc)
-    return dict(name=name, kind="decode", kernel=tm._decode_kernel, signature=dict(DECODE_ARGS, out_ptr=out),
-                constexprs=consts, options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+def _decode(name, cfg, out="*bf16", dp4a=True, write_acc=False, block_m=1):
+    """A decode configuration; M = 1 is specialised (constexpr) as a launch with one row specialises it."""
+    consts = dict(BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_G=cfg["BLOCK_G"], DP4A=dp4a, WRITE_ACC=write_acc)
+    sig = dict(DECODE_ARGS, out_ptr=out)
+    if block_m == 1:
+        consts["M"], sig["M"] = 1, "constexpr"
+    return dict(name=name, kind="decode", kernel=tm._decode_kernel, signature=sig, constexprs=consts,
+                options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), block_m=block_m)
 
 
 def _prefill(name, cfg, out="*bf16", write_acc=False):
@@ -75,17 +82,23 @@ def jobs(target):
     """Every configuration the host wrappers can launch on this target (dicts: name, kind, kernel, signature,
     constexprs, options)."""
     arch = target.arch // 10
-    out = [_decode(f"decode {key}", cfg) for key, cfg in tm.DECODE_CONFIGS.items()]
+    out = [_decode(f"decode {key}", cfg) for key, cfg in tm.DECODE_CONFIGS.items() if not key.startswith("rows")]
+    for bm in (2, 4, tm.DECODE_BLOCK_M):
+        out.append(_decode(f"decode rows M={bm}", tm.DECODE_CONFIGS["rows"], block_m=bm))
     cfg = tm.DECODE_CONFIGS["long-wide"]
     out.append(_decode("decode long-wide fp32 out", cfg, out="*fp32"))
     out.append(_decode("decode long-wide int32 acc", cfg, out="*i32", write_acc=True))
     out.append(_decode("decode long-wide pure-Triton dp4a", cfg, dp4a=False))  # the interpreter's form, compiled
     for M, cls in ((64, "short"), (2048, "tall")):
-        for K, steps in ((4096, "many K steps"), (256, "one K step")):
+        for K, steps in ((4096, "many K steps"), (128, "one K step")):
             out.append(_prefill(f"prefill sm_{arch}x {cls}, {steps}", tm.prefill_config(M, K, arch)))
     cfg = tm.prefill_config(2048, 4096, arch)
     out.append(_prefill(f"prefill sm_{arch}x tall fp32 out", cfg, out="*fp32"))
     out.append(_prefill(f"prefill sm_{arch}x tall int32 acc", cfg, out="*i32", write_acc=True))
+    u = tm.UNPACK_CONFIG
+    out.append(dict(name="unpack", kind="unpack", kernel=tm._unpack_kernel, signature=UNPACK_ARGS,
+                    constexprs=dict(BLOCK_N=u["BLOCK_N"], BLOCK_G=u["BLOCK_G"]),
+                    options=dict(num_warps=u["num_warps"], num_stages=u["num_stages"])))
     for dt, block, one_pass in (("fp32", 1024, True), ("bf16", 8192, False), ("fp16", 4096, True)):
         sig = dict(x_ptr=f"*{dt}", xq_ptr="*i8", xs_ptr="*fp32", K="i32", stride_x="i32", BLOCK_K="constexpr",
                    ONE_PASS="constexpr")
@@ -93,6 +106,14 @@ def jobs(target):
                         kernel=tm._quantize_activations_kernel, signature=sig,
                         constexprs=dict(BLOCK_K=block, ONE_PASS=one_pass),
                         options=dict(num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)))
+    for dt, K in (("fp32", 576), ("bf16", 4096), ("bf16", 11008)):
+        st = tm.norm_quant_settings(K)
+        sig = dict(x_ptr=f"*{dt}", g_ptr=f"*{dt}", xq_ptr="*i8", xs_ptr="*fp32", K="i32", stride_x="i32",
+                   eps="fp32", BLOCK_K="constexpr", ONE_PASS="constexpr", BF16="constexpr")
+        out.append(dict(name=f"rmsnorm+quantize {dt} K={K}", kind="quantize", kernel=tm._rmsnorm_quant_kernel,
+                        signature=sig, constexprs=dict(BLOCK_K=st["BLOCK_K"], ONE_PASS=st["ONE_PASS"],
+                                                       BF16=dt == "bf16"),
+                        options=dict(num_warps=st["num_warps"], enable_fp_fusion=False)))
     return out
 
 
@@ -140,6 +161,67 @@ def weight_loads(ptx, kernel_name, param=2):
     return loads
 
 
+_SASS = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][\w.]*)([^;]*);")
+
+
+def sass_instructions(sass):
+    """[(address, opcode, operands)] of the SASS listing."""
+    return [(int(a, 16), op, rest.strip()) for a, op, rest in _SASS.findall(sass)]
+
+
+def k_loop(sass):
+    """The instructions of the K loop: the shortest backward branch's body that holds a global load (LDG, or
+    LDGSTS where the loop copies into shared memory). [] when the kernel has no such loop."""
+    ins = sass_instructions(sass)
+    loops = []
+    for addr, op, rest in ins:
+        t = re.match(r"0x([0-9a-f]+)", rest)
+        if op == "BRA" and t and int(t.group(1), 16) < addr:
+            body = [i for i in ins if int(t.group(1), 16) <= i[0] <= addr]
+            if any(i[1].startswith(("LDG", "LDGSTS")) for i in body):
+                loops.append(body)
+    return min(loops, key=len) if loops else []
+
+
+def occupancy(regs, threads, shared, target):
+    """Programs (thread blocks) one SM holds at once, from the per-SM limits of the target (sm_80 A100, sm_90
+    H100): 64K registers allocated per warp in units of 256 (regs rounded up to 8 per thread), 2048 threads,
+    32 blocks, shared memory (164 / 227 KiB, 1 KiB reserved per block)."""
+    smem = {"sm_80": 164 * 1024, "sm_90": 227 * 1024}[target]
+    warps = -(-threads // 32)
+    by_regs = 65536 // (warps * 32 * (-(-max(regs, 1) // 8) * 8))
+    by_smem = smem // (shared + 1024)
+    return max(0, min(by_regs, 2048 // threads, 32, by_smem))
+
+
+SMS_OF = {"sm_80": 108, "sm_90": 132}  # an A100's SMs, an H100's
+
+
+def in_flight(r, grid, step_bytes):
+    """Weight bytes in flight per SM (Little's law: bandwidth = bytes in flight / latency): the programs resident
+    on one SM at once (occupancy, and no more than the grid gives it) times the weight bytes one program's K step
+    issues before it waits (num_stages - 1 steps ahead when the loop is software-pipelined)."""
+    per_sm = min(r["occupancy"], -(-grid // SMS_OF[r["target"]]))
+    return per_sm * step_bytes * max(1, r["num_stages"] - 1)
+
+
+SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (576, 576), (1536, 576), (576, 1536))  # (N, K): lab.bench's
+
+
+def decode_flight(reports, N, K, target="sm_90"):
+    """The M = 1 decode launch of an (N, K) weight on target, from the compiled reports: {config, grid, occupancy,
+    step_bytes (weight bytes one program's K step loads), in_flight (per SM, Little's law), need (the smaller of
+    15.5 KiB, what an H100 needs for its copy bandwidth at its DRAM latency, and the whole matrix over the SMs)}."""
+    key = tm.decode_config(N, K)
+    r = next(r for r in reports if r["target"] == target and r["name"] == f"decode {key}")
+    cfg, KW = tm.DECODE_CONFIGS[key], (K + 15) // 16
+    grid = -(-N // cfg["BLOCK_N"])
+    step = cfg["BLOCK_N"] * min(cfg["BLOCK_G"], KW) * 4
+    need = min(15.5 * 1024, N * KW * 4 / SMS_OF[target])
+    return dict(config=key, grid=grid, occupancy=r["occupancy"], step_bytes=step,
+                in_flight=in_flight(r, grid, step), need=round(need))
+
+
 def report(job, k):
     """What the compiled kernel holds (see top): a dict of plain numbers and strings."""
     ptx = k.asm["ptx"]
@@ -152,7 +234,7 @@ def report(job, k):
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path], capture_output=True, text=True,
                               check=True).stdout
     mma = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma\.sync)[\w.]*)", ptx)))
-    loads = weight_loads(ptx, k.name) if job["kind"] != "quantize" else []
+    loads = weight_loads(ptx, k.name, 0 if job["kind"] == "unpack" else 2) if job["kind"] != "quantize" else []
     c, o = job["constexprs"], job["options"]
     r = dict(name=job["name"], kind=job["kind"], regs=int(re.search(r"REG:(\d+)", res).group(1)),
              stack=int(re.search(r"STACK:(\d+)", res).group(1)),
@@ -161,8 +243,24 @@ def report(job, k):
              wload_widths=sorted({w for _, w in loads}), n_wload=len(loads), wload_bytes=sum(w for _, w in loads),
              wload_pipelined=any(op.startswith("cp.async") for op, _ in loads),
              threads=32 * o["num_warps"], num_stages=o.get("num_stages", 1), cubin_bytes=len(k.asm["cubin"]))
-    if job["kind"] != "quantize":
-        r["tile_bytes"] = c["BLOCK_N"] * c["BLOCK_G"] * 4  # the weight words of one K step
+    if job["kind"] == "prefill":
+        r["tile_bytes"] = c["BLOCK_N"] * c["BLOCK_K"]  # the unpacked int8 weights of one K step
+    elif job["kind"] != "quantize":
+        r["tile_bytes"] = c["BLOCK_N"] * c["BLOCK_G"] * 4  # the weight words of one K step (unpack: of the program)
+    r["block_m"] = job.get("block_m", c.get("BLOCK_M"))
+    loop = k_loop(sass)
+    ops = [op for _, op, _ in loop]
+    r["loop_instructions"] = len(loop)
+    r["loop_counts"] = {name: sum(op.startswith(pre) for op in ops) for name, pre in
+                        (("shfl", "SHFL"), ("sts", "STS"), ("lds", "LDS"), ("dp4a", "IDP.4A"), ("bar", "BAR"),
+                         ("mma", ("IMMA", "HMMA", "HGMMA", "IGMMA")))}
+    r["sts_u8"] = len(re.findall(r"\bSTS\.(?:U8|S8)\b", sass))  # one-byte shared-memory stores, whole kernel
+    r["instructions"] = len(sass_instructions(sass))
+    if job["kind"] == "unpack":  # no loop: the whole kernel, per word a thread unpacks
+        r["instr_per_word"] = round(r["instructions"] / (r["tile_bytes"] / 4 / r["threads"]), 2)
+    if job["kind"] in ("decode", "prefill"):  # per packed word: 16 weights (prefill: 16 int8 codes)
+        words = r["tile_bytes"] / (16 if job["kind"] == "prefill" else 4) / r["threads"]
+        r["instr_per_word"] = round(r["loop_instructions"] / words, 2)  # per thread and K step
     return r
 
 
@@ -179,7 +277,9 @@ def run(targets=TARGETS):
                 results.append(dict(name=job["name"], kind=job["kind"], target=tname,
                                     error=str(e).splitlines()[0] if str(e) else type(e).__name__))
                 continue
-            results.append(dict(r, target=tname, seconds=round(time.time() - t0, 1)))
+            r = dict(r, target=tname, seconds=round(time.time() - t0, 1))
+            r["occupancy"] = occupancy(r["regs"], r["threads"], r["shared"], tname)
+            results.append(r)
     return results
 
 
@@ -199,9 +299,16 @@ def main(argv=()):
             stages = f" x {r['num_stages']} stages, cp.async" if r["wload_pipelined"] else ""
             loads = (f", weight loads {r['n_wload']} x {'/'.join(map(str, r['wload_widths']))} B x {r['threads']} "
                      f"threads = {r['wload_bytes'] * r['threads']:,} B (tile {r['tile_bytes']:,} B{stages})")
+        loop = (f", K loop {r['loop_instructions']} instructions" +
+                (f" ({r['instr_per_word']} a weight word)" if r.get("instr_per_word") else ""))
         print(f"{r['target']} {r['name']}: {r['cubin_bytes']:,} bytes of cubin, {r['regs']} regs, {r['spills']} spills, "
-              f"{r['shared'] // 1024} KiB shared, "
+              f"{r['shared'] // 1024} KiB shared, {r['occupancy']} programs per SM{loop}, "
               f"{r['n_mma']} MMA {' '.join(r['mma']) or '-'}, {r['dp4a']} dp4a{loads}, {r['seconds']}s")
+    if not failed:
+        for N, K in SHAPES:
+            f = decode_flight(results, N, K)
+            print(f"sm_90 M=1 {N}x{K}: decode {f['config']}, {f['grid']} programs, {f['occupancy']} resident per SM, "
+                  f"{f['step_bytes']:,} B a step -> {f['in_flight']:,} B in flight per SM (need {f['need']:,})")
     print("all configurations compiled" if not failed else f"{failed} configuration(s) failed")
     return 1 if failed else 0
 

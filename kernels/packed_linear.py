@@ -30,6 +30,7 @@ Demo:  python -m kernels.packed_linear          Test:  python -m pytest tests/te
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import kernels.ternary_matmul as tm  # used as tm.<name>, so a test that reloads the module is seen here
 from kernels import op
@@ -55,6 +56,7 @@ class PackedBitLinear(nn.Module):
         self.in_features, self.out_features, self.use_triton = in_features, out_features, use_triton
         self.register_buffer("w_packed", w_packed)            # (N, ceil(K/4)) uint8, four codes per byte (quant.pack_ternary)
         self.register_buffer("w_scale", w_scale.reshape(()))  # gamma, 0-d fp32
+        self._pre_norm = ()  # (PackedRMSNorm,) when freeze_ternary moved the norm before it into its quantiser
 
     @classmethod
     def from_bitlinear(cls, m, use_triton=None):
@@ -70,8 +72,7 @@ class PackedBitLinear(nn.Module):
         return cls(m.in_features, m.out_features, tm.pack_planes(w_q), gamma, use_triton)
 
     def forward(self, x):  # x (..., K) any float dtype -> (..., N) in x.dtype
-        use_triton = x.is_cuda if self.use_triton is None else self.use_triton
-        if use_triton:  # tm.quantize_activations is bit-identical to quant.activation_quant
+        if self.triton_for(x):  # tm.quantize_activations is bit-identical to quant.activation_quant
             y = _triton_linear(x, self.w_packed, self.w_scale, self)
         else:
             x_q, x_scale = quant.activation_quant(x.reshape(-1, x.shape[-1]))  # rows: see _untriton_matmul
@@ -92,8 +93,7 @@ class PackedBitLinear(nn.Module):
             ws = torch.cat([m.w_scale.reshape(1).expand(m.out_features) for m in layers])  # (sum N_i,) per row
             self._stack = stack = (None if torch.compiler.is_compiling() else _stack_key(layers), w, ws)
             self._stack_bound = None
-        use_triton = x.is_cuda if self.use_triton is None else self.use_triton
-        if use_triton:
+        if self.triton_for(x):
             y = _triton_linear(x, stack[1], stack[2], self, "_stack_bound")
         else:
             x_q, x_scale = quant.activation_quant(x.reshape(-1, x.shape[-1]))  # rows: see _untriton_matmul
@@ -101,21 +101,32 @@ class PackedBitLinear(nn.Module):
             y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y.to(x.dtype).split([m.out_features for m in layers], dim=-1)
 
+    def triton_for(self, x):
+        """Whether x goes through the Triton kernels (use_triton, or x on CUDA when it is None)."""
+        return x.is_cuda if self.use_triton is None else self.use_triton
+
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed 2-bit, use_triton={self.use_triton}"
 
 
 def _triton_linear(x, w_packed, w_scale, owner, attr="_bound"):
     """The Triton kernels. Eager: an op.BoundLinear made once per weight, kept as owner.<attr> (made again when
-    w_packed or w_scale is another tensor or was written in place). Inside torch.compile: the registered op
-    op.ternary_linear, whose fake gives the output's shape, so dynamo traces one opaque call, not the launches."""
+    w_packed, w_scale or the pre-norm's gain is another tensor or was written in place). Inside torch.compile: the
+    registered op op.ternary_linear (op.norm_ternary_linear with a pre-norm), whose fake gives the output's shape,
+    so dynamo traces one opaque call, not the launches. With owner._pre_norm (freeze_ternary), x is the norm's
+    input: the norm runs in the quantiser's kernel (tm.rmsnorm_quantize), once for the whole stack."""
+    norm = owner._pre_norm[0] if owner._pre_norm else None
     if torch.compiler.is_compiling():
-        return op.ternary_linear(x, w_packed, w_scale)
+        if norm is None:
+            return op.ternary_linear(x, w_packed, w_scale)
+        return op.norm_ternary_linear(x, norm.weight, norm.eps_for(x), w_packed, w_scale)
+    g = norm.weight if norm is not None else w_scale  # w_scale: a stand-in that never changes the key
     b = getattr(owner, attr, None)
     if (b is None or b[0] is not w_packed or b[1] != w_packed._version or b[2] is not w_scale
-            or b[3] != w_scale._version):
+            or b[3] != w_scale._version or b[5] is not g or b[6] != g._version):
+        nb = None if norm is None else (norm.weight, norm.eps)
         b = (w_packed, w_packed._version, w_scale, w_scale._version,
-             op.BoundLinear(w_packed, w_scale, owner.in_features))
+             op.BoundLinear(w_packed, w_scale, owner.in_features, nb), g, g._version)
         setattr(owner, attr, b)
     return b[4](x)
 
@@ -143,12 +154,51 @@ def _untriton_matmul(x_q, x_scale, w_packed, w_scale, owner, K, attr="_codes"):
     return tm.ternary_matmul_codes(x_q, x_scale, cached[2], w_scale)
 
 
+class PackedRMSNorm(quant.RMSNorm):
+    """The norm before packed layers in a frozen model (what a QuantRMSNorm becomes): quant.RMSNorm, except that
+    on the Triton path its readers (the PackedBitLinears that read only its output: q, k, v; gate, up; o or down)
+    run it inside their activation quantiser's kernel (tm.rmsnorm_quantize: one read of x, the normed row kept in
+    registers, one quantisation shared by a stack), so there it passes x through unchanged. On the torch path
+    (CPU) it is quant.RMSNorm and its readers quantise its output, exactly as before."""
+
+    _readers = ()
+
+    def forward(self, x):
+        if self._readers and self._readers[0].triton_for(x):
+            return x  # the readers normalise (their _pre_norm is this module)
+        return super().forward(x)
+
+    def eps_for(self, x):
+        """F.rms_norm's eps: its own, or the input dtype's machine epsilon when None."""
+        return torch.finfo(x.dtype).eps if self.eps is None else self.eps
+
+
+# the layers that read a norm's output, by the norm's name in its parent (model.py's Block, Attention, MLP)
+_READERS = {"attn_norm": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "mlp_norm": ("mlp.gate_proj", "mlp.up_proj"),
+            "subln": ("o_proj", "down_proj")}
+
+
+def _defer_norms(model, new):
+    """Give each frozen norm whose readers are all new PackedBitLinears of its width to them (see PackedRMSNorm)."""
+    for name, norm in new.items():
+        if not isinstance(norm, PackedRMSNorm):
+            continue
+        parent, _, child = name.rpartition(".")
+        paths = [f"{parent}.{p}" if parent else p for p in _READERS.get(child, ())]
+        readers = [new[p] for p in paths if p in new]
+        if readers and all(isinstance(r, PackedBitLinear) and r.in_features == norm.normalized_shape[0]
+                           and r.use_triton == readers[0].use_triton for r in readers):
+            norm._readers = tuple(readers)
+            for r in readers:
+                r._pre_norm = (norm,)
+
+
 def freeze_ternary(model, use_triton=None):
     """Replace every BitLinear in model by a PackedBitLinear, in place, and return the model.
 
-    A QuantRMSNorm (a norm that fake-quantises its output for the BitLinears after it) becomes a plain
-    quant.RMSNorm with the same gain: PackedBitLinear quantises its own input, to the int8 codes the integer
-    product needs. Everything is checked before anything is replaced, so a refused model stays unchanged.
+    A QuantRMSNorm (a norm that fake-quantises its output for the BitLinears after it) becomes a PackedRMSNorm
+    with the same gain (quant.RMSNorm; PackedBitLinear quantises its own input, to the int8 codes the integer
+    product needs); on the Triton path its readers run it in their quantiser's kernel (PackedRMSNorm). Everything is checked before anything is replaced, so a refused model stays unchanged.
     Raises ValueError for a model without BitLinear (quant=False) and for any lambda_ != 1.
     """
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (quant.BitLinear, quant.QuantRMSNorm))]
@@ -164,16 +214,63 @@ def freeze_ternary(model, use_triton=None):
                 raise ValueError(f"lambda_ = {float(m.lambda_):.4g}, not 1: its output is not the int8 activation "
                                  "yet (lambda-warmup unfinished); train until lambda reaches 1 before packing")
             else:
-                new[name] = quant.RMSNorm(m.normalized_shape, eps=m.eps, device=m.weight.device, dtype=m.weight.dtype)
+                new[name] = PackedRMSNorm(m.normalized_shape, eps=m.eps, device=m.weight.device,
+                                          dtype=m.weight.dtype)
                 new[name].weight = m.weight
         except ValueError as e:
             raise ValueError(f"{name or type(model).__name__}: {e}") from None
     if "" in new:  # the model is itself one BitLinear
         return new[""]
+    _defer_norms(model, new)
     for name, m in new.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, m)
     return model
+
+
+class StackedLinear(nn.Module):
+    """An inference nn.Linear (the same weight and bias Parameters, the same state-dict keys) whose stack with its
+    siblings (q, k, v; gate, up) is concatenated once and kept, not on every call as quant.stacked_linear does:
+    stacked_forward is F.linear over the kept stack, the same numbers bit for bit. The stack is made again when a
+    weight is another tensor or was written in place (load_state_dict, .to()); inside torch.compile the stack it
+    was traced with is used. Not an nn.Linear subclass, so model.project calls its stacked_forward."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight, self.bias = lin.weight, lin.bias
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+    def stacked_forward(self, x, layers):
+        stack = getattr(self, "_stack", None)
+        if stack is None or (not torch.compiler.is_compiling() and stack[0] != _weights_key(layers)):
+            with torch.no_grad():
+                w = torch.cat([m.weight for m in layers])  # (sum out, in)
+                b = None if all(m.bias is None for m in layers) else torch.cat(
+                    [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
+            self._stack = stack = (None if torch.compiler.is_compiling() else _weights_key(layers), w, b)
+        return F.linear(x, stack[1], stack[2]).split([m.out_features for m in layers], dim=-1)
+
+
+def _weights_key(layers):
+    return tuple((id(t), t.data_ptr(), t._version) for m in layers for t in (m.weight, m.bias) if t is not None)
+
+
+def freeze_fp(model):
+    """The full-precision baseline for inference: every nn.Linear that model.project stacks (q, k, v; gate, up)
+    becomes a StackedLinear over the same Parameters, so a decode step reads one kept stack per projection group
+    instead of concatenating the weights each step. Same outputs bit for bit; returns the model (changed in
+    place). For timing only: the stack is detached (no gradient reaches the weights through it)."""
+    for name, m in list(model.named_modules()):
+        if type(m) is nn.Linear and name.rpartition(".")[2] in _STACKED:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, StackedLinear(m))
+    return model
+
+
+_STACKED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 def weight_bytes(model):

@@ -9,8 +9,8 @@ holds exactly. The scales are applied once, at the end. Sources: the quantisers 
 int32 word give four int8 codes for one dp4a. Byte layouts, export file and this contract: docs/packed-format.md.
 
 Weights come as quant.pack_ternary packs them (plane order, kernels/planes.py; pack_planes is the same
-function): read as int32 words, one shift and one mask give four codes (W_q + 1 in {0, 1, 2}) that pair with one int32 word of the activations, so one dp4a does four
-multiply-adds.
+function): read as int32 words, one shift and one mask give four codes (W_q + 1 in {0, 1, 2}) that pair with one
+int32 word of the activations, so one dp4a does four multiply-adds.
 
 Arithmetic, per output element:
     acc[m, n] = sum_k x_q[m, k] * W_q[n, k] = sum_k x_q[m, k] * code[n, k] - sum_k x_q[m, k]    int32, exact
@@ -20,19 +20,25 @@ and one mask. Every partial sum is below 2 * 128 * K < 2**31 (K < 2**23, checked
 per-row scale from activation_quant, gamma the per-tensor weight scale; with several matrices stacked along N
 (q, k, v of one input, one launch), w_scale holds each row's own matrix's gamma.
 
-Two kernels, chosen by the row count M (or forced with config="decode"|"prefill"); one launch each, the scales
-in its epilogue, so a layer is two launches in all (quantize_activations, then this):
-    decode  (M <= 16): CUDA cores, bandwidth-bound. Each program owns BLOCK_N weight rows over the whole K and
-            loads each of their words once (16-byte loads), one dp4a per word and plane; the rows of x loop
-            inside the program (for M > 1 the weight words come again from L1/L2, never DRAM twice). No tensor
-            cores, no padding of M = 1 to 16 rows, no split-K: the table gives 2 rows a program where N is
-            small, so N = 576 is already 288 programs for the 132 SMs of an H100.
-    prefill (M > 16):  int8 tensor cores (mma.sync .s8 on Ampere, wgmma .s8 on Hopper). Each program loads its
-            weight words once per K step, unpacks each plane in registers to an int8 tile, and runs one tl.dot
-            per plane against the matching slice of x.
-The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS) are fixed per shape class and GPU generation: no autotuning,
-no tile larger than it needs to be, and a K loop of one step is not software-pipelined (num_stages = 1).
-kernels/cross_compile.py compiles every entry for sm_80 and sm_90 and reads the result (tests/test_cross_compile.py).
+Chosen by the row count M (or forced with config="decode"|"prefill"); the scales in the epilogue:
+    decode  (M <= 16): CUDA cores, bandwidth-bound, one launch. Each program owns BLOCK_N weight rows over the
+            whole K and BLOCK_M rows of x (M rounded up to a power of two, at most DECODE_BLOCK_M = 8); it loads
+            each weight word once (16-byte loads), unpacks each plane once with one shift and one mask, and runs one
+            dp4a per word, plane and row of x. x is loaded in the accumulator's own layout, so the K loop holds no
+            shuffles and no shared memory. No tensor cores, no padding of M = 1 to 16 rows, no split-K.
+    prefill (M > 16):  two launches. _unpack_kernel turns the packed words into W_q as int8 once per call, whole
+            words in and out (16 codes per word, a borrow-free per-byte subtract: no byte-wise work anywhere);
+            _prefill_kernel is then a plain int8 GEMM on tensor cores (mma.sync .s8 on Ampere, wgmma .s8 on
+            Hopper) with 16-byte loads of both operands and both scales in its epilogue: W_q holds -1/0/+1, so no
+            row-sum correction is needed.
+The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS, UNPACK_CONFIG) are fixed per shape class and GPU generation: no
+autotuning, and a K loop of one step is not software-pipelined (num_stages = 1). kernels/cross_compile.py compiles
+every entry for sm_80 and sm_90 and reads the result: instructions per weight word in the K loop, registers,
+programs per SM, weight bytes in flight per SM (tests/test_cross_compile.py).
+
+rmsnorm_quantize(x, g, eps) is quant.RMSNorm and the quantiser in one kernel (one read of x, the normed row in
+registers): a frozen model's norm runs inside the quantiser of the packed layers that read it
+(kernels/packed_linear.py), so a layer's activations are quantised once for q, k and v.
 
 The same contract in plain torch (ternary_matmul_reference; ternary_matmul_codes, the CPU path) is in
 kernels/planes.py, beside the layout it reads; both are importable from here too.
@@ -72,9 +78,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # kernels
 
 
-@triton.jit
-def _add(a, b):
-    return a + b
+# the combine functions of tl.sum and tl.max: compiled, a reduction like any other; interpreted, the interpreter
+# recognises them and reduces with NumPy in one call instead of one Python call per element
+_SUM = tl.standard._sum_combine
+_MAX = tl.standard._elementwise_max
 
 
 @triton.jit
@@ -93,47 +100,73 @@ def _decode_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, 4KW) int32 words, x_scale (M,), w (N, KW) int32 words, gamma, y
     M, N, KW,  # KW = int32 words per weight row = ceil(K/16); each of the four planes of x is KW words
     stride_xm, stride_wn, stride_om, stride_ws,  # in elements; stride_ws: 0 = one gamma, 1 = one per output row
+    BLOCK_M: tl.constexpr,  # rows of x per program (1 for M = 1; up to 16): each weight word unpacked once for all
     BLOCK_N: tl.constexpr,  # weight rows per program, over the whole K
     BLOCK_G: tl.constexpr,  # words of each row per loop step (4 per thread: 16-byte loads)
     DP4A: tl.constexpr,     # PTX dp4a (compiled) or its pure-Triton form (interpreter)
     WRITE_ACC: tl.constexpr,  # store the int32 accumulator instead of y
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_g = tl.arange(0, BLOCK_G)
     n_mask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
-    gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
-    for m in range(M):  # the rows of x; this program's weight words are re-read from L1/L2 for m > 0
-        x_row = x_ptr + tl.cast(m, tl.int64) * stride_xm
-        acc = tl.full((BLOCK_N, BLOCK_G), 0, tl.int32)  # per-lane partial sums of x * code
-        xsum = tl.full((1, BLOCK_G), 0, tl.int32)  # per-lane partial sums of x
-        ones = tl.full((1, BLOCK_G), 0x01010101, tl.int32)  # four int8 ones (a tensor: int32 in the interpreter too)
-        for g0 in range(0, KW, BLOCK_G):
-            g = (g0 + offs_g)[None, :]  # (1, BG)
-            g_mask = g < KW
-            w = tl.load(w_rows + g, mask=n_mask[:, None] & g_mask, other=0)  # (BN, BG) int32, each word once
-            for i in tl.static_range(4):  # plane i: k = iQ + 4g .. iQ + 4g + 3, Q = 4 * KW
-                xi = tl.load(x_row + i * KW + g, mask=g_mask, other=0)  # (1, BG) int32: four int8 of x
-                acc = _dp4a((w >> (2 * i)) & 0x03030303, xi, acc, DP4A)  # four codes (0..2) times four x
-                xsum = _dp4a(xi, ones, xsum, DP4A)
-        total = tl.reduce(acc, 1, _add) - tl.reduce(xsum, 1, _add)  # (BN,): x @ code - sum(x) = x @ W_q
-        out = out_ptr + tl.cast(m, tl.int64) * stride_om + offs_n
-        if WRITE_ACC:
-            tl.store(out, total, mask=n_mask)
-        else:  # same order as the reference: (acc * x_scale) * gamma
-            y = total.to(tl.float32) * tl.load(xs_ptr + m) * gamma
-            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # (1, BN, 1)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm  # (BM, 1, 1)
+    acc = tl.full((BLOCK_M, BLOCK_N, BLOCK_G), 0, tl.int32)  # per-lane partial sums of x * code
+    xsum = tl.full((BLOCK_M, 1, BLOCK_G), 0, tl.int32)  # per-lane partial sums of x
+    ones = tl.full((BLOCK_M, 1, BLOCK_G), 0x01010101, tl.int32)  # four int8 ones
+    n0 = tl.full((BLOCK_M, BLOCK_N, BLOCK_G), 0, tl.int32)
+    for g0 in range(0, KW, BLOCK_G):
+        g = (g0 + offs_g)[None, None, :]  # (1, 1, BG)
+        g_mask = g < KW
+        x_mask = (m_mask[:, None, None] & g_mask) & (n0 == 0)
+        w = tl.load(w_rows + g, mask=n_mask[None, :, None] & g_mask, other=0)  # (1, BN, BG) int32, each word once
+        for i in tl.static_range(4):  # plane i: k = iQ + 4g .. iQ + 4g + 3, Q = 4 * KW
+            c = tl.broadcast_to((w >> (2 * i)) & 0x03030303, (BLOCK_M, BLOCK_N, BLOCK_G))  # once for all rows
+            xi = tl.load(x_rows + i * KW + g, mask=m_mask[:, None, None] & g_mask, other=0)  # (BM, 1, BG)
+            xb = tl.load(x_rows + i * KW + g + n0, mask=x_mask, other=0)  # the same words in acc's layout
+            acc = _dp4a(c, xb, acc, DP4A)
+            xsum = _dp4a(xi, ones, xsum, DP4A)
+    total = tl.reduce(acc, 2, _SUM) - tl.reduce(xsum, 2, _SUM)  # (BM, BN): x @ code - sum(x) = x @ W_q
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if WRITE_ACC:
+        tl.store(out, total, mask=out_mask)
+    else:  # same order as the reference: (acc * x_scale) * gamma
+        gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)  # (BM,) fp32
+        y = total.to(tl.float32) * xs[:, None] * gamma[None, :]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _unpack_kernel(w_ptr, out_ptr, N, KW, stride_wn, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Packed words -> W_q as int8 (N, 16 KW), whole words in and out: the four codes of plane i in word g are
+    bytes of (w >> 2i) & 0x03030303, minus one in each byte without a borrow crossing bytes (each byte's top bit
+    set first, cleared after: {0, 1, 2} -> {-1, 0, 1}); they are the int8 elements iQ + 4g .. + 3 (Q = 4 KW), so
+    the output row is W_q in k order, padded with zeros, written as int32 words (16-byte stores)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    mask = (offs_n < N)[:, None] & (g < KW)[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    w = tl.load(w_ptr + rows * stride_wn + g[None, :], mask=mask, other=0x55555555)  # (BN, BG) int32
+    for i in tl.static_range(4):
+        codes = ((w >> (2 * i)) & 0x03030303) | -2139062144  # -2139062144 = 0x80808080
+        w_q = (codes - 0x01010101) ^ -2139062144
+        tl.store(out_ptr + rows * (4 * KW) + i * KW + g[None, :], w_q, mask=mask)
 
 
 @triton.jit
 def _prefill_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, K) int8, x_scale (M,), w (N, KW) int32 words, gamma, y
-    M, N, K, KW, stride_xm, stride_wn, stride_om, stride_ws,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_G: tl.constexpr,  # weight words per row per K step: 4 * BLOCK_G elements of each of the four planes
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, K) int8, x_scale (M,), W_q (N, >= K) int8, gamma, y
+    M, N, K, stride_xm, stride_wn, stride_om, stride_ws,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,  # programs that share a weight tile run next to each other (it stays in L2)
     WRITE_ACC: tl.constexpr,
 ):
+    """An int8 GEMM on W_q unpacked once per call (_unpack_kernel): x_q @ W_q^T on int8 tensor cores, both
+    scales in the epilogue. Both operands come as whole int8 tiles (16-byte loads, no unpacking in the loop)."""
     pid = tl.program_id(0)
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -143,28 +176,17 @@ def _prefill_kernel(
     pid_n = (pid % (GROUP_M * num_n)) // size_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_c = tl.arange(0, 4 * BLOCK_G)  # elements of one plane in one K step
+    offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (BM, 1)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
-    byte_shift = (8 * tl.arange(0, 4))[None, None, :]  # (1, 1, 4)
-    Q = 4 * KW  # elements per plane
     acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
-    xsum = tl.full((BLOCK_M, 1), 0, tl.int32)
-    for g0 in range(0, KW, BLOCK_G):
-        g = g0 + offs_g
-        w = tl.load(w_rows + g[None, :], mask=n_mask[:, None] & (g < KW)[None, :], other=0)  # (BN, BG) int32, once
-        c_mask = 4 * g0 + offs_c < Q  # within the plane (x of the next plane must not enter xsum)
-        for i in tl.static_range(4):
-            k = i * Q + 4 * g0 + offs_c  # (4BG,) the elements of plane i in this step
-            x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (c_mask & (k < K))[None, :], other=0)  # (BM, 4BG)
-            codes = ((w[:, :, None] >> (byte_shift + 2 * i)) & 3).to(tl.int8)  # (BN, BG, 4): byte b of word g
-            codes = tl.reshape(codes, (BLOCK_N, 4 * BLOCK_G))  # (BN, 4BG): element 4g + b, as x
-            acc = tl.dot(x, tl.trans(codes), acc, out_dtype=tl.int32)  # int8 tensor cores, exact
-            xsum += tl.reduce(x.to(tl.int32), 1, _add, keep_dims=True)
-    acc = acc - xsum  # x @ code - sum(x) = x @ W_q
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0)  # (BM, BK) int8
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0)  # (BN, BK) int8
+        acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)  # int8 tensor cores, exact
     out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if WRITE_ACC:
@@ -174,11 +196,6 @@ def _prefill_kernel(
         gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
         y = acc.to(tl.float32) * xs[:, None] * gamma[None, :]  # same order as the reference: (acc * x_scale) * gamma
         tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -229,14 +246,14 @@ def _quantize_activations_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_x, BLOCK_K: tl
     if ONE_PASS:  # the whole row fits in one block: read it once, keep it in registers
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        s = _scale_from_absmax(tl.reduce(tl.abs(x), 0, _max_combine))
+        s = _scale_from_absmax(tl.reduce(tl.abs(x), 0, _MAX))
         tl.store(q_row + offs, _quantize_row(x, s), mask=mask)
     else:  # long row: one loop for the absmax, a second one to quantise
         amax = tl.full((BLOCK_K,), 0.0, dtype=tl.float32)  # running elementwise max of |x|
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        s = _scale_from_absmax(tl.reduce(amax, 0, _max_combine))
+        s = _scale_from_absmax(tl.reduce(amax, 0, _MAX))
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
@@ -244,41 +261,112 @@ def _quantize_activations_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_x, BLOCK_K: tl
     tl.store(xs_ptr + row, tl.math.div_rn(1.0, s))  # x_scale = 1 / s, as torch's 1.0 / s (exact reciprocal)
 
 
+@triton.jit
+def _round_to_bf16(v):
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32: the 16 low bits rounded away by integer arithmetic,
+    so compiled and interpreted kernels agree (the interpreter's own fp32 -> bf16 cast truncates)."""
+    u = v.to(tl.int32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _normed(x, r, g, BF16: tl.constexpr):
+    """quant.RMSNorm's value: (x * r) * g in fp32, one rounding to the input dtype (bf16) at the end."""
+    y = (x * r) * g
+    if BF16:
+        y = _round_to_bf16(y)
+    return y
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(x_ptr, g_ptr, xq_ptr, xs_ptr, K, stride_x, eps,
+                          BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, BF16: tl.constexpr):
+    """One program per row: y = RMSNorm(x) * g (torch's formula and roundings), then y's int8 codes and 1 / s."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = xq_ptr + row * K
+    offs = tl.arange(0, BLOCK_K)
+    if ONE_PASS:  # the row in registers: read x once, write x_q once
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        ss = tl.reduce(x * x, 0, _SUM)
+        r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, K.to(tl.float32)) + eps))
+        y = _normed(x, r, tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), BF16)
+        s = _scale_from_absmax(tl.reduce(tl.abs(y), 0, _MAX))
+        tl.store(q_row + offs, _quantize_row(y, s), mask=mask)
+    else:  # long row: the sum of squares, the absmax of y, then the codes (x read three times)
+        acc = tl.full((BLOCK_K,), 0.0, dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            acc += x * x
+        ss = tl.reduce(acc, 0, _SUM)
+        r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, K.to(tl.float32)) + eps))
+        amax = tl.full((BLOCK_K,), 0.0, dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(_normed(x, r, g, BF16)))
+        s = _scale_from_absmax(tl.reduce(amax, 0, _MAX))
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + k0 + offs, _quantize_row(_normed(x, r, g, BF16), s), mask=mask)
+    tl.store(xs_ptr + row, tl.math.div_rn(1.0, s))
+
+
 # -----------------------------------------------------------------------------
 # configurations: fixed tables, one entry per shape class (and GPU generation for prefill); no autotuning
 
 DECODE_MAX_M = 16  # up to this many rows, use the decode kernel
+DECODE_BLOCK_M = 8  # rows of x one decode program multiplies with each unpacked weight word
 SMS = 132  # an H100's SMs: the decode table gives at least two programs per SM where N allows
 
-# decode: 4 int32 words (16-byte loads) per thread and row, BLOCK_G words of every row per loop step: "short" rows
-# (K <= 1024, at most 64 words) in one warp (16 threads along K, 2 rows at a time), longer ones 256 words (4096
-# elements) per step in two warps (64 threads along K, each holding all BLOCK_N rows, so x is loaded once per
-# program); "wide" (N >= 2 * 8 * SMS): 8 rows a program, else 2, for more programs. num_stages = 1: no shared-memory
-# staging; a thread's 16-byte loads of all its rows are in flight at once, and many programs share each SM
+# decode, M = 1: 4 int32 words (16-byte loads) per thread and row, BLOCK_G words of every row per loop step:
+# "short" rows (K <= 1024, at most 64 words) in one warp, longer ones 256 words (4096 elements) per step in two
+# warps (64 threads along K, each holding all BLOCK_N rows, so x is loaded once per program); "wide"
+# (N >= 2 * 8 * SMS): 8 rows a program, else 2, for more programs. num_stages = 1: no shared-memory staging; a
+# thread's 16-byte loads of all its rows are in flight at once, and many programs share each SM.
+# decode, 2 <= M <= 16 ("rows"): BLOCK_M = M rounded up to a power of two, at most DECODE_BLOCK_M (a thread keeps
+# BLOCK_M accumulators and x words per weight word: 16 rows spill registers, 8 do not; M = 9..16 is two programs
+# along M, each weight word unpacked twice instead of 16 times).
 DECODE_CONFIGS = {
     "short-narrow": dict(BLOCK_N=2, BLOCK_G=64, num_warps=1, num_stages=1),
     "short-wide": dict(BLOCK_N=8, BLOCK_G=64, num_warps=1, num_stages=1),
     "long-narrow": dict(BLOCK_N=2, BLOCK_G=256, num_warps=2, num_stages=1),
     "long-wide": dict(BLOCK_N=8, BLOCK_G=256, num_warps=2, num_stages=1),
+    "rows": dict(BLOCK_N=8, BLOCK_G=64, num_warps=4, num_stages=1),
 }
-# prefill: by GPU generation (8: Ampere/Ada mma.sync, 9: Hopper wgmma) and M ("short": M <= 64, "tall": more);
-# BLOCK_G = 16 words = 64 elements of each plane per tl.dot, 256 elements per K step
+# prefill (an int8 GEMM on W_q unpacked once per call): by GPU generation (8: Ampere/Ada mma.sync, 9: Hopper
+# wgmma) and M ("short": M <= 64, "tall": more); BLOCK_K = 128 int8 = 128 bytes of each row per K step
 PREFILL_CONFIGS = {
-    (8, "short"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_G=16, GROUP_M=8, num_warps=4, num_stages=3),
-    (8, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_G=16, GROUP_M=8, num_warps=8, num_stages=3),
-    (9, "short"): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_G=16, GROUP_M=8, num_warps=4, num_stages=3),
-    (9, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_G=16, GROUP_M=8, num_warps=8, num_stages=3),
+    (8, "short"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+    (8, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    (9, "short"): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+    (9, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
 }
-# interpreter: small GPU-legal shapes (a plane slice of 4 * 8 = 32 elements is the smallest int8 tl.dot);
-# BLOCK_G = 8 words makes K = 256 two loop steps; few programs, since the interpreter pays per program and op
+UNPACK_CONFIG = dict(BLOCK_N=8, BLOCK_G=64, num_warps=4, num_stages=1)  # 4 words in and 16 out per thread
+# interpreter: small GPU-legal shapes (32 is the smallest int8 tl.dot K); BLOCK_G = 8 words makes K = 256 two
+# decode steps; few programs, since the interpreter pays per program and op
 INTERPRETER_CONFIGS = {
     "decode": dict(BLOCK_N=16, BLOCK_G=8),  # N = 33, 37: three programs, the last one masked
-    "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_G=8, GROUP_M=8),
+    "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8),
+    "unpack": dict(BLOCK_N=16, BLOCK_G=8),
 }
 
 
-def decode_config(N, K):
-    """The DECODE_CONFIGS key for an (N, K) weight."""
+def decode_block_m(M):
+    """Rows of x per decode program: M rounded up to a power of two, at most DECODE_BLOCK_M (16 in the
+    interpreter, which pays per program and op, not per element: M = 17 is two programs along M there)."""
+    return min(triton.next_power_of_2(max(M, 1)), 16 if INTERPRETED else DECODE_BLOCK_M)
+
+
+def decode_config(N, K, M=1):
+    """The DECODE_CONFIGS key for an (N, K) weight and M rows."""
+    if M > 1:
+        return "rows"
     return f"{'short' if (K + 15) // 16 <= 64 else 'long'}-{'wide' if N >= 2 * 8 * SMS else 'narrow'}"
 
 
@@ -286,9 +374,41 @@ def prefill_config(M, K, arch):
     """The PREFILL_CONFIGS entry for M rows and arch (the CUDA capability's major), with num_stages = 1 when the
     K loop has one step: nothing to overlap, and no software pipeline around a loop of one iteration."""
     cfg = dict(PREFILL_CONFIGS[(9 if arch >= 9 else 8, "short" if M <= 64 else "tall")])
-    if (K + 15) // 16 <= cfg["BLOCK_G"]:
+    if K <= cfg["BLOCK_K"]:
         cfg["num_stages"] = 1
     return cfg
+
+
+def unpack_codes(w, N, KW, out=None):
+    """(N, KW) int32 weight words -> W_q int8 (N, 16 KW) in k order (zeros past K): one _unpack_kernel launch."""
+    if out is None:
+        out = torch.empty((N, 16 * KW), dtype=torch.int8, device=w.device)
+    cfg = INTERPRETER_CONFIGS["unpack"] if INTERPRETED else UNPACK_CONFIG
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(KW, cfg["BLOCK_G"]))
+    _unpack_kernel[grid](w, out.view(torch.int32), N, KW, w.stride(0), **cfg)
+    return out
+
+
+def launch_decode(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False, cfg=None):
+    """The decode kernel on x words (M, 4 KW) and weight words (N, KW); cfg: a decode entry (default: the table's,
+    or the interpreter's)."""
+    if cfg is None:
+        cfg = INTERPRETER_CONFIGS["decode"] if INTERPRETED else DECODE_CONFIGS[decode_config(N, 16 * KW, M)]
+    bm = decode_block_m(M)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
+    _decode_kernel[grid](xw, xs, w, ws, y, M, N, KW, xw.stride(0), w.stride(0), y.stride(0), stride_ws,
+                         BLOCK_M=bm, DP4A=not INTERPRETED, WRITE_ACC=return_acc, **cfg)
+
+
+def launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc=False, cfg=None, codes=None):
+    """Unpack the weight words once (codes: a preallocated (N, 16 KW) int8 buffer, or None), then the GEMM."""
+    codes = unpack_codes(w, N, KW, codes)
+    if cfg is None:
+        cfg = (INTERPRETER_CONFIGS["prefill"] if INTERPRETED
+               else prefill_config(M, K, torch.cuda.get_device_capability(x2.device)[0]))
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _prefill_kernel[grid](x2, xs, codes, ws, y, M, N, K, x2.stride(0), codes.stride(0), y.stride(0), stride_ws,
+                          WRITE_ACC=return_acc, **cfg)
 
 
 # -----------------------------------------------------------------------------
@@ -356,19 +476,9 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     w = _weight_words(w_packed, K)  # (N, KW) int32: a view for K % 16 == 0
 
     if M <= DECODE_MAX_M if config is None else config == "decode":
-        xw = _x_words(x2, K, KW)  # (M, 4 KW) int32: a view for K % 16 == 0
-        cfg = dict(INTERPRETER_CONFIGS["decode"]) if INTERPRETED else dict(DECODE_CONFIGS[decode_config(N, K)])
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]),)
-        _decode_kernel[grid](xw, xs, w, ws, y, M, N, KW, xw.stride(0), w.stride(0), N, stride_ws,
-                             DP4A=not INTERPRETED, WRITE_ACC=return_acc, **cfg)
+        launch_decode(_x_words(x2, K, KW), xs, w, ws, y, M, N, KW, stride_ws, return_acc)
     else:
-        if INTERPRETED:
-            cfg = dict(INTERPRETER_CONFIGS["prefill"])
-        else:
-            cfg = prefill_config(M, K, torch.cuda.get_device_capability(x_q.device)[0])
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-        _prefill_kernel[grid](x2, xs, w, ws, y, M, N, K, KW, x2.stride(0), w.stride(0), N, stride_ws,
-                              WRITE_ACC=return_acc, **cfg)
+        launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc)
     return out
 
 
@@ -397,6 +507,44 @@ def quantize_activations(x, *, block_k=None):
                                        num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
     return x_q, x_scale
 
+
+
+def norm_quant_settings(K, block_k=None):
+    """Launch settings of the two row kernels for rows of K: one pass up to 8192 (or block_k), else loops."""
+    block = triton.next_power_of_2(block_k or min(triton.next_power_of_2(max(K, 1)), 8192))
+    return dict(BLOCK_K=block, ONE_PASS=K <= block, num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+
+
+def rmsnorm_quantize(x, weight, eps=None, *, block_k=None):
+    """quant.RMSNorm then quant.activation_quant in ONE kernel: (x_q (..., K) int8, x_scale (..., 1) fp32 = 1/s).
+
+    x (..., K) float32 or bfloat16, weight (K,) the norm's gain (used as weight.to(x.dtype), as quant.RMSNorm does),
+    eps None = torch.finfo(x.dtype).eps (F.rms_norm's default); block_k as quantize_activations'. The normed row is never written: it lives in
+    registers between the two reductions (sum of squares, then absmax). Torch's roundings, op for op: the
+    squares' sum, / K, + eps, 1 / sqrt (both IEEE: torch.rsqrt on CPU is that), (x * r) * g in fp32, one rounding
+    to bf16 for bf16 input, then activation_quant's. Bit for bit equal to torch whenever the fp32 sum of squares
+    is (always when it is exact); torch itself sums in an order set by the CPU's vector width or CUDA's blocks,
+    and a different order can move that sum, and so the row's codes and scale, by an ulp.
+    """
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() < 1 or x.shape[-1] == 0:
+        raise TypeError(f"x: expected a float32/bfloat16 tensor (..., K), K > 0, got {x.dtype} {tuple(x.shape)}")
+    K = x.shape[-1]
+    if weight is None:
+        weight = torch.ones(K, dtype=x.dtype, device=x.device)
+    if weight.shape != (K,):
+        raise ValueError(f"weight: expected the norm's gain ({K},), got {tuple(weight.shape)}")
+    _check_device(x, weight)
+    x2 = x.reshape(-1, K)
+    if K and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    x_q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    x_scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+        _rmsnorm_quant_kernel[(x2.shape[0],)](x2, weight.to(x.dtype).contiguous(), x_q, x_scale, K, x2.stride(0),
+                                              eps, BF16=x.dtype == torch.bfloat16,
+                                              **norm_quant_settings(K, block_k))
+    return x_q, x_scale
 
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
