@@ -25,14 +25,6 @@ from tools.flags import die
 from tools.pretrained import is_model_source
 from tools.runtime import check_device
 
-def pretrained_run(overrides):
-    """Whether this run trains a pretrained model: --init_from or --teacher is one, or a stage 2/3 continuing a
-    checkpoint in a model's tokenizer (--init_from=auto: train.py passes the previous stage's; or the checkpoint
-    named, whose vocabulary check_fits holds to --tokenizer's). Stage 1 and --init_from=scratch keep their own."""
-    named = (overrides.get("init_from"), overrides.get("teacher", "").split(",")[0])
-    after = overrides.get("stage", TrainConfig.stage) in (2, 3) and overrides.get("init_from", "auto") != "scratch"
-    return any(is_model_source(m or "") for m in named) or (after and is_model_source(overrides.get("tokenizer", "")))
-
 
 def build_config(overrides, base=None):
     """Defaults + device preset + stage preset + overrides; or, on resume, the saved config + overrides."""
@@ -63,6 +55,15 @@ def build_config(overrides, base=None):
     cfg = TrainConfig(**cfg)
     check_config(cfg)
     return cfg
+
+
+def pretrained_run(overrides):
+    """Whether this run trains a pretrained model: --init_from or --teacher is one, or a stage 2/3 continuing a
+    checkpoint in a model's tokenizer (--init_from=auto: train.py passes the previous stage's; or the checkpoint
+    named, whose vocabulary check_fits holds to --tokenizer's). Stage 1 and --init_from=scratch keep their own."""
+    named = (overrides.get("init_from"), overrides.get("teacher", "").split(",")[0])
+    after = overrides.get("stage", TrainConfig.stage) in (2, 3) and overrides.get("init_from", "auto") != "scratch"
+    return any(is_model_source(m or "") for m in named) or (after and is_model_source(overrides.get("tokenizer", "")))
 
 
 def check_config(cfg):
@@ -123,6 +124,11 @@ def check_config(cfg):
     parse_data(cfg.data)
 
 
+def teacher_paths(cfg):
+    """Stage 3's teacher checkpoints: --teacher split at commas; "" = the stage-1 run of this out_dir."""
+    return [p for p in cfg.teacher.split(",") if p] or [os.path.join(cfg.out_dir, "stage1", "ckpt.pt")]
+
+
 def check_run(cfg, rt, out_dir, teachers):
     """Refuse, before anything is loaded or written, a batch split that does not divide, a stage 3 without its
     teachers, or an out_dir that cannot be written."""
@@ -151,11 +157,6 @@ def check_run(cfg, rt, out_dir, teachers):
             checkpoint.check_writable(out_dir)
     except OSError as e:
         die(f"cannot write to {out_dir}: {e.strerror}; pass a writable --out_dir")
-
-
-def teacher_paths(cfg):
-    """Stage 3's teacher checkpoints: --teacher split at commas; "" = the stage-1 run of this out_dir."""
-    return [p for p in cfg.teacher.split(",") if p] or [os.path.join(cfg.out_dir, "stage1", "ckpt.pt")]
 
 
 def parse_teacher_weights(cfg, n):

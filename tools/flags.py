@@ -8,7 +8,9 @@ reads `--key=value` against the field types and `--help` prints every flag with 
   errors     one line "error: ..." on stderr naming the flag and the fix; exit 2 for a bad flag, 1 for a
              failure while running (die); --help exits 0
   renamed    a flag that was renamed ({old: new}, given by the command) ends in one line naming its new name
-Test: python -m pytest tests/test_flags.py
+  Ctrl-C     every command's first call is stop_on_ctrl_c(__name__): while its imports load, Ctrl-C stops it at
+             once with no traceback; parse() makes Ctrl-C a KeyboardInterrupt again
+Test: python -m pytest tests/test_flags.py tests/test_layout.py
 """
 
 import dataclasses
