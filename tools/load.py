@@ -17,7 +17,7 @@ import os
 from model import GPT, GPTConfig
 from tokenizer import TOKENIZERS, fingerprint, get_tokenizer
 from tools import checkpoint
-from tools.outputs import hf_marker, why_not_a_checkpoint
+from tools.outputs import hf_marker, ours, why_not_a_checkpoint
 
 PACKED = "nanobitnet-packed-v"  # every packed export's "format" starts so (tools/export.py's docstring shows the dict)
 FORMAT = PACKED + "2"  # quant.pack_ternary's bytes as they are; v1 held each row's codes in k order (upgraded on load)
@@ -117,7 +117,7 @@ def is_model_source(name):
     if not name or name in ("auto", "scratch", "byte", "gpt2"):
         return False
     if os.path.isfile(name):
-        return name.endswith(".gguf")
+        return name.endswith(".gguf") and not ours(name)  # our bitnet GGUF: a checkpoint's export
     if os.path.isdir(name):  # a model (config.json) or a tokenizer alone (for --tokenizer)
         return any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "tokenizer.json",
                                                                     "tokenizer_config.json")) and not hf_marker(name)
