@@ -112,7 +112,13 @@ class HFTokenizer:
                                                     local_files_only=offline)
         except Exception as e:  # transformers' own errors (OSError, ValueError, ...): one line, naming the source
             why = " ".join(str(e).split())[:200]
-            where = ("a directory with tokenizer.json or tokenizer_config.json" if os.path.isdir(name) else
+            files = os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
+                                                for f in ("tokenizer.json", "tokenizer_config.json"))
+            if os.path.isdir(name) and not files:
+                raise ValueError(f"tokenizer {name!r}: the directory has no tokenizer files (tokenizer.json, "
+                                 f"tokenizer_config.json); copy them in from where the model came from, or "
+                                 f"pass a model directory or .gguf that has them") from None
+            where = ("its tokenizer.json / tokenizer_config.json" if os.path.isdir(name) else
                      "a .gguf file with a tokenizer" if gguf else
                      "the local cache (the hub cannot be reached: no network, or HF_HUB_OFFLINE set? pass a local "
                      "directory or .gguf)" if offline else "the hub (pass a local directory or .gguf)")

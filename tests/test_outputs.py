@@ -204,3 +204,55 @@ def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(runs, capsys, 
     shutil.copytree(os.path.join(ROOT, "data", "shakespeare_byte"), shards)
     msg = fails(capsys, "--stage=1", f"--data={shards}", f"--out_dir={shards}/runs", *TINY, code=2)
     assert "is inside the run's --data shards" in msg, msg
+
+
+def _gguf(path, source=None):
+    """A GGUF holding only its header: ours names the checkpoint it came from (outputs.GGUF_SOURCE)."""
+    import gguf
+    w = gguf.GGUFWriter(path, "bitnet" if source else "llama")
+    if source:
+        w.add_string(outputs.GGUF_SOURCE, source)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    return path
+
+
+def test_each_file_that_is_no_starting_checkpoint_is_named_with_what_to_pass(tmp_path, capsys):
+    """Issue 50 case 15: where a checkpoint is read, each file is named for what it is, with the fix: a ternary
+    checkpoint into stage 1, a packed export or a masked-diffusion checkpoint as --init_from, our bitnet GGUF as
+    --init_from, a pretrained GGUF or model directory as --ckpt, a model directory without tokenizer files."""
+    import train
+    src = str(tmp_path / "run" / "ckpt.pt")
+    files = {"ternary.pt": {"model_args": {"quant": True}, "model": {}},
+             "packed.pt": {"format": export.FORMAT, "model_args": {}, "source": src},
+             "dlm.pt": {"model_args": {"causal": False}, "model": {}}}
+    for name, obj in files.items():
+        torch.save(obj, tmp_path / name)
+    ours, theirs = _gguf(str(tmp_path / "ours.gguf"), source=src), _gguf(str(tmp_path / "theirs.gguf"))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    p = lambda n: str(tmp_path / n)
+    out = f"--out_dir={tmp_path / 'out'}"
+    cases = [  # (main, argv, exit code, words the line holds)
+        (train.main, ["--stage=1", f"--init_from={p('ternary.pt')}", out, *TINY], 2,
+         ["ternary", "stage 1 trains the full-precision", f"--stage=2 --init_from={p('ternary.pt')}"]),
+        (train.main, ["--stage=2", f"--init_from={p('packed.pt')}", out, *TINY], 2,
+         ["is a packed export", f"--init_from={src}"]),
+        (train.main, ["--stage=2", f"--init_from={p('dlm.pt')}", out, *TINY], 2,
+         ["masked-diffusion", "--dlm=True", "causal checkpoint it was converted from"]),
+        (train.main, ["--stage=2", f"--init_from={ours}", out, *TINY], 2,
+         ["is a GGUF file (tools/export.py", f"exported from ({src})"]),
+        (sample.main, [f"--ckpt={theirs}", "--device=cpu"], 2,
+         ["pretrained model as published (a GGUF file", f"--init_from={theirs}"]),
+        (sample.main, [f"--ckpt={model_dir}", "--device=cpu"], 2,
+         ["pretrained model as published (a Hugging Face model directory", f"--init_from={model_dir}"]),
+        (train.main, ["--stage=2", f"--tokenizer={model_dir}", out, *TINY], 2,
+         ["has no tokenizer files", "copy them in"]),
+    ]
+    for main, argv, code, words in cases:
+        line = fails(capsys, *argv, code=code, main=main)
+        assert all(w in line for w in words), (words, line)
+        assert "does not fit" not in line and "missing model" not in line and "transformers cannot" not in line
+    assert not os.path.exists(tmp_path / "out" / "stage2" / "ckpt.pt")

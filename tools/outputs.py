@@ -17,6 +17,7 @@ HF export directory, a metrics log, a PNG, ...), and another run's or checkpoint
 Test: python -m pytest tests/test_atomic.py tests/test_outputs.py
 """
 
+import functools
 import json
 import os
 import struct
@@ -89,6 +90,20 @@ def _torch_kind(path):
     return ("checkpoint", None) if isinstance(obj, dict) and "model" in obj else ("other", None)
 
 
+def ours(path):
+    """Whether path is a GGUF or an HF export directory that tools/export.py wrote (not a model as published)."""
+    if os.path.isdir(path):
+        return hf_marker(path) is not None
+    st = os.stat(path) if os.path.isfile(path) else None
+    return st is not None and _gguf_source_of(os.path.realpath(path), st.st_mtime_ns, st.st_size) is not None
+
+
+@functools.lru_cache(maxsize=64)
+def _gguf_source_of(path, mtime_ns, size):  # a file's metadata is read once per version of it
+    with open(path, "rb") as f:
+        return _gguf_source(path) if f.read(4) == b"GGUF" else None
+
+
 def _gguf_source(path):
     try:
         import gguf
@@ -113,9 +128,15 @@ def _png_source(head):
 
 
 def why_not_a_checkpoint(path):
-    """None, or a sentence saying that path is a model which load.load_gpt does not build (a GGUF, an HF export or
-    one of its files) and which program reads it."""
+    """None, or a sentence saying that path is a model which load.load_gpt does not build (a pretrained model as
+    published, a GGUF or an HF export of ours or one of its files) and which program reads it."""
     kind, source = file_kind(path) if os.path.exists(path) else (None, None)
+    if (kind == "gguf" and not source) or (kind == "directory" and any(
+            os.path.exists(os.path.join(path, f)) for f in ("config.json", "tokenizer.json"))):
+        what = "a GGUF file" if kind == "gguf" else "a Hugging Face model directory"
+        return (f"is a pretrained model as published ({what}, not an export of ours), not a training checkpoint: "
+                f"train.py converts it (python train.py --stage=2 --init_from={path}; stage 3 distils from it "
+                f"as --teacher={path}); pass the ckpt.pt of such a run")
     if kind == "hf-file" or (kind == "safetensors" and hf_marker(os.path.dirname(path) or ".")):
         kind, source = "hf", hf_marker(os.path.dirname(path) or ".").get("source")
         path = os.path.dirname(os.path.abspath(path))

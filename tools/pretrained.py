@@ -24,7 +24,7 @@ import torch
 
 from model import GPT, GPTConfig, precompute_rope
 from tokenizer import hub_unreachable
-from tools.outputs import HF_MARKER
+from tools.outputs import HF_MARKER, ours
 
 
 def from_pretrained(source, block_size=None, check=None):
@@ -195,7 +195,7 @@ def is_model_source(name):
     if not name or name in ("auto", "scratch", "byte", "gpt2"):
         return False
     if os.path.isfile(name):
-        return name.endswith(".gguf")
+        return name.endswith(".gguf") and not ours(name)  # our bitnet GGUF: a checkpoint's export
     if os.path.isdir(name):  # a model (config.json) or a tokenizer alone (for --tokenizer), not an export of ours
         files = ("config.json", "tokenizer.json", "tokenizer_config.json")
         return any(os.path.exists(os.path.join(name, f)) for f in files) and \

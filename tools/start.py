@@ -85,6 +85,8 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
     if is_model_source(path):
         return pretrained_start(cfg, model_conf, path, given)
     outputs.check_input("--init_from", path)  # an HF export of ours: named as such
+    ckpt = checkpoint.load(path, required=("model_args",))
+    check_starts_this_stage(cfg, ckpt, path)
     ckpt = checkpoint.load(path)
     check_saved_tokenizer(cfg, ckpt, path)
     model_conf = adopt_architecture(model_conf, ckpt, given, path)
@@ -101,6 +103,26 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
                  f"from its first step. To finish the warm-up first: python train.py --stage=2 --resume=True "
                  f"--max_iters=<more steps>")
     return Start(0, ckpt, path, insert, note, model_conf)
+
+
+def check_starts_this_stage(cfg, ckpt, path):
+    """Refuse, naming what the file is and what to pass, an --init_from that no stage of train.py starts from
+    (a packed export, made for inference) or that this stage does not (a masked-diffusion checkpoint; a ternary
+    checkpoint into stage 1, which trains the full-precision model)."""
+    if str(ckpt.get("format", "")).startswith("nanobitnet-packed"):
+        source = ckpt.get("source")
+        die(f"--init_from={path} is a packed export (tools/export.py: frozen ternary codes for sample.py), not a "
+            f"training checkpoint; pass the checkpoint it was exported from"
+            + (f": --init_from={source}" if source else " (its ckpt.pt)"), 2)
+    args = ckpt["model_args"]
+    if not args.get("causal", True):
+        die(f"--init_from={path} is a masked-diffusion checkpoint (--stage=dlm), and stage {cfg.stage} trains a "
+            f"causal model; sample it with sample.py --ckpt={path} --dlm=True, or start stage {cfg.stage} from "
+            f"the causal checkpoint it was converted from", 2)
+    if cfg.stage == 1 and args.get("quant"):
+        die(f"--init_from={path} is a ternary (quant=True) checkpoint, and stage 1 trains the full-precision "
+            f"model; continue it in stage 2 (python train.py --stage=2 --init_from={path}), or start stage 1 "
+            f"from a full-precision checkpoint (a stage-1 ckpt.pt)", 2)
 
 
 def shipped_of_moved_model(cfg, ckpt, given):
