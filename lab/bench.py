@@ -320,6 +320,15 @@ def main(argv):
         die("--runs picks runs of the preset's benchmark; with --model the pretrained model's runs "
             "are fixed: drop one of them", 2)
     which = next(iter(flags), "kernels")
+    try:
+        return run(which, opts)
+    except KeyboardInterrupt:  # nothing to keep: a benchmark writes only what it prints
+        die(f"stopped by Ctrl-C during {'--' + which if flags else 'the kernel benchmark'}; "
+            f"nothing was written", 128 + signal.SIGINT)
+
+
+def run(which, opts):
+    """The benchmark `which` (a flag's name, or "kernels") with its options."""
     if which == "train":
         from lab import bench_train
         runs = bench_train.check_runs(opts.get("runs", ""))

@@ -272,7 +272,8 @@ def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(caps
     and for nanoGPT, ours fp and ours QAT (compiled) the top ops by self time, each a share of that
     step's profiled total."""
     shape = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=2)
-    r = bench_train.bench_train(steps=1, warmup=1, shape=shape)
+    runs = ["nanogpt", "fp", "qat", "nanogpt_c", "fp_c", "qat_c"]  # not the unfused and bf16 runs
+    r = bench_train.bench_train(steps=1, warmup=1, shape=shape, runs=runs)
     out = capsys.readouterr().out
     assert {"nanogpt", "fp", "qat", "nanogpt_c", "fp_c", "qat_c"} <= set(r)
     assert all(v["ms"] > 0 for v in r.values())
@@ -407,3 +408,11 @@ def test_against_nanogpt_says_in_one_line_when_a_log_is_short_or_train_args_clas
         msg = fails(capsys, f"--nanogpt={ng}", f"--train_args={args}", code=2,
                     main=against_nanogpt.main)
         assert fact in msg, msg
+
+
+def test_bench_ctrl_c_is_one_line_with_the_signal_status(capsys, monkeypatch):
+    """Ctrl-C during a benchmark (here --data's, made to raise it): one error line, exit 130."""
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench, "bench_data", interrupted)
+    assert "stopped by Ctrl-C during --data" in fails(capsys, "--data", code=130, main=bench.main)
