@@ -22,6 +22,10 @@ Document mask (optional, `doc_mask=True`): documents start with the end-of-text 
 only to earlier tokens of its own document, doc = cumsum(idx == eot), and positions restart at 0 in each
 document, so a packed row computes exactly what each document alone would.
 
+Generation (generate): a static KV cache (KVCache, gpt-fast's), one block loop (forward_with_states)
+for training, the prompt and each decode step; the step (decode_step) samples and advances its
+position on the device, so tools/decode.py can replay it as one CUDA graph.
+
 Run:  python model.py (prints a parameter count and a forward pass)    Test:  python -m pytest tests/test_model.py
 """
 
@@ -36,15 +40,23 @@ from quant import BitLinear, QuantRMSNorm, RMSNorm, stacked_linear
 
 
 def precompute_rope(head_dim, length, theta):
+    """apply_rope's tables, (length, 2, hd/2) each: cos for both halves, sin signed (-sin, +sin)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # (hd/2,)
     freqs = torch.outer(torch.arange(length).float(), inv_freq)                   # (L, hd/2)
-    return freqs.cos(), freqs.sin()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.stack([cos, cos], dim=1), torch.stack([-sin, sin], dim=1)
 
 
 def apply_rope(x, cos, sin):
-    """x: (B, nh, T, hd); cos, sin: (T, hd/2) or (B, 1, T, hd/2). Rotates the two halves of hd."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    """x: (B, nh, T, hd); cos, sin: precompute_rope's rows, (T, 2, hd/2) or (B, 1, T, 2, hd/2).
+    Rotates the halves of hd, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in fp32, without a
+    cat: x * cos + (x, halves swapped) * signed sin; x1*cos + x2*(-sin) is x1*cos - x2*sin in IEEE,
+    bit for bit."""
+    xs = x.unflatten(-1, (2, -1))  # (..., 2, hd/2): a view
+    if x.dtype != torch.float32:
+        xs = xs.float()
+    y = (xs * cos + xs.flip(-2) * sin).flatten(-2)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def document_mask(idx, eot):
@@ -98,6 +110,25 @@ class SDPA(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
 
 
+class KVCache:
+    """One block's keys and values, (B, n_kv_head, block_size, head_dim), written in place
+    (gpt-fast's static cache): a step has the same shapes and addresses at every position.
+    update(pos, k, v) writes k, v (B, nkv, T, hd) at pos..pos+T-1 for an int pos, returning the
+    written positions 0..pos+T-1, or at the positions pos, a (T,) tensor, returning the whole buffer
+    (the caller masks the unwritten)."""
+
+    def __init__(self, shape, dtype, device):
+        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+
+    def update(self, pos, k, v):
+        if isinstance(pos, int):
+            end = pos + k.size(2)
+            self.k[:, :, pos:end], self.v[:, :, pos:end] = k, v
+            return self.k[:, :, :end], self.v[:, :, :end]
+        self.k.index_copy_(2, pos, k), self.v.index_copy_(2, pos, v)
+        return self.k, self.v
+
+
 class Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -118,7 +149,7 @@ class Attention(nn.Module):
         self.fused = config.fused
         self.attend = SDPA()  # a module of its own, so a lesson can hook q and k (QK-clip: lessons/muon_variants.py)
 
-    def forward(self, x, cos, sin, mask, want_qkv=False, cache=None):
+    def forward(self, x, cos, sin, mask, want_qkv=False, cache=None, pos=None):
         B, T, C = x.size()
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj), self.fused)  # (B, T, nh*hd), 2x (B, T, nkv*hd)
@@ -126,12 +157,8 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(B, T, nkv, hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, nkv, hd).transpose(1, 2)               # (B, nkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if hasattr(cache, "extend"):  # a static cache (tools/decode.py): written in place, returns what to attend
-            k, v = cache.extend(k, v)
-        elif cache is not None:  # generation: keys and values of the earlier positions are kept, not recomputed
-            if "k" in cache:
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v  # nkv heads: GQA's smaller cache
+        if cache is not None:  # generation: the earlier positions' keys and values are kept
+            k, v = cache.update(pos, k, v)
         # causal when queries and keys are the same positions; one new query sees every cached key
         y = self.attend(q, k, v, mask, self.causal and mask is None and q.size(2) == k.size(2))
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hd)  # (B, T, nh*hd) heads concatenated
@@ -162,8 +189,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, want_qkv=False, cache=None):
-        a, qkv = self.attn(self.attn_norm(x), cos, sin, mask, want_qkv, cache)
+    def forward(self, x, cos, sin, mask, want_qkv=False, cache=None, pos=None):
+        a, qkv = self.attn(self.attn_norm(x), cos, sin, mask, want_qkv, cache, pos)
         x = x + a
         x = x + self.mlp(self.mlp_norm(x))
         return x, qkv
@@ -211,7 +238,7 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         cos, sin = precompute_rope(config.head_size(), config.block_size, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, 2, hd/2)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2 scaled init of the residual projections
@@ -219,9 +246,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     def _init_weights(self, module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        elif isinstance(module, nn.Embedding):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def get_num_params(self, non_embedding=True):
@@ -234,22 +259,31 @@ class GPT(nn.Module):
         logits, loss, _ = self.forward_with_states(idx, targets)
         return logits, loss
 
-    def forward_with_states(self, idx, targets=None, qkv_layer=None, hiddens=False):
+    def forward_with_states(self, idx, targets=None, qkv_layer=None, hiddens=False, cache=None,
+                            pos=0):
         """forward, plus the states distillation reads: returns (logits, loss, states) with states["qkv"] the
         (q, k, v) of block `qkv_layer` (may be negative; q, k after the q/k norms and RoPE; q (B, nh, T, hd), k and v
         (B, nkv, T, hd): the K/V heads, not repeated) or None, and
-        states["hiddens"] every block's output (B, T, C) if `hiddens`, else []."""
+        states["hiddens"] every block's output (B, T, C) if `hiddens`, else [].
+        generate passes cache (a KVCache per block) and pos: the first token's position (an int) or
+        each token's (a (T,) tensor), as KVCache.update takes them."""
         B, T = idx.size()
-        assert T <= self.config.block_size, f"sequence of {T} tokens > block_size {self.config.block_size}"
-        cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None  # (T, hd/2); mask None = plain causal
-        if self.config.doc_mask:
-            pos, mask = document_mask(idx, self.config.eot)
-            cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)  # (B, 1, T, hd/2)
+        L = self.config.block_size
+        assert T <= L, f"sequence of {T} tokens > block_size {L}"
+        cos, sin, mask = self.rope_cos[:T], self.rope_sin[:T], None  # mask None = plain causal
+        if cache is not None and not isinstance(pos, int):  # the whole cache, after pos masked
+            cos, sin = self.rope_cos.index_select(0, pos), self.rope_sin.index_select(0, pos)
+            mask = (torch.arange(L, device=idx.device) <= pos.unsqueeze(1)).view(1, 1, T, L)
+        elif self.config.doc_mask:  # generate: at pos 0
+            doc_pos, mask = document_mask(idx, self.config.eot)
+            cos, sin = self.rope_cos[doc_pos].unsqueeze(1), self.rope_sin[doc_pos].unsqueeze(1)
+        elif pos:
+            cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
         want_layer = None if qkv_layer is None else qkv_layer % self.config.n_layer
         x = self.wte(idx)  # (B, T, C)
         states = {"qkv": None, "hiddens": []}
-        for i, block in enumerate(self.h):
-            x, qkv = block(x, cos, sin, mask, want_qkv=(i == want_layer))
+        for i, (block, c) in enumerate(zip(self.h, cache or [None] * len(self.h))):
+            x, qkv = block(x, cos, sin, mask, i == want_layer, c, pos)
             if i == want_layer:
                 states["qkv"] = qkv
             if hiddens:
@@ -264,35 +298,54 @@ class GPT(nn.Module):
         return logits, loss, states
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None):
-        """Sample max_new_tokens continuations of idx (B, T), cropping the context to block_size. A KV cache
-        keeps each layer's keys and values, so a step runs the new token only; when the context reaches
-        block_size it is cropped and refilled, which computes exactly what the uncropped forward would.
-        (Activations are quantised per token, so cached positions are what a full forward computes.)
-        tools/decode.py takes the same steps from a preallocated cache, and on CUDA replays one captured step.
-        vocab: sample among the first vocab ids only (the tokenizer's, below a padded vocabulary)."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, vocab=None, state=None,
+                 step=None):
+        """Sample max_new_tokens continuations of idx (B, T), cropping the context to block_size. A
+        static KV cache keeps each layer's keys and values, so a step (decode_step) runs the new
+        token only; at block_size the context is cropped and refilled: its full forward (activations
+        are quantised per token: cached positions are what a full forward computes); a doc_mask
+        model refills every token. vocab: sample among the first vocab ids only (a padded
+        vocabulary's tokenizer's). state, step: tools/decode.py's DecodeState and step(pos), pos the
+        host's copy of state.pos; default new buffers and the eager step."""
         check_sampling(idx, self.config.vocab_size, temperature, top_k, vocab)
-        cache, pos = None, 0
+        L = self.config.block_size
+        s = state or DecodeState(self, idx.size(0))
+        step = step or (lambda pos: self.decode_step(s, pos, temperature, top_k, vocab))
+        pos = first = None  # host copies: the newest token's position, the first new one's
         for _ in range(max_new_tokens):
-            if self.config.doc_mask:  # document-restarted positions: no cache, the plain forward
-                logits = self(idx[:, -self.config.block_size:])[0]
-            elif cache is None or pos >= self.config.block_size:  # (re)fill from the last block_size tokens
-                cache = [{} for _ in self.h]
-                ctx = idx[:, -self.config.block_size:]
-                logits, pos = self._decode(ctx, cache, 0), ctx.size(1)
+            if pos is None or pos >= L or self.config.doc_mask:  # (re)fill: the last L tokens
+                if pos is not None:
+                    idx = torch.cat((idx, s.seq[:, first:pos + 1]), dim=1)
+                ctx = idx[:, -L:]
+                pos = first = ctx.size(1)
+                s.pos.fill_(pos - 1)
+                self.decode_step(s, 0, temperature, top_k, vocab, ctx)
             else:
-                logits, pos = self._decode(idx[:, -1:], cache, pos), pos + 1
-            idx = torch.cat((idx, sample_next(logits[:, -1, :], temperature, top_k, vocab)), dim=1)
-        return idx
+                step(pos)
+                pos += 1
+        return idx if pos is None else torch.cat((idx, s.seq[:, first:pos + 1]), dim=1)
 
-    def _decode(self, idx, cache, pos):
-        """Logits of the last of the tokens idx (B, T) at positions pos .. pos+T-1, extending the KV cache."""
-        T = idx.size(1)
-        cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
-        x = self.wte(idx)
-        for block, layer_cache in zip(self.h, cache):
-            x, _ = block(x, cos, sin, None, cache=layer_cache)
-        return self.lm_head(self.norm_f(x[:, -1:, :]))  # (B, 1, V)
+    def decode_step(self, s, pos, temperature=1.0, top_k=None, vocab=None, idx=None):
+        """generate's step on DecodeState s: the tokens idx (default the newest, s.seq at s.pos) at
+        pos in (an int, or s.pos itself: fixed shapes), the next token sampled (sample_next) and
+        written to s.seq at s.pos + 1, s.pos advanced; all on the device, no host read
+        (tools/decode.py captures it)."""
+        idx = s.seq.index_select(1, s.pos) if idx is None else idx  # (B, 1)
+        logits = self.forward_with_states(idx, cache=s.cache, pos=pos)[0]
+        s.seq.index_copy_(1, s.pos + 1, sample_next(logits[:, -1, :], temperature, top_k, vocab))
+        s.pos.add_(1)
+
+
+class DecodeState:
+    """generate's buffers for a batch: a KVCache per block, the tokens by position seq
+    (B, block_size + 1) and the newest one's position pos (1,), the next step's input."""
+
+    def __init__(self, model, batch):
+        c, w = model.config, model.wte.weight
+        shape = (batch, c.kv_heads(), c.block_size, c.head_size())
+        self.cache = [KVCache(shape, w.dtype, w.device) for _ in model.h]
+        self.pos = torch.zeros(1, dtype=torch.long, device=w.device)
+        self.seq = torch.zeros(batch, c.block_size + 1, dtype=torch.long, device=w.device)
 
 
 def check_sampling(idx, vocab_size, temperature, top_k, vocab=None):

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, apply_rope, document_mask, precompute_rope
+from model import GPT, DecodeState, GPTConfig, apply_rope, document_mask, precompute_rope
 from quant import BitLinear, set_lambda
 
 SMALL = dict(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=32, eot=60)
@@ -17,6 +17,15 @@ SMALL = dict(vocab_size=61, block_size=32, n_layer=2, n_head=2, n_embd=32, eot=6
 def make(**kw):
     torch.manual_seed(0)
     return GPT(GPTConfig(**{**SMALL, **kw}))
+
+
+@pytest.fixture
+def one_thread():
+    """One OpenMP thread: tiny models run many small ops, which 2 threads on 2 busy cores slow ~10x."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def test_hidden_projections_are_bitlinear_and_embedding_head_norms_stay_fp():
@@ -93,6 +102,26 @@ def test_rope_scores_depend_only_on_relative_position():
         return (qm * kn).sum()
     assert torch.allclose(score(5, 2), score(20, 17), atol=1e-5)
     assert not torch.allclose(score(5, 2), score(5, 4), atol=1e-3)
+
+
+def test_rope_without_cat_is_the_rotation_formula_bit_for_bit():
+    """apply_rope (x * cos + halves-swapped x * signed sin, no cat) equals the textbook rotation of the two halves,
+    (x1 cos - x2 sin, x2 cos + x1 sin) computed in fp32 and concatenated, bit for bit, for fp32 and bf16 x laid out
+    as the model's q (transposed heads), at every position; the tables are cos and sin of m * theta^(-2i/hd)."""
+    hd, L = 16, 64
+    cos, sin = precompute_rope(hd, L, 10000.0)
+    angle = torch.arange(L, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, hd, 2) / hd)
+    torch.testing.assert_close(cos[:, 0], angle.cos().float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin[:, 1], angle.sin().float(), rtol=0, atol=1e-5)
+    assert torch.equal(cos[:, 1], cos[:, 0]) and torch.equal(sin[:, 0], -sin[:, 1])
+    c, s = cos[:, 0], sin[:, 1]  # (L, hd/2)
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(2, L, 3, hd, generator=g) * 10).to(dtype).transpose(1, 2)  # (B, nh, T, hd), strided
+        x1, x2 = x.float().chunk(2, dim=-1)
+        want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(dtype)
+        got = apply_rope(x, cos, sin)
+        assert got.dtype == dtype and torch.equal(got, want), dtype
 
 
 def test_packed_row_with_doc_mask_equals_each_document_alone():
@@ -176,21 +205,22 @@ GQA = dict(n_kv_head=1, head_dim=24, qk_norm=True)  # Qwen3's attention: 2 query
 
 @pytest.mark.parametrize("quant", [False, True])
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_generate_with_kv_cache_equals_full_forwards_past_block_size(quant, gqa):
+def test_generate_with_kv_cache_equals_full_forwards_past_block_size(quant, gqa, one_thread):
     # the cache must give what cropping and re-running the whole context gives, also once the context is
     # longer than block_size (the cache is refilled from the last block_size tokens), for a batch of prompts
     model = make(quant=quant, block_size=16, **(GQA if gqa else {})).eval()
     idx = torch.randint(0, 60, (3, 5))
-    out = model.generate(idx, 30, top_k=1)
+    out = model.generate(idx, 14, top_k=1)  # 11 cached steps, then 3 refills
     ref = idx
-    for _ in range(30):
+    for _ in range(14):
         logits = model(ref[:, -16:])[0][:, -1]
         ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, ref)
-    cache = [{} for _ in model.h]  # and the logits themselves: a prefill then one step vs one full forward
-    model._decode(idx, cache, 0)
-    step = model._decode(out[:, 5:6], cache, 5)
-    torch.testing.assert_close(step, model(out[:, :6])[0], rtol=1e-5, atol=1e-5)
+    s = DecodeState(model, 3)  # and the logits themselves: a prefill then one step vs one full forward
+    with torch.no_grad():
+        model.forward_with_states(idx, cache=s.cache, pos=0)
+        step = model.forward_with_states(out[:, 5:6], cache=s.cache, pos=5)[0]
+        torch.testing.assert_close(step, model(out[:, :6])[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -299,7 +329,7 @@ def test_todays_config_builds_todays_attention():
     attn = model.h[0].attn
     assert all(getattr(attn, n).weight.shape == (32, 32) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
     assert not any("q_norm" in n or "k_norm" in n for n in model.state_dict())
-    assert model.rope_cos.shape == (32, 8)
+    assert model.rope_cos.shape == (32, 2, 8)  # (block_size, both halves, hd/2)
 
 
 def test_gqa_model_shapes_and_its_states():
@@ -308,7 +338,7 @@ def test_gqa_model_shapes_and_its_states():
     shapes = [getattr(attn, n).weight.shape for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     assert shapes == [(96, 32), (24, 32), (24, 32), (32, 96)]
     assert attn.subln.weight.shape == (96,) and attn.q_norm.weight.shape == attn.k_norm.weight.shape == (24,)
-    assert model.rope_cos.shape == (32, 12)
+    assert model.rope_cos.shape == (32, 2, 12)
     q, k, v = model.forward_with_states(torch.randint(0, 60, (2, 10)), qkv_layer=-1)[2]["qkv"]
     assert q.shape == (2, 4, 10, 24) and k.shape == v.shape == (2, 1, 10, 24)  # the K/V heads, not repeated
     with pytest.raises(ValueError, match="multiple of n_kv_head"):
