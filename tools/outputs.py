@@ -99,9 +99,24 @@ def ours(path):
 
 
 @functools.lru_cache(maxsize=64)
-def _gguf_source_of(path, mtime_ns, size):  # a file's metadata is read once per version of it
+def _gguf_source_of(path, mtime_ns, size):
+    """_gguf_source, read once per version of the file; None at once for a GGUF whose first key,
+    general.architecture, is not bitnet (ours always is): reading all of a published model's metadata with the
+    gguf package takes seconds."""
     with open(path, "rb") as f:
-        return _gguf_source(path) if f.read(4) == b"GGUF" else None
+        head = f.read(1 << 12)
+    if head[:4] != b"GGUF":
+        return None
+    try:  # magic, version u32, tensor count u64, key count u64; then the first key (u64 length) and its type u32
+        n = struct.unpack_from("<Q", head, 24)[0]
+        key, kind = head[32:32 + n], struct.unpack_from("<I", head, 32 + n)[0]
+        if key == b"general.architecture" and kind == 8:  # a string: u64 length, bytes
+            m = struct.unpack_from("<Q", head, 36 + n)[0]
+            if head[44 + n:44 + n + m] != b"bitnet":
+                return None
+    except struct.error:
+        pass
+    return _gguf_source(path)
 
 
 def _gguf_source(path):

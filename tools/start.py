@@ -11,6 +11,7 @@ Test: python -m pytest tests/test_train.py tests/test_convert.py tests/test_faul
 """
 import dataclasses
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +89,7 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
     ckpt = checkpoint.load(path, required=("model_args",))
     check_starts_this_stage(cfg, ckpt, path)
     ckpt = checkpoint.load(path)
-    check_saved_tokenizer(cfg, ckpt, path)
+    check_saved_tokenizer(cfg, ckpt, path, given)
     model_conf = adopt_architecture(model_conf, ckpt, given, path)
     checkpoint.check_fits(ckpt["model_args"], model_conf, path)
     if cfg.stage == 3 and not ckpt["model_args"].get("quant"):
@@ -144,12 +145,20 @@ def shipped_of_moved_model(cfg, ckpt, given):
             f"(--data={cfg.data})")
 
 
-def check_saved_tokenizer(cfg, ckpt, path):
+def check_saved_tokenizer(cfg, ckpt, path, given=None):
     """Refuse a run whose tokenizer is not the vocabulary the checkpoint at path was trained on (the fingerprint
-    its config records; a checkpoint without one: checkpoint.check_fits compares the vocabulary's size)."""
+    its config records; a checkpoint without one: checkpoint.check_fits compares the vocabulary's size). A stage-3
+    student whose vocabulary is not its pretrained teacher's (whose tokenizer the run took, none given) is told
+    to start from a student converted from that teacher."""
     saved = (ckpt.get("config") or {}).get("tokenizer_fingerprint")
     if saved and saved != fingerprint(get_tokenizer(cfg.tokenizer)):
         was = ckpt["config"].get("tokenizer")
+        teacher = str(cfg.teacher or "").split(",")[0]
+        if cfg.stage == 3 and cfg.tokenizer == teacher and "tokenizer" not in (given or {}):
+            die(f"the student {path} (--init_from={cfg.init_from}) was trained with the tokenizer {was}, not the "
+                f"vocabulary of the teacher {teacher}; distil a student converted from it: --init_from=<the "
+                f"ckpt.pt of python train.py --stage=2 --init_from={teacher} --out_dir=<its own>>, or pass the "
+                f"--out_dir of that run", 2)
         die(f"--tokenizer={cfg.tokenizer} is not the tokenizer {path} was trained with ({was}, fingerprint {saved}, "
             f"against {fingerprint(get_tokenizer(cfg.tokenizer))}); pass --tokenizer=<that model> (its own file, "
             f"wherever it is now)", 2)
@@ -227,6 +236,11 @@ def pretrained_start(cfg, model_conf, source, given=None):
     note = (f"stage {cfg.stage}: starting from the pretrained {source} ({fp.config.n_layer} layers, width "
             f"{fp.config.n_embd}, {fp.config.n_head} heads / {fp.config.n_kv_head or fp.config.n_head} kv heads)"
             + (f", SubLN inserted with {gain} gain" if arch.subln else ""))
+    if cfg.stage == 2 and not cfg.quant_start and cfg.lambda_warmup_steps > cfg.max_iters:
+        note += (f"; NOTE: lambda reaches 1 at step {cfg.lambda_warmup_steps} (--lambda_warmup_steps), after this "
+                 f"run's last step ({cfg.max_iters}), so the model it saves is not ternary yet; for a short run "
+                 f"pass --lambda_warmup_steps={max(cfg.max_iters // 2, 1)} (half the run, as lab/tables.py's "
+                 f"SmolLM2 rows)")
     return Start(0, None, source, note=note, model_conf=arch, pretrained=fp)
 
 
@@ -248,10 +262,18 @@ def check_same_tokenizer(flag, name, what, other, fix=None):
 def import_model(source, block_size, flag, check=None):
     """A pretrained model as published (tools/pretrained.py: full precision, no SubLN); a model we cannot carry is
     one error line naming the config field. check(its GPTConfig): the caller's refusals, before any weight is read."""
+    size = os.path.getsize(source) if os.path.isfile(source) else sum(
+        os.path.getsize(os.path.join(source, n)) for n in os.listdir(source)) if os.path.isdir(source) else 0
+    t0 = time.time()
+    print(f"{flag}={source}: loading the model with transformers ({size / 1e6:,.0f} MB on disk"
+          + (", dequantised to float32" if source.endswith(".gguf") else "") + ")", flush=True)
     try:
-        return from_pretrained(source, block_size=block_size, check=check)
+        model = from_pretrained(source, block_size=block_size, check=check)
     except (ValueError, OSError) as e:
         die(f"{flag}={source}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", 2)
+    print(f"{flag}={source}: loaded, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+          f"(float32) in {time.time() - t0:.0f} s", flush=True)
+    return model
 
 
 def convert_pretrained(fp, conf=None, batches=None):
@@ -301,6 +323,8 @@ def report_conversion(run):
     if st.pretrained is None:
         return
     set_lambda(run.model, 0.0)
+    run.rt.log(f"step 0: scoring {st.path} as published and converted (lambda 0) on the val split: what the "
+               f"conversion costs, before any training")
     fp = estimate_val_loss(run, model=st.pretrained.to(run.rt.device))[0]
     subln = f" with SubLN ({run.cfg.subln_gain} gain)" if run.model.config.subln else ""
     run.rt.log(f"step 0: val loss {estimate_val_loss(run)[0]:.4f} at lambda 0{subln}, against {fp:.4f} for "
