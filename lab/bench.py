@@ -602,11 +602,13 @@ def bench_kernels():
 
 
 def bench_decode(new_tokens=128, prompt_len=16):
-    """Batch-1 greedy decoding of new_tokens after a prompt_len-token prompt (its prefill timed too), tokens/s: the fp
-    model and the packed ternary one (kernels/packed_linear.py), each by model.generate (dynamic KV cache) and by
-    tools/decode.py (static KV cache: eager; on CUDA also one captured CUDA graph, plain and torch.compiled). CUDA: the
-    CUDA preset's shape in bf16; CPU: a tiny model in fp32. Each decoder decodes 8 tokens first (capture, compile).
-    "same" counts the tokens equal to model.generate's (random weights: near-ties, so float rounding can differ)."""
+    """Batch-1 greedy decoding of new_tokens after a prompt_len-token prompt (its prefill timed
+    too), tokens/s: the fp model and the packed ternary one (kernels/packed_linear.py), each by
+    model.generate (static KV cache) and by tools/decode.py (eager: model.generate's path; on CUDA
+    its step also captured as one CUDA graph, plain and torch.compiled). CUDA: the CUDA preset's
+    shape in bf16; CPU: a tiny model in fp32. Each decoder decodes 8 tokens first (capture,
+    compile). "same" counts the tokens equal to model.generate's (random weights: near-ties, so
+    float rounding can differ)."""
     from kernels.packed_linear import freeze_ternary
     from model import GPT, GPTConfig
     from tools import config, decode
@@ -626,7 +628,7 @@ def bench_decode(new_tokens=128, prompt_len=16):
           f"after a {prompt_len}-token prompt")
     prompt = torch.randint(0, c.vocab_size, (1, prompt_len), device=dev, generator=torch.Generator(dev).manual_seed(0))
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    modes = {"generate": "model.generate (dynamic KV cache)", "eager": "static KV cache, eager"}
+    modes = {"generate": "model.generate (static KV cache)", "eager": "static KV cache, eager"}
     if cuda:
         modes |= {"graph": "static KV cache, CUDA graph", "compile": "static KV cache, torch.compile + CUDA graph"}
     print(f"{'run':54s} {'tokens/s':>9s} {'same':>9s}")
