@@ -5,7 +5,7 @@ Sample text from a trained checkpoint.
   python sample.py --ckpt=out/stage1/ckpt.pt --start="ROMEO:" --max_new_tokens=300 --temperature=0.8
   python sample.py --packed=True                     (ternary model run from 2-bit packed weights)
   python sample.py --ckpt=out/stage2/packed.pt       (a packed export from tools/export.py)
-  python sample.py --decode=eager                    (on CUDA: model.generate's exact logits, no CUDA graph)
+  python sample.py --decode=eager                    (on CUDA too: model.generate, no CUDA graph)
   python sample.py --dlm=True                        (out/dlm/ckpt.pt, the masked-diffusion model: dlm.generate
                                                       fills --max_new_tokens masks in --steps steps, choosing
                                                       which to keep by --remasking=random or low_confidence)
@@ -17,8 +17,9 @@ The tokenizer and model shape come from the checkpoint, so any stage's ckpt.pt w
 every BitLinear is frozen to 2-bit codes plus gamma (kernels/packed_linear.py) before sampling: the fp
 latent weights are dropped and the integer inference path runs (Triton on CUDA, torch on CPU).
 Decoding runs from a static KV cache (tools/decode.py): on CUDA one captured decode step is replayed per token
-(--decode=graph, the default there; compile adds torch.compile), elsewhere the eager step (model.generate's logits
-bit for bit); --decode=eager on CUDA too. Greedy decoding is --top_k=1; --temperature must be a finite number >= 1e-6 (0 is refused, not read as greedy).
+(--decode=graph, the default there; compile adds torch.compile), elsewhere model.generate's eager
+step; --decode=eager on CUDA too. Greedy decoding is --top_k=1; --temperature must be a finite
+number >= 1e-6 (0 is refused, not read as greedy).
 --dlm=True fills prompt and continuation in one block_size context: a longer --max_new_tokens is refused.
 
 Test: python -m pytest tests/test_sample.py tests/test_packed.py

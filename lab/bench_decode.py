@@ -3,7 +3,7 @@ python -m lab.bench --decode [--shape=1b]: batch-1 greedy decoding, fp vs packed
 in parts.
 
 Two models of one shape, random weights: fp (bf16 on CUDA) and packed ternary
-(kernels/packed_linear.py), each decoded by model.generate (dynamic KV cache) and by
+(kernels/packed_linear.py), each decoded by model.generate (static KV cache) and by
 tools/decode.py's Decoder(model, mode).generate (static KV cache: eager; on CUDA also graph, one
 captured CUDA graph a token, and compile, torch.compile then captured). Shapes: preset, the device
 preset's model (CUDA: 12 x 768, GPT-2 vocabulary; CPU: a tiny fp32 model), and 1b, a 1B-class Llama
@@ -76,7 +76,7 @@ def make_models(shape, dev, dtype):
 
 def modes(shape, cuda):
     """{mode: its label}: the ways of decoding the benchmark times at a shape."""
-    out = {"generate": "model.generate (dynamic KV cache)", "eager": "static KV cache, eager"}
+    out = {"generate": "model.generate (static KV cache)", "eager": "static KV cache, eager"}
     if cuda:
         out |= {"graph": "static KV cache, CUDA graph",
                 "compile": "static KV cache, torch.compile + CUDA graph"}

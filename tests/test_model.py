@@ -21,7 +21,8 @@ def make(**kw):
 
 @pytest.fixture
 def one_thread():
-    """One OpenMP thread: tiny models run many small ops, which 2 threads on 2 busy cores slow ~10x."""
+    """One OpenMP thread: tiny models run many small ops, which 2 threads on 2 busy cores slow
+    ~10x."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -105,19 +106,21 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 def test_rope_without_cat_is_the_rotation_formula_bit_for_bit():
-    """apply_rope (x * cos + halves-swapped x * signed sin, no cat) equals the textbook rotation of the two halves,
-    (x1 cos - x2 sin, x2 cos + x1 sin) computed in fp32 and concatenated, bit for bit, for fp32 and bf16 x laid out
-    as the model's q (transposed heads), at every position; the tables are cos and sin of m * theta^(-2i/hd)."""
+    """apply_rope (x * cos + halves-swapped x * signed sin, no cat) equals the textbook rotation of
+    the two halves, (x1 cos - x2 sin, x2 cos + x1 sin) computed in fp32 and concatenated, bit for
+    bit, for fp32 and bf16 x laid out as the model's q (transposed heads), at every position; the
+    tables are cos and sin of m * theta^(-2i/hd)."""
     hd, L = 16, 64
     cos, sin = precompute_rope(hd, L, 10000.0)
-    angle = torch.arange(L, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, hd, 2) / hd)
+    inv_freq = 10000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    angle = torch.arange(L, dtype=torch.float64)[:, None] * inv_freq
     torch.testing.assert_close(cos[:, 0], angle.cos().float(), rtol=0, atol=1e-5)
     torch.testing.assert_close(sin[:, 1], angle.sin().float(), rtol=0, atol=1e-5)
     assert torch.equal(cos[:, 1], cos[:, 0]) and torch.equal(sin[:, 0], -sin[:, 1])
     c, s = cos[:, 0], sin[:, 1]  # (L, hd/2)
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        x = (torch.randn(2, L, 3, hd, generator=g) * 10).to(dtype).transpose(1, 2)  # (B, nh, T, hd), strided
+        x = (torch.randn(2, L, 3, hd, generator=g) * 10).to(dtype).transpose(1, 2)  # (B, nh, T, hd)
         x1, x2 = x.float().chunk(2, dim=-1)
         want = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(dtype)
         got = apply_rope(x, cos, sin)
@@ -216,7 +219,7 @@ def test_generate_with_kv_cache_equals_full_forwards_past_block_size(quant, gqa,
         logits = model(ref[:, -16:])[0][:, -1]
         ref = torch.cat([ref, logits.argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(out, ref)
-    s = DecodeState(model, 3)  # and the logits themselves: a prefill then one step vs one full forward
+    s = DecodeState(model, 3)  # and the logits: a prefill then one step vs one full forward
     with torch.no_grad():
         model.forward_with_states(idx, cache=s.cache, pos=0)
         step = model.forward_with_states(out[:, 5:6], cache=s.cache, pos=5)[0]
