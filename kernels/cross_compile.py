@@ -256,6 +256,8 @@ def report(job, k):
                          ("mma", ("IMMA", "HMMA", "HGMMA", "IGMMA")))}
     r["sts_u8"] = len(re.findall(r"\bSTS\.(?:U8|S8)\b", sass))  # one-byte shared-memory stores, whole kernel
     r["instructions"] = len(sass_instructions(sass))
+    r["ptx_fp"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx)) for op in
+                   ("sqrt.rn.f32", "div.rn.f32", "rsqrt.approx.f32", "sqrt.approx.f32", "fma.rn.f32")}
     if job["kind"] == "unpack":  # no loop: the whole kernel, per word a thread unpacks
         r["instr_per_word"] = round(r["instructions"] / (r["tile_bytes"] / 4 / r["threads"]), 2)
     if job["kind"] in ("decode", "prefill"):  # per packed word: 16 weights (prefill: 16 int8 codes)

@@ -288,8 +288,9 @@ def _norm_then_quant(x, g, eps):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_quantize_is_the_norm_then_activation_quant_bit_for_bit(dtype):
     """One kernel for quant.RMSNorm (gain g, cast to x's dtype) and activation_quant. Rows whose squares sum
-    exactly in fp32 (multiples of 1/8 up to 2: every partial sum is a multiple of 1/64 below 2**18) leave no
-    freedom to any summation order, so codes and scales equal torch's bit for bit: every other step is one IEEE
+    exactly in fp32 (x = k / 256, |k| < 256: 8 significant bits, exact in bf16 too; every partial sum of squares
+    is a multiple of 2**-16 below 2**7) leave no freedom to any summation order, so codes and scales equal
+    torch's bit for bit: every other step is one IEEE
     operation in torch's order (the / K, + eps, 1 / sqrt, (x * r) * g, one rounding to bf16, the quantiser's).
     Odd K (7, 33), a zero row (all codes 0, scale from absmax 1e-5), a K = 100 row through the two-loop path
     (block 32). Random normal rows: every code equal, scales within 2 fp32 ulps (torch's sum of squares runs in
@@ -297,7 +298,7 @@ def test_rmsnorm_quantize_is_the_norm_then_activation_quant_bit_for_bit(dtype):
     gen = torch.Generator().manual_seed(3)
     for K, block in ((7, None), (33, None), (100, 32)):
         gain = torch.rand(K, generator=gen) * 1.5 + 0.25
-        x = (torch.randint(-16, 17, (3, K), generator=gen).float() / 8).to(dtype)
+        x = (torch.randint(-255, 256, (3, K), generator=gen).float() / 256).to(dtype)
         x[1] = 0.0
         got = tm.rmsnorm_quantize(x.to(DEVICE), gain.to(DEVICE), 1e-5, block_k=block)
         want = _norm_then_quant(x, gain, 1e-5)
