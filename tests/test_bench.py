@@ -172,7 +172,7 @@ def test_decode_rows_on_cpu_each_ratio_the_quotient_and_the_prefill_cancelled(ca
     rows = bench_decode.bench_decode(new_tokens=12, prompt_len=8)
     out = capsys.readouterr().out
     printed = {(m, mode): (float(t), s) for m, mode, t, s in re.findall(
-        r"^(fp|packed) \w+: (model\.generate|static KV cache, eager)(?: \(dynamic KV cache\))? "
+        r"^(fp|packed) \w+: (model\.generate|static KV cache, eager)(?: \(static KV cache\))? "
         r"+([\d.]+) +[\d.]+ +- +[\d.]+ +- +(\d+/\d+)$",
         out, re.M)}
     assert len(printed) == 4 and all(t > 0 and s == "12/12" for t, s in printed.values()), out
