@@ -44,32 +44,85 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels import ternary_matmul as tm  # noqa: E402
+from kernels.occupancy import SMS_OF, in_flight, occupancy  # noqa: E402,F401
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")  # Triton's ptxas, cuobjdump
+# as a launch on model shapes specialises them: multiples of 16
 ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "xq_ptr", "g_ptr", "N", "K", "KW", "stride_xm",
-           "stride_wn", "stride_om", "stride_x")  # as a launch on model shapes specialises them: multiples of 16
-DECODE_ARGS = dict(x_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*fp32", out_ptr="*bf16", M="i32",
-                   N="i32", KW="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ws="i32",
-                   BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_G="constexpr", DP4A="constexpr",
-                   WRITE_ACC="constexpr")
-PREFILL_ARGS = dict(x_ptr="*i8", xs_ptr="*fp32", w_ptr="*i8", ws_ptr="*fp32", out_ptr="*bf16", M="i32", N="i32",
-                    K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ws="i32",
-                    BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr",
-                    WRITE_ACC="constexpr")
-UNPACK_ARGS = dict(w_ptr="*i32", out_ptr="*i32", N="i32", KW="i32", stride_wn="i32", BLOCK_N="constexpr",
-                   BLOCK_G="constexpr")
+           "stride_wn", "stride_om", "stride_x")
+DECODE_ARGS = dict(
+    x_ptr="*i32",
+    xs_ptr="*fp32",
+    w_ptr="*i32",
+    ws_ptr="*fp32",
+    out_ptr="*bf16",
+    M="i32",
+    N="i32",
+    KW="i32",
+    stride_xm="i32",
+    stride_wn="i32",
+    stride_om="i32",
+    stride_ws="i32",
+    BLOCK_M="constexpr",
+    BLOCK_N="constexpr",
+    BLOCK_G="constexpr",
+    DP4A="constexpr",
+    WRITE_ACC="constexpr",
+)
+PREFILL_ARGS = dict(
+    x_ptr="*i8",
+    xs_ptr="*fp32",
+    w_ptr="*i8",
+    ws_ptr="*fp32",
+    out_ptr="*bf16",
+    M="i32",
+    N="i32",
+    K="i32",
+    stride_xm="i32",
+    stride_wn="i32",
+    stride_om="i32",
+    stride_ws="i32",
+    BLOCK_M="constexpr",
+    BLOCK_N="constexpr",
+    BLOCK_K="constexpr",
+    GROUP_M="constexpr",
+    WRITE_ACC="constexpr",
+)
+UNPACK_ARGS = dict(
+    w_ptr="*i32",
+    out_ptr="*i32",
+    N="i32",
+    KW="i32",
+    stride_wn="i32",
+    BLOCK_N="constexpr",
+    BLOCK_G="constexpr",
+)
 TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
 
 
 def _decode(name, cfg, out="*bf16", dp4a=True, write_acc=False, block_m=1):
-    """A decode configuration; M = 1 is specialised (constexpr) as a launch with one row specialises it."""
-    consts = dict(BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_G=cfg["BLOCK_G"], DP4A=dp4a, WRITE_ACC=write_acc)
+    """A decode configuration; M = 1 is specialised (constexpr) as a launch with one row specialises
+    it."""
+    consts = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_G=cfg["BLOCK_G"],
+        DP4A=dp4a,
+        WRITE_ACC=write_acc,
+    )
     sig = dict(DECODE_ARGS, out_ptr=out)
     if block_m == 1:
         consts["M"], sig["M"] = 1, "constexpr"
-    return dict(name=name, kind="decode", kernel=tm._decode_kernel, signature=sig, constexprs=consts,
-                options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]), block_m=block_m)
+    return dict(
+        name=name,
+        kind="decode",
+        kernel=tm._decode_kernel,
+        signature=sig,
+        constexprs=consts,
+        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        block_m=block_m,
+    )
 
 
 def _prefill(name, cfg, out="*bf16", write_acc=False):
@@ -82,7 +135,11 @@ def jobs(target):
     """Every configuration the host wrappers can launch on this target (dicts: name, kind, kernel, signature,
     constexprs, options)."""
     arch = target.arch // 10
-    out = [_decode(f"decode {key}", cfg) for key, cfg in tm.DECODE_CONFIGS.items() if not key.startswith("rows")]
+    out = [
+        _decode(f"decode {key}", cfg)
+        for key, cfg in tm.DECODE_CONFIGS.items()
+        if not key.startswith("rows")
+    ]
     for bm in (2, 4, tm.DECODE_BLOCK_M):
         out.append(_decode(f"decode rows M={bm}", tm.DECODE_CONFIGS["rows"], block_m=bm))
     cfg = tm.DECODE_CONFIGS["long-wide"]
@@ -108,12 +165,28 @@ def jobs(target):
                         options=dict(num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)))
     for dt, K in (("fp32", 576), ("bf16", 4096), ("bf16", 11008)):
         st = tm.norm_quant_settings(K)
-        sig = dict(x_ptr=f"*{dt}", g_ptr=f"*{dt}", xq_ptr="*i8", xs_ptr="*fp32", K="i32", stride_x="i32",
-                   eps="fp32", BLOCK_K="constexpr", ONE_PASS="constexpr", BF16="constexpr")
-        out.append(dict(name=f"rmsnorm+quantize {dt} K={K}", kind="quantize", kernel=tm._rmsnorm_quant_kernel,
-                        signature=sig, constexprs=dict(BLOCK_K=st["BLOCK_K"], ONE_PASS=st["ONE_PASS"],
-                                                       BF16=dt == "bf16"),
-                        options=dict(num_warps=st["num_warps"], enable_fp_fusion=False)))
+        sig = dict(
+            x_ptr=f"*{dt}",
+            g_ptr=f"*{dt}",
+            xq_ptr="*i8",
+            xs_ptr="*fp32",
+            K="i32",
+            stride_x="i32",
+            eps="fp32",
+            BLOCK_K="constexpr",
+            ONE_PASS="constexpr",
+            BF16="constexpr",
+        )
+        out.append(
+            dict(
+                name=f"rmsnorm+quantize {dt} K={K}",
+                kind="quantize",
+                kernel=tm._rmsnorm_quant_kernel,
+                signature=sig,
+                constexprs=dict(BLOCK_K=st["BLOCK_K"], ONE_PASS=st["ONE_PASS"], BF16=dt == "bf16"),
+                options=dict(num_warps=st["num_warps"], enable_fp_fusion=False),
+            )
+        )
     return out
 
 
@@ -170,8 +243,9 @@ def sass_instructions(sass):
 
 
 def k_loop(sass):
-    """The instructions of the K loop: the shortest backward branch's body that holds a global load (LDG, or
-    LDGSTS where the loop copies into shared memory). [] when the kernel has no such loop."""
+    """The instructions of the K loop: the shortest backward branch's body that holds a global load
+    (LDG, or LDGSTS where the loop copies into shared memory). [] when the kernel has no such
+    loop."""
     ins = sass_instructions(sass)
     loops = []
     for addr, op, rest in ins:
@@ -183,35 +257,15 @@ def k_loop(sass):
     return min(loops, key=len) if loops else []
 
 
-def occupancy(regs, threads, shared, target):
-    """Programs (thread blocks) one SM holds at once, from the per-SM limits of the target (sm_80 A100, sm_90
-    H100): 64K registers allocated per warp in units of 256 (regs rounded up to 8 per thread), 2048 threads,
-    32 blocks, shared memory (164 / 227 KiB, 1 KiB reserved per block)."""
-    smem = {"sm_80": 164 * 1024, "sm_90": 227 * 1024}[target]
-    warps = -(-threads // 32)
-    by_regs = 65536 // (warps * 32 * (-(-max(regs, 1) // 8) * 8))
-    by_smem = smem // (shared + 1024)
-    return max(0, min(by_regs, 2048 // threads, 32, by_smem))
-
-
-SMS_OF = {"sm_80": 108, "sm_90": 132}  # an A100's SMs, an H100's
-
-
-def in_flight(r, grid, step_bytes):
-    """Weight bytes in flight per SM (Little's law: bandwidth = bytes in flight / latency): the programs resident
-    on one SM at once (occupancy, and no more than the grid gives it) times the weight bytes one program's K step
-    issues before it waits (num_stages - 1 steps ahead when the loop is software-pipelined)."""
-    per_sm = min(r["occupancy"], -(-grid // SMS_OF[r["target"]]))
-    return per_sm * step_bytes * max(1, r["num_stages"] - 1)
-
-
-SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (576, 576), (1536, 576), (576, 1536))  # (N, K): lab.bench's
+# (N, K): lab.bench's
+SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (576, 576), (1536, 576), (576, 1536))
 
 
 def decode_flight(reports, N, K, target="sm_90"):
-    """The M = 1 decode launch of an (N, K) weight on target, from the compiled reports: {config, grid, occupancy,
-    step_bytes (weight bytes one program's K step loads), in_flight (per SM, Little's law), need (the smaller of
-    15.5 KiB, what an H100 needs for its copy bandwidth at its DRAM latency, and the whole matrix over the SMs)}."""
+    """The M = 1 decode launch of an (N, K) weight on target, from the compiled reports: {config,
+    grid, occupancy, step_bytes (weight bytes one program's K step loads), in_flight (per SM,
+    Little's law), need (the smaller of 15.5 KiB, what an H100 needs for its copy bandwidth at its
+    DRAM latency, and the whole matrix over the SMs)}."""
     key = tm.decode_config(N, K)
     r = next(r for r in reports if r["target"] == target and r["name"] == f"decode {key}")
     cfg, KW = tm.DECODE_CONFIGS[key], (K + 15) // 16
@@ -234,7 +288,11 @@ def report(job, k):
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", path], capture_output=True, text=True,
                               check=True).stdout
     mma = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma\.sync)[\w.]*)", ptx)))
-    loads = weight_loads(ptx, k.name, 0 if job["kind"] == "unpack" else 2) if job["kind"] != "quantize" else []
+    loads = (
+        weight_loads(ptx, k.name, 0 if job["kind"] == "unpack" else 2)
+        if job["kind"] != "quantize"
+        else []
+    )
     c, o = job["constexprs"], job["options"]
     r = dict(name=job["name"], kind=job["kind"], regs=int(re.search(r"REG:(\d+)", res).group(1)),
              stack=int(re.search(r"STACK:(\d+)", res).group(1)),
@@ -246,18 +304,30 @@ def report(job, k):
     if job["kind"] == "prefill":
         r["tile_bytes"] = c["BLOCK_N"] * c["BLOCK_K"]  # the unpacked int8 weights of one K step
     elif job["kind"] != "quantize":
-        r["tile_bytes"] = c["BLOCK_N"] * c["BLOCK_G"] * 4  # the weight words of one K step (unpack: of the program)
+        # the weight words of one K step (unpack: of the program)
+        r["tile_bytes"] = c["BLOCK_N"] * c["BLOCK_G"] * 4
     r["block_m"] = job.get("block_m", c.get("BLOCK_M"))
     loop = k_loop(sass)
     ops = [op for _, op, _ in loop]
     r["loop_instructions"] = len(loop)
-    r["loop_counts"] = {name: sum(op.startswith(pre) for op in ops) for name, pre in
-                        (("shfl", "SHFL"), ("sts", "STS"), ("lds", "LDS"), ("dp4a", "IDP.4A"), ("bar", "BAR"),
-                         ("mma", ("IMMA", "HMMA", "HGMMA", "IGMMA")))}
-    r["sts_u8"] = len(re.findall(r"\bSTS\.(?:U8|S8)\b", sass))  # one-byte shared-memory stores, whole kernel
+    r["loop_counts"] = {
+        name: sum(op.startswith(pre) for op in ops)
+        for name, pre in (
+            ("shfl", "SHFL"),
+            ("sts", "STS"),
+            ("lds", "LDS"),
+            ("dp4a", "IDP.4A"),
+            ("bar", "BAR"),
+            ("mma", ("IMMA", "HMMA", "HGMMA", "IGMMA")),
+        )
+    }
+    # one-byte shared-memory stores, whole kernel
+    r["sts_u8"] = len(re.findall(r"\bSTS\.(?:U8|S8)\b", sass))
     r["instructions"] = len(sass_instructions(sass))
-    r["ptx_fp"] = {op: len(re.findall(rf"\b{re.escape(op)}\b", ptx)) for op in
-                   ("sqrt.rn.f32", "div.rn.f32", "rsqrt.approx.f32", "sqrt.approx.f32", "fma.rn.f32")}
+    r["ptx_fp"] = {
+        op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
+        for op in ("sqrt.rn.f32", "div.rn.f32", "rsqrt.approx.f32", "sqrt.approx.f32", "fma.rn.f32")
+    }
     if job["kind"] == "unpack":  # no loop: the whole kernel, per word a thread unpacks
         r["instr_per_word"] = round(r["instructions"] / (r["tile_bytes"] / 4 / r["threads"]), 2)
     if job["kind"] in ("decode", "prefill"):  # per packed word: 16 weights (prefill: 16 int8 codes)
@@ -309,8 +379,9 @@ def main(argv=()):
     if not failed:
         for N, K in SHAPES:
             f = decode_flight(results, N, K)
-            print(f"sm_90 M=1 {N}x{K}: decode {f['config']}, {f['grid']} programs, {f['occupancy']} resident per SM, "
-                  f"{f['step_bytes']:,} B a step -> {f['in_flight']:,} B in flight per SM (need {f['need']:,})")
+            print(f"sm_90 M=1 {N}x{K}: decode {f['config']}, {f['grid']} programs, "
+                  f"{f['occupancy']} resident per SM, {f['step_bytes']:,} B a step -> "
+                  f"{f['in_flight']:,} B in flight per SM (need {f['need']:,})")
     print("all configurations compiled" if not failed else f"{failed} configuration(s) failed")
     return 1 if failed else 0
 

@@ -6,12 +6,12 @@ for a model's layers rather than for a lesson on the kernels.
     ternary_linear                     the same registered as a torch op ("nanobitnet::ternary_linear") with a fake
                                        that gives its output's shape, so torch.compile(fullgraph=True) traces a packed
                                        model as one opaque call per layer and CUDA graphs capture it
-    norm_linear(x, g, eps, w_packed, w_scale)   quant.RMSNorm (gain g) then linear, the norm and the activation
-                                       quantisation in one kernel (rmsnorm_quantize); registered as
-                                       "nanobitnet::norm_ternary_linear"
-    BoundLinear(w_packed, w_scale, K[, norm])   linear (or norm_linear) for one weight with its checks, int32 word
-                                       view and launch settings made once: per call three allocations, two views
-                                       and two launches
+    norm_linear(x, g, eps, w_packed, w_scale)   quant.RMSNorm (gain g) then linear, the norm and the
+                                       activation quantisation in one kernel (rmsnorm_quantize);
+                                       registered as "nanobitnet::norm_ternary_linear"
+    BoundLinear(w_packed, w_scale, K[, norm])   linear (or norm_linear) for one weight with its
+                                       checks, int32 word view and launch settings made once: per
+                                       call three allocations, two views and two launches
 
 kernels/packed_linear.py's PackedBitLinear calls BoundLinear eagerly and ternary_linear inside torch.compile. The
 arithmetic and its sources (BitNet b1.58, arXiv 2402.17764; BitNet b1.58 2B4T, arXiv 2504.12285) are
@@ -37,8 +37,9 @@ ternary_linear = torch.library.custom_op("nanobitnet::ternary_linear", linear, m
 
 def norm_linear(x: torch.Tensor, g: torch.Tensor, eps: float, w_packed: torch.Tensor,
                 w_scale: torch.Tensor) -> torch.Tensor:
-    """linear(quant.RMSNorm(x) with gain g and eps), the norm and the quantiser one kernel (fp32/bf16 x; other
-    dtypes: the norm in torch, then quantize_activations): the same numbers as the two apart (rmsnorm_quantize)."""
+    """linear(quant.RMSNorm(x) with gain g and eps), the norm and the quantiser one kernel
+    (fp32/bf16 x; other dtypes: the norm in torch, then quantize_activations): the same numbers as
+    the two apart (rmsnorm_quantize)."""
     if x.dtype in (torch.float32, torch.bfloat16):
         x_q, x_scale = tm.rmsnorm_quantize(x, g, eps)
     else:
@@ -47,7 +48,9 @@ def norm_linear(x: torch.Tensor, g: torch.Tensor, eps: float, w_packed: torch.Te
     return tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=out_dtype)
 
 
-norm_ternary_linear = torch.library.custom_op("nanobitnet::norm_ternary_linear", norm_linear, mutates_args=())
+norm_ternary_linear = torch.library.custom_op(
+    "nanobitnet::norm_ternary_linear", norm_linear, mutates_args=()
+)
 
 
 class BoundLinear:
@@ -75,9 +78,19 @@ class BoundLinear:
         self.quant = tm.norm_quant_settings(K)
         by_m = []  # for M = 0 .. DECODE_MAX_M: the decode kernel's settings and grid
         for M in range(tm.DECODE_MAX_M + 1):
-            dec = tm.INTERPRETER_CONFIGS["decode"] if tm.INTERPRETED else tm.DECODE_CONFIGS[tm.decode_config(N, K, M)]
-            by_m.append((dict(dec, BLOCK_M=tm.decode_block_m(M), DP4A=not tm.INTERPRETED, WRITE_ACC=False),
-                         (cdiv(N, dec["BLOCK_N"]), 1)))
+            dec = (
+                tm.INTERPRETER_CONFIGS["decode"]
+                if tm.INTERPRETED
+                else tm.DECODE_CONFIGS[tm.decode_config(N, K, M)]
+            )
+            by_m.append(
+                (
+                    dict(
+                        dec, BLOCK_M=tm.decode_block_m(M), DP4A=not tm.INTERPRETED, WRITE_ACC=False
+                    ),
+                    (cdiv(N, dec["BLOCK_N"]), 1),
+                )
+            )
         self.decode = by_m
         arch = 0 if tm.INTERPRETED else torch.cuda.get_device_capability(w_packed.device)[0]
         self.prefill = {tall: dict(tm.INTERPRETER_CONFIGS["prefill"]) if tm.INTERPRETED else
@@ -99,7 +112,9 @@ class BoundLinear:
         y = torch.empty((M, N), dtype=x.dtype, device=x.device)  # bf16 for bf16 x, else fp32: linear's rule
         if M:
             if self.norm is None:
-                tm._quantize_activations_kernel[(M,)](x2, x_q, x_scale, K, x2.stride(0), **self.quant)
+                tm._quantize_activations_kernel[(M,)](
+                    x2, x_q, x_scale, K, x2.stride(0), **self.quant
+                )
             else:
                 g, eps = self.norm[0].to(x.dtype), self.norm[1]
                 eps = torch.finfo(x.dtype).eps if eps is None else eps
@@ -107,11 +122,35 @@ class BoundLinear:
                                                BF16=x.dtype == torch.bfloat16, **self.quant)
             if M <= tm.DECODE_MAX_M:
                 cfg, grid = self.decode[M]
-                tm._decode_kernel[grid](x_q.view(torch.int32), x_scale, self.w, self.ws, y, M, N, self.KW, K // 4,
-                                        self.KW, N, self.stride_ws, **cfg)
+                tm._decode_kernel[grid](
+                    x_q.view(torch.int32),
+                    x_scale,
+                    self.w,
+                    self.ws,
+                    y,
+                    M,
+                    N,
+                    self.KW,
+                    K // 4,
+                    self.KW,
+                    N,
+                    self.stride_ws,
+                    **cfg,
+                )
             else:
-                tm.launch_prefill(x_q, x_scale, self.w, self.ws, y, M, N, K, self.KW, self.stride_ws,
-                                  cfg=self.prefill[M > 64])
+                tm.launch_prefill(
+                    x_q,
+                    x_scale,
+                    self.w,
+                    self.ws,
+                    y,
+                    M,
+                    N,
+                    K,
+                    self.KW,
+                    self.stride_ws,
+                    cfg=self.prefill[M > 64],
+                )
         return y.view(*x.shape[:-1], N)
 
 

@@ -21,9 +21,14 @@ to fp32 rounding (that path rounds every product and partial sum, this one only 
 whole model those ulps can flip an activation that sits on a rounding tie to the neighbouring int8 code,
 so frozen logits agree with the unfrozen model's closely, not to the last bit.
 
-freeze_ternary(model) swaps every BitLinear for a PackedBitLinear in place (packed here, at freeze time);
-weight_bytes(model) measures the hidden matrices and the rest. The export file holds the same bytes. Sources: BitNet b1.58 (arXiv 2402.17764, section 2) for the quantisers and
-BitNet b1.58 2B4T (arXiv 2504.12285) for inference from packed weights; the byte layout is docs/packed-format.md.
+freeze_ternary(model) swaps every BitLinear for a PackedBitLinear in place (packed here, at freeze
+time), and each QuantRMSNorm for a PackedRMSNorm, which on the Triton path its packed readers run
+inside their quantiser's kernel (tm.rmsnorm_quantize: one launch for the norm and one quantisation
+of a q/k/v or gate/up stack); weight_bytes(model) measures the hidden matrices and the rest.
+freeze_fp(model) is the fp baseline's counterpart: the q/k/v and gate/up weights of a full-precision
+inference model stacked once (StackedLinear), not every call. The export file holds the same bytes.
+Sources: BitNet b1.58 (arXiv 2402.17764, section 2) for the quantisers and BitNet b1.58 2B4T (arXiv
+2504.12285) for inference from packed weights; the byte layout is docs/packed-format.md.
 
 Demo:  python -m kernels.packed_linear          Test:  python -m pytest tests/test_packed.py
 """
@@ -56,7 +61,8 @@ class PackedBitLinear(nn.Module):
         self.in_features, self.out_features, self.use_triton = in_features, out_features, use_triton
         self.register_buffer("w_packed", w_packed)            # (N, ceil(K/4)) uint8, four codes per byte (quant.pack_ternary)
         self.register_buffer("w_scale", w_scale.reshape(()))  # gamma, 0-d fp32
-        self._pre_norm = ()  # (PackedRMSNorm,) when freeze_ternary moved the norm before it into its quantiser
+        # (PackedRMSNorm,) when freeze_ternary moved the norm before it into its quantiser
+        self._pre_norm = ()
 
     @classmethod
     def from_bitlinear(cls, m, use_triton=None):
@@ -111,16 +117,18 @@ class PackedBitLinear(nn.Module):
 
 def _triton_linear(x, w_packed, w_scale, owner, attr="_bound"):
     """The Triton kernels. Eager: an op.BoundLinear made once per weight, kept as owner.<attr> (made again when
-    w_packed, w_scale or the pre-norm's gain is another tensor or was written in place). Inside torch.compile: the
-    registered op op.ternary_linear (op.norm_ternary_linear with a pre-norm), whose fake gives the output's shape,
-    so dynamo traces one opaque call, not the launches. With owner._pre_norm (freeze_ternary), x is the norm's
-    input: the norm runs in the quantiser's kernel (tm.rmsnorm_quantize), once for the whole stack."""
+    w_packed, w_scale or the pre-norm's gain is another tensor or was written in place). Inside
+    torch.compile: the registered op op.ternary_linear (op.norm_ternary_linear with a pre-norm),
+    whose fake gives the output's shape, so dynamo traces one opaque call, not the launches. With
+    owner._pre_norm (freeze_ternary), x is the norm's input: the norm runs in the quantiser's kernel
+    (tm.rmsnorm_quantize), once for the whole stack."""
     norm = owner._pre_norm[0] if owner._pre_norm else None
     if torch.compiler.is_compiling():
         if norm is None:
             return op.ternary_linear(x, w_packed, w_scale)
         return op.norm_ternary_linear(x, norm.weight, norm.eps_for(x), w_packed, w_scale)
-    g = norm.weight if norm is not None else w_scale  # w_scale: a stand-in that never changes the key
+    # w_scale: a stand-in that never changes the key
+    g = norm.weight if norm is not None else w_scale
     b = getattr(owner, attr, None)
     if (b is None or b[0] is not w_packed or b[1] != w_packed._version or b[2] is not w_scale
             or b[3] != w_scale._version or b[5] is not g or b[6] != g._version):
@@ -155,11 +163,12 @@ def _untriton_matmul(x_q, x_scale, w_packed, w_scale, owner, K, attr="_codes"):
 
 
 class PackedRMSNorm(quant.RMSNorm):
-    """The norm before packed layers in a frozen model (what a QuantRMSNorm becomes): quant.RMSNorm, except that
-    on the Triton path its readers (the PackedBitLinears that read only its output: q, k, v; gate, up; o or down)
-    run it inside their activation quantiser's kernel (tm.rmsnorm_quantize: one read of x, the normed row kept in
-    registers, one quantisation shared by a stack), so there it passes x through unchanged. On the torch path
-    (CPU) it is quant.RMSNorm and its readers quantise its output, exactly as before."""
+    """The norm before packed layers in a frozen model (what a QuantRMSNorm becomes): quant.RMSNorm,
+    except that on the Triton path its readers (the PackedBitLinears that read only its output: q,
+    k, v; gate, up; o or down) run it inside their activation quantiser's kernel
+    (tm.rmsnorm_quantize: one read of x, the normed row kept in registers, one quantisation shared
+    by a stack), so there it passes x through unchanged. On the torch path (CPU) it is quant.RMSNorm
+    and its readers quantise its output, exactly as before."""
 
     _readers = ()
 
@@ -173,21 +182,30 @@ class PackedRMSNorm(quant.RMSNorm):
         return torch.finfo(x.dtype).eps if self.eps is None else self.eps
 
 
-# the layers that read a norm's output, by the norm's name in its parent (model.py's Block, Attention, MLP)
-_READERS = {"attn_norm": ("attn.q_proj", "attn.k_proj", "attn.v_proj"), "mlp_norm": ("mlp.gate_proj", "mlp.up_proj"),
-            "subln": ("o_proj", "down_proj")}
+# the layers that read a norm's output, by the norm's name in its parent (model.py's Block,
+# Attention, MLP)
+_READERS = {
+    "attn_norm": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+    "mlp_norm": ("mlp.gate_proj", "mlp.up_proj"),
+    "subln": ("o_proj", "down_proj"),
+}
 
 
 def _defer_norms(model, new):
-    """Give each frozen norm whose readers are all new PackedBitLinears of its width to them (see PackedRMSNorm)."""
+    """Give each frozen norm whose readers are all new PackedBitLinears of its width to them (see
+    PackedRMSNorm)."""
     for name, norm in new.items():
         if not isinstance(norm, PackedRMSNorm):
             continue
         parent, _, child = name.rpartition(".")
         paths = [f"{parent}.{p}" if parent else p for p in _READERS.get(child, ())]
         readers = [new[p] for p in paths if p in new]
-        if readers and all(isinstance(r, PackedBitLinear) and r.in_features == norm.normalized_shape[0]
-                           and r.use_triton == readers[0].use_triton for r in readers):
+        if readers and all(
+            isinstance(r, PackedBitLinear)
+            and r.in_features == norm.normalized_shape[0]
+            and r.use_triton == readers[0].use_triton
+            for r in readers
+        ):
             norm._readers = tuple(readers)
             for r in readers:
                 r._pre_norm = (norm,)
@@ -196,11 +214,12 @@ def _defer_norms(model, new):
 def freeze_ternary(model, use_triton=None):
     """Replace every BitLinear in model by a PackedBitLinear, in place, and return the model.
 
-    A QuantRMSNorm (a norm that fake-quantises its output for the BitLinears after it) becomes a PackedRMSNorm
-    with the same gain (quant.RMSNorm; PackedBitLinear quantises its own input, to the int8 codes the integer
-    product needs); on the Triton path its readers run it in their quantiser's kernel (PackedRMSNorm). Everything is checked before anything is replaced, so a refused model stays unchanged.
-    Raises ValueError for a model without BitLinear (quant=False) and for any lambda_ != 1.
-    """
+    A QuantRMSNorm (a norm that fake-quantises its output for the BitLinears after it) becomes a
+    PackedRMSNorm with the same gain (quant.RMSNorm; PackedBitLinear quantises its own input, to the
+    int8 codes the integer product needs); on the Triton path its readers run it in their
+    quantiser's kernel (PackedRMSNorm). Everything is checked before anything is replaced, so a
+    refused model stays unchanged. Raises ValueError for a model without BitLinear (quant=False) and
+    for any lambda_ != 1. """
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (quant.BitLinear, quant.QuantRMSNorm))]
     if not any(isinstance(m, (quant.BitLinear, PackedBitLinear)) for m in model.modules()):
         raise ValueError("the model has no BitLinear layers to pack: it is full precision (quant=False, e.g. a "
@@ -229,11 +248,12 @@ def freeze_ternary(model, use_triton=None):
 
 
 class StackedLinear(nn.Module):
-    """An inference nn.Linear (the same weight and bias Parameters, the same state-dict keys) whose stack with its
-    siblings (q, k, v; gate, up) is concatenated once and kept, not on every call as quant.stacked_linear does:
-    stacked_forward is F.linear over the kept stack, the same numbers bit for bit. The stack is made again when a
-    weight is another tensor or was written in place (load_state_dict, .to()); inside torch.compile the stack it
-    was traced with is used. Not an nn.Linear subclass, so model.project calls its stacked_forward."""
+    """An inference nn.Linear (the same weight and bias Parameters, the same state-dict keys) whose
+    stack with its siblings (q, k, v; gate, up) is concatenated once and kept, not on every call as
+    quant.stacked_linear does: stacked_forward is F.linear over the kept stack, the same numbers bit
+    for bit. The stack is made again when a weight is another tensor or was written in place
+    (load_state_dict, .to()); inside torch.compile the stack it was traced with is used. Not an
+    nn.Linear subclass, so model.project calls its stacked_forward."""
 
     def __init__(self, lin):
         super().__init__()
@@ -245,24 +265,44 @@ class StackedLinear(nn.Module):
 
     def stacked_forward(self, x, layers):
         stack = getattr(self, "_stack", None)
-        if stack is None or (not torch.compiler.is_compiling() and stack[0] != _weights_key(layers)):
+        if stack is None or (
+            not torch.compiler.is_compiling() and stack[0] != _weights_key(layers)
+        ):
             with torch.no_grad():
                 w = torch.cat([m.weight for m in layers])  # (sum out, in)
-                b = None if all(m.bias is None for m in layers) else torch.cat(
-                    [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
-            self._stack = stack = (None if torch.compiler.is_compiling() else _weights_key(layers), w, b)
+                b = (
+                    None
+                    if all(m.bias is None for m in layers)
+                    else torch.cat(
+                        [
+                            m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                            for m in layers
+                        ]
+                    )
+                )
+            self._stack = stack = (
+                None if torch.compiler.is_compiling() else _weights_key(layers),
+                w,
+                b,
+            )
         return F.linear(x, stack[1], stack[2]).split([m.out_features for m in layers], dim=-1)
 
 
 def _weights_key(layers):
-    return tuple((id(t), t.data_ptr(), t._version) for m in layers for t in (m.weight, m.bias) if t is not None)
+    return tuple(
+        (id(t), t.data_ptr(), t._version)
+        for m in layers
+        for t in (m.weight, m.bias)
+        if t is not None
+    )
 
 
 def freeze_fp(model):
-    """The full-precision baseline for inference: every nn.Linear that model.project stacks (q, k, v; gate, up)
-    becomes a StackedLinear over the same Parameters, so a decode step reads one kept stack per projection group
-    instead of concatenating the weights each step. Same outputs bit for bit; returns the model (changed in
-    place). For timing only: the stack is detached (no gradient reaches the weights through it)."""
+    """The full-precision baseline for inference: every nn.Linear that model.project stacks (q, k,
+    v; gate, up) becomes a StackedLinear over the same Parameters, so a decode step reads one kept
+    stack per projection group instead of concatenating the weights each step. Same outputs bit for
+    bit; returns the model (changed in place). For timing only: the stack is detached (no gradient
+    reaches the weights through it)."""
     for name, m in list(model.named_modules()):
         if type(m) is nn.Linear and name.rpartition(".")[2] in _STACKED:
             parent, _, child = name.rpartition(".")

@@ -9,8 +9,8 @@ holds exactly. The scales are applied once, at the end. Sources: the quantisers 
 int32 word give four int8 codes for one dp4a. Byte layouts, export file and this contract: docs/packed-format.md.
 
 Weights come as quant.pack_ternary packs them (plane order, kernels/planes.py; pack_planes is the same
-function): read as int32 words, one shift and one mask give four codes (W_q + 1 in {0, 1, 2}) that pair with one
-int32 word of the activations, so one dp4a does four multiply-adds.
+function): read as int32 words, one shift and one mask give four codes (W_q + 1 in {0, 1, 2}) that
+pair with one int32 word of the activations, so one dp4a does four multiply-adds.
 
 Arithmetic, per output element:
     acc[m, n] = sum_k x_q[m, k] * W_q[n, k] = sum_k x_q[m, k] * code[n, k] - sum_k x_q[m, k]    int32, exact
@@ -21,24 +21,26 @@ per-row scale from activation_quant, gamma the per-tensor weight scale; with sev
 (q, k, v of one input, one launch), w_scale holds each row's own matrix's gamma.
 
 Chosen by the row count M (or forced with config="decode"|"prefill"); the scales in the epilogue:
-    decode  (M <= 16): CUDA cores, bandwidth-bound, one launch. Each program owns BLOCK_N weight rows over the
-            whole K and BLOCK_M rows of x (M rounded up to a power of two, at most DECODE_BLOCK_M = 8); it loads
-            each weight word once (16-byte loads), unpacks each plane once with one shift and one mask, and runs one
-            dp4a per word, plane and row of x. x is loaded in the accumulator's own layout, so the K loop holds no
-            shuffles and no shared memory. No tensor cores, no padding of M = 1 to 16 rows, no split-K.
-    prefill (M > 16):  two launches. _unpack_kernel turns the packed words into W_q as int8 once per call, whole
-            words in and out (16 codes per word, a borrow-free per-byte subtract: no byte-wise work anywhere);
-            _prefill_kernel is then a plain int8 GEMM on tensor cores (mma.sync .s8 on Ampere, wgmma .s8 on
-            Hopper) with 16-byte loads of both operands and both scales in its epilogue: W_q holds -1/0/+1, so no
-            row-sum correction is needed.
-The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS, UNPACK_CONFIG) are fixed per shape class and GPU generation: no
-autotuning, and a K loop of one step is not software-pipelined (num_stages = 1). kernels/cross_compile.py compiles
-every entry for sm_80 and sm_90 and reads the result: instructions per weight word in the K loop, registers,
-programs per SM, weight bytes in flight per SM (tests/test_cross_compile.py).
+    decode  (M <= 16): CUDA cores, bandwidth-bound, one launch. Each program owns BLOCK_N weight
+            rows over the whole K and BLOCK_M rows of x (M rounded up to a power of two, at most
+            DECODE_BLOCK_M = 8); it loads each weight word once (16-byte loads), unpacks each plane
+            once with one shift and one mask, and runs one dp4a per word, plane and row of x. x is
+            loaded in the accumulator's own layout, so the K loop holds no shuffles and no shared
+            memory. No tensor cores, no padding of M = 1 to 16 rows, no split-K.
+    prefill (M > 16):  two launches. _unpack_kernel turns the packed words into W_q as int8 once per
+            call, whole words in and out (16 codes per word, a borrow-free per-byte subtract: no
+            byte-wise work anywhere); _prefill_kernel is then a plain int8 GEMM on tensor cores
+            (mma.sync .s8 on Ampere, wgmma .s8 on Hopper) with 16-byte loads of both operands and
+            both scales in its epilogue: W_q holds -1/0/+1, so no row-sum correction is needed.
+The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS, UNPACK_CONFIG) are fixed per shape class and GPU
+generation: no autotuning, and a K loop of one step is not software-pipelined (num_stages = 1).
+kernels/cross_compile.py compiles every entry for sm_80 and sm_90 and reads the result: instructions
+per weight word in the K loop, registers, programs per SM, weight bytes in flight per SM
+(tests/test_cross_compile.py).
 
-rmsnorm_quantize(x, g, eps) is quant.RMSNorm and the quantiser in one kernel (one read of x, the normed row in
-registers): a frozen model's norm runs inside the quantiser of the packed layers that read it
-(kernels/packed_linear.py), so a layer's activations are quantised once for q, k and v.
+rmsnorm_quantize(x, g, eps) is quant.RMSNorm and the quantiser in one kernel (one read of x, the
+normed row in registers): a frozen model's norm runs inside the quantiser of the packed layers that
+read it (kernels/packed_linear.py), so a layer's activations are quantised once for q, k and v.
 
 The same contract in plain torch (ternary_matmul_reference; ternary_matmul_codes, the CPU path) is in
 kernels/planes.py, beside the layout it reads; both are importable from here too.
@@ -78,8 +80,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # kernels
 
 
-# the combine functions of tl.sum and tl.max: compiled, a reduction like any other; interpreted, the interpreter
-# recognises them and reduces with NumPy in one call instead of one Python call per element
+# the combine functions of tl.sum and tl.max: compiled, a reduction like any other; interpreted, the
+# interpreter recognises them and reduces with NumPy in one call instead of one Python call per
+# element
 _SUM = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
 
@@ -100,7 +103,8 @@ def _decode_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, 4KW) int32 words, x_scale (M,), w (N, KW) int32 words, gamma, y
     M, N, KW,  # KW = int32 words per weight row = ceil(K/16); each of the four planes of x is KW words
     stride_xm, stride_wn, stride_om, stride_ws,  # in elements; stride_ws: 0 = one gamma, 1 = one per output row
-    BLOCK_M: tl.constexpr,  # rows of x per program (1 for M = 1; up to 16): each weight word unpacked once for all
+    # rows of x per program (1 for M = 1; up to 16): each weight word unpacked once for all
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # weight rows per program, over the whole K
     BLOCK_G: tl.constexpr,  # words of each row per loop step (4 per thread: 16-byte loads)
     DP4A: tl.constexpr,     # PTX dp4a (compiled) or its pure-Triton form (interpreter)
@@ -121,14 +125,19 @@ def _decode_kernel(
         g = (g0 + offs_g)[None, None, :]  # (1, 1, BG)
         g_mask = g < KW
         x_mask = (m_mask[:, None, None] & g_mask) & (n0 == 0)
-        w = tl.load(w_rows + g, mask=n_mask[None, :, None] & g_mask, other=0)  # (1, BN, BG) int32, each word once
+        # (1, BN, BG) int32, each word once
+        w = tl.load(w_rows + g, mask=n_mask[None, :, None] & g_mask, other=0)
         for i in tl.static_range(4):  # plane i: k = iQ + 4g .. iQ + 4g + 3, Q = 4 * KW
-            c = tl.broadcast_to((w >> (2 * i)) & 0x03030303, (BLOCK_M, BLOCK_N, BLOCK_G))  # once for all rows
-            xi = tl.load(x_rows + i * KW + g, mask=m_mask[:, None, None] & g_mask, other=0)  # (BM, 1, BG)
-            xb = tl.load(x_rows + i * KW + g + n0, mask=x_mask, other=0)  # the same words in acc's layout
+            # once for all rows
+            c = tl.broadcast_to((w >> (2 * i)) & 0x03030303, (BLOCK_M, BLOCK_N, BLOCK_G))
+            # (BM, 1, BG)
+            xi = tl.load(x_rows + i * KW + g, mask=m_mask[:, None, None] & g_mask, other=0)
+            # the same words in acc's layout
+            xb = tl.load(x_rows + i * KW + g + n0, mask=x_mask, other=0)
             acc = _dp4a(c, xb, acc, DP4A)
             xsum = _dp4a(xi, ones, xsum, DP4A)
-    total = tl.reduce(acc, 2, _SUM) - tl.reduce(xsum, 2, _SUM)  # (BM, BN): x @ code - sum(x) = x @ W_q
+    # (BM, BN): x @ code - sum(x) = x @ W_q
+    total = tl.reduce(acc, 2, _SUM) - tl.reduce(xsum, 2, _SUM)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if WRITE_ACC:
@@ -142,15 +151,17 @@ def _decode_kernel(
 
 @triton.jit
 def _unpack_kernel(w_ptr, out_ptr, N, KW, stride_wn, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
-    """Packed words -> W_q as int8 (N, 16 KW), whole words in and out: the four codes of plane i in word g are
-    bytes of (w >> 2i) & 0x03030303, minus one in each byte without a borrow crossing bytes (each byte's top bit
-    set first, cleared after: {0, 1, 2} -> {-1, 0, 1}); they are the int8 elements iQ + 4g .. + 3 (Q = 4 KW), so
-    the output row is W_q in k order, padded with zeros, written as int32 words (16-byte stores)."""
+    """Packed words -> W_q as int8 (N, 16 KW), whole words in and out: the four codes of plane i in
+    word g are bytes of (w >> 2i) & 0x03030303, minus one in each byte without a borrow crossing
+    bytes (each byte's top bit set first, cleared after: {0, 1, 2} -> {-1, 0, 1}); they are the int8
+    elements iQ + 4g .. + 3 (Q = 4 KW), so the output row is W_q in k order, padded with zeros,
+    written as int32 words (16-byte stores)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     mask = (offs_n < N)[:, None] & (g < KW)[None, :]
     rows = offs_n.to(tl.int64)[:, None]
-    w = tl.load(w_ptr + rows * stride_wn + g[None, :], mask=mask, other=0x55555555)  # (BN, BG) int32
+    # (BN, BG) int32
+    w = tl.load(w_ptr + rows * stride_wn + g[None, :], mask=mask, other=0x55555555)
     for i in tl.static_range(4):
         codes = ((w >> (2 * i)) & 0x03030303) | -2139062144  # -2139062144 = 0x80808080
         w_q = (codes - 0x01010101) ^ -2139062144
@@ -159,14 +170,16 @@ def _unpack_kernel(w_ptr, out_ptr, N, KW, stride_wn, BLOCK_N: tl.constexpr, BLOC
 
 @triton.jit
 def _prefill_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, K) int8, x_scale (M,), W_q (N, >= K) int8, gamma, y
+    # x (M, K) int8, x_scale (M,), W_q (N, >= K) int8, gamma, y
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_ws,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,  # programs that share a weight tile run next to each other (it stays in L2)
     WRITE_ACC: tl.constexpr,
 ):
-    """An int8 GEMM on W_q unpacked once per call (_unpack_kernel): x_q @ W_q^T on int8 tensor cores, both
-    scales in the epilogue. Both operands come as whole int8 tiles (16-byte loads, no unpacking in the loop)."""
+    """An int8 GEMM on W_q unpacked once per call (_unpack_kernel): x_q @ W_q^T on int8 tensor
+    cores, both scales in the epilogue. Both operands come as whole int8 tiles (16-byte loads, no
+    unpacking in the loop)."""
     pid = tl.program_id(0)
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -184,8 +197,10 @@ def _prefill_kernel(
     acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0)  # (BM, BK) int8
-        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0)  # (BN, BK) int8
+        # (BM, BK) int8
+        x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & (k < K)[None, :], other=0)
+        # (BN, BK) int8
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0)
         acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)  # int8 tensor cores, exact
     out_offs = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -263,8 +278,9 @@ def _quantize_activations_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_x, BLOCK_K: tl
 
 @triton.jit
 def _round_to_bf16(v):
-    """fp32 -> the nearest bf16 (ties to even), kept in fp32: the 16 low bits rounded away by integer arithmetic,
-    so compiled and interpreted kernels agree (the interpreter's own fp32 -> bf16 cast truncates)."""
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32: the 16 low bits rounded away by
+    integer arithmetic, so compiled and interpreted kernels agree (the interpreter's own fp32 ->
+    bf16 cast truncates)."""
     u = v.to(tl.int32, bitcast=True)
     u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
     return u.to(tl.float32, bitcast=True)
@@ -272,7 +288,8 @@ def _round_to_bf16(v):
 
 @triton.jit
 def _normed(x, r, g, BF16: tl.constexpr):
-    """quant.RMSNorm's value: (x * r) * g in fp32, one rounding to the input dtype (bf16) at the end."""
+    """quant.RMSNorm's value: (x * r) * g in fp32, one rounding to the input dtype (bf16) at the
+    end."""
     y = (x * r) * g
     if BF16:
         y = _round_to_bf16(y)
@@ -282,7 +299,8 @@ def _normed(x, r, g, BF16: tl.constexpr):
 @triton.jit
 def _rmsnorm_quant_kernel(x_ptr, g_ptr, xq_ptr, xs_ptr, K, stride_x, eps,
                           BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr, BF16: tl.constexpr):
-    """One program per row: y = RMSNorm(x) * g (torch's formula and roundings), then y's int8 codes and 1 / s."""
+    """One program per row: y = RMSNorm(x) * g (torch's formula and roundings), then y's int8 codes
+    and 1 / s."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = xq_ptr + row * K
@@ -324,14 +342,15 @@ DECODE_MAX_M = 16  # up to this many rows, use the decode kernel
 DECODE_BLOCK_M = 8  # rows of x one decode program multiplies with each unpacked weight word
 SMS = 132  # an H100's SMs: the decode table gives at least two programs per SM where N allows
 
-# decode, M = 1: 4 int32 words (16-byte loads) per thread and row, BLOCK_G words of every row per loop step:
-# "short" rows (K <= 1024, at most 64 words) in one warp, longer ones 256 words (4096 elements) per step in two
-# warps (64 threads along K, each holding all BLOCK_N rows, so x is loaded once per program); "wide"
-# (N >= 2 * 8 * SMS): 8 rows a program, else 2, for more programs. num_stages = 1: no shared-memory staging; a
-# thread's 16-byte loads of all its rows are in flight at once, and many programs share each SM.
-# decode, 2 <= M <= 16 ("rows"): BLOCK_M = M rounded up to a power of two, at most DECODE_BLOCK_M (a thread keeps
-# BLOCK_M accumulators and x words per weight word: 16 rows spill registers, 8 do not; M = 9..16 is two programs
-# along M, each weight word unpacked twice instead of 16 times).
+# decode, M = 1: 4 int32 words (16-byte loads) per thread and row, BLOCK_G words of every row per
+# loop step: "short" rows (K <= 1024, at most 64 words) in one warp, longer ones 256 words (4096
+# elements) per step in two warps (64 threads along K, each holding all BLOCK_N rows, so x is loaded
+# once per program); "wide" (N >= 2 * 8 * SMS): 8 rows a program, else 2, for more programs.
+# num_stages = 1: no shared-memory staging; a thread's 16-byte loads of all its rows are in flight
+# at once, and many programs share each SM. decode, 2 <= M <= 16 ("rows"): BLOCK_M = M rounded up to
+# a power of two, at most DECODE_BLOCK_M (a thread keeps BLOCK_M accumulators and x words per weight
+# word: 16 rows spill registers, 8 do not; M = 9..16 is two programs along M, each weight word
+# unpacked twice instead of 16 times).
 DECODE_CONFIGS = {
     "short-narrow": dict(BLOCK_N=2, BLOCK_G=64, num_warps=1, num_stages=1),
     "short-wide": dict(BLOCK_N=8, BLOCK_G=64, num_warps=1, num_stages=1),
@@ -339,17 +358,19 @@ DECODE_CONFIGS = {
     "long-wide": dict(BLOCK_N=8, BLOCK_G=256, num_warps=2, num_stages=1),
     "rows": dict(BLOCK_N=8, BLOCK_G=64, num_warps=4, num_stages=1),
 }
-# prefill (an int8 GEMM on W_q unpacked once per call): by GPU generation (8: Ampere/Ada mma.sync, 9: Hopper
-# wgmma) and M ("short": M <= 64, "tall": more); BLOCK_K = 128 int8 = 128 bytes of each row per K step
+# prefill (an int8 GEMM on W_q unpacked once per call): by GPU generation (8: Ampere/Ada mma.sync,
+# 9: Hopper wgmma) and M ("short": M <= 64, "tall": more); BLOCK_K = 128 int8 = 128 bytes of each
+# row per K step
 PREFILL_CONFIGS = {
     (8, "short"): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
     (8, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
     (9, "short"): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
     (9, "tall"): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
 }
-UNPACK_CONFIG = dict(BLOCK_N=8, BLOCK_G=64, num_warps=4, num_stages=1)  # 4 words in and 16 out per thread
-# interpreter: small GPU-legal shapes (32 is the smallest int8 tl.dot K); BLOCK_G = 8 words makes K = 256 two
-# decode steps; few programs, since the interpreter pays per program and op
+# 4 words in and 16 out per thread
+UNPACK_CONFIG = dict(BLOCK_N=8, BLOCK_G=64, num_warps=4, num_stages=1)
+# interpreter: small GPU-legal shapes (32 is the smallest int8 tl.dot K); BLOCK_G = 8 words makes K
+# = 256 two decode steps; few programs, since the interpreter pays per program and op
 INTERPRETER_CONFIGS = {
     "decode": dict(BLOCK_N=16, BLOCK_G=8),  # N = 33, 37: three programs, the last one masked
     "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8),
@@ -358,8 +379,9 @@ INTERPRETER_CONFIGS = {
 
 
 def decode_block_m(M):
-    """Rows of x per decode program: M rounded up to a power of two, at most DECODE_BLOCK_M (16 in the
-    interpreter, which pays per program and op, not per element: M = 17 is two programs along M there)."""
+    """Rows of x per decode program: M rounded up to a power of two, at most DECODE_BLOCK_M (16 in
+    the interpreter, which pays per program and op, not per element: M = 17 is two programs along M
+    there)."""
     return min(triton.next_power_of_2(max(M, 1)), 16 if INTERPRETED else DECODE_BLOCK_M)
 
 
@@ -380,7 +402,8 @@ def prefill_config(M, K, arch):
 
 
 def unpack_codes(w, N, KW, out=None):
-    """(N, KW) int32 weight words -> W_q int8 (N, 16 KW) in k order (zeros past K): one _unpack_kernel launch."""
+    """(N, KW) int32 weight words -> W_q int8 (N, 16 KW) in k order (zeros past K): one
+    _unpack_kernel launch."""
     if out is None:
         out = torch.empty((N, 16 * KW), dtype=torch.int8, device=w.device)
     cfg = INTERPRETER_CONFIGS["unpack"] if INTERPRETED else UNPACK_CONFIG
@@ -390,25 +413,62 @@ def unpack_codes(w, N, KW, out=None):
 
 
 def launch_decode(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False, cfg=None):
-    """The decode kernel on x words (M, 4 KW) and weight words (N, KW); cfg: a decode entry (default: the table's,
-    or the interpreter's)."""
+    """The decode kernel on x words (M, 4 KW) and weight words (N, KW); cfg: a decode entry
+    (default: the table's, or the interpreter's)."""
     if cfg is None:
-        cfg = INTERPRETER_CONFIGS["decode"] if INTERPRETED else DECODE_CONFIGS[decode_config(N, 16 * KW, M)]
+        cfg = (
+            INTERPRETER_CONFIGS["decode"]
+            if INTERPRETED
+            else DECODE_CONFIGS[decode_config(N, 16 * KW, M)]
+        )
     bm = decode_block_m(M)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
-    _decode_kernel[grid](xw, xs, w, ws, y, M, N, KW, xw.stride(0), w.stride(0), y.stride(0), stride_ws,
-                         BLOCK_M=bm, DP4A=not INTERPRETED, WRITE_ACC=return_acc, **cfg)
+    _decode_kernel[grid](
+        xw,
+        xs,
+        w,
+        ws,
+        y,
+        M,
+        N,
+        KW,
+        xw.stride(0),
+        w.stride(0),
+        y.stride(0),
+        stride_ws,
+        BLOCK_M=bm,
+        DP4A=not INTERPRETED,
+        WRITE_ACC=return_acc,
+        **cfg,
+    )
 
 
-def launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc=False, cfg=None, codes=None):
-    """Unpack the weight words once (codes: a preallocated (N, 16 KW) int8 buffer, or None), then the GEMM."""
+def launch_prefill(
+    x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc=False, cfg=None, codes=None
+):
+    """Unpack the weight words once (codes: a preallocated (N, 16 KW) int8 buffer, or None), then
+    the GEMM."""
     codes = unpack_codes(w, N, KW, codes)
     if cfg is None:
         cfg = (INTERPRETER_CONFIGS["prefill"] if INTERPRETED
                else prefill_config(M, K, torch.cuda.get_device_capability(x2.device)[0]))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _prefill_kernel[grid](x2, xs, codes, ws, y, M, N, K, x2.stride(0), codes.stride(0), y.stride(0), stride_ws,
-                          WRITE_ACC=return_acc, **cfg)
+    _prefill_kernel[grid](
+        x2,
+        xs,
+        codes,
+        ws,
+        y,
+        M,
+        N,
+        K,
+        x2.stride(0),
+        codes.stride(0),
+        y.stride(0),
+        stride_ws,
+        WRITE_ACC=return_acc,
+        **cfg,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -510,24 +570,34 @@ def quantize_activations(x, *, block_k=None):
 
 
 def norm_quant_settings(K, block_k=None):
-    """Launch settings of the two row kernels for rows of K: one pass up to 8192 (or block_k), else loops."""
+    """Launch settings of the two row kernels for rows of K: one pass up to 8192 (or block_k), else
+    loops."""
     block = triton.next_power_of_2(block_k or min(triton.next_power_of_2(max(K, 1)), 8192))
-    return dict(BLOCK_K=block, ONE_PASS=K <= block, num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+    return dict(
+        BLOCK_K=block,
+        ONE_PASS=K <= block,
+        num_warps=4 if block <= 2048 else 8,
+        enable_fp_fusion=False,
+    )
 
 
 def rmsnorm_quantize(x, weight, eps=None, *, block_k=None):
-    """quant.RMSNorm then quant.activation_quant in ONE kernel: (x_q (..., K) int8, x_scale (..., 1) fp32 = 1/s).
+    """quant.RMSNorm then quant.activation_quant in ONE kernel: (x_q (..., K) int8, x_scale (..., 1)
+    fp32 = 1/s).
 
-    x (..., K) float32 or bfloat16, weight (K,) the norm's gain (used as weight.to(x.dtype), as quant.RMSNorm does),
-    eps None = torch.finfo(x.dtype).eps (F.rms_norm's default); block_k as quantize_activations'. The normed row is never written: it lives in
-    registers between the two reductions (sum of squares, then absmax). Torch's roundings, op for op: the
-    squares' sum, / K, + eps, 1 / sqrt (both IEEE: torch.rsqrt on CPU is that), (x * r) * g in fp32, one rounding
-    to bf16 for bf16 input, then activation_quant's. Bit for bit equal to torch whenever the fp32 sum of squares
-    is (always when it is exact); torch itself sums in an order set by the CPU's vector width or CUDA's blocks,
-    and a different order can move that sum, and so the row's codes and scale, by an ulp.
-    """
+    x (..., K) float32 or bfloat16, weight (K,) the norm's gain (used as weight.to(x.dtype), as
+    quant.RMSNorm does), eps None = torch.finfo(x.dtype).eps (F.rms_norm's default); block_k as
+    quantize_activations'. The normed row is never written: it lives in registers between the two
+    reductions (sum of squares, then absmax). Torch's roundings, op for op: the squares' sum, / K, +
+    eps, 1 / sqrt (both IEEE: torch.rsqrt on CPU is that), (x * r) * g in fp32, one rounding to bf16
+    for bf16 input, then activation_quant's. Bit for bit equal to torch whenever the fp32 sum of
+    squares is (always when it is exact); torch itself sums in an order set by the CPU's vector
+    width or CUDA's blocks, and a different order can move that sum, and so the row's codes and
+    scale, by an ulp. """
     if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() < 1 or x.shape[-1] == 0:
-        raise TypeError(f"x: expected a float32/bfloat16 tensor (..., K), K > 0, got {x.dtype} {tuple(x.shape)}")
+        raise TypeError(
+            f"x: expected a float32/bfloat16 tensor (..., K), K > 0, got {x.dtype} {tuple(x.shape)}"
+        )
     K = x.shape[-1]
     if weight is None:
         weight = torch.ones(K, dtype=x.dtype, device=x.device)
@@ -541,9 +611,17 @@ def rmsnorm_quantize(x, weight, eps=None, *, block_k=None):
     x_scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if x2.shape[0]:
         eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
-        _rmsnorm_quant_kernel[(x2.shape[0],)](x2, weight.to(x.dtype).contiguous(), x_q, x_scale, K, x2.stride(0),
-                                              eps, BF16=x.dtype == torch.bfloat16,
-                                              **norm_quant_settings(K, block_k))
+        _rmsnorm_quant_kernel[(x2.shape[0],)](
+            x2,
+            weight.to(x.dtype).contiguous(),
+            x_q,
+            x_scale,
+            K,
+            x2.stride(0),
+            eps,
+            BF16=x.dtype == torch.bfloat16,
+            **norm_quant_settings(K, block_k),
+        )
     return x_q, x_scale
 
 if __name__ == "__main__":

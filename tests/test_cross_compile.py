@@ -69,41 +69,53 @@ def test_compiled_kernels_no_spills_integer_mma_only_in_prefill_and_each_weight_
 
 @pytest.mark.slow
 def test_compiled_k_loops_instructions_per_weight_word_and_bytes_in_flight(compiled):
-    """What the K loops hold, read from the SASS (kernels/cross_compile.py: k_loop, the shortest backward branch
-    around a global load), and the launches' weight bytes in flight per SM (occupancy calculator):
-    - decode: no shuffles, no shared memory and no barriers in the K loop (x is loaded in the accumulator's own
-      layout); M = 1 at most 25 instructions a weight word (16 weights; it was 14-32 with shuffles in the short
-      configs); the rows form unpacks each word once for BLOCK_M rows: per row and word fewer instructions
-      than M = 1's 14 (2 rows: at most 20 a row);
-    - prefill: no one-byte shared-memory stores anywhere (STS.U8; the kernel that unpacked in its K loop had 128),
-      at most 48 instructions per 16 weights in its K loop (15-43 now; it was 75-122), the unpack kernel at
-      most 32 a word (30);
-    - the quantisers (rmsnorm+quantise included) round as torch does: IEEE div.rn and sqrt.rn, no approximate
-      (r)sqrt, no FMA (the interpreter computes 1 / sqrt exactly whatever the kernel asks for: only here does
-      tl.math.rsqrt's rsqrt.approx show);
-    - M = 1 on an H100 (sm_90) for lab.bench's six shapes: weight bytes in flight per SM >= the smaller of
-      15.5 KiB (Little's law at the H100's copy bandwidth) and the whole matrix over 132 SMs."""
+    """What the K loops hold, read from the SASS (kernels/cross_compile.py: k_loop, the shortest
+    backward branch around a global load), and the launches' weight bytes in flight per SM
+    (occupancy calculator): - decode: no shuffles, no shared memory and no barriers in the K loop (x
+    is loaded in the accumulator's own
+      layout); M = 1 at most 25 instructions a weight word (16 weights; it was 14-32 with shuffles
+      in the short configs); the rows form unpacks each word once for BLOCK_M rows: per row and word
+      fewer instructions than M = 1's 14 (2 rows: at most 20 a row);
+    - prefill: no one-byte shared-memory stores anywhere (STS.U8; the kernel that unpacked in its K
+      loop had 128), at most 48 instructions per 16 weights in its K loop (15-43 now; it was
+      75-122), the unpack kernel at most 32 a word (30);
+    - the quantisers (rmsnorm+quantise included) round as torch does: IEEE div.rn and sqrt.rn, no
+      approximate (r)sqrt, no FMA (the interpreter computes 1 / sqrt exactly whatever the kernel
+      asks for: only here does tl.math.rsqrt's rsqrt.approx show);
+    - M = 1 on an H100 (sm_90) for lab.bench's six shapes: weight bytes in flight per SM >= the
+      smaller of 15.5 KiB (Little's law at the H100's copy bandwidth) and the whole matrix over 132
+      SMs."""
     from kernels import cross_compile as cc
     _, reports = compiled
     for r in reports:
         where = f"{r['target']} {r['name']}"
         c = r["loop_counts"]
         if r["kind"] == "decode":
-            assert c["shfl"] == c["sts"] == c["lds"] == c["bar"] == 0 and r["loop_instructions"] > 0, (where, c)
+            assert (
+                c["shfl"] == c["sts"] == c["lds"] == c["bar"] == 0 and r["loop_instructions"] > 0
+            ), (where, c)
             if r["block_m"] == 1 and "pure-Triton" not in r["name"]:
                 assert r["instr_per_word"] <= 25, (where, r["instr_per_word"])
             elif r["block_m"] > 1:
                 assert r["instr_per_word"] / r["block_m"] <= 20, (where, r["instr_per_word"])
         if r["kind"] == "prefill":
-            assert r["sts_u8"] == 0 and c["mma"] > 0 and r["instr_per_word"] <= 48, (where, r["instr_per_word"])
+            assert r["sts_u8"] == 0 and c["mma"] > 0 and r["instr_per_word"] <= 48, (
+                where,
+                r["instr_per_word"],
+            )
         if r["kind"] == "unpack":
             assert r["sts_u8"] == 0 and r["instr_per_word"] <= 32, where
     norms = [r for r in reports if r["name"].startswith("rmsnorm+quantize")]
     assert len(norms) == 6
-    for r in norms + [r for r in reports if r["name"].startswith("quantize")]:  # torch's IEEE roundings, no FMA
+    # torch's IEEE roundings, no FMA
+    for r in norms + [r for r in reports if r["name"].startswith("quantize")]:
         f = r["ptx_fp"]
-        assert f["div.rn.f32"] >= 1 and f["fma.rn.f32"] == f["rsqrt.approx.f32"] == f["sqrt.approx.f32"] == 0, r
-        assert f["sqrt.rn.f32"] >= (r in norms), r  # the norm's 1 / sqrt: IEEE sqrt, then IEEE division
+        assert (
+            f["div.rn.f32"] >= 1
+            and f["fma.rn.f32"] == f["rsqrt.approx.f32"] == f["sqrt.approx.f32"] == 0
+        ), r
+        # the norm's 1 / sqrt: IEEE sqrt, then IEEE division
+        assert f["sqrt.rn.f32"] >= (r in norms), r
     for N, K in cc.SHAPES:
         f = cc.decode_flight(reports, N, K)
         assert f["in_flight"] >= f["need"], (N, K, f)
@@ -112,16 +124,25 @@ def test_compiled_k_loops_instructions_per_weight_word_and_bytes_in_flight(compi
 
 
 def test_occupancy_calculator_against_hand_counts():
-    """Programs per SM from registers, threads and shared memory, by the CUDA occupancy rules (hand-computed)."""
-    from kernels.cross_compile import in_flight, occupancy
+    """Programs per SM from registers, threads and shared memory, by the CUDA occupancy rules
+    (hand-computed)."""
+    from kernels.occupancy import in_flight, occupancy
     assert occupancy(32, 128, 0, "sm_90") == 16  # threads: 2048 / 128
     assert occupancy(64, 64, 0, "sm_90") == 16  # registers: 65536 / (64 * 64)
     assert occupancy(100, 64, 0, "sm_90") == 9  # 100 -> 104 a thread: 65536 // (64 * 104) = 9
-    assert occupancy(255, 32, 0, "sm_80") == 8 and occupancy(16, 32, 0, "sm_90") == 32  # 32 blocks at most
-    assert occupancy(128, 256, 100 * 1024, "sm_90") == 2 and occupancy(64, 128, 100 * 1024, "sm_80") == 1
+    # 32 blocks at most
+    assert occupancy(255, 32, 0, "sm_80") == 8 and occupancy(16, 32, 0, "sm_90") == 32
+    assert (
+        occupancy(128, 256, 100 * 1024, "sm_90") == 2
+        and occupancy(64, 128, 100 * 1024, "sm_80") == 1
+    )
     r = dict(occupancy=9, target="sm_90", num_stages=1)
-    assert in_flight(r, 512, 8192) == 4 * 8192  # 512 programs over 132 SMs: 4 each, under the 9 that fit
-    assert in_flight(r, 5000, 8192) == 9 * 8192 and in_flight(dict(r, num_stages=3), 5000, 100) == 9 * 200
+    # 512 programs over 132 SMs: 4 each, under the 9 that fit
+    assert in_flight(r, 512, 8192) == 4 * 8192
+    assert (
+        in_flight(r, 5000, 8192) == 9 * 8192
+        and in_flight(dict(r, num_stages=3), 5000, 100) == 9 * 200
+    )
 
 
 BAD = '''

@@ -220,10 +220,24 @@ def test_config_tables_fit_the_problem():
     assert tm.prefill_config(2048, 4096, 9)["num_stages"] == 3 and tm.prefill_config(2048, 4096, 9)["BLOCK_M"] == 128
     assert tm.prefill_config(17, 4096, 8)["BLOCK_M"] == 64
     for arch in (8, 9):  # a K loop of exactly one step (K <= BLOCK_K = 128) is not pipelined
-        assert [tm.prefill_config(64, K, arch)["num_stages"] for K in (113, 128, 129)] == [1, 1, 3], arch
+        assert [tm.prefill_config(64, K, arch)["num_stages"] for K in (113, 128, 129)] == [
+            1,
+            1,
+            3,
+        ], arch
     cap = 16 if tm.INTERPRETED else 8  # rows per program
-    assert [tm.decode_block_m(M) for M in (1, 2, 3, 5, 8, 9, 17)] == [1, 2, 4, 8, 8, min(16, cap), cap]
-    assert tm.decode_config(4096, 4096, 1) == "long-wide" and tm.decode_config(4096, 4096, 2) == "rows"
+    assert [tm.decode_block_m(M) for M in (1, 2, 3, 5, 8, 9, 17)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        min(16, cap),
+        cap,
+    ]
+    assert (
+        tm.decode_config(4096, 4096, 1) == "long-wide" and tm.decode_config(4096, 4096, 2) == "rows"
+    )
     for N, K in ((4096, 4096), (576, 576), (192, 576), (1, 60), (11008, 4096), (4096, 11008)):
         cfg = tm.DECODE_CONFIGS[tm.decode_config(N, K)]
         assert -(-N // cfg["BLOCK_N"]) >= min(2 * tm.SMS, N // 2), (N, K)  # programs: 2 a SM, or 1 per 2 rows
@@ -263,7 +277,8 @@ def test_ternary_matmul_rejects_bad_inputs_with_clear_errors():
 
 
 def test_unpack_kernel_writes_w_q_as_int8_in_k_order():
-    """_unpack_kernel: packed words -> W_q (N, 16 KW) int8, element k = W_q[n, k], zeros past K (K = 100: KW = 7)."""
+    """_unpack_kernel: packed words -> W_q (N, 16 KW) int8, element k = W_q[n, k], zeros past K (K =
+    100: KW = 7)."""
     g = torch.Generator().manual_seed(9)
     for K, N in ((100, 37), (64, 3)):
         w_q = (torch.randint(0, 3, (N, K), generator=g) - 1).to(torch.int8)
@@ -287,14 +302,15 @@ def _norm_then_quant(x, g, eps):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_quantize_is_the_norm_then_activation_quant_bit_for_bit(dtype):
-    """One kernel for quant.RMSNorm (gain g, cast to x's dtype) and activation_quant. Rows whose squares sum
-    exactly in fp32 (x = k / 256, |k| < 256: 8 significant bits, exact in bf16 too; every partial sum of squares
-    is a multiple of 2**-16 below 2**7) leave no freedom to any summation order, so codes and scales equal
-    torch's bit for bit: every other step is one IEEE
-    operation in torch's order (the / K, + eps, 1 / sqrt, (x * r) * g, one rounding to bf16, the quantiser's).
-    Odd K (7, 33), a zero row (all codes 0, scale from absmax 1e-5), a K = 100 row through the two-loop path
-    (block 32). Random normal rows: every code equal, scales within 2 fp32 ulps (torch's sum of squares runs in
-    an order of its own; bf16's final rounding usually absorbs the difference)."""
+    """One kernel for quant.RMSNorm (gain g, cast to x's dtype) and activation_quant. Rows whose
+    squares sum exactly in fp32 (x = k / 256, |k| < 256: 8 significant bits, exact in bf16 too;
+    every partial sum of squares is a multiple of 2**-16 below 2**7) leave no freedom to any
+    summation order, so codes and scales equal torch's bit for bit: every other step is one IEEE
+    operation in torch's order (the / K, + eps, 1 / sqrt, (x * r) * g, one rounding to bf16, the
+    quantiser's). Odd K (7, 33), a zero row (all codes 0, scale from absmax 1e-5), a K = 100 row
+    through the two-loop path (block 32). Random normal rows: every code equal, scales within 2 fp32
+    ulps (torch's sum of squares runs in an order of its own; bf16's final rounding usually absorbs
+    the difference)."""
     gen = torch.Generator().manual_seed(3)
     for K, block in ((7, None), (33, None), (100, 32)):
         gain = torch.rand(K, generator=gen) * 1.5 + 0.25
@@ -307,7 +323,9 @@ def test_rmsnorm_quantize_is_the_norm_then_activation_quant_bit_for_bit(dtype):
         assert got[0][1].eq(0).all()
     x = torch.randn(2, 4, 60, generator=gen).to(dtype) * 3
     gain = torch.rand(60, generator=gen) + 0.5
-    got, want = tm.rmsnorm_quantize(x.to(DEVICE), gain.to(DEVICE), 1e-6), _norm_then_quant(x, gain, 1e-6)
+    got, want = tm.rmsnorm_quantize(x.to(DEVICE), gain.to(DEVICE), 1e-6), _norm_then_quant(
+        x, gain, 1e-6
+    )
     assert torch.equal(got[0].cpu(), want[0])
     assert ((got[1].cpu() - want[1]).abs() <= 2 * 2**-23 * want[1]).all()
 

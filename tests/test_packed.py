@@ -494,12 +494,13 @@ def test_stacked_packed_layers_run_as_one_call_with_each_matrix_gamma(use_triton
 
 
 def test_a_frozen_models_norms_run_in_the_quantiser_once_per_stack(monkeypatch):
-    """freeze_ternary on the Triton path: each QuantRMSNorm becomes a PackedRMSNorm that passes x through, and the
-    packed layers reading it run the norm inside their quantiser (tm.rmsnorm_quantize): per layer four fused
-    norm+quantise launches (before q/k/v as one stack, o, gate/up as one stack, down), no separate quantiser,
-    and the frozen model's logits equal the torch path's (norm, activation_quant, int8 matmul), whose norms
-    still run as modules. The fp baseline: freeze_fp keeps the q/k/v and gate/up stacks, the same logits bit for
-    bit and one concatenation per stack for many calls (quant.stacked_linear concatenates on every call)."""
+    """freeze_ternary on the Triton path: each QuantRMSNorm becomes a PackedRMSNorm that passes x
+    through, and the packed layers reading it run the norm inside their quantiser
+    (tm.rmsnorm_quantize): per layer four fused norm+quantise launches (before q/k/v as one stack,
+    o, gate/up as one stack, down), no separate quantiser, and the frozen model's logits equal the
+    torch path's (norm, activation_quant, int8 matmul), whose norms still run as modules. The fp
+    baseline: freeze_fp keeps the q/k/v and gate/up stacks, the same logits bit for bit and one
+    concatenation per stack for many calls (quant.stacked_linear concatenates on every call)."""
     from kernels.packed_linear import PackedRMSNorm, freeze_fp
     cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=32, subln=True)
     torch.manual_seed(0)
@@ -511,8 +512,19 @@ def test_a_frozen_models_norms_run_in_the_quantiser_once_per_stack(monkeypatch):
     launches = []
     for name in ("_rmsnorm_quant_kernel", "_quantize_activations_kernel"):
         kernel = getattr(tm, name)
-        monkeypatch.setattr(tm, name, type("K", (), {"__getitem__": lambda self, grid, k=kernel, n=name: (
-            lambda *a, **kw: launches.append(n) or k[grid](*a, **kw))})())
+        monkeypatch.setattr(
+            tm,
+            name,
+            type(
+                "K",
+                (),
+                {
+                    "__getitem__": lambda self, grid, k=kernel, n=name: (
+                        lambda *a, **kw: launches.append(n) or k[grid](*a, **kw)
+                    )
+                },
+            )(),
+        )
     idx = torch.randint(0, 64, (1, 2))
     with torch.no_grad():
         got, want = fast(idx.to(DEVICE))[0], slow(idx)[0]
@@ -530,7 +542,8 @@ def test_a_frozen_models_norms_run_in_the_quantiser_once_per_stack(monkeypatch):
         cats.clear()
         out = [frozen(idx)[0] for _ in range(2)]
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
-    # q/k/v and gate/up: concatenated on each of the 2 calls (4), or once each (2); RoPE's own cats alike in both
+    # q/k/v and gate/up: concatenated on each of the 2 calls (4), or once each (2); RoPE's own cats
+    # alike in both
     assert n_plain - len(cats) == 4 - 2, (n_plain, len(cats))
 
 
