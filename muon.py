@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw as adamw_functional  # the function torch.optim.AdamW.step calls
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: maximal slope at zero, 5 steps suffice
+# Keller Jordan's quintic: maximal slope at zero, 5 steps suffice
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
 def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
@@ -45,9 +46,11 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
     without bf16 matrix units (`python -m lab.bench --muon`), and at least as accurate. Returns G's shape in dtype.
     """
     if G.ndim < 2:
-        raise ValueError(f"zeropower_via_newtonschulz5 expects (..., rows, cols), got shape {tuple(G.shape)}")
+        raise ValueError("zeropower_via_newtonschulz5 expects (..., rows, cols), "
+                         f"got shape {tuple(G.shape)}")
     a, b, c = NS_COEFFICIENTS
-    X = G.to(dtype).flatten(0, -3) if G.ndim > 3 else G.to(dtype)  # (rows, cols) or (batch, rows, cols)
+    # (rows, cols) or (batch, rows, cols)
+    X = G.to(dtype).flatten(0, -3) if G.ndim > 3 else G.to(dtype)
     tall = G.size(-2) > G.size(-1)
     if tall:  # X Xᵀ is then the smaller Gram matrix
         X = X.mT
@@ -84,8 +87,9 @@ def adjusted_lr(lr, shape, adjust_lr_fn=None):
         # Moonlight Lemma 1: NS5 output has RMS ~ sqrt(1/max(rows, cols)); this sets it to 0.2, about AdamW's.
         ratio = 0.2 * math.sqrt(max(rows, cols))
     else:
-        raise ValueError(f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
-    return lr * ratio  # lr times the ratio, as torch.optim.Muon associates it, so the float is identical
+        raise ValueError("adjust_lr_fn must be None, 'original' or 'match_rms_adamw', "
+                         f"got {adjust_lr_fn!r}")
+    return lr * ratio  # lr times the ratio, as torch.optim.Muon associates it: the same float
 
 
 class Muon(torch.optim.Optimizer):
@@ -101,26 +105,30 @@ class Muon(torch.optim.Optimizer):
     A variant changes the update of one matrix by overriding muon_step (lessons/muon_variants.py).
     """
 
-    batched_devices = ("cuda", "cpu")  # where step() runs muon_steps (NS5 batched per shape); else muon_step
+    # where step() runs muon_steps (NS5 batched per shape); elsewhere muon_step, matrix by matrix
+    batched_devices = ("cuda", "cpu")
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  adjust_lr_fn=None, ns_dtype=torch.bfloat16, process_group=None):
         _check_hyperparameters(lr, momentum, weight_decay)
-        defaults = dict(kind="muon", lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        defaults = dict(kind="muon", lr=lr, momentum=momentum, nesterov=nesterov,
+                        weight_decay=weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         self.ns_dtype = ns_dtype  # bf16 (paper); float32 on CPUs, where bf16 matmuls are slow
         self.process_group = process_group
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        group = _checked_param_group(param_group, self.defaults)  # raises before anything is registered
+        # raises before anything is registered
+        group = _checked_param_group(param_group, self.defaults)
         super().add_param_group(group)
-        if group["kind"] == "adamw":  # Optimizer filled in Muon's defaults too; AdamW has no use for them
+        if group["kind"] == "adamw":  # Optimizer filled in Muon's defaults too; AdamW needs none
             for key in MUON_ONLY_KEYS:
                 del group[key]
 
-    def __getstate__(self):  # copy.deepcopy and pickle: Optimizer's own keeps only defaults, state, param_groups
-        return {**super().__getstate__(), "ns_dtype": self.ns_dtype, "process_group": self.process_group}
+    def __getstate__(self):
+        """copy.deepcopy and pickle: Optimizer's own keeps only defaults, state and param_groups."""
+        return {**super().__getstate__(), "ns_dtype": self.ns_dtype,
+                "process_group": self.process_group}
 
     def _momentum_buffer(self, p):
         state = self.state[p]
@@ -130,7 +138,8 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, kinds=("muon", "adamw")):
-        """One step of every group whose kind is in kinds (lab/bench.py times Muon's groups alone this way)."""
+        """One step of every group whose kind is in kinds (lab/bench.py times Muon's groups alone
+        this way)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -143,11 +152,14 @@ class Muon(torch.optim.Optimizer):
                 _adamw_step(self, params, group)  # torch.optim.AdamW's arithmetic (bottom of file)
                 continue
             pg = _distributed_group(params, self.process_group)  # None in a single process
-            if pg is not None:  # DDP or FSDP2: the same update, NS5 shared out over the ranks (bottom of file)
+            # DDP or FSDP2: the same update, NS5 shared out over the ranks (bottom of file)
+            if pg is not None:
                 _distributed_step(self, params, group, pg)
                 continue
-            if params[0].device.type in self.batched_devices and type(self).muon_step is Muon.muon_step:
-                self.muon_steps(params, group)  # a variant's own muon_step runs matrix by matrix, below
+            # a variant's own muon_step runs matrix by matrix, below
+            own_step = type(self).muon_step is Muon.muon_step
+            if params[0].device.type in self.batched_devices and own_step:
+                self.muon_steps(params, group)
             else:
                 for p in params:
                     self.muon_step(p, group)
@@ -171,19 +183,24 @@ class Muon(torch.optim.Optimizer):
         beta, lr = group["momentum"], group["lr"]
         for shape, ps in by_shape.items():
             grads, bufs = [p.grad for p in ps], [self._momentum_buffer(p) for p in ps]
-            torch._foreach_lerp_(bufs, grads, 1 - beta)                                 # as muon_update
+            torch._foreach_lerp_(bufs, grads, 1 - beta)  # as muon_update
             us = torch._foreach_lerp(grads, bufs, beta) if group["nesterov"] else bufs
-            o = zeropower_via_newtonschulz5(torch.stack(us), steps=group["ns_steps"], dtype=self.ns_dtype)
+            o = zeropower_via_newtonschulz5(torch.stack(us), steps=group["ns_steps"],
+                                            dtype=self.ns_dtype)
             torch._foreach_mul_(ps, 1 - lr * group["weight_decay"])
-            o = o.to(ps[0].dtype)  # exact (bf16 -> fp32), and one dtype keeps the foreach kernel fused on CUDA
-            torch._foreach_add_(ps, list(o.unbind(0)), alpha=-adjusted_lr(lr, shape, group["adjust_lr_fn"]))
+            # exact (bf16 -> fp32), and one dtype keeps the foreach kernel fused on CUDA
+            o = o.to(ps[0].dtype)
+            torch._foreach_add_(ps, list(o.unbind(0)),
+                                alpha=-adjusted_lr(lr, shape, group["adjust_lr_fn"]))
 
     def load_state_dict(self, state_dict):
-        saved = [g.get("kind", "muon") for g in state_dict["param_groups"]]  # no kind: Muon's, as add_param_group
+        # no kind: Muon's, as add_param_group
+        saved = [g.get("kind", "muon") for g in state_dict["param_groups"]]
         kinds = [g["kind"] for g in self.param_groups]
         if saved != kinds:
-            raise ValueError(f"the saved param groups are of kinds {saved}, this optimizer's of kinds {kinds}; "
-                             "build the optimizer with the groups it was saved with (configure_muon: "
+            raise ValueError(f"the saved param groups are of kinds {saved}, this optimizer's of "
+                             f"kinds {kinds}; build the optimizer with the groups it was saved "
+                             "with (configure_muon: "
                              "muon, adamw, adamw)")
         super().load_state_dict(state_dict)
         for group, kind in zip(self.param_groups, kinds):
@@ -212,9 +229,10 @@ def split_muon_params(model, head_names=("lm_head",)):
     return muon_params, adamw_params
 
 
-def configure_muon(model, head_names=("lm_head",), muon_lr=0.02, adamw_lr=3e-4, muon_weight_decay=0.0,
-                   adamw_weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn=None,
-                   adamw_betas=(0.9, 0.95), adamw_eps=1e-8, fused=None, ns_dtype=torch.bfloat16, process_group=None):
+def configure_muon(model, head_names=("lm_head",), muon_lr=0.02, adamw_lr=3e-4,
+                   muon_weight_decay=0.0, adamw_weight_decay=0.0, momentum=0.95, nesterov=True,
+                   ns_steps=5, adjust_lr_fn=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
+                   fused=None, ns_dtype=torch.bfloat16, process_group=None):
     """
     The usual split as one Muon with three groups: kind "muon" for the hidden matrices (split_muon_params), kind
     "adamw" for the 2-D rest (embeddings, head: adamw_weight_decay) and for the 1-D rest (norm gains, biases: no
@@ -228,20 +246,23 @@ def configure_muon(model, head_names=("lm_head",), muon_lr=0.02, adamw_lr=3e-4, 
     that sets one lr for every group is then right.
     """
     muon_params, adamw_params = split_muon_params(model, head_names)
-    adamw = dict(kind="adamw", lr=adamw_lr, initial_lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, fused=fused)
+    adamw = dict(kind="adamw", lr=adamw_lr, initial_lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
+                 fused=fused)
     # Groups are dicts so that an empty list (e.g. a model with no hidden matrix or no norm) is allowed.
-    groups = [dict(kind="muon", params=muon_params, lr=muon_lr, initial_lr=muon_lr, weight_decay=muon_weight_decay),
-              dict(adamw, params=[p for p in adamw_params if p.ndim >= 2], weight_decay=adamw_weight_decay),
+    groups = [dict(kind="muon", params=muon_params, lr=muon_lr, initial_lr=muon_lr,
+                   weight_decay=muon_weight_decay),
+              dict(adamw, params=[p for p in adamw_params if p.ndim >= 2],
+                   weight_decay=adamw_weight_decay),
               dict(adamw, params=[p for p in adamw_params if p.ndim < 2], weight_decay=0.0)]
-    return Muon(groups, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                ns_dtype=ns_dtype, process_group=process_group)
+    return Muon(groups, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, process_group=process_group)
 
 
 # ----------------------------------------------------------------------------- argument checks
 # Kept out of Muon so that the class reads as the algorithm; they refuse bad input before anything is registered.
 
 MUON_ONLY_KEYS = ("momentum", "nesterov", "ns_steps", "adjust_lr_fn")
-ADAMW_DEFAULTS = dict(betas=(0.9, 0.95), eps=1e-8, fused=None)  # what an AdamW group gets unless it says
+ADAMW_DEFAULTS = dict(betas=(0.9, 0.95), eps=1e-8, fused=None)  # an AdamW group's unless it says
 
 
 def _check_hyperparameters(lr, momentum, weight_decay):
@@ -262,20 +283,22 @@ def _checked_param_group(param_group, defaults):
     kind = group.setdefault("kind", defaults["kind"])
     if kind == "adamw":
         if "lr" not in group:
-            raise ValueError("an AdamW group needs its own lr (Muon's default 0.02 is far too high for AdamW), "
+            raise ValueError("an AdamW group needs its own lr (Muon's default 0.02 is far too high "
+                             "for AdamW), "
                              "e.g. {'params': [...], 'kind': 'adamw', 'lr': 3e-4}")
         _check_hyperparameters(group["lr"], 0.0, group.get("weight_decay", 0.0))
         return {**ADAMW_DEFAULTS, **group}
     if kind != "muon":
         raise ValueError(f"a param group's kind must be 'muon' or 'adamw', got {kind!r}")
-    _check_hyperparameters(group.get("lr", 0.0), group.get("momentum", 0.0), group.get("weight_decay", 0.0))
+    _check_hyperparameters(group.get("lr", 0.0), group.get("momentum", 0.0),
+                           group.get("weight_decay", 0.0))
     for p in params:
         if p.ndim != 2:
             raise ValueError(
                 f"Muon only takes 2-D weight matrices, got a parameter of shape {tuple(p.shape)}; "
                 "biases, norm gains and other non-2-D parameters belong to AdamW "
                 "(a group with kind='adamw'; configure_muon does this split for you)")
-    adjusted_lr(1.0, (1, 1), group.get("adjust_lr_fn", defaults["adjust_lr_fn"]))  # raises if unknown
+    adjusted_lr(1.0, (1, 1), group.get("adjust_lr_fn", defaults["adjust_lr_fn"]))  # unknown: raises
     return group
 
 
@@ -290,16 +313,18 @@ def _adamw_step(opt, params, group):
     for p in params:
         state = opt.state[p]
         if not state:  # as torch.optim.AdamW: the step count stays on the CPU unless fused
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if group["fused"] else "cpu")
+            state["step"] = torch.zeros((), dtype=torch.float32,
+                                        device=p.device if group["fused"] else "cpu")
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states.append(state)
     beta1, beta2 = group["betas"]
-    # foreach: each arithmetic step one op for the whole group; torch.optim.AdamW's default on CUDA, and on
-    # the CPU the same bits as its per-tensor loop (tests/test_muon.py). FSDP2 shards keep torch's default.
+    # foreach: each arithmetic step one op for the whole group; torch.optim.AdamW's default on CUDA,
+    # and on the CPU the same bits as its per-tensor loop (tests/test_muon.py). FSDP2 keeps torch's.
     foreach = None if group["fused"] or any(hasattr(p, "device_mesh") for p in params) else True
     adamw_functional(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                     [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states], foreach=foreach,
+                     [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                     foreach=foreach,
                      fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
@@ -318,12 +343,13 @@ def _adamw_step(opt, params, group):
 def _distributed_group(params, process_group):
     """The group whose ranks share out NS5 for these params, or None for the single-process step."""
     meshes = [p.device_mesh for p in params if hasattr(p, "device_mesh")]
-    pg = meshes[0].get_group() if meshes else process_group  # FSDP2 parameters bring their mesh's group
+    pg = meshes[0].get_group() if meshes else process_group  # FSDP2 parameters: their mesh's group
     return pg if pg is not None and dist.get_world_size(pg) > 1 else None
 
 
 def _distributed_step(opt, params, group, pg):
-    """Muon.step for one param group, NS5 round-robin over the ranks of pg. Every rank must call it."""
+    """Muon.step for one param group, NS5 round-robin over the ranks of pg. Every rank must call
+    it."""
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     outs, works = [], []
     for i, p in enumerate(params):
@@ -332,14 +358,16 @@ def _distributed_step(opt, params, group, pg):
             u = u.full_tensor()
         if i % world == rank:
             # contiguous: a tall matrix comes back as a transposed view, and broadcast sends raw storage
-            o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=opt.ns_dtype).contiguous()
+            o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=opt.ns_dtype)
+            o = o.contiguous()
         else:
             o = torch.empty(u.shape, dtype=opt.ns_dtype, device=u.device)
-        works.append(dist.broadcast(o, src=dist.get_global_rank(pg, i % world), group=pg, async_op=True))
+        works.append(dist.broadcast(o, src=dist.get_global_rank(pg, i % world), group=pg,
+                                    async_op=True))
         outs.append(o)
     for p, o, work in zip(params, outs, works):
         work.wait()
-        if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no communication)
+        if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no traffic)
             from torch.distributed.tensor import distribute_tensor
             o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
         p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -351,7 +379,8 @@ if __name__ == "__main__":
     G = torch.randn(256, 128)
     O = zeropower_via_newtonschulz5(G).float()
     S = torch.linalg.svdvals(O)
-    print(f"NS5 of a 256x128 Gaussian: singular values in [{S.min():.3f}, {S.max():.3f}] (expect ~[0.5, 1.5])")
+    print(f"NS5 of a 256x128 Gaussian: singular values in [{S.min():.3f}, {S.max():.3f}] "
+          "(expect ~[0.5, 1.5])")
     U, _, Vh = torch.linalg.svd(G, full_matrices=False)
     cos = torch.nn.functional.cosine_similarity(O.flatten(), (U @ Vh).flatten(), dim=0)
     print(f"cosine(NS5(G), U Vᵀ) = {cos:.4f} (1.0 would be the exact orthogonal factor)")
@@ -380,16 +409,19 @@ if __name__ == "__main__":
             p1.grad, p2.grad = g.clone(), g.clone()
             ours.step()
             ref.step()
-        print(f"max |ours - torch.optim.Muon| after 3 steps: {(p1 - p2).abs().max().item()} (0.0 = bitwise equal)")
+        print(f"max |ours - torch.optim.Muon| after 3 steps: {(p1 - p2).abs().max().item()} "
+              "(0.0 = bitwise equal)")
 
     # A schedule for Muon + AdamW: each group scales its own initial lr (here a 4-step linear warmup).
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))  # weights -> Muon, biases -> AdamW
+    # weights -> Muon, biases -> AdamW
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = configure_muon(model, muon_lr=0.02, adamw_lr=3e-4)
     lr_mult = lambda it: min(1.0, (it + 1) / 4)  # noqa: E731
     for it in range(5):
         for g in opt.param_groups:
             g["lr"] = g["initial_lr"] * lr_mult(it)
-        print(f"step {it}: lr per group (Muon, AdamW 2-D, AdamW 1-D) = {[g['lr'] for g in opt.param_groups]}")
+        lrs = [g["lr"] for g in opt.param_groups]
+        print(f"step {it}: lr per group (Muon, AdamW 2-D, AdamW 1-D) = {lrs}")
     opt = configure_muon(model, muon_lr=0.02, adamw_lr=3e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_mult)  # the same schedule
     for _ in range(4):

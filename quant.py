@@ -35,12 +35,14 @@ import torch.nn.functional as F
 # -----------------------------------------------------------------------------
 # quantizers: integer codes plus the scale, and the fake-quantised ("dequantised") forms used in training
 
-GAMMA_MIN = 1e-5  # the floor of gamma, one value for training (weight_fake_quant), weight_quant and every export:
-#                   a matrix with mean|W| below it (all zero, or tiny) has codes 0 everywhere, in each of them
+# the floor of gamma, one value for training (weight_fake_quant), weight_quant and every export: a matrix
+# with mean|W| below it (all zero, or tiny) has codes 0 everywhere, in each of them
+GAMMA_MIN = 1e-5
 
 
 def weight_quant(w):
-    """Absmean ternary quantisation of a whole matrix. Returns int8 codes in {-1,0,1} and fp32 gamma."""
+    """Absmean ternary quantisation of a whole matrix. Returns int8 codes in {-1,0,1}
+    and fp32 gamma."""
     w = w.float()
     scale = w.abs().mean().clamp(min=GAMMA_MIN)  # gamma, 0-d
     w_q = (w / scale).round().clamp(-1, 1).to(torch.int8)
@@ -48,7 +50,8 @@ def weight_quant(w):
 
 
 def activation_quant(x):
-    """Per-token absmax int8 quantisation over the last dim. Returns int8 codes and fp32 scale = 1/s."""
+    """Per-token absmax int8 quantisation over the last dim. Returns int8 codes and
+    fp32 scale = 1/s."""
     x = x.float()
     s = 127.0 / x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)  # (..., 1)
     x_q = (x * s).round().clamp(-128, 127).to(torch.int8)
@@ -57,8 +60,8 @@ def activation_quant(x):
 
 @torch.no_grad()
 def weight_fake_quant(w):
-    """W_q * gamma in w's dtype, computed in fp32 (the forward value seen by F.linear in training). No autograd
-    graph: the gradient comes from the STE."""
+    """W_q * gamma in w's dtype, computed in fp32 (the forward value seen by F.linear in training).
+    No autograd graph: the gradient comes from the STE."""
     wf = w.float()
     scale = wf.abs().mean().clamp(min=GAMMA_MIN)
     return (wf / scale).round_().clamp_(-1, 1).mul_(scale).to(w.dtype)
@@ -66,17 +69,17 @@ def weight_fake_quant(w):
 
 @torch.no_grad()
 def activation_fake_quant(x):
-    """x_q / s in x's dtype, computed in fp32: one row absmax (the inf-norm), one scale, one rounding per row.
-    The clamp to [-128, 127] never binds here: |x * s| <= 127 (1 + 2^-23) < 127.5 rounds to at most 127.
-    No autograd graph: the gradient comes from the STE."""
+    """x_q / s in x's dtype, computed in fp32: one row absmax (the inf-norm), one scale, one rounding
+    per row. The clamp to [-128, 127] never binds here: |x * s| <= 127 (1 + 2^-23) < 127.5 rounds to at
+    most 127. No autograd graph: the gradient comes from the STE."""
     xf = x.float()
     s = 127.0 / torch.linalg.vector_norm(xf, float("inf"), dim=-1, keepdim=True).clamp_(min=1e-5)
     return (xf * s).round_().div_(s).to(x.dtype)
 
 
 class STE(torch.autograd.Function):
-    """Forward lerp(v, Q(v), lambda) = v + lambda (Q(v) - v), one op, exactly Q(v) at lambda 1 and v at 0;
-    backward passes the gradient to v unchanged (none to Q(v) or lambda): no op at all."""
+    """Forward lerp(v, Q(v), lambda) = v + lambda (Q(v) - v), one op, exactly Q(v) at lambda 1 and v
+    at 0; backward passes the gradient to v unchanged (none to Q(v) or lambda): no op at all."""
 
     @staticmethod
     def forward(ctx, v, v_quant, lambda_):
@@ -88,7 +91,8 @@ class STE(torch.autograd.Function):
 
 
 def ste(v, v_quant, lambda_):
-    """v + lambda * stopgrad(Q(v) - v): forward value blends to Q(v), gradient is exactly the identity."""
+    """v + lambda * stopgrad(Q(v) - v): the forward value blends to Q(v), the gradient is the
+    identity."""
     return STE.apply(v, v_quant, lambda_)
 
 
@@ -101,7 +105,11 @@ class BitLinear(nn.Linear):
 
     The latent weight stays full precision (the optimizer's master copy). Set the blend with
     `set_lambda(model, lam)` or `m.lambda_.fill_(lam)`; 0 is exactly F.linear, 1 is BitNet b1.58.
-    quantize_input=False when the op before it already quantised x (QuantRMSNorm, in the speed section).
+    quantize_input=False when the op before it already quantised x (QuantRMSNorm, speed section).
+    In model.py that is every BitLinear: each reads a QuantRMSNorm's output, so the activation
+    quantiser that runs there is the norm's (the same ste(x, activation_fake_quant(x), lambda) as
+    forward() below), and of BitLinear only quantized_weight() runs (stacked_linear calls it for q, k, v
+    and gate, up). Used alone, as an nn.Linear swap, it quantises its input itself.
 
     Swapping it for an nn.Linear in another project, three differences to know:
       - bias defaults to False (BitNet b1.58 has no biases; PackedBitLinear refuses them), where nn.Linear's
@@ -115,11 +123,13 @@ class BitLinear(nn.Linear):
         keys; code that counts keys (nanoGPT's from_pretrained asserts equal counts) must leave them out.
     """
 
-    def __init__(self, in_features, out_features, bias=False, quantize_input=True, device=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=False, quantize_input=True, device=None,
+                 dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.register_buffer("lambda_", torch.ones((), device=device))  # 0-d; 0 = fp, 1 = ternary (default)
+        # 0-d; 0 = fp, 1 = ternary (default)
+        self.register_buffer("lambda_", torch.ones((), device=device))
         self.quantize_input = quantize_input
-        self.w_quant = None  # W_q * gamma, cached once per step by cache_weight_quant (speed section)
+        self.w_quant = None  # W_q * gamma, cached once per step by cache_weight_quant (speed)
 
     def forward(self, x):
         if self.quantize_input:
@@ -127,8 +137,9 @@ class BitLinear(nn.Linear):
         return F.linear(x, self.quantized_weight(), self.bias)          # (..., out)
 
     def quantized_weight(self):
-        """The weight F.linear sees: the lambda blend of W and W_q * gamma, gamma this matrix's own (out, in)."""
-        w_quant = weight_fake_quant(self.weight) if self.w_quant is None else self.w_quant  # cached: the same
+        """The weight F.linear sees: the lambda blend of W and W_q * gamma, gamma this matrix's own
+        (out, in). The cached W_q * gamma (cache_weight_quant) is the same tensor, computed once."""
+        w_quant = weight_fake_quant(self.weight) if self.w_quant is None else self.w_quant
         return ste(self.weight, w_quant, self.lambda_)
 
 
@@ -140,16 +151,18 @@ def stacked_linear(x, layers):
     Returns one output (..., out_i) per layer (views of the one product)."""
     if len({(isinstance(m, BitLinear) and m.quantize_input) for m in layers}) > 1:
         raise ValueError("stacked_linear: the layers must all quantise their input, or none")
-    if isinstance(layers[0], BitLinear) and layers[0].quantize_input:  # once for all (one shared lambda)
+    if isinstance(layers[0], BitLinear) and layers[0].quantize_input:  # once for all (one lambda)
         x = ste(x, activation_fake_quant(x), layers[0].lambda_)
-    w = torch.cat([m.quantized_weight() if isinstance(m, BitLinear) else m.weight for m in layers])  # (sum out, in)
+    w = torch.cat([m.quantized_weight() if isinstance(m, BitLinear) else m.weight
+                   for m in layers])  # (sum out, in)
     bias = None if all(m.bias is None for m in layers) else torch.cat(
         [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
     return F.linear(x, w, bias).split([m.out_features for m in layers], dim=-1)
 
 
 def set_lambda(model, lam):
-    """Write lam into every BitLinear's and QuantRMSNorm's buffer in place (no recompilation, no host sync)."""
+    """Write lam into every BitLinear's and QuantRMSNorm's buffer in place (no recompile, no host
+    sync)."""
     for m in model.modules():
         if isinstance(m, (BitLinear, QuantRMSNorm)):
             m.lambda_.fill_(lam)
@@ -166,10 +179,11 @@ def set_lambda(model, lam):
 
 
 def pack_ternary(w_q):
-    """(N, K) int8 in {-1,0,1} -> (N, Q) uint8, Q = ceil(K/4): byte j holds k = j + iQ in bits 2i..2i+1."""
+    """(N, K) int8 in {-1,0,1} -> (N, Q) uint8, Q = ceil(K/4): byte j holds k = j + iQ in bits
+    2i..2i+1."""
     N, K = w_q.shape
     Q = (K + 3) // 4
-    codes = torch.ones((N, 4 * Q), dtype=torch.uint8, device=w_q.device)  # code 0b01 (weight 0) past K
+    codes = torch.ones((N, 4 * Q), dtype=torch.uint8, device=w_q.device)  # 0b01 (weight 0) past K
     codes[:, :K] = (w_q.to(torch.int16) + 1).to(torch.uint8)  # {0, 1, 2}
     planes = codes.view(N, 4, Q)  # (N, plane i, byte j): element k = iQ + j
     return (planes[:, 0] | planes[:, 1] << 2 | planes[:, 2] << 4 | planes[:, 3] << 6).contiguous()
@@ -192,15 +206,19 @@ def unpack_ternary(packed, in_features):
 #     skips its own quantiser.
 #   - Weight quantisation is a whole-matrix reduction (absmean) and a rounding pass per matrix. It depends only
 #     on the weights, which change once per optimizer step, so with gradient accumulation cache_weight_quant
-#     computes stopgrad(Q(w) - w) once per step and every micro-batch reuses it (same values, same gradients);
+#     computes W_q * gamma once per step and every micro-batch reuses it (same values, same gradients);
 #     clear_weight_quant drops the cache before the weights change.
 #   - lambda is a tensor, never a Python float: no recompilation as it warms up, and no host sync to read it.
+#   - In eager mode (the CPU default) every op is a dispatch and a pass over memory: the STE is one lerp
+#     forward and nothing backward, the fake quantisers round and scale in place, and RMSNormCPU gives
+#     the norms a 9-op backward (python -m lab.bench --train counts the ops of a step).
 
 
 class RMSNormCPU(torch.autograd.Function):
-    """F.rms_norm over the last dim, for fp32 CPU tensors, with a hand-written backward. On the CPU torch has no
-    fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates them in about 23 more. The
-    forward here is the same six ops in the same order (the same bits as F.rms_norm); the backward is 9 ops:
+    """F.rms_norm over the last dim, for fp32 CPU tensors, with a hand-written backward. On the CPU torch
+    has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates them in about 23
+    more. The forward here is the same six ops in the same order (the same bits as F.rms_norm); the
+    backward is 9 ops:
         y = x_hat * w,  x_hat = x * r,  r = 1 / sqrt(mean(x^2) + eps)
         dx = r * (g w - x_hat * mean(g w x_hat)),  dw = sum over rows of g x_hat"""
 
@@ -223,7 +241,7 @@ class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm with its gain cast to the input's dtype, so that under bf16 autocast (a bf16 input, an fp32 gain)
     torch dispatches to its fused RMSNorm kernel instead of the unfused fallback. In fp32 the cast is a no-op: the
     same op on the same tensors as nn.RMSNorm, bit for bit. The parameter stays fp32 (the optimizer's copy).
-    An fp32 CPU input with a gain over one dim runs RMSNormCPU: the same forward bits, a 9-op backward."""
+    An fp32 CPU input with a 1-D gain runs RMSNormCPU: the same forward bits, a 9-op backward."""
 
     def forward(self, x):
         w = self.weight.to(x.dtype) if self.weight is not None else None
@@ -269,12 +287,15 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     w = torch.randn(4, 6)
     w_q, gamma = weight_quant(w)
-    print("W:\n", w, "\nW_q:\n", w_q, "\ngamma:", gamma.item(), "(= mean|W|)", w.abs().mean().item())
+    print("W:\n", w, "\nW_q:\n", w_q, "\ngamma:", gamma.item(), "(= mean|W|)",
+          w.abs().mean().item())
     x = torch.randn(2, 6)
     x_q, x_scale = activation_quant(x)
-    print("x_q:\n", x_q, "\nrow absmax / 127:", (x.abs().amax(-1) / 127).tolist(), "scale:", x_scale.flatten().tolist())
+    print("x_q:\n", x_q, "\nrow absmax / 127:", (x.abs().amax(-1) / 127).tolist(),
+          "scale:", x_scale.flatten().tolist())
     packed = pack_ternary(w_q)
-    print("packed", tuple(packed.shape), packed.dtype, "round-trip ok:", torch.equal(unpack_ternary(packed, 6), w_q))
+    print("packed", tuple(packed.shape), packed.dtype, "round-trip ok:",
+          torch.equal(unpack_ternary(packed, 6), w_q))
     lin = BitLinear(6, 4)
     lin.weight.data.copy_(w)
     y_int = (x_q.int() @ w_q.int().T).float() * x_scale * gamma  # inference form
