@@ -401,8 +401,7 @@ def _default_for(sources, tokenizer, corpus):
 
 @dataclass
 class PrepareConfig:
-    # byte (257 ids), gpt2 (50257 ids), or a model's: HF directory, hub id or .gguf
-    tokenizer: str = "byte"
+    tokenizer: str = "byte"      # byte, gpt2, or a model's: its HF directory, hub id or .gguf
     out_dir: str = ""            # where the shards go; "" = data/<corpus or 1st source>_<tokenizer>
     val_every: int = 20          # every val_every-th document goes to the val split
     shard_tokens: int = 100_000_000  # tokens per shard file
