@@ -49,8 +49,8 @@ from kernels.occupancy import SMS_OF, in_flight, occupancy  # noqa: E402,F401
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")  # Triton's ptxas, cuobjdump
 # as a launch on model shapes specialises them: multiples of 16
-ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "xq_ptr", "g_ptr", "N", "K", "KW", "stride_xm",
-           "stride_wn", "stride_om", "stride_x")
+ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "xq_ptr", "g_ptr", "N", "K", "KW",
+           "stride_xm", "stride_wn", "stride_om", "stride_x")
 DECODE_ARGS = dict(
     x_ptr="*i32",
     xs_ptr="*fp32",

@@ -1,10 +1,12 @@
 """
-Occupancy of an NVIDIA SM and bytes in flight, for reading kernels/cross_compile.py's reports without a GPU.
+Occupancy of an NVIDIA SM and bytes in flight, for reading kernels/cross_compile.py's reports
+without a GPU.
 
-Little's law: a memory system delivers bandwidth = bytes in flight / latency, so streaming the weights at an
-H100's copy bandwidth needs about 15.5 KiB in flight per SM (issue 47's figure). A kernel has in
-flight what its resident programs have issued and not yet used: programs per SM (registers, threads, blocks,
-shared memory: the CUDA occupancy rules) times the bytes one program's K step loads.
+Little's law: a memory system delivers bandwidth = bytes in flight / latency, so streaming the
+weights at an H100's copy bandwidth needs about 15.5 KiB in flight per SM (issue 47's figure). A
+kernel has in flight what its resident programs have issued and not yet used: programs per SM
+(registers, threads, blocks, shared memory: the CUDA occupancy rules) times the bytes one program's
+K step loads.
 Test: python -m pytest tests/test_cross_compile.py -k occupancy
 """
 
