@@ -63,13 +63,13 @@ def decode_config(shape, cuda, quant):
 
 
 def make_models(shape, dev, dtype):
-    """{"fp": the fp model, "packed": the ternary one frozen to packed weights}, random weights,
-    built on dev."""
-    from kernels.packed_linear import freeze_ternary
+    """{"fp": the fp model with its q/k/v and gate/up weights stacked once (freeze_fp), "packed":
+    the ternary one frozen to packed weights}, random weights, built on dev."""
+    from kernels.packed_linear import freeze_fp, freeze_ternary
     from model import GPT
     torch.manual_seed(0)
     with torch.device(dev):  # initialised on the device: a 1B model in seconds, not minutes
-        fp = GPT(decode_config(shape, dev == "cuda", False)).to(dtype).eval()
+        fp = freeze_fp(GPT(decode_config(shape, dev == "cuda", False)).to(dtype).eval())
         packed = freeze_ternary(GPT(decode_config(shape, dev == "cuda", True)).to(dtype).eval())
     return {"fp": fp, "packed": packed}
 

@@ -1,7 +1,8 @@
 """
 Packed ternary generation against full precision on CPU, at SmolLM2-135M's shape (30 layers, width 576, 9 query /
 3 KV heads, MLP 1536, vocabulary 49,152; random weights: speed does not depend on them). Greedy batch-1 decode
-through tools/decode.py (static KV cache, eager), fp and packed interleaved rep by rep on the same machine, so the
+through tools/decode.py (static KV cache, eager; fp with its q/k/v and gate/up weights stacked once, freeze_fp),
+fp and packed interleaved rep by rep on the same machine, so the
 ratio packed/fp is read from pairs of runs made back to back.
 
     python -m lab.packed_decode [--tokens=32 --reps=5 --n_layer=30]
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.packed_linear import freeze_ternary
+from kernels.packed_linear import freeze_fp, freeze_ternary
 from model import GPT, GPTConfig
 from tools import decode
 from tools.flags import parse
@@ -39,7 +40,7 @@ def main(argv):
     args = DecodeFlags(**parse(argv, DecodeFlags, __doc__))
     torch.manual_seed(0)
     shape = {**SMOLLM2, "n_layer": args.n_layer}
-    fp = GPT(GPTConfig(**shape, quant=False, subln=False)).eval()
+    fp = freeze_fp(GPT(GPTConfig(**shape, quant=False, subln=False)).eval())
     packed = freeze_ternary(GPT(GPTConfig(**shape, quant=True, subln=True)).eval())
     prompt = torch.randint(0, SMOLLM2["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(0))
     gens = {name: decode.Decoder(m, "eager").generate for name, m in (("fp", fp), ("packed", packed))}
