@@ -1,32 +1,33 @@
 """
-The experiment runner, `python -m lab <table>`: every row of a table (lab/tables.py) for N seeds, each run
-scored the same way, then the table (lab/report.py).
+The experiment runner, `python -m lab <table>`: every row of a table (lab/tables.py) for N seeds,
+each run scored the same way, then the table (lab/report.py).
 
-Rows may start from other rows' checkpoints (a teacher, a student), so each seed's runs go in order, and the
-rows of seed k only ever read runs of seed k (the multi-teacher row also reads the next seed's teacher). Every
-run is then scored the same way, whatever it logged itself: the loss of its final checkpoint over the WHOLE
-validation split of the shipped corpus (every window of T+1 tokens once, no sampling), so all rows of a
-table compare the same tokens, and a row trained on a mix of sources is still scored on the real text.
+Rows may start from other rows' checkpoints (a teacher, a student), so each seed's runs go in order,
+and the rows of seed k only ever read runs of seed k (the multi-teacher row also reads the next
+seed's teacher). Every run is then scored the same way, whatever it logged itself: the loss of its
+final checkpoint over the WHOLE validation split of the shipped corpus (every window of T+1 tokens
+once, no sampling), so all rows of a table compare the same tokens, and a row trained on a mix of
+sources is still scored on the real text.
 
-    python -m lab distill                  every row x 3 seeds, then the table (lab/results/distill.md)
+    python -m lab distill                  every row x 3 seeds, then lab/results/distill.md
     python -m lab distill --seeds=1        one seed of each row (a quick look; not for README)
     python -m lab distill --rows=teacher,student   only those rows (and what they need)
     python -m lab distill --report         no training: the table from the runs that exist
-    python -m lab distill --rerun=True     train every run here, taking none from the committed table
+    python -m lab distill --rerun=True     train every run here, none taken from the committed table
     python -m lab list                     the tables and their rows
 
-Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A run counts once its checkpoint
-reaches the row's max_iters: then it is scored (result.json beside the checkpoint, with the commit it was run
-at: git rev-parse HEAD, or "unknown") and skipped next time; a stopped one is resumed (--resume=True), so a
-long table can be finished over several sittings; on another machine (no out/), a run the committed
-<table>.json holds with the same flags is taken from it (Lab.adopt), unless --rerun=True: then every run
-is trained here, those taken earlier too (a run trained here keeps its result: delete its directory under
-out/lab/<table>/ to train it again). SIGTERM or Ctrl-C to lab goes on to the
-running train.py, which saves at the end of its step; lab then writes no table and says to run the same
-command again. The table goes to lab/results/<table>.md and .json, and lab/results/<table>.png (val curves)
-when matplotlib is installed (and <table>_logits.png, the max attention logit per step, for tables that log
-it). A report never replaces a row's committed runs with fewer (a fresh clone, --seeds=1, another --root):
-that row keeps them, and one line says so.
+Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A run counts once its
+checkpoint reaches the row's max_iters: then it is scored (result.json beside the checkpoint, with
+the commit it was run at: git rev-parse HEAD, or "unknown") and skipped next time; a stopped one is
+resumed (--resume=True), so a long table can be finished over several sittings; on another machine
+(no out/), a run the committed <table>.json holds with the same flags is taken from it (Lab.adopt),
+unless --rerun=True: then every run is trained here, those taken earlier too (a run trained here
+keeps its result: delete its directory under out/lab/<table>/ to train it again). SIGTERM or Ctrl-C
+to lab goes on to the running train.py, which saves at the end of its step; lab then writes no table
+and says to run the same command again. The table goes to lab/results/<table>.md and .json, and
+lab/results/<table>.png (val curves) when matplotlib is installed (and <table>_logits.png, the max
+attention logit per step, for tables that log it). A report never replaces a row's committed runs
+with fewer (a fresh clone, --seeds=1, another --root): that row keeps them, and one line says so.
 Test: python -m pytest tests/test_lab.py
 """
 
@@ -59,7 +60,8 @@ SEEDS = (0, 1, 2)
 
 
 class Stopped(LabError):
-    """A run ended before its max_iters (a signal to lab, or to train.py): its checkpoint is kept for resume."""
+    """A run ended before its max_iters (a signal to lab, or to train.py): its checkpoint is kept
+    for resume."""
 
 
 # -----------------------------------------------------------------------------
@@ -67,8 +69,9 @@ class Stopped(LabError):
 
 
 def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
-    """Mean next-token loss of a checkpoint over every val window of shard_dir once (metrics.whole_val_loss, the
-    number train.py's final evaluation prints). Returns (loss, n_tokens)."""
+    """Mean next-token loss of a checkpoint over every val window of shard_dir once
+    (metrics.whole_val_loss, the number train.py's final evaluation prints). Returns (loss,
+    n_tokens)."""
     try:
         return metrics.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
     except ValueError as e:
@@ -77,9 +80,9 @@ def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
 
 @torch.no_grad()
 def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
-    """A masked-diffusion checkpoint's mean CE over the masked tokens of every val window of T tokens, each token
-    masked with probability t (position 0 never, with Dream's shift), the masks drawn from a generator seeded
-    the same for every checkpoint. Returns (loss, masked tokens)."""
+    """A masked-diffusion checkpoint's mean CE over the masked tokens of every val window of T
+    tokens, each token masked with probability t (position 0 never, with Dream's shift), the masks
+    drawn from a generator seeded the same for every checkpoint. Returns (loss, masked tokens)."""
     from lessons import dlm
     model = _load(ckpt_path)
     mask_id, shift, T = model.config.vocab_size - 1, model.dlm_shift, model.config.block_size
@@ -95,7 +98,8 @@ def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
             if shift:
                 masked[:, 0] = False
             logits = dlm.predictions(model, torch.where(masked, mask_id, x), mask_id, shift)
-            ce = F.cross_entropy(logits.float().flatten(0, 1), x.flatten(), reduction="none").view(x.shape)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), x.flatten(),
+                                 reduction="none").view(x.shape)
             total, count = total + ce[masked].sum().item(), count + int(masked.sum())
     return total / count, count
 
@@ -108,23 +112,27 @@ def _load(path, device="cpu"):
         raise LabError(str(e)) from None
 
 
-
 # -----------------------------------------------------------------------------
 # running
 
 
 class Lab(Report):
-    """A table's runs under root: what to run in which order (order), running and scoring them (run, run_one),
-    taking finished ones from the committed table (adopt); the pages are Report's (lab/report.py)."""
+    """A table's runs under root: what to run in which order (order), running and scoring them (run,
+    run_one), taking finished ones from the committed table (adopt); the pages are Report's
+    (lab/report.py)."""
 
-    def __init__(self, table, seeds=SEEDS, root=None, results=None, python=sys.executable, rerun=False):
+    def __init__(self, table, seeds=SEEDS, root=None, results=None, python=sys.executable,
+                 rerun=False):
         self.table, self.seeds, self.python = table, list(seeds), python
-        self.rerun = rerun  # take no run from the committed table, and train again those taken before
+        # take no run from the committed table, and train again those taken before
+        self.rerun = rerun
         self.root = root or os.path.join("out", "lab", table.name)
         self.results = results or os.path.join(ROOT, "lab", "results")  # where the table is written
         self.rows = {r.name: r for r in table.rows}
-        self.shipped = os.path.join(ROOT, "data", f"shakespeare_{prepare.source_slug(table.tokenizer)}")
-        self.child, self.signals = None, None  # the train.py running now; the signals lab receives (run())
+        self.shipped = os.path.join(ROOT, "data",
+                                    f"shakespeare_{prepare.source_slug(table.tokenizer)}")
+        # the train.py running now; the signals lab receives (run())
+        self.child, self.signals = None, None
         self._max_iters = {}
 
     def seed_dir(self, seed):
@@ -134,22 +142,24 @@ class Lab(Report):
         return os.path.join(self.seed_dir(seed), row)
 
     def corpus_dir(self, name):
-        """The shards of the shipped corpus `name` in the table's tokenizer (Table.extra_corpora), prepared if
-        missing."""
+        """The shards of the shipped corpus `name` in the table's tokenizer (Table.extra_corpora),
+        prepared if missing."""
         return _shipped_dir(name, self.table.tokenizer)
 
     def next_seed(self, seed):
         return self.seeds[(self.seeds.index(seed) + 1) % len(self.seeds)]
 
     def argv(self, row, seed, resume):
-        flags = row.args.format(run=self.seed_dir(seed), next_run=self.seed_dir(self.next_seed(seed)),
-                                seed=seed, shipped=self.shipped).split()
-        flags += [f"--seed={seed}", f"--out_dir={self.seed_dir(seed)}", f"--run_name={row.name}", "--device=cpu",
-                  "--resume=True" if resume else "--overwrite=True"]
+        flags = row.args.format(run=self.seed_dir(seed),
+                                next_run=self.seed_dir(self.next_seed(seed)), seed=seed,
+                                shipped=self.shipped).split()
+        flags += [f"--seed={seed}", f"--out_dir={self.seed_dir(seed)}", f"--run_name={row.name}",
+                  "--device=cpu", "--resume=True" if resume else "--overwrite=True"]
         return [self.python, os.path.join(ROOT, "train.py"), *flags]
 
     def max_iters(self, name):
-        """The step a run of this row must reach to count: its flags' max_iters, train.py's defaults beneath."""
+        """The step a run of this row must reach to count: its flags' max_iters, train.py's defaults
+        beneath."""
         if name not in self._max_iters:
             if self.rows[name].build is not None:
                 return 0  # scored as built: no steps
@@ -165,21 +175,23 @@ class Lab(Report):
         return self._max_iters[name]
 
     def result(self, row, seed):
-        """The run's result.json; None while it has none, or when it scored a run stopped short of max_iters
-        (an older lab did that after a preemption): that run is resumed, not counted."""
+        """The run's result.json; None while it has none, or when it scored a run stopped short of
+        max_iters (an older lab did that after a preemption): that run is resumed, not counted."""
         path = os.path.join(self.run_dir(row, seed), "result.json")
         if not os.path.exists(path):
             return None
         res = _read_result(path, row, seed)
         if res["steps"] < self.max_iters(row) or (self.rerun and res.get("adopted")):
             return None
-        if "ratio_mask" in res and "ratio_mask_start" not in res:  # scored before the start columns existed
+        # scored before the start columns existed
+        if "ratio_mask" in res and "ratio_mask_start" not in res:
             metrics = os.path.join(self.run_dir(row, seed), "metrics.jsonl")
             res.update(_ratios([r for r in _records(metrics) if "ms" in r]))
         return res
 
     def order(self, wanted):
-        """(row, seed) pairs to run: each seed's rows in table order, with what they need before them."""
+        """(row, seed) pairs to run: each seed's rows in table order, with what they need before
+        them."""
         need = set()
 
         def add(name, seed):
@@ -211,10 +223,11 @@ class Lab(Report):
         return self.signals.requested if self.signals else None
 
     def run(self, wanted, log=print):
-        """Train and score every (row, seed) that has no result yet. A SIGTERM or SIGINT (Ctrl-C) meanwhile is
-        passed on to the train.py that is running, which saves at the end of its step; then Stopped is raised
-        and nothing more is trained or scored. A second signal of the kind while lab scores stops it at once
-        (atomic.Interrupted; a result.json is written whole or not at all)."""
+        """Train and score every (row, seed) that has no result yet. A SIGTERM or SIGINT (Ctrl-C)
+        meanwhile is passed on to the train.py that is running, which saves at the end of its step;
+        then Stopped is raised and nothing more is trained or scored. A second signal of the kind
+        while lab scores stops it at once (atomic.Interrupted; a result.json is written whole or not
+        at all)."""
         with atomic.StopSignal(forward=self._pass_on) as self.signals:
             todo = list(self.order(wanted))
             if not self.rerun:
@@ -227,38 +240,63 @@ class Lab(Report):
                 if self.result(name, seed) is not None:
                     log(f"[lab] run {i} of {len(todo)}: {name} seed {seed}: done, skipped")
                     continue
-                eta = f", about {(time.time() - t0) / ran * (len(left) - ran) / 60:.0f} min left" if ran else ""
-                log(f"[lab] run {i} of {len(todo)} ({len(left) - ran} to train{eta}): {name} seed {seed}")
+                eta = (
+                    f", about {(time.time() - t0) / ran * (len(left) - ran) / 60:.0f} min left"
+                    if ran
+                    else ""
+                )
+                log(f"[lab] run {i} of {len(todo)} ({len(left) - ran} to train{eta}): {name} seed "
+                    f"{seed}")
                 self.run_one(self.rows[name], seed, log)
                 ran += 1
 
     def adopt(self, todo, log=print):
-        """Take from the committed <table>.json each (row, seed) of todo it holds with this run's exact train.py flags
-        and that has no result under root (a fresh machine has no out/): a finished run is never trained again in
-        another sitting. Not while a row that starts from its checkpoint still has to run (the checkpoint is not
-        committed). Its result.json is written under root, marked "adopted". Returns the pairs adopted."""
+        """Take from the committed <table>.json each (row, seed) of todo it holds with this run's
+        exact train.py flags and that has no result under root (a fresh machine has no out/): a
+        finished run is never trained again in another sitting. Not while a row that starts from its
+        checkpoint still has to run (the checkpoint is not committed). Its result.json is written
+        under root, marked "adopted". Returns the pairs adopted."""
         committed = {(r["row"], r.get("seed")): r for rs in _committed_runs(
             os.path.join(self.results, self.table.name + ".json")).values() for r in rs}
-        flags = lambda argv: [a for a in argv[1:] if not a.startswith(("--resume=", "--overwrite="))]
+        flags = lambda argv: [
+            a for a in argv[1:] if not a.startswith(("--resume=", "--overwrite="))
+        ]
         done, adopted = {p for p in todo if self.result(*p) is not None}, []
         for name, seed in reversed(todo):  # the rows that start from a run are decided before it
             res = committed.get((name, seed))
-            if res is None and (name, seed) not in done and (name, str(seed)) in committed:  # "0" for 0
-                log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken (its seed is "
-                    f"{str(seed)!r}, a string, not the integer {seed}); it is trained again")
+            # "0" for 0
+            if res is None and (name, seed) not in done and (name, str(seed)) in committed:
+                log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken "
+                    f"(its seed is {str(seed)!r}, a string, not the integer {seed}); it is trained "
+                    "again")
             if res is not None and (name, seed) not in done and (why := _not_adoptable(res)):
-                log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken ({why}); it is trained "
-                    f"again")
+                log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken "
+                    f"({why}); it is trained again")
                 res = None
-            users = [(r.name, s) for r in self.table.rows for s in self.seeds
-                     if (name in r.needs and s == seed) or (name in r.needs_next and self.next_seed(s) == seed)]
-            if ((name, seed) in done or res is None or res["steps"] < self.max_iters(name)
-                    or flags(res["argv"]) != (flags(self.argv(self.rows[name], seed, resume=False)[1:])
-                                              if self.rows[name].build is None else [])  # built: no train.py
-                    or any(u in todo and u not in done for u in users)):
+            users = [
+                (r.name, s)
+                for r in self.table.rows
+                for s in self.seeds
+                if (name in r.needs and s == seed)
+                or (name in r.needs_next and self.next_seed(s) == seed)
+            ]
+            if (
+                (name, seed) in done
+                or res is None
+                or res["steps"] < self.max_iters(name)
+                or flags(res["argv"])
+                != (
+                    flags(self.argv(self.rows[name], seed, resume=False)[1:])
+                    # built: no train.py
+                    if self.rows[name].build is None
+                    else []
+                )
+                or any(u in todo and u not in done for u in users)
+            ):
                 continue
             os.makedirs(self.run_dir(name, seed), exist_ok=True)
-            _write_json(os.path.join(self.run_dir(name, seed), "result.json"), {**res, "adopted": True})
+            _write_json(os.path.join(self.run_dir(name, seed), "result.json"),
+                        {**res, "adopted": True})
             done.add((name, seed))
             adopted.append((name, seed))
             log(f"[lab] {name} seed {seed}: finished in an earlier sitting, its result taken from "
@@ -266,15 +304,16 @@ class Lab(Report):
         return adopted
 
     def _pass_on(self, signum):
-        """A signal to lab goes on to the train.py running now, if any, which finishes its step and saves (a second
-        signal of the kind stops it at once). Returns whether there was one."""
+        """A signal to lab goes on to the train.py running now, if any, which finishes its step and
+        saves (a second signal of the kind stops it at once). Returns whether there was one."""
         if self.child is None:
             return False
         self.child.send_signal(signum)
         return True
 
     def run_one(self, row, seed, log=print):
-        """Train the run to the row's max_iters (resuming its checkpoint if it has one), then score it."""
+        """Train the run to the row's max_iters (resuming its checkpoint if it has one), then score
+        it."""
         d = self.run_dir(row.name, seed)
         os.makedirs(d, exist_ok=True)
         if row.build is not None:
@@ -285,66 +324,93 @@ class Lab(Report):
             if row.prepare is not None:
                 row.prepare(self, seed)
             if _drop_torn_line(os.path.join(d, "metrics.jsonl")):
-                log(f"[lab] {row.name} seed {seed}: cut the torn last line off {d}/metrics.jsonl before resuming")
+                log(f"[lab] {row.name} seed {seed}: cut the torn last line off {d}/metrics.jsonl "
+                    f"before resuming")
             log(f"[lab] {row.name} seed {seed}: {' '.join(cmd[1:])}")
             code, step, where = self._train(cmd, d), _saved_step(d), f"{row.name} seed {seed}"
             if code != 0 and not self.stop:
-                raise LabError(f"{where} failed (exit {code}): {_last_line(os.path.join(d, 'train.log'))} "
-                               f"(its log: {d}/train.log)")
+                raise LabError(f"{where} failed (exit {code}): "
+                               f"{_last_line(os.path.join(d, 'train.log'))} (its log: "
+                               f"{d}/train.log)")
             want = self.max_iters(row.name)
             if self.stop:
                 raise Stopped(f"{self.stop}: {where} stopped (train.py exit {code}); " +
                               (f"its checkpoint is at step {step} of {want}" if step is not None
                                else "it had saved no checkpoint yet"))
             if step is None or step < want:
-                raise Stopped(f"{where}: train.py ended without an error at step {step} of {want} (was it sent "
-                              f"SIGTERM?); its checkpoint is kept and nothing was scored")
+                raise Stopped(f"{where}: train.py ended without an error at step {step} of {want} "
+                              "(was it sent SIGTERM?); its checkpoint is kept and nothing was "
+                              "scored")
         recs = _records(os.path.join(d, "metrics.jsonl"))
         steps = [r for r in recs if "ms" in r]
         extra = {}
-        if self.table.dlm_t and row.shown:  # the masked-token val loss at each t; val_loss = their mean
-            scored = {t: dlm_val_loss(os.path.join(d, row.score), self.shipped, t) for t in self.table.dlm_t}
+        # the masked-token val loss at each t; val_loss = their mean
+        if self.table.dlm_t and row.shown:
+            scored = {t: dlm_val_loss(os.path.join(d, row.score), self.shipped,
+                                      t) for t in self.table.dlm_t}
             extra = {f"masked_val_t{t}": v[0] for t, v in scored.items()}
             loss, n = statistics.mean(extra.values()), sum(v[1] for v in scored.values())
-            extra.update(clipped_frac=statistics.mean(r["was_clipped"] for r in steps),  # zclip.py's names
+            # zclip.py's names
+            extra.update(clipped_frac=statistics.mean(r["was_clipped"] for r in steps),
                          spikes=sum(r["z_score"] > 2.5 for r in steps), **_ratios(steps))
         else:
             loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
         extra_val_loss = {name: full_val_loss(os.path.join(d, row.score), self.corpus_dir(name))[0]
                           for name in self.table.extra_corpora}
-        res = {**extra, "row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": row.score, "argv": cmd[1:],
-               "commit": commit, "extra_val_loss": extra_val_loss, "steps": step,
-               "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
-               "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
-               "optimizer_bytes": _state_bytes(checkpoint.load(os.path.join(d, checkpoint.LATEST))["optimizer"]),
-               "wall_s": time.time() - t0, "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r],
-               "logit_curve": [[r["step"], r["max_logit"]] for r in steps if "max_logit" in r]}
+        res = {
+            **extra,
+            "row": row.name,
+            "seed": seed,
+            "val_loss": loss,
+            "val_tokens": n,
+            "scored": row.score,
+            "argv": cmd[1:],
+            "commit": commit,
+            "extra_val_loss": extra_val_loss,
+            "steps": step,
+            "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
+            "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
+            "optimizer_bytes": _state_bytes(
+                checkpoint.load(os.path.join(d, checkpoint.LATEST))["optimizer"]
+            ),
+            "wall_s": time.time() - t0,
+            "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r],
+            "logit_curve": [[r["step"], r["max_logit"]] for r in steps if "max_logit" in r],
+        }
         _write_json(os.path.join(d, "result.json"), res)
-        log(f"[lab] {row.name} seed {seed}: whole-val loss {loss:.4f} ({n} tokens), {res['wall_s']:.0f} s")
+        log(f"[lab] {row.name} seed {seed}: whole-val loss {loss:.4f} ({n} tokens), "
+            f"{res['wall_s']:.0f} s")
 
     def score_built(self, row, seed, d, log=print):
-        """A row with no training: the model row.build(lab) makes, scored as every run is (the whole val split)."""
+        """A row with no training: the model row.build(lab) makes, scored as every run is (the whole
+        val split)."""
         t0, commit = time.time(), _commit()
         model = row.build(self)
-        if not os.path.exists(os.path.join(self.shipped, "meta.json")):  # no run has made its shards yet
+        # no run has made its shards yet
+        if not os.path.exists(os.path.join(self.shipped, "meta.json")):
             _shipped_dir("shakespeare", self.table.tokenizer)
         try:
             loss, n = metrics.whole_val_loss(model, self.shipped, 16, "cpu")
-            extra_val_loss = {name: metrics.whole_val_loss(model, self.corpus_dir(name), 16, "cpu")[0]
-                              for name in self.table.extra_corpora}
+            extra_val_loss = {
+                name: metrics.whole_val_loss(model, self.corpus_dir(name), 16, "cpu")[0]
+                for name in self.table.extra_corpora
+            }
         except ValueError as e:
             raise LabError(str(e)) from None
-        res = {"row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n, "scored": "as built, no training",
-               "argv": [], "commit": commit, "extra_val_loss": extra_val_loss, "steps": 0, "wall_s": time.time() - t0,
+        res = {"row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n,
+               "scored": "as built, no training", "argv": [], "commit": commit,
+               "extra_val_loss": extra_val_loss, "steps": 0, "wall_s": time.time() - t0,
                "curve": []}
         _write_json(os.path.join(d, "result.json"), res)
         log(f"[lab] {row.name}: whole-val loss {loss:.4f} ({n} tokens), {res['wall_s']:.0f} s")
 
     def _train(self, cmd, d):
-        """train.py in a process group of its own: a Ctrl-C in the terminal reaches lab only, which passes it on
-        once (twice would stop train.py without a checkpoint). Returns its exit code."""
+        """train.py in a process group of its own: a Ctrl-C in the terminal reaches lab only, which
+        passes it on once (twice would stop train.py without a checkpoint). Returns its exit
+        code."""
         with open(os.path.join(d, "train.log"), "a") as f:
-            self.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, process_group=0)
+            self.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                          process_group=0)
         try:
             if self.stop:  # the signal came between the last check and the start
                 self.child.send_signal(signal.Signals[self.stop])
@@ -353,9 +419,14 @@ class Lab(Report):
             self.child = None
 
     def found(self):
-        """{row: [result, ...]} of the runs under root that count (the runs Report's pages are made of)."""
-        return {r.name: [res for s in self.row_seeds(r.name) if (res := self.result(r.name, s)) is not None]
-                for r in self.table.rows}
+        """{row: [result, ...]} of the runs under root that count (the runs Report's pages are made
+        of)."""
+        return {
+            r.name: [
+                res for s in self.row_seeds(r.name) if (res := self.result(r.name, s)) is not None
+            ]
+            for r in self.table.rows
+        }
 
 
 def _state_bytes(obj):
@@ -370,15 +441,16 @@ def _state_bytes(obj):
 
 
 def _ratios(steps, start=10):
-    """A DLM run's outlier ratios (mask tokens, the others): mean over all steps and over the first `start`."""
+    """A DLM run's outlier ratios (mask tokens, the others): mean over all steps and over the first
+    `start`."""
     first = [r for r in steps if r["step"] <= start]
     return {f"ratio_{k}{suffix}": statistics.mean(r[f"ratio_{k}"] for r in rs)
             for suffix, rs in (("", steps), ("_start", first)) for k in ("mask", "other")}
 
 
 def _not_adoptable(res):
-    """Why a committed run cannot be taken as finished (a finite val_loss, an integer steps and the list of train.py
-    arguments it ran with are needed), or "" when it can."""
+    """Why a committed run cannot be taken as finished (a finite val_loss, an integer steps and the
+    list of train.py arguments it ran with are needed), or "" when it can."""
     if not math.isfinite(res["val_loss"]):
         return f"its val_loss is {res['val_loss']}"
     if not isinstance(res.get("steps"), int) or isinstance(res["steps"], bool):
@@ -400,17 +472,17 @@ def _read_result(path, row, seed):
     shape = {"row": str, "seed": int, "val_loss": (int, float), "steps": int, "curve": list}
     if (not isinstance(res, dict) or any(not isinstance(res.get(k), t) for k, t in shape.items())
             or (res["row"], res["seed"]) != (row, seed)):
-        raise LabError(f"{path}: not lab's result of {row} seed {seed} (expected a JSON object with "
-                       f"{', '.join(shape)}); {fix}")
+        raise LabError(f"{path}: not lab's result of {row} seed {seed} (expected a JSON object "
+                       f"with {', '.join(shape)}); {fix}")
     return _current_keys(res)
 
 
 def _commit():
-    """The commit of the checkout lab runs from (git rev-parse HEAD); "unknown" outside a git checkout or without
-    git."""
+    """The commit of the checkout lab runs from (git rev-parse HEAD); "unknown" outside a git
+    checkout or without git."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -424,7 +496,8 @@ def _records(path):
 
 
 def _drop_torn_line(path):
-    """Cut a torn last line off metrics.jsonl, so that train.py resuming does not glue its next record onto it."""
+    """Cut a torn last line off metrics.jsonl, so that train.py resuming does not glue its next
+    record onto it."""
     if not os.path.exists(path):
         return False
     with open(path, "rb") as f:
@@ -448,7 +521,8 @@ def _saved_step(d):
 
 
 def _last_line(path):
-    """The last line train.py wrote (its `error: ...` line when it refused to run), without the prefix."""
+    """The last line train.py wrote (its `error: ...` line when it refused to run), without the
+    prefix."""
     with open(path, errors="replace") as f:
         lines = [line.strip() for line in f if line.strip()]
     return (lines or ["(an empty log)"])[-1].removeprefix("error: ")
@@ -469,7 +543,8 @@ class LabFlags:
 
 
 def main(argv):
-    flags, names = parse(argv, LabFlags, __doc__, positional="TABLE  one of: list, " + ", ".join(tables.TABLES))
+    flags, names = parse(argv, LabFlags, __doc__,
+                         positional="TABLE  one of: list, " + ", ".join(tables.TABLES))
     args = LabFlags(**flags)
     if not names or names[0] == "list":
         for name, make in tables.TABLES.items():
@@ -479,7 +554,8 @@ def main(argv):
                 print(f"  {r.name:14s} {r.label}")
         return 0
     if len(names) > 1 or names[0] not in tables.TABLES:
-        print(f"error: unknown table {' '.join(names)!r}; tables: {', '.join(tables.TABLES)} (python -m lab list)", file=sys.stderr)
+        print(f"error: unknown table {' '.join(names)!r}; tables: {', '.join(tables.TABLES)} "
+              f"(python -m lab list)", file=sys.stderr)
         return 2
     table = tables.TABLES[names[0]]()
     if args.seeds < 1:
@@ -489,7 +565,10 @@ def main(argv):
     wanted = args.rows.split(",") if args.rows else [r.name for r in table.rows]
     bad = [w for w in wanted if w not in lab.rows]
     if bad:
-        print(f"error: unknown row(s) {', '.join(bad)}; rows of {table.name}: {', '.join(lab.rows)}", file=sys.stderr)
+        print(
+            f"error: unknown row(s) {', '.join(bad)}; rows of {table.name}: {', '.join(lab.rows)}",
+            file=sys.stderr,
+        )
         return 2
     again = "python -m lab " + shlex.join(argv)
     try:
@@ -499,16 +578,25 @@ def main(argv):
             lab.run(wanted)
             print(f"[lab] {table.name}: ran in {(time.time() - t0) / 60:.1f} min")
         lab.report()
-    except (Stopped, KeyboardInterrupt, atomic.Interrupted) as e:  # every checkpoint and result.json so far is kept
-        why = e if isinstance(e, Stopped) else "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else \
-            f"interrupted (a second {signal.Signals(e.signum).name})"
-        print(f"error: {why}; nothing was written to {lab.results}; to resume, run the same command again: {again}",
-              file=sys.stderr)
+    # every checkpoint and result.json so far is kept
+    except (Stopped, KeyboardInterrupt, atomic.Interrupted) as e:
+        why = (
+            e
+            if isinstance(e, Stopped)
+            else (
+                "interrupted (Ctrl-C)"
+                if isinstance(e, KeyboardInterrupt)
+                else f"interrupted (a second {signal.Signals(e.signum).name})"
+            )
+        )
+        print(f"error: {why}; nothing was written to {lab.results}; to resume, run the same "
+              f"command again: {again}", file=sys.stderr)
         return 1
     except LabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # a run directory that cannot be made, a disk that filled up: the table is not written
+    # a run directory that cannot be made, a disk that filled up: the table is not written
+    except OSError as e:
         print(f"error: {e.filename}: {e.strerror or e}; the table was not written", file=sys.stderr)
         return 1
     return 0

@@ -1,29 +1,29 @@
 """
-Cleaning a corpus before it is tokenised: heuristic quality filters, exact deduplication, and near-duplicate
-removal with MinHash + LSH. Each document goes through three gates in order and the first one it fails drops it:
+Cleaning a corpus before it is tokenised: heuristic quality filters, exact deduplication, and
+near-duplicate removal with MinHash + LSH. Each document goes through three gates in order and the
+first one it fails drops it:
 
-1. quality filters, a handful of cheap rules per document (the first rule failed is the reason reported)
-   prose (Gopher, Rae et al., arXiv 2112.11446, App. A.1.1): 50..100,000 words; mean word length 3..10;
-   '#' and '...' per word <= 0.1; >= 80% of words contain a letter; lines that repeat an earlier line <= 30% of
-   the lines and <= 20% of the characters;
-   code (Codex, Chen et al., arXiv 2107.03374 sec. 3.1; StarCoder, arXiv 2305.06161 sec. 4): >= 50 words; mean
+1. quality filters, a few cheap rules per document (the first rule failed is the reason reported)
+   prose (Gopher, Rae et al., arXiv 2112.11446, App. A.1.1): 50..100,000 words; mean word length
+   3..10; '#' and '...' per word <= 0.1; >= 80% of words contain a letter; lines that repeat an
+   earlier line <= 30% of the lines and <= 20% of the characters;
+   code (Codex, arXiv 2107.03374 sec. 3.1; StarCoder, arXiv 2305.06161 sec. 4): >= 50 words; mean
    line length <= 100; longest line <= 1000; alphanumeric characters >= 25% of the text.
-2. exact duplicates: the sha1 of the normalised text (lower case, whitespace runs collapsed) was seen before.
+2. exact duplicates: the sha1 of the normalised text (lower case, whitespace collapsed) was seen.
 3. near duplicates (Broder 1997; the LSH banding of Leskovec, Rajaraman & Ullman, "Mining of Massive
    Datasets", ch. 3; as used for LM data by Lee et al., arXiv 2107.06499 sec. 4.1):
-     shingles S(d) = the set of word 5-grams of d;  Jaccard J(a, b) = |S(a) & S(b)| / |S(a) | S(b)|
-     MinHash: k hash functions h_i; sig_i(d) = min over s in S(d) of h_i(s); P[sig_i(a) = sig_i(b)] = J(a, b)
-     LSH: the k values in b bands of r rows; two documents are candidates if all r rows of any band agree,
+     shingles S(d) = the set of word 5-grams of d; Jaccard J(a, b) = |S(a) & S(b)| / |S(a) | S(b)|
+     MinHash: k hashes h_i; sig_i(d) = min over s in S(d) of h_i(s); P[sig_i(a) = sig_i(b)] = J
+     LSH: the k values in b bands of r rows; a candidate pair: all r rows of some band agree,
           P[candidate] = 1 - (1 - J^r)^b (b=32, r=4: 0.9999 at J=0.8, 0.23 at J=0.3)
-   a candidate pair is confirmed with the exact Jaccard of the shingle sets, J >= threshold (0.8, the source
-   notes' example); the later document of a confirmed pair is dropped, the first one kept.
-Everything is numpy and the standard library; hashes are fixed (no Python hash() salt), so the same corpus
-always gives the same result. tools/prepare.py runs it (--clean=prose|code|none) and prints the report.
+   a candidate pair is confirmed with the exact Jaccard of the shingle sets, J >= threshold (0.8,
+   the source notes' example); the later document of a confirmed pair is dropped, the first kept.
+Everything is numpy and the standard library; hashes are fixed (no Python hash() salt), so the same
+corpus always gives the same result. tools/prepare.py runs it (--clean=prose|code|none).
 
-Run:
-    python -m lessons.clean        # the report for the shipped code corpus, nothing written
-    python -m lessons.clean --kind=prose data/shakespeare.jsonl.gz   # the plays under Gopher's rules
-    python -m tools.prepare --clean=prose --out_dir=/tmp/x mine.jsonl   # your own files, cleaned and tokenised
+Run (the report only, nothing written; --help for the flags):
+    python -m lessons.clean                                         # the shipped code corpus
+    python -m lessons.clean --kind=prose data/shakespeare.jsonl.gz  # the plays, Gopher's rules
 Test:
     python -m pytest tests/test_clean.py
 """
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROSE = dict(min_words=50, max_words=100_000, min_mean_word=3.0, max_mean_word=10.0, max_symbols=0.1,
-             min_alpha_words=0.8, max_dup_lines=0.3, max_dup_line_chars=0.2)
+PROSE = dict(min_words=50, max_words=100_000, min_mean_word=3.0, max_mean_word=10.0,
+             max_symbols=0.1, min_alpha_words=0.8, max_dup_lines=0.3, max_dup_line_chars=0.2)
 CODE = dict(min_words=50, max_mean_line=100.0, max_line=1000, min_alnum=0.25)
 KINDS = {"prose": PROSE, "code": CODE}
 LETTER = re.compile(r"[^\W\d_]")  # a letter in any script
@@ -70,11 +70,13 @@ def quality_reason(text, kind="prose"):
         return "few words with letters"
     lines = [line.strip() for line in text.split("\n") if line.strip()]
     seen, dup, dup_chars = set(), 0, 0
-    for line in lines:  # a line that repeats an earlier one (its first occurrence is not a duplicate)
+    # a line that repeats an earlier one (its first occurrence is not a duplicate)
+    for line in lines:
         if line in seen:
             dup, dup_chars = dup + 1, dup_chars + len(line)
         seen.add(line)
-    if dup > p["max_dup_lines"] * len(lines) or dup_chars > p["max_dup_line_chars"] * sum(map(len, lines)):
+    chars = sum(map(len, lines))
+    if dup > p["max_dup_lines"] * len(lines) or dup_chars > p["max_dup_line_chars"] * chars:
         return "repeated lines"
     return None
 
@@ -84,8 +86,9 @@ def normalise(text):
 
 
 def shingles(text, n=5):
-    """The set of word n-grams of text (lower case, \\w+ words) as sorted unique uint32 hashes. A word is hashed
-    with crc32, an n-gram by a polynomial over its words' hashes (mod 2^64), mixed, kept to its top 32 bits."""
+    """The set of word n-grams of text (lower case, \\w+ words) as sorted unique uint32 hashes. A
+    word is hashed with crc32, an n-gram by a polynomial over its words' hashes (mod 2^64), mixed,
+    kept to its top 32 bits."""
     words = re.findall(r"\w+", text.lower())
     if not words:
         return np.zeros(0, dtype=np.uint32)
@@ -96,7 +99,8 @@ def shingles(text, n=5):
     with np.errstate(over="ignore"):
         for i in range(min(n, len(ids))):
             h = h * np.uint64(0x100000001B3) + ids[i:i + m]
-        h = (h ^ (h >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)  # mix: every word reaches the top 32 bits
+        # mix: every word reaches the top 32 bits
+        h = (h ^ (h >> np.uint64(33))) * np.uint64(0xFF51AFD7ED558CCD)
     return np.unique((h >> np.uint64(32)).astype(np.uint32))
 
 
@@ -107,7 +111,8 @@ def jaccard(a, b):
 
 
 class MinHash:
-    """k hash functions h_i(x) = (a_i x + b_i mod 2^64) >> 32 on 32-bit x (multiply-add-shift, a_i odd)."""
+    """k hash functions h_i(x) = (a_i x + b_i mod 2^64) >> 32 on 32-bit x (multiply-add-shift, a_i
+    odd)."""
 
     def __init__(self, k=128, seed=0):
         rng = np.random.Generator(np.random.PCG64(seed))
@@ -118,7 +123,8 @@ class MinHash:
         """(k,) uint32: per hash function, its minimum over the shingles sh."""
         sig = np.full(len(self.a), 2**32 - 1, dtype=np.uint64)
         with np.errstate(over="ignore"):
-            for i in range(0, len(sh), chunk):  # (k, chunk) at a time: bounded memory for long documents
+            # (k, chunk) at a time: bounded memory for long documents
+            for i in range(0, len(sh), chunk):
                 x = sh[i:i + chunk].astype(np.uint64)[None, :]
                 sig = np.minimum(sig, ((self.a * x + self.b) >> np.uint64(32)).min(axis=1))
         return sig.astype(np.uint32)
@@ -126,7 +132,8 @@ class MinHash:
 
 @dataclass
 class Cleaner:
-    """Streaming: keep(text) says whether a document survives, given every document kept before it."""
+    """Streaming: keep(text) says whether a document survives, given every document kept before
+    it."""
     kind: str = "prose"           # prose | code: which quality rules (None: no quality filter)
     threshold: float = 0.8        # near duplicate: exact Jaccard of word 5-gram sets >= threshold
     bands: int = 32
@@ -162,7 +169,8 @@ class Cleaner:
         if digest in self.exact:
             return "exact duplicate"
         sh = shingles(text)
-        keys = [(j, v.tobytes()) for j, v in enumerate(self.minhash.signature(sh).reshape(self.bands, self.rows))]
+        bands = self.minhash.signature(sh).reshape(self.bands, self.rows)
+        keys = [(j, v.tobytes()) for j, v in enumerate(bands)]
         candidates = {i for key in keys for i in self.buckets.get(key, ())}
         if any(jaccard(sh, self.kept[i]) >= self.threshold for i in sorted(candidates)):
             return "near duplicate"
@@ -175,10 +183,12 @@ class Cleaner:
     def report(self):
         """One line per gate: documents in, removed and why, kept; and the throughput."""
         out = sum(self.removed.values())
-        why = ", ".join(f"{n} {r}" for r, n in sorted(self.removed.items(), key=lambda kv: -kv[1])) or "none"
-        return (f"cleaning ({self.kind or 'no quality filter'}, near-duplicate Jaccard >= {self.threshold}): "
-                f"{self.docs_in:,} documents in, {out:,} removed ({why}), {self.docs_in - out:,} kept; "
-                f"{self.chars_in - self.chars_out:,} of {self.chars_in:,} characters removed; "
+        most_first = sorted(self.removed.items(), key=lambda kv: -kv[1])
+        why = ", ".join(f"{n} {r}" for r, n in most_first) or "none"
+        return (f"cleaning ({self.kind or 'no quality filter'}, near-duplicate Jaccard >= "
+                f"{self.threshold}): {self.docs_in:,} documents in, {out:,} removed ({why}), "
+                f"{self.docs_in - out:,} kept; {self.chars_in - self.chars_out:,} of "
+                f"{self.chars_in:,} characters removed; "
                 f"{self.chars_in / 1e6 / max(self.seconds, 1e-9):.1f} M characters/s")
 
     def summary(self):
@@ -189,17 +199,17 @@ class Cleaner:
 
 
 def main(argv):
-    """python -m lessons.clean [--kind=code|prose|dedup] [FILE.jsonl[.gz] ...]: the cleaning report of the
-    files ({"text": ...} per line; none: the shipped code corpus), nothing written; 0, or 2 after one
-    'error: ...' line for a bad argument or file."""
+    """python -m lessons.clean [--kind=code|prose|dedup] [FILE.jsonl[.gz] ...]: the cleaning report
+    of the files ({"text": ...} per line; none: the shipped code corpus), nothing written; 0, or 2
+    after one 'error: ...' line for a bad argument or file."""
     import os
     import sys
     kind, paths = "code", []
     for a in argv:
         if a in ("-h", "--help"):
-            print(__doc__.split("Run:")[0].rstrip() + "\n\n" + main.__doc__.split(":")[0] + "\n"
-                  "  --kind=code|prose|dedup  quality rules for code or prose, then deduplication; dedup: "
-                  "only that (default code)")
+            print(__doc__.split("Run:")[0].rstrip() + "\n\n" + main.__doc__.split(":")[0] + "\n  "
+                  "--kind=code|prose|dedup  quality rules for code or prose, then deduplication; "
+                  "dedup: only that (default code)")
             return 0
         if a.startswith("--kind="):
             kind = a.split("=", 1)[1]
@@ -207,7 +217,8 @@ def main(argv):
                 print(f"error: --kind={kind}: expected code, prose or dedup", file=sys.stderr)
                 return 2
         elif a.startswith("-"):
-            print(f"error: {a}: unknown option; python -m lessons.clean --help lists them", file=sys.stderr)
+            print(f"error: {a}: unknown option; python -m lessons.clean --help lists them",
+                  file=sys.stderr)
             return 2
         else:
             paths.append(a)
@@ -222,15 +233,17 @@ def main(argv):
                     if line.strip():
                         cleaner.keep(json.loads(line)["text"])
         except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
-            why = getattr(e, "strerror", None) or f"not a {{\"text\": ...}} JSON line ({type(e).__name__})"
+            why = getattr(e, "strerror", None) or \
+                f"not a {{\"text\": ...}} JSON line ({type(e).__name__})"
             where = f"line {n}: " if n else ""
-            print(f"error: {path}: {where}{why}; pass .jsonl or .jsonl.gz files of {{\"text\": ...}} lines",
-                  file=sys.stderr)
+            print(f"error: {path}: {where}{why}; pass .jsonl or .jsonl.gz files of "
+                  f"{{\"text\": ...}} lines", file=sys.stderr)
             return 2
     print(cleaner.report())
     return 0
 
 
-if __name__ == "__main__":  # the demo: the shipped code corpus cleaned as code, or your files; nothing written
+# the demo: the shipped code corpus cleaned as code, or your files; nothing written
+if __name__ == "__main__":
     import sys
     sys.exit(main(sys.argv[1:]))

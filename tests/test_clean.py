@@ -1,4 +1,5 @@
-"""lessons/clean.py: quality filters, exact and MinHash-LSH near-duplicate removal, and tools/prepare.py's use of them."""
+"""lessons/clean.py: quality filters, exact and MinHash-LSH near-duplicate removal, and
+tools/prepare.py's use of them."""
 import gzip
 import json
 import math
@@ -44,11 +45,13 @@ def test_shingles_and_jaccard_match_an_independent_set_implementation():
         got = clean.jaccard(clean.shingles(" ".join(base)), clean.shingles(" ".join(other)))
         assert got == pytest.approx(want, abs=1e-9)  # no 32-bit collision among ~800 shingles
     assert len(clean.shingles(" ".join(base))) == 396
-    assert len(clean.shingles("Too short")) == 1  # fewer than 5 words: the whole text is one shingle
+    # fewer than 5 words: the whole text is one shingle
+    assert len(clean.shingles("Too short")) == 1
 
 
 def test_minhash_agreement_estimates_jaccard():
-    """P[sig_i(a) = sig_i(b)] = J: the fraction of agreeing rows is within 4 standard errors of J."""
+    """P[sig_i(a) = sig_i(b)] = J: the fraction of agreeing rows is within 4 standard errors of
+    J."""
     base, near, far = _docs()
     mh = clean.MinHash(k=512, seed=3)
     a = mh.signature(clean.shingles(" ".join(base)))
@@ -63,7 +66,8 @@ def test_planted_exact_and_near_duplicates_are_removed_and_a_distant_pair_is_kep
     assert _set_jaccard(base, near) >= 0.9 and 0.25 < _set_jaccard(base, far) < 0.35
     cleaner = clean.Cleaner(kind=None)  # deduplication only: these are not sentences
     original = " ".join(base)
-    exact = "  " + original.upper().replace(" ", "\n") + " "  # same text once case and whitespace are normalised
+    # same text once case and whitespace are normalised
+    exact = "  " + original.upper().replace(" ", "\n") + " "
     kept = [cleaner.keep(t) for t in (original, exact, " ".join(near), " ".join(far))]
     assert kept == [True, False, False, True]
     assert cleaner.removed == {"exact duplicate": 1, "near duplicate": 1}
@@ -71,7 +75,8 @@ def test_planted_exact_and_near_duplicates_are_removed_and_a_distant_pair_is_kep
 
 
 def test_near_duplicate_threshold_is_the_exact_jaccard():
-    """With the threshold just above and just below the pair's Jaccard, the pair is kept and removed."""
+    """With the threshold just above and just below the pair's Jaccard, the pair is kept and
+    removed."""
     base, near, _ = _docs()
     j = _set_jaccard(base, near)
     for threshold, second_kept in ((j + 0.01, True), (j - 0.01, False)):
@@ -80,15 +85,16 @@ def test_near_duplicate_threshold_is_the_exact_jaccard():
 
 
 def _pair(shared_words, seed, n=400):
-    """Two n-word documents sharing their first shared_words words, then made-up words of their own: they share
-    shared_words - 4 of their n - 4 word 5-grams each."""
+    """Two n-word documents sharing their first shared_words words, then made-up words of their own:
+    they share shared_words - 4 of their n - 4 word 5-grams each."""
     a = _words(n, seed)
     return a, a[:shared_words] + _words(n - shared_words, seed + 10_000)
 
 
 def test_a_pair_at_exactly_the_threshold_is_a_near_duplicate():
-    """The rule is J >= threshold: a pair sharing 352 of its 396 5-grams each has J = 352 / 440 = 0.8, the default
-    threshold exactly, and is removed (LSH makes it a candidate with probability 1 - (1 - 0.8^4)^32 = 0.99999995)."""
+    """The rule is J >= threshold: a pair sharing 352 of its 396 5-grams each has J = 352 / 440 =
+    0.8, the default threshold exactly, and is removed (LSH makes it a candidate with probability 1
+    - (1 - 0.8^4)^32 = 0.99999995)."""
     a, b = _pair(356, seed=2)
     assert _set_jaccard(a, b) == 0.8
     c = clean.Cleaner(kind=None)
@@ -96,9 +102,10 @@ def test_a_pair_at_exactly_the_threshold_is_a_near_duplicate():
 
 
 def test_lsh_candidates_follow_the_banding_s_curve_of_32_bands_of_4_rows():
-    """A pair of Jaccard J becomes a candidate with probability 1 - (1 - J^r)^b: 0.873 at J = 0.5 for b = 32 bands
-    of r = 4 rows (1e-9 for 4 bands of 32). With the threshold below J every candidate is confirmed, so the share
-    of 40 independent J = 0.5 pairs removed is that probability, within 4 binomial standard deviations."""
+    """A pair of Jaccard J becomes a candidate with probability 1 - (1 - J^r)^b: 0.873 at J = 0.5
+    for b = 32 bands of r = 4 rows (1e-9 for 4 bands of 32). With the threshold below J every
+    candidate is confirmed, so the share of 40 independent J = 0.5 pairs removed is that
+    probability, within 4 binomial standard deviations."""
     removed = 0
     for seed in range(40):
         a, b = _pair(268, seed=100 + seed)  # 264 of 396 5-grams shared: J = 264 / 528
@@ -113,7 +120,9 @@ PROSE_JUNK = {
     "too few words": "Click here to subscribe now!",
     "symbols": " ".join(["#tag #more #trend ... words"] * 30),
     "few words with letters": " ".join(["1234 5678 90123 4567 89 word"] * 40),
-    "repeated lines": "\n".join(["Buy cheap watches today, best prices online"] * 30 + ["Contact us for more."]),
+    "repeated lines": "\n".join(
+        ["Buy cheap watches today, best prices online"] * 30 + ["Contact us for more."]
+    ),
     "odd mean word length": " ".join(["a b c d e f g h i j"] * 10),
 }
 CODE_JUNK = {
@@ -136,12 +145,13 @@ def _shipped(path):
 
 
 def test_quality_filters_keep_real_documents():
-    """Every shipped module of 50 words or more passes the code rules. 41 of the 42 plays pass Gopher's prose rules;
-    the one that fails is The Merry Wives of Windsor, on repeated lines (its speaker names), which is why the
-    shipped plays are only deduplicated (prepare.CORPORA)."""
+    """Every shipped module of 50 words or more passes the code rules. 41 of the 42 plays pass
+    Gopher's prose rules; the one that fails is The Merry Wives of Windsor, on repeated lines (its
+    speaker names), which is why the shipped plays are only deduplicated (prepare.CORPORA)."""
     code = [d for d in _shipped(prepare.PYTHON) if len(d["text"].split()) >= 50]
     assert len(code) == 159 and all(clean.quality_reason(d["text"], "code") is None for d in code)
-    failed = {d["title"]: clean.quality_reason(d["text"], "prose") for d in _shipped(prepare.SHAKESPEARE)}
+    failed = {d["title"]: clean.quality_reason(d["text"],
+                                               "prose") for d in _shipped(prepare.SHAKESPEARE)}
     assert {t: r for t, r in failed.items() if r} == {"merry_wives_of_windsor": "repeated lines"}
 
 
@@ -155,10 +165,12 @@ def test_prepare_cleans_reports_and_records_the_counts(tmp_path, capsys):
     out = prepare.prepare([str(src)], out_dir=str(tmp_path / "o"), val_every=2, clean_as="code")
     meta = json.load(open(os.path.join(out, "meta.json")))
     assert meta["cleaning"]["docs_in"] == 6
-    assert meta["cleaning"]["docs_removed"] == {"exact duplicate": 1, "too few words": 1, "near duplicate": 1}
+    assert meta["cleaning"]["docs_removed"] == {"exact duplicate": 1, "too few words": 1,
+                                                "near duplicate": 1}
     assert meta["n_docs_train"] + meta["n_docs_val"] == 3
     assert "6 documents in, 3 removed" in capsys.readouterr().out
-    prepare.prepare([str(src)], out_dir=str(tmp_path / "n"), val_every=2)  # your own files: no cleaning by default
+    # your own files: no cleaning by default
+    prepare.prepare([str(src)], out_dir=str(tmp_path / "n"), val_every=2)
     meta = json.load(open(tmp_path / "n" / "meta.json"))
     assert meta["n_docs_train"] + meta["n_docs_val"] == 6 and meta["cleaning"] is None
 
@@ -168,32 +180,49 @@ def test_clean_and_prepare_command_lines_print_the_report(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "lessons.clean"], cwd=ROOT, env=env,
                        capture_output=True, text=True)
-    assert r.returncode == 0 and "167 documents in, 8 removed (8 too few words), 159 kept" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "tools.prepare", "--corpus=python", f"--out_dir={tmp_path / 'py'}"], cwd=ROOT,
-                       env=env, capture_output=True, text=True)
+    assert (
+        r.returncode == 0 and "167 documents in, 8 removed (8 too few words), 159 kept" in r.stdout
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "tools.prepare", "--corpus=python", f"--out_dir={tmp_path / 'py'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0 and "159 kept" in r.stdout and "tokens/s" in r.stdout
-    bad = subprocess.run([sys.executable, "-m", "tools.prepare", "--clean=maybe"], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "prose, code, dedup, none" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "tools.prepare", "--clean=maybe"], cwd=ROOT,
+                         env=env, capture_output=True, text=True)
+    assert (
+        bad.returncode == 2
+        and bad.stderr.count("\n") == 1
+        and "prose, code, dedup, none" in bad.stderr
+    )
 
 
-
-def test_clean_command_line_takes_help_a_kind_and_files_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+def test_clean_command_line_takes_help_a_kind_and_files_and_refuses_bad_input_in_one_line(
+    tmp_path, capsys
+):
     assert clean.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "python -m lessons.clean [--kind=code|prose|dedup]" in out and "MinHash" in out
     words = " ".join(_words(60, 0))
     src = tmp_path / "mine.jsonl"
-    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in (words, words.upper(), "too short")))
+    src.write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in (words, words.upper(), "too short"))
+    )
     assert clean.main(["--kind=dedup", str(src)]) == 0  # the upper-cased copy is an exact duplicate
     assert "3 documents in, 1 removed (1 exact duplicate), 2 kept" in capsys.readouterr().out
-    assert clean.main(["--kind=prose", str(src)]) == 0  # and Gopher's 50-word minimum drops the third
+    # and Gopher's 50-word minimum drops the third
+    assert clean.main(["--kind=prose", str(src)]) == 0
     assert "3 documents in, 2 removed" in capsys.readouterr().out
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
-    for argv, fact in ((["--kind=web"], "--kind=web: expected code, prose or dedup"),
-                       (["--bogus"], "--bogus: unknown option"),
-                       ([str(tmp_path / "none.jsonl")], "none.jsonl: No such file"),
-                       ([str(tmp_path / "bad.jsonl")], "bad.jsonl: line 2: not a {\"text\": ...} JSON line")):
+    for argv, fact in (
+        (["--kind=web"], "--kind=web: expected code, prose or dedup"),
+        (["--bogus"], "--bogus: unknown option"),
+        ([str(tmp_path / "none.jsonl")], "none.jsonl: No such file"),
+        ([str(tmp_path / "bad.jsonl")], "bad.jsonl: line 2: not a {\"text\": ...} JSON line"),
+    ):
         assert clean.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and fact in err[0], (argv, err)

@@ -211,13 +211,14 @@ def test_export_command_line_gguf_and_its_refusals(tmp_path, capsys):
 
 
 # -----------------------------------------------------------------------------
-# lab/check_llamacpp.py's outputs, with a stand-in for llama-cpp-python (which compiles llama.cpp on install)
+# lab/check_llamacpp.py's outputs, with a stand-in for llama-cpp-python (which compiles llama.cpp)
 
 
 class _FakeLlama:
-    """llama_cpp.Llama as lab/check_llamacpp.py calls it: uniform logits, one fixed sample; with `script` set, the
-    logits after each token name the next token of the script (the greedy tokens it "generates"). As llama-cpp-python
-    (0.3), the scores are written only in a context opened with logits_all=True."""
+    """llama_cpp.Llama as lab/check_llamacpp.py calls it: uniform logits, one fixed sample; with
+    `script` set, the logits after each token name the next token of the script (the greedy tokens
+    it "generates"). As llama-cpp-python (0.3), the scores are written only in a context opened with
+    logits_all=True."""
     script = None
 
     def __init__(self, model_path, n_ctx, logits_all=False, **kwargs):
@@ -239,9 +240,11 @@ class _FakeLlama:
 
 @pytest.mark.slow
 @pytest.mark.slow  # trains a tiny run (a subprocess)
-def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp_path, capsys, monkeypatch):
-    """--out=<a checkpoint> and --gguf=<a checkpoint> are refused: neither rewrites the checkpoint (nor its
-    hard-linked ckpt_N.pt) as JSON or as a GGUF."""
+def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(
+    tmp_path, capsys, monkeypatch
+):
+    """--out=<a checkpoint> and --gguf=<a checkpoint> are refused: neither rewrites the checkpoint
+    (nor its hard-linked ckpt_N.pt) as JSON or as a GGUF."""
     import hashlib
     import json
     import types
@@ -249,11 +252,13 @@ def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp
     from lab import check_llamacpp
     from tools import outputs
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlama))
-    run(f"--out_dir={tmp_path}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=4")
+    run(f"--out_dir={tmp_path}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4",
+        "--eval_interval=4")
     d = tmp_path / "stage2"
     ckpt, numbered, another = str(d / "ckpt.pt"), str(d / "ckpt_000004.pt"), str(d / "another.pt")
     shutil.copy(ckpt, another)  # another run's checkpoint
-    digest = lambda: {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in os.listdir(d)}  # noqa: E731
+    def digest():
+        return {n: hashlib.sha256((d / n).read_bytes()).hexdigest() for n in os.listdir(d)}
     before = digest()
     small = ["--windows=1", "--samples=1", "--gen_tokens=0"]
     for flag in ("--out", "--gguf"):
@@ -269,7 +274,8 @@ def test_check_llamacpp_never_writes_over_a_checkpoint_and_keeps_its_outputs(tmp
     assert check_llamacpp.main([f"--ckpt={ckpt}", f"--gguf={gguf}", f"--out={result}", *small]) == 0
     assert json.load(open(result))["tokens"] == 32 and outputs.file_kind(gguf) == ("gguf", ckpt)
     msg = fails(capsys, f"--ckpt={ckpt}", f"--gguf={gguf}", f"--out={result}", *small, code=2,
-                main=check_llamacpp.main)  # the GGUF of the same checkpoint may go; an earlier result stays
+                # the GGUF of the same checkpoint may go; an earlier result stays
+                main=check_llamacpp.main)
     assert f"--out={result}" in msg and "already exists" in msg and "--overwrite=True" in msg, msg
     assert check_llamacpp.main([f"--ckpt={ckpt}", f"--gguf={gguf}", f"--out={result}", *small,
                                 "--overwrite=True"]) == 0
@@ -331,10 +337,12 @@ def test_qk_norm_and_an_untied_head_are_refused_for_llama_cpp(tmp_path):
 
 
 @pytest.mark.slow  # trains a tiny run (a subprocess)
-def test_check_llamacpp_times_greedy_generation_in_both_and_counts_the_tokens_that_agree(tmp_path, monkeypatch):
-    """generation_speed: llama.cpp's greedy tokens (here scripted) against ours from the frozen packed model, the
-    prompt excluded: tokens/s of each, and the length of the common start (all n when llama.cpp picks ours,
-    3 when it parts at the fourth)."""
+def test_check_llamacpp_times_greedy_generation_in_both_and_counts_the_tokens_that_agree(
+    tmp_path, monkeypatch
+):
+    """generation_speed: llama.cpp's greedy tokens (here scripted) against ours from the frozen
+    packed model, the prompt excluded: tokens/s of each, and the length of the common start (all n
+    when llama.cpp picks ours, 3 when it parts at the fourth)."""
     import copy
     import types
     import torch
@@ -342,27 +350,33 @@ def test_check_llamacpp_times_greedy_generation_in_both_and_counts_the_tokens_th
     from tools import decode, export
     from kernels.packed_linear import freeze_ternary
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_FakeLlama))
-    run(f"--out_dir={tmp_path}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=4")
+    run(f"--out_dir={tmp_path}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4",
+        "--eval_interval=4")
     model, _ = export.load_training_checkpoint(str(tmp_path / "stage2" / "ckpt.pt"))
     prompt = torch.arange(5, 21)
     with torch.no_grad():
-        ours = decode.Decoder(freeze_ternary(copy.deepcopy(model)).eval(), "eager").generate(prompt[None], 8, top_k=1)
+        ours = decode.Decoder(freeze_ternary(copy.deepcopy(model)).eval(), "eager").generate(
+            prompt[None], 8, top_k=1
+        )
     ours = ours[0, 16:].tolist()
     for script, agree in ((ours, 8), (ours[:3] + [(ours[3] + 1) % 257] + ours[4:], 3)):
-        monkeypatch.setattr(_FakeLlama, "script", list(script) + [0])  # the prompt's eval pops the first
+        # the prompt's eval pops the first
+        monkeypatch.setattr(_FakeLlama, "script", list(script) + [0])
         r = check_llamacpp.generation_speed(model, "unused.gguf", prompt, 8)
         assert r["greedy_tokens_agreeing_from_the_start"] == agree and r["gen_tokens"] == 8
         assert r["llamacpp_gen_tokens_per_s"] > 0 and r["ours_packed_gen_tokens_per_s"] > 0
 
 
 def test_check_llamacpp_sh_help_prints_the_flags_without_installing_anything(tmp_path):
-    """--help answers at once: the script's pip install (a compile of tens of minutes) is not reached; a pip
-    that records being called stands in for the real one on PATH."""
+    """--help answers at once: the script's pip install (a compile of tens of minutes) is not
+    reached; a pip that records being called stands in for the real one on PATH."""
     (tmp_path / "pip").write_text(f"#!/bin/sh\ntouch {tmp_path / 'pip_ran'}\nexit 1\n")
     os.chmod(tmp_path / "pip", 0o755)
     env = dict(ENV, PATH=f"{tmp_path}{os.pathsep}{ENV.get('PATH', '')}", PYTHONPATH=ROOT)
     for flag in ("--help", "-h"):
         r = subprocess.run(["bash", os.path.join(ROOT, "lab", "check_llamacpp.sh"), flag], env=env,
                            capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and "--gen_tokens" in r.stdout and "llama.cpp" in r.stdout, r.stderr
+        assert (
+            r.returncode == 0 and "--gen_tokens" in r.stdout and "llama.cpp" in r.stdout
+        ), r.stderr
     assert not (tmp_path / "pip_ran").exists()

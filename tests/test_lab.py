@@ -1,5 +1,6 @@
-"""Tests for the lab (lab/tables.py, runner.py, report.py), the experiment runner: whole-val scoring against an
-independent loop, the seed/row order, skipping finished runs, resuming a stopped one, and the table's statistics.
+"""Tests for the lab (lab/tables.py, runner.py, report.py), the experiment runner: whole-val scoring
+against an independent loop, the seed/row order, skipping finished runs, resuming a stopped one, and
+the table's statistics.
 Run: python -m pytest tests/test_lab.py"""
 import dataclasses
 import json
@@ -22,7 +23,8 @@ from tools import atomic, metrics
 
 @pytest.fixture(autouse=True)
 def one_thread(monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", ENV["OMP_NUM_THREADS"])  # the runs lab starts: one thread (conftest)
+    # the runs lab starts: one thread (conftest)
+    monkeypatch.setenv("OMP_NUM_THREADS", ENV["OMP_NUM_THREADS"])
 
 
 def _shards(d, n_val, seed=0):
@@ -36,7 +38,8 @@ def _shards(d, n_val, seed=0):
 
 def test_full_val_loss_is_every_window_once(tmp_path):
     d = str(tmp_path / "shards")
-    _shards(d, 32 * 7 + 5)  # 7 windows of 33 tokens (starting 0, 32, ..., 192), and a tail that is left out
+    # 7 windows of 33 tokens (starting 0, 32, ..., 192), and a tail that is left out
+    _shards(d, 32 * 7 + 5)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32))
     path = str(tmp_path / "ckpt.pt")
@@ -56,12 +59,27 @@ def test_full_val_loss_is_every_window_once(tmp_path):
 
 def _table():
     tiny = " ".join(TINY) + " --max_iters=3 --eval_interval=3"
-    return tables.Table("t", "tiny", [
-        tables.Row("a", "row a", f"--stage=1 {tiny}"),
-        tables.Row("b", "row b", f"--stage=2 {tiny} --init_from={{run}}/a/ckpt.pt", needs=("a",)),
-        tables.Row("c", "row c, two teachers", f"--stage=3 {tiny} --init_from={{run}}/b/ckpt.pt --kd_relation=0 "
-                   f"--teacher={{run}}/a/ckpt.pt,{{next_run}}/a/ckpt.pt", needs=("b",), needs_next=("a",)),
-    ], baseline="b", reference="a")
+    return tables.Table(
+        "t",
+        "tiny",
+        [
+            tables.Row("a", "row a", f"--stage=1 {tiny}"),
+            tables.Row(
+                "b", "row b", f"--stage=2 {tiny} --init_from={{run}}/a/ckpt.pt", needs=("a",)
+            ),
+            tables.Row(
+                "c",
+                "row c, two teachers",
+                f"--stage=3 {tiny} --init_from={{run}}/b/ckpt.pt "
+                "--kd_relation=0 "
+                f"--teacher={{run}}/a/ckpt.pt,{{next_run}}/a/ckpt.pt",
+                needs=("b",),
+                needs_next=("a",),
+            ),
+        ],
+        baseline="b",
+        reference="a",
+    )
 
 
 def test_order_puts_what_rows_need_first_and_reads_the_next_seeds_teacher():
@@ -136,9 +154,12 @@ def test_versus_and_gap_closed_follow_their_definitions():
     base = {"mean": 1.00, "std": 0.01}
     assert report.versus({"mean": 0.97, "std": 0.0}, base) == "-0.0300 (better)"
     assert report.versus({"mean": 1.03, "std": 0.0}, base) == "+0.0300 (worse)"
-    assert report.versus({"mean": 0.985, "std": 0.0}, base) == "-0.0150 (no measurable difference)"  # < 2 std
-    assert report.versus({"mean": 0.90, "std": None, "n": 1}, base) == "-0.1000 (too few seeds for a verdict)"
-    assert report.versus({"mean": 1.03, "std": 0.02}, base) == "+0.0300 (no measurable difference)"  # its own noise
+    # < 2 std
+    assert report.versus({"mean": 0.985, "std": 0.0}, base) == "-0.0150 (no measurable difference)"
+    assert report.versus({"mean": 0.90, "std": None, "n": 1},
+                         base) == "-0.1000 (too few seeds for a verdict)"
+    # its own noise
+    assert report.versus({"mean": 1.03, "std": 0.02}, base) == "+0.0300 (no measurable difference)"
     ref = {"mean": 0.80, "std": 0.01}
     assert report.closed({"mean": 0.90, "std": 0.0}, base, ref) == "50%"
     assert report.fmt({"mean": 1.23456, "std": 0.00123}) == "1.2346 ± 0.0012"
@@ -181,8 +202,8 @@ def test_a_dlm_table_scores_masked_val_losses_and_the_conversion_diagnostics(tmp
 
 def test_dlm_ratios_average_all_steps_and_the_first_ten():
     steps = [{"step": s, "ratio_mask": float(s), "ratio_other": 2.0 * s} for s in range(1, 13)]
-    assert runner._ratios(steps) == {"ratio_mask": 6.5, "ratio_other": 13.0, "ratio_mask_start": 5.5,
-                                     "ratio_other_start": 11.0}
+    assert runner._ratios(steps) == {"ratio_mask": 6.5, "ratio_other": 13.0,
+                                     "ratio_mask_start": 5.5, "ratio_other_start": 11.0}
 
 # -----------------------------------------------------------------------------
 # nothing lost: committed tables, preempted runs, signals, damaged files
@@ -191,23 +212,30 @@ def test_dlm_ratios_average_all_steps_and_the_first_ten():
 def _fake_result(t, row, seed, val_loss, steps=3):
     """A result.json as lab writes it, without training (the rows of _table() run 3 steps)."""
     os.makedirs(t.run_dir(row, seed), exist_ok=True)
-    res = {"row": row, "seed": seed, "val_loss": val_loss, "val_tokens": 992, "scored": "ckpt.pt", "argv": [],
-           "extra_val_loss": {}, "steps": steps, "ms_per_step_median": 1.0, "max_logit": None, "optimizer_bytes": 0,
-           "wall_s": 0.0, "curve": [[steps, val_loss]], "logit_curve": []}
+    res = {"row": row, "seed": seed, "val_loss": val_loss, "val_tokens": 992, "scored": "ckpt.pt",
+           "argv": [], "extra_val_loss": {}, "steps": steps, "ms_per_step_median": 1.0,
+           "max_logit": None, "optimizer_bytes": 0, "wall_s": 0.0, "curve": [[steps, val_loss]],
+           "logit_curve": []}
     with open(os.path.join(t.run_dir(row, seed), "result.json"), "w") as f:
         json.dump(res, f)
     return res
 
 
 def _finished_ckpt(t, row, seed, step, records=None):
-    """A real tiny checkpoint at `step` and its metrics.jsonl, as train.py leaves them, without training."""
+    """A real tiny checkpoint at `step` and its metrics.jsonl, as train.py leaves them, without
+    training."""
     d = t.run_dir(row, seed)
     os.makedirs(d, exist_ok=True)
     torch.manual_seed(seed)
     model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32))
-    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config), "step": step,
-                "config": {"max_iters": 3}, "optimizer": {}}, os.path.join(d, "ckpt.pt"))
-    lines = records if records is not None else [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in range(1, step + 1)]
+    torch.save({"model": model.state_dict(), "model_args": dataclasses.asdict(model.config),
+                "step": step, "config": {"max_iters": 3},
+                "optimizer": {}}, os.path.join(d, "ckpt.pt"))
+    lines = (
+        records
+        if records is not None
+        else [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in range(1, step + 1)]
+    )
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         f.write("".join(lines))
 
@@ -218,7 +246,8 @@ def _write(path, text):
 
 
 def _snapshot(d):
-    return {n: open(os.path.join(d, n), "rb").read() for n in sorted(os.listdir(d))} if os.path.isdir(d) else {}
+    return {n: open(os.path.join(d, n),
+                    "rb").read() for n in sorted(os.listdir(d))} if os.path.isdir(d) else {}
 
 
 def _one_error_line(capsys):
@@ -232,12 +261,14 @@ _LAB_INIT = runner.Lab.__init__
 
 def _results_in(monkeypatch, d):
     """Every Lab, runner.main's too, writes its table to d (never to the committed lab/results)."""
-    monkeypatch.setattr(runner.Lab, "__init__", lambda self, *a, **k: _LAB_INIT(self, *a, **{**k, "results": str(d)}))
+    monkeypatch.setattr(runner.Lab, "__init__", lambda self, *a,
+                        **k: _LAB_INIT(self, *a, **{**k, "results": str(d)}))
 
 
 @pytest.fixture
 def tiny_main(tmp_path, monkeypatch):
-    """runner.main on _table() (as table "t"), its results under tmp_path/results: returns the results dir."""
+    """runner.main on _table() (as table "t"), its results under tmp_path/results: returns the
+    results dir."""
     monkeypatch.setattr(tables, "TABLES", {"t": _table})
     _results_in(monkeypatch, tmp_path / "results")
     return str(tmp_path / "results")
@@ -253,7 +284,8 @@ def test_a_report_never_replaces_committed_rows_with_fewer_runs(tmp_path, capsys
     committed = _snapshot(results)
     assert json.loads(committed["t.json"])["summary"]["a"]["n"] == 3
     capsys.readouterr()
-    # an empty root (a fresh clone), and one seed of every row: the 3-run rows stay, with one line saying so
+    # an empty root (a fresh clone), and one seed of every row: the 3-run rows stay, with one line
+    # saying so
     empty = runner.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "empty"), results=results)
     one = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "one"), results=results)
     for row in "abc":
@@ -268,30 +300,39 @@ def test_a_report_never_replaces_committed_rows_with_fewer_runs(tmp_path, capsys
         _fake_result(one, "a", s, 3.0)
     runner.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "one"), results=results).report()
     table = json.load(open(os.path.join(results, "t.json")))
-    assert table["summary"]["a"]["mean"] == 3.0 and table["summary"]["b"]["mean"] == pytest.approx(1.1)
-    assert sorted((r["row"], r["seed"], r["val_loss"]) for r in table["runs"] if r["row"] == "b") == [
-        ("b", 0, 1.0), ("b", 1, 1.1), ("b", 2, 1.2)]
+    assert table["summary"]["a"]["mean"] == 3.0 and table["summary"]["b"]["mean"] == pytest.approx(
+        1.1
+    )
+    assert sorted(
+        (r["row"], r["seed"], r["val_loss"]) for r in table["runs"] if r["row"] == "b"
+    ) == [("b", 0, 1.0), ("b", 1, 1.1), ("b", 2, 1.2)]
 
 
 def test_a_fresh_machine_takes_finished_runs_from_the_committed_table_not_retraining_them(tmp_path):
-    """out/ does not survive a move to another machine, the committed <table>.json does: lab.run takes each run it
-    holds with today's exact flags from there (train.py is never started for it), except a run whose checkpoint a row
-    still to run starts from (the next seed's teacher too), a run with other flags, and one short of max_iters."""
+    """out/ does not survive a move to another machine, the committed <table>.json does: lab.run
+    takes each run it holds with today's exact flags from there (train.py is never started for it),
+    except a run whose checkpoint a row still to run starts from (the next seed's teacher too), a
+    run with other flags, and one short of max_iters."""
     results, root = str(tmp_path / "results"), str(tmp_path / "runs")
     first = runner.Lab(_table(), seeds=(0, 1), root=root, results=results)
     for row in "abc":
         for s in (0, 1):
             res = _fake_result(first, row, s, 1.0 + s)
-            res["argv"] = first.argv(first.rows[row], s, resume=s == 1)[1:]  # as lab ran it, resumed or not
+            # as lab ran it, resumed or not
+            res["argv"] = first.argv(first.rows[row], s, resume=s == 1)[1:]
             _write(os.path.join(first.run_dir(row, s), "result.json"), json.dumps(res))
     first.report(log=lambda line: None)
     shutil.rmtree(root)  # another machine: the committed table only
-    fresh = lambda: runner.Lab(_table(), seeds=(0, 1), root=root, results=results, python="/nonexistent/python")
+    fresh = lambda: runner.Lab(_table(), seeds=(0, 1), root=root, results=results,
+                               python="/nonexistent/python")
     t, logs = fresh(), []
     t.run(["a", "b", "c"], log=logs.append)  # a train.py start would fail loudly
     assert len([line for line in logs if "not trained again" in line]) == 6
-    assert t.report(log=lambda line: None)["c"]["values"] == [1.0, 2.0] and t.result("a", 1)["adopted"]
-    # c seed 0 not committed: what it starts from (b seed 0, a seed 0, and the next seed's teacher a seed 1) is trained
+    assert (
+        t.report(log=lambda line: None)["c"]["values"] == [1.0, 2.0] and t.result("a", 1)["adopted"]
+    )
+    # c seed 0 not committed: what it starts from (b seed 0, a seed 0, and the next seed's teacher a
+    # seed 1) is trained
     shutil.rmtree(root)
     table = json.load(open(os.path.join(results, "t.json")))
     table["runs"] = [r for r in table["runs"] if (r["row"], r["seed"]) != ("c", 0)]
@@ -300,10 +341,12 @@ def test_a_fresh_machine_takes_finished_runs_from_the_committed_table_not_retrai
     assert sorted(t.adopt(t.order(["a", "b", "c"]), log=lambda line: None)) == [("b", 1), ("c", 1)]
     shutil.rmtree(root)
     # rows not asked for (c) do not hold their prerequisites back
-    assert sorted(fresh().adopt([("a", 0), ("a", 1), ("b", 0)], log=lambda line: None)) == [("a", 0), ("a", 1), ("b", 0)]
+    assert sorted(fresh().adopt([("a", 0), ("a", 1), ("b", 0)],
+                                log=lambda line: None)) == [("a", 0), ("a", 1), ("b", 0)]
     # other flags than the committed run's, or fewer steps: trained again
     for r in table["runs"]:
-        r["argv"] = [a.replace("--max_iters=3", "--max_iters=4") for a in r["argv"]] if r["seed"] == 0 else r["argv"]
+        r["argv"] = [a.replace("--max_iters=3",
+                               "--max_iters=4") for a in r["argv"]] if r["seed"] == 0 else r["argv"]
         r["steps"] = 2 if r["seed"] == 1 else r["steps"]
     _write(os.path.join(results, "t.json"), json.dumps(table))
     shutil.rmtree(root)
@@ -333,11 +376,16 @@ def test_a_full_disk_while_writing_the_table_keeps_every_committed_page(tmp_path
 
 
 def test_report_in_a_fresh_clone_keeps_the_committed_muon_table(tmp_path, monkeypatch, capsys):
-    assert runner.Lab(tables.TABLES["muon"]()).results == os.path.join(runner.ROOT, "lab", "results")  # the committed pages
+    # the committed pages
+    assert runner.Lab(tables.TABLES["muon"]()).results == os.path.join(
+        runner.ROOT, "lab", "results"
+    )
     results = tmp_path / "results"
     results.mkdir()
     for ext in ("json", "md"):
-        (results / f"muon.{ext}").write_bytes(open(os.path.join(runner.ROOT, "lab", "results", f"muon.{ext}"), "rb").read())
+        (results / f"muon.{ext}").write_bytes(
+            open(os.path.join(runner.ROOT, "lab", "results", f"muon.{ext}"), "rb").read()
+        )
     _results_in(monkeypatch, results)
     before = _snapshot(str(results))
     for extra in ([], ["--seeds=1"]):
@@ -359,23 +407,34 @@ def test_a_run_refused_by_the_lock_writes_nothing_to_the_table(tmp_path, tiny_ma
 
 
 def test_a_run_that_stopped_before_max_iters_is_not_scored_and_is_resumed(tmp_path):
-    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
-                   python=shutil.which("true"))  # "train.py" exits 0 at once, as one sent SIGTERM does after saving
+    t = runner.Lab(
+        _table(),
+        seeds=(0,),
+        root=str(tmp_path / "runs"),
+        results=str(tmp_path / "results"),
+        # "train.py" exits 0 at once, as one sent SIGTERM does after saving
+        python=shutil.which("true"),
+    )
     good = [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in (1, 2)]
-    _finished_ckpt(t, "a", 0, step=2, records=good + ['{"step": 3, "ms'])  # 2 of the row's 3 steps, a torn line
+    # 2 of the row's 3 steps, a torn line
+    _finished_ckpt(t, "a", 0, step=2, records=good + ['{"step": 3, "ms'])
     logs = []
     with pytest.raises(tables.LabError) as e:
         t.run(["a"], log=logs.append)
     assert "step 2 of 3" in str(e.value) and any("--resume=True" in line for line in logs)
-    assert open(os.path.join(t.run_dir("a", 0), "metrics.jsonl")).read() == "".join(good)  # train.py appends after it
+    # train.py appends after it
+    assert open(os.path.join(t.run_dir("a", 0), "metrics.jsonl")).read() == "".join(good)
     assert not os.path.exists(os.path.join(t.run_dir("a", 0), "result.json"))
-    # a result.json that an older lab wrote for a stopped run does not count: the run is resumed, not skipped
+    # a result.json that an older lab wrote for a stopped run does not count: the run is resumed,
+    # not skipped
     _fake_result(t, "a", 0, 1.0, steps=2)
     assert t.result("a", 0) is None
     logs.clear()
     with pytest.raises(tables.LabError):
         t.run(["a"], log=logs.append)
-    assert not any("skipped" in line for line in logs) and any("--resume=True" in line for line in logs)
+    assert not any("skipped" in line for line in logs) and any(
+        "--resume=True" in line for line in logs
+    )
 
 
 @pytest.mark.slow
@@ -422,7 +481,8 @@ def test_a_corrupt_or_foreign_result_json_is_one_line_naming_it(tmp_path, tiny_m
     t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
     _fake_result(t, "a", 0, 1.0)
     path = os.path.join(t.run_dir("a", 0), "result.json")
-    for text in ('{"row": "a", "val_lo', "[1, 2, 3]", '{"hello": "world"}', '{"row": "b", "seed": 0, "val_loss": 1.0}'):
+    for text in ('{"row": "a", "val_lo', "[1, 2, 3]", '{"hello": "world"}',
+                 '{"row": "b", "seed": 0, "val_loss": 1.0}'):
         with open(path, "w") as f:
             f.write(text)
         assert runner.main(["t", "--seeds=1", "--report", f"--root={t.root}"]) == 1
@@ -432,11 +492,18 @@ def test_a_corrupt_or_foreign_result_json_is_one_line_naming_it(tmp_path, tiny_m
 
 def test_a_torn_last_metrics_line_is_tolerated_and_a_corrupt_one_is_named(tmp_path):
     _shards(str(tmp_path / "shards"), 1000)
-    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
-                   python=shutil.which("false"))  # the run is finished: scored without starting train.py
+    t = runner.Lab(
+        _table(),
+        seeds=(0,),
+        root=str(tmp_path / "runs"),
+        results=str(tmp_path / "results"),
+        # the run is finished: scored without starting train.py
+        python=shutil.which("false"),
+    )
     t.shipped = str(tmp_path / "shards")
     good = [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in (1, 2, 3)]
-    _finished_ckpt(t, "a", 0, step=3, records=good + ['{"step": 4, "ms'])  # killed while writing a line
+    # killed while writing a line
+    _finished_ckpt(t, "a", 0, step=3, records=good + ['{"step": 4, "ms'])
     t.run(["a"], log=lambda line: None)
     assert t.result("a", 0)["steps"] == 3
     os.remove(os.path.join(t.run_dir("a", 0), "result.json"))
@@ -450,16 +517,23 @@ def test_a_torn_last_metrics_line_is_tolerated_and_a_corrupt_one_is_named(tmp_pa
 
 
 def test_every_result_records_the_commit_lab_ran_at(tmp_path, monkeypatch):
-    """result.json, and each run in the table's JSON, hold `git rev-parse HEAD` of the checkout lab runs from;
-    "unknown" outside a git checkout, or without git."""
+    """result.json, and each run in the table's JSON, hold `git rev-parse HEAD` of the checkout lab
+    runs from; "unknown" outside a git checkout, or without git."""
     import subprocess
     _shards(str(tmp_path / "shards"), 1000)
-    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
-                   python=shutil.which("false"))  # the run is finished: scored without starting train.py
+    t = runner.Lab(
+        _table(),
+        seeds=(0,),
+        root=str(tmp_path / "runs"),
+        results=str(tmp_path / "results"),
+        # the run is finished: scored without starting train.py
+        python=shutil.which("false"),
+    )
     t.shipped = str(tmp_path / "shards")
     _finished_ckpt(t, "a", 0, step=3)
     t.run(["a"], log=lambda line: None)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=runner.ROOT, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=runner.ROOT, capture_output=True,
+                          text=True).stdout.strip()
     assert len(head) == 40 and t.result("a", 0)["commit"] == head
     t.report(log=lambda line: None)
     assert [r["commit"] for r in json.load(open(tmp_path / "results" / "t.json"))["runs"]] == [head]
@@ -471,9 +545,9 @@ def test_every_result_records_the_commit_lab_ran_at(tmp_path, monkeypatch):
 
 
 def _committed_table(tmp_path, seeds=(0,), **change):
-    """A committed t.json holding a finished run of every row and seed (flags as lab runs them); the run of row r,
-    seed s then edited in the JSON: change["rs"] = {key: value, or DELETE to drop the key}; returns (results dir,
-    root, a Lab of a fresh machine that cannot start train.py)."""
+    """A committed t.json holding a finished run of every row and seed (flags as lab runs them); the
+    run of row r, seed s then edited in the JSON: change["rs"] = {key: value, or DELETE to drop the
+    key}; returns (results dir, root, a Lab of a fresh machine that cannot start train.py)."""
     results, root = str(tmp_path / "results"), str(tmp_path / "runs")
     first = runner.Lab(_table(), seeds=seeds, root=root, results=results)
     for row in "abc":
@@ -489,23 +563,25 @@ def _committed_table(tmp_path, seeds=(0,), **change):
             for k, v in change.get(f"{r['row']}{r['seed']}", {}).items():
                 r.pop(k) if v is DELETE else r.update({k: v})
         _write(os.path.join(results, "t.json"), json.dumps(table))
-    return results, root, runner.Lab(_table(), seeds=seeds, root=root, results=results, python="/nonexistent/python")
+    return results, root, runner.Lab(_table(), seeds=seeds, root=root, results=results,
+                                     python="/nonexistent/python")
 
 
 DELETE = object()
 
 
 def test_adopting_every_run_leaves_the_committed_table_byte_identical(tmp_path):
-    """A fresh clone: lab takes every run from the committed table and trains nothing, so it writes nothing (no
-    "adopted" mark lands in the committed JSON); once one run is scored anew, the table is written and the adopted
-    runs in it are exactly as committed."""
+    """A fresh clone: lab takes every run from the committed table and trains nothing, so it writes
+    nothing (no "adopted" mark lands in the committed JSON); once one run is scored anew, the table
+    is written and the adopted runs in it are exactly as committed."""
     results, root, t = _committed_table(tmp_path, seeds=(0, 1))
     committed, logs = _snapshot(results), []
     t.run(["a", "b", "c"], log=logs.append)
     assert len([line for line in logs if "not trained again" in line]) == 6
     t.report(log=logs.append)
     assert _snapshot(results) == committed and "nothing was written" in logs[-1], logs[-1]
-    before = {(r["row"], r["seed"]): r for r in json.load(open(os.path.join(results, "t.json")))["runs"]}
+    before = {(r["row"],
+               r["seed"]): r for r in json.load(open(os.path.join(results, "t.json")))["runs"]}
     res = _fake_result(t, "c", 1, 5.0)  # c seed 1 scored again here
     t.report(log=logs.append)
     runs = json.load(open(os.path.join(results, "t.json")))["runs"]
@@ -514,7 +590,8 @@ def test_adopting_every_run_leaves_the_committed_table_byte_identical(tmp_path):
 
 
 def test_a_committed_run_made_in_another_checkout_is_adopted(tmp_path):
-    """The committed argv begins with the train.py of the checkout it ran in: only the flags must match."""
+    """The committed argv begins with the train.py of the checkout it ran in: only the flags must
+    match."""
     results, root, t = _committed_table(tmp_path)
     table = json.load(open(os.path.join(results, "t.json")))
     for r in table["runs"]:
@@ -526,28 +603,39 @@ def test_a_committed_run_made_in_another_checkout_is_adopted(tmp_path):
 
 @pytest.mark.parametrize("change, why", [(dict(val_loss=float("nan")), "val_loss is nan"),
                                          (dict(val_loss=float("inf")), "val_loss is inf"),
-                                         (dict(steps="3"), "steps '3'"), (dict(steps=None), "steps None"),
-                                         (dict(steps=DELETE), "steps None"), (dict(argv=None), "argv None"),
+                                         (dict(steps="3"), "steps '3'"),
+                                         (dict(steps=None), "steps None"),
+                                         (dict(steps=DELETE), "steps None"),
+                                         (dict(argv=None), "argv None"),
                                          (dict(argv="train.py --stage=2"), "argv 'train.py"),
-                                         (dict(argv=DELETE), "no argv"), (dict(seed="0"), "seed is '0', a string")])
-def test_a_committed_run_that_is_nan_or_malformed_is_not_adopted_and_says_why(tmp_path, change, why):
-    """Row c seed 0's committed run is unusable: it is not adopted (it is trained again), with one line saying
-    why; the rows it starts from are not adopted either (c still has to run), and nothing raises."""
+                                         (dict(argv=DELETE), "no argv"),
+                                         (dict(seed="0"), "seed is '0', a string")])
+def test_a_committed_run_that_is_nan_or_malformed_is_not_adopted_and_says_why(
+    tmp_path, change, why
+):
+    """Row c seed 0's committed run is unusable: it is not adopted (it is trained again), with one
+    line saying why; the rows it starts from are not adopted either (c still has to run), and
+    nothing raises."""
     results, root, t = _committed_table(tmp_path, c0=change)
     logs = []
     assert t.adopt(t.order(["c"]), log=logs.append) == []
     said = [line for line in logs if "not taken" in line]
-    assert len(said) == 1 and "c seed 0" in said[0] and why in said[0] and "trained again" in said[0], logs
+    assert (
+        len(said) == 1 and "c seed 0" in said[0] and why in said[0] and "trained again" in said[0]
+    ), logs
     assert t.result("c", 0) is None and not os.path.exists(root)
 
 
 def test_runs_stored_with_the_old_extra_corpus_key_still_load_and_adopt(tmp_path):
-    """The committed tables' runs (and older result.json files) hold the other corpora's val loss under "also": lab
-    reads them as extra_val_loss, so the committed Python columns still load and their runs are still adopted."""
+    """The committed tables' runs (and older result.json files) hold the other corpora's val loss
+    under "also": lab reads them as extra_val_loss, so the committed Python columns still load and
+    their runs are still adopted."""
     for name, row in (("mix", "prose"), ("smollm2", "stage2")):
         path = os.path.join(runner.ROOT, "lab", "results", f"{name}.json")
         runs = report._committed_runs(path)[row]
-        assert [r["extra_val_loss"]["python"] for r in runs] == json.load(open(path))["summary"][row]["python"]["values"]
+        assert [r["extra_val_loss"]["python"] for r in runs] == json.load(open(path))["summary"][
+            row
+        ]["python"]["values"]
         assert not any("also" in r for r in runs)
     results, root = str(tmp_path / "results"), str(tmp_path / "runs")
     t = runner.Lab(_table(), seeds=(0,), root=root, results=results, python="/nonexistent/python")
@@ -556,22 +644,28 @@ def test_runs_stored_with_the_old_extra_corpus_key_still_load_and_adopt(tmp_path
     for row in "abc":
         res = _fake_result(t, row, 0, 1.0)
         del res["extra_val_loss"]
-        old.append({**res, "also": {"python": 2.5}, "argv": t.argv(t.rows[row], 0, resume=False)[1:]})
-    _write(os.path.join(t.run_dir("a", 0), "result.json"), json.dumps(old[0]))  # an older result.json
+        old.append({**res, "also": {"python": 2.5},
+                    "argv": t.argv(t.rows[row], 0, resume=False)[1:]})
+    # an older result.json
+    _write(os.path.join(t.run_dir("a", 0), "result.json"), json.dumps(old[0]))
     assert t.result("a", 0)["extra_val_loss"] == {"python": 2.5}
     os.makedirs(results)
-    _write(os.path.join(results, "t.json"), json.dumps({"table": "t", "seeds": [0], "summary": {}, "runs": old}))
+    _write(os.path.join(results, "t.json"),
+           json.dumps({"table": "t", "seeds": [0], "summary": {}, "runs": old}))
     shutil.rmtree(root)  # another machine: the committed table only
     assert sorted(t.adopt(t.order(["c"]), log=lambda line: None)) == [("a", 0), ("b", 0), ("c", 0)]
     assert t.summary()["c"]["python"]["mean"] == 2.5 and "also" not in t.result("c", 0)
 
 
-def test_an_unwritable_results_dir_is_one_line_and_changes_nothing(tmp_path, tiny_main, monkeypatch, capsys):
+def test_an_unwritable_results_dir_is_one_line_and_changes_nothing(
+    tmp_path, tiny_main, monkeypatch, capsys
+):
     t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
     for row in "abc":
         _fake_result(t, row, 0, 1.0)
     (tmp_path / "afile").write_text("not a directory\n")
-    bad = str(tmp_path / "afile" / "results")  # root may write anywhere: a file in the path stops everyone
+    # root may write anywhere: a file in the path stops everyone
+    bad = str(tmp_path / "afile" / "results")
     _results_in(monkeypatch, bad)
     assert runner.main(["t", "--seeds=1", "--report", f"--root={t.root}"]) == 1
     line = _one_error_line(capsys)
@@ -581,7 +675,8 @@ def test_an_unwritable_results_dir_is_one_line_and_changes_nothing(tmp_path, tin
     assert bad in _one_error_line(capsys)
 
 
-def test_ctrl_c_while_scoring_is_one_line_and_loses_nothing(tmp_path, tiny_main, monkeypatch, capsys):
+def test_ctrl_c_while_scoring_is_one_line_and_loses_nothing(tmp_path, tiny_main, monkeypatch,
+                                                            capsys):
     t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"))
     _finished_ckpt(t, "a", 0, step=3)
 
@@ -592,31 +687,46 @@ def test_ctrl_c_while_scoring_is_one_line_and_loses_nothing(tmp_path, tiny_main,
     line = _one_error_line(capsys)
     assert "python -m lab t" in line
     assert os.path.exists(os.path.join(t.run_dir("a", 0), "ckpt.pt"))
-    assert not os.path.exists(os.path.join(t.run_dir("a", 0), "result.json")) and _snapshot(tiny_main) == {}
+    assert not os.path.exists(os.path.join(t.run_dir("a", 0),
+                                           "result.json")) and _snapshot(tiny_main) == {}
 
 
 def test_tables_measured_before_the_lr_table_pin_its_old_defaults():
-    """The CPU stage-2 preset changed (lr 2e-2, lambda warm-up 600); earlier tables must still run at 3e-3 / 200."""
+    """The CPU stage-2 preset changed (lr 2e-2, lambda warm-up 600); earlier tables must still run
+    at 3e-3 / 200."""
     for r in tables.TABLES["order"]().rows + tables.TABLES["muon"]().rows:
         assert "--lambda_warmup_steps=200" in r.args and "--muon_lr=" in r.args
-    assert tables.TABLES["order"]().rows[0].args.endswith("--lr=3e-3 --muon_lr=3e-3 --lambda_warmup_steps=200")
+    assert (
+        tables.TABLES["order"]()
+        .rows[0]
+        .args.endswith("--lr=3e-3 --muon_lr=3e-3 --lambda_warmup_steps=200")
+    )
     assert ("--lr=1e-2" in tables.TABLES["muon"]().rows[-1].args
             and "--lr=3e-3" not in tables.TABLES["muon"]().rows[-1].args)
-    assert all("--lr=3e-3 --muon_lr=3e-3 --lambda" not in r.args for r in tables.TABLES["warmup"]().rows)
+    assert all(
+        "--lr=3e-3 --muon_lr=3e-3 --lambda" not in r.args for r in tables.TABLES["warmup"]().rows
+    )
 
 
 def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_table(tmp_path):
-    """Row.build (the SmolLM2 table's untrained rows: a model as published, naive ternary, SubLN inserted): lab scores
-    the model it builds over the whole val split, once (Row.once: the first seed only), and never starts train.py."""
+    """Row.build (the SmolLM2 table's untrained rows: a model as published, naive ternary, SubLN
+    inserted): lab scores the model it builds over the whole val split, once (Row.once: the first
+    seed only), and never starts train.py."""
     d = str(tmp_path / "shards")
     _shards(d, 32 * 5 + 1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=1, n_head=2, n_embd=32))
     built = []
-    table = tables.Table("t", "tiny", [tables.Row("fp", "built", "", build=lambda lb: built.append(lb) or model,
+    table = tables.Table("t", "tiny", [tables.Row("fp", "built", "",
+                                                  build=lambda lb: built.append(lb) or model,
                                                   once=True)])
-    t = runner.Lab(table, seeds=(0, 1, 2), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
-                   python="/nonexistent/python")  # a train.py start would fail loudly
+    t = runner.Lab(
+        table,
+        seeds=(0, 1, 2),
+        root=str(tmp_path / "runs"),
+        results=str(tmp_path / "results"),
+        python="/nonexistent/python",
+    )  # a train.py start would fail loudly
     t.shipped = d
     t.run(["fp"], log=lambda line: None)
     assert len(built) == 1 and t.max_iters("fp") == 0 and t.result("fp", 1) is None
@@ -633,12 +743,14 @@ def test_a_row_scored_as_built_runs_once_with_no_training_and_counts_in_the_tabl
 
 
 def test_the_smollm2_table_is_the_issues_rows_at_equal_tokens():
-    """Every trained row of the SmolLM2 table at the same batch and tokens per step; stage 3 and its control from the
-    same seed's stage 2, for the same steps; the four untrained rows once; train.py accepts every row's flags."""
+    """Every trained row of the SmolLM2 table at the same batch and tokens per step; stage 3 and its
+    control from the same seed's stage 2, for the same steps; the four untrained rows once; train.py
+    accepts every row's flags."""
     table = tables.TABLES["smollm2"]()
     t = runner.Lab(table)
     rows = {r.name: r for r in table.rows}
-    assert list(rows) == ["fp", "ptq", "subln", "subln_cal", "stage2", "stage2_now", "control", "stage3"]
+    assert list(rows) == ["fp", "ptq", "subln", "subln_cal", "stage2", "stage2_now", "control",
+                          "stage3"]
     assert all(rows[n].once and rows[n].build for n in ("fp", "ptq", "subln", "subln_cal"))
     for name in ("stage2", "stage2_now", "control", "stage3"):
         assert tables.SMOL_COMMON in rows[name].args and not rows[name].once
@@ -647,13 +759,16 @@ def test_the_smollm2_table_is_the_issues_rows_at_equal_tokens():
     assert rows["stage3"].needs == rows["control"].needs == ("stage2",)
     assert rows["stage3"].args.replace("--kd_logits=1", "--kd_logits=0") == rows["control"].args
     assert "--lambda_warmup_steps=0" in rows["stage2_now"].args.split()
-    assert table.pairs[:2] == (("stage2", "stage2_now"), ("stage3", "control"))  # the issue's two comparisons
+    # the issue's two comparisons
+    assert table.pairs[:2] == (("stage2", "stage2_now"), ("stage3", "control"))
 
 
 def test_pairs_are_compared_beneath_the_table_by_the_same_rule(tmp_path):
-    """Table.pairs (stage 3 against its control, the warm-up against none): each pair's difference and verdict,
-    for the val loss and every other corpus, under the 2-std rule of the table's own "vs" column."""
-    t = runner.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "runs"), results=str(tmp_path / "results"))
+    """Table.pairs (stage 3 against its control, the warm-up against none): each pair's difference
+    and verdict, for the val loss and every other corpus, under the 2-std rule of the table's own
+    "vs" column."""
+    t = runner.Lab(_table(), seeds=(0, 1, 2), root=str(tmp_path / "runs"),
+                   results=str(tmp_path / "results"))
     t.table.pairs, t.table.extra_corpora = (("c", "b"), ("b", "a")), {"python": "Python val loss"}
     for s in (0, 1, 2):
         for row, v in (("a", 2.0), ("b", 2.0 + 0.01 * s), ("c", 1.9 + 0.01 * s)):
@@ -661,26 +776,37 @@ def test_pairs_are_compared_beneath_the_table_by_the_same_rule(tmp_path):
             res["extra_val_loss"] = {"python": v + (0.95 if row == "c" else 1.0)}
             _write(os.path.join(t.run_dir(row, s), "result.json"), json.dumps(res))
     lines = t.markdown(t.found()).splitlines()
-    assert lines[-4:] == ["| comparison | val loss: difference | Python val loss: difference | ", "|---|---|---|",
-                          "| c vs b | -0.1000 (better) | -0.1500 (better) | ",
-                          "| b vs a | +0.0100 (no measurable difference) | +0.0100 (no measurable difference) | "]
-    assert tables.Table("t", "", []).pairs == () and "comparison" not in runner.Lab(_table()).markdown({})
+    assert lines[-4:] == [
+        "| comparison | val loss: difference | Python val loss: difference | ",
+        "|---|---|---|",
+        "| c vs b | -0.1000 (better) | -0.1500 (better) | ",
+        "| b vs a | +0.0100 (no measurable difference) | +0.0100 (no measurable difference) | ",
+    ]
+    assert tables.Table("t", "",
+                        []).pairs == () and "comparison" not in runner.Lab(_table()).markdown({})
 
 
 def test_rows_run_once_compare_exactly_and_seeded_rows_by_their_own_noise():
-    """A row no seed changes (Row.once) has no std: against another such row the difference is exact; against a
-    seeded row, only the seeded row's noise decides; a seeded row of one seed still gets no verdict."""
+    """A row no seed changes (Row.once) has no std: against another such row the difference is
+    exact; against a seeded row, only the seeded row's noise decides; a seeded row of one seed still
+    gets no verdict."""
     once = {"mean": 16.0, "std": None, "n": 1, "once": True}
-    assert report.versus({"mean": 3.0, "std": None, "n": 1, "once": True}, once) == "-13.0000 (better, exact: no seed involved)"
+    assert report.versus({"mean": 3.0, "std": None, "n": 1, "once": True},
+                         once) == "-13.0000 (better, exact: no seed involved)"
     assert report.versus({"mean": 7.0, "std": 0.1, "n": 3}, once) == "-9.0000 (better)"
-    assert report.versus({"mean": 15.9, "std": 0.1, "n": 3}, once) == "-0.1000 (no measurable difference)"
+    assert report.versus({"mean": 15.9, "std": 0.1, "n": 3},
+                         once) == "-0.1000 (no measurable difference)"
     assert "too few seeds" in report.versus({"mean": 7.0, "std": None, "n": 1}, once)
-    assert report.fmt(once) == "16.0000 (one run: no seed involved)" and report.fmt({"mean": 7.0, "std": None}) == "7.0000 (1 seed)"
+    assert (
+        report.fmt(once) == "16.0000 (one run: no seed involved)"
+        and report.fmt({"mean": 7.0, "std": None}) == "7.0000 (1 seed)"
+    )
 
 
 def test_every_committed_table_holds_its_runs_as_run_never_marked_adopted_and_each_adoptable():
-    """The committed tables are what lab wrote when it ran or scored runs: no run in them carries lab's "adopted"
-    mark (that is for result.json under out/), and every one is whole (finite val_loss, a step count, its argv)."""
+    """The committed tables are what lab wrote when it ran or scored runs: no run in them carries
+    lab's "adopted" mark (that is for result.json under out/), and every one is whole (finite
+    val_loss, a step count, its argv)."""
     import glob
     for path in sorted(glob.glob(os.path.join(runner.ROOT, "lab", "results", "*.json"))):
         table = json.load(open(path))
@@ -688,13 +814,14 @@ def test_every_committed_table_holds_its_runs_as_run_never_marked_adopted_and_ea
             continue
         for r in table["runs"]:
             assert "adopted" not in r, (path, r["row"], r["seed"])
-            assert runner._not_adoptable(r) == "", (path, r["row"], r["seed"], runner._not_adoptable(r))
+            assert runner._not_adoptable(r) == "", (path, r["row"], r["seed"],
+                                                    runner._not_adoptable(r))
 
 
 def test_the_dlm_score_averages_the_masked_tokens_only(monkeypatch):
-    """runner.dlm_val_loss against a closed form: predictions uniform on every masked token (CE = ln V) and
-    confidently wrong on every unmasked one (CE ~100) score exactly ln V: only the masked tokens count, in the sum
-    and in the mean."""
+    """runner.dlm_val_loss against a closed form: predictions uniform on every masked token (CE = ln
+    V) and confidently wrong on every unmasked one (CE ~100) score exactly ln V: only the masked
+    tokens count, in the sum and in the mean."""
     import math
     from types import SimpleNamespace
 
@@ -705,25 +832,33 @@ def test_the_dlm_score_averages_the_masked_tokens_only(monkeypatch):
     monkeypatch.setattr(runner, "_load", lambda path, device="cpu": stub)
 
     def wrong_unless_masked(model, x, mask_id, shift):
-        wrong = 100.0 * F.one_hot((x + 1) % (V - 1), V).float()  # certain of the next id, never the token itself
+        # certain of the next id, never the token itself
+        wrong = 100.0 * F.one_hot((x + 1) % (V - 1), V).float()
         return torch.where((x == mask_id)[..., None], torch.zeros_like(wrong), wrong)
     monkeypatch.setattr(dlm, "predictions", wrong_unless_masked)
-    loss, count = runner.dlm_val_loss("unused.pt", os.path.join(ROOT, "data", "shakespeare_byte"), 0.15)
+    loss, count = runner.dlm_val_loss("unused.pt", os.path.join(ROOT, "data", "shakespeare_byte"),
+                                      0.15)
     assert abs(loss - math.log(V)) < 1e-5 and count > 0, (loss, math.log(V))
 
 
-def test_rerun_takes_nothing_from_the_committed_table_and_trains_again_what_was_taken(tmp_path, monkeypatch):
-    """A fresh clone takes every committed run (nothing trained); --rerun=True takes none and trains every run,
-    those taken in an earlier sitting too (their result.json says "adopted"), in the runner's order."""
+def test_rerun_takes_nothing_from_the_committed_table_and_trains_again_what_was_taken(
+    tmp_path, monkeypatch
+):
+    """A fresh clone takes every committed run (nothing trained); --rerun=True takes none and trains
+    every run, those taken in an earlier sitting too (their result.json says "adopted"), in the
+    runner's order."""
     results, root, t = _committed_table(tmp_path)
     t.run(["a", "b", "c"], log=lambda line: None)  # the earlier sitting: all three taken
     assert all(t.result(r, 0)["adopted"] for r in "abc")
     trained = []
-    monkeypatch.setattr(runner.Lab, "run_one", lambda self, row, seed, log: trained.append((row.name, seed)))
-    again = runner.Lab(_table(), seeds=(0,), root=root, results=results, python="/nonexistent/python", rerun=True)
+    monkeypatch.setattr(runner.Lab, "run_one", lambda self, row, seed,
+                        log: trained.append((row.name, seed)))
+    again = runner.Lab(_table(), seeds=(0,), root=root, results=results,
+                       python="/nonexistent/python", rerun=True)
     logs = []
     again.run(["a", "b", "c"], log=logs.append)
-    assert trained == [("a", 0), ("b", 0), ("c", 0)] and not [x for x in logs if "not trained again" in x]
+    assert trained == [("a", 0), ("b", 0),
+                       ("c", 0)] and not [x for x in logs if "not trained again" in x]
     seen = []  # the command line passes the flag on
     monkeypatch.setattr(tables, "TABLES", {"t": _table})
     monkeypatch.setattr(runner.Lab, "run", lambda self, wanted: seen.append(self.rerun))
