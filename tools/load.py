@@ -20,7 +20,7 @@ from tools import checkpoint
 from tools.outputs import hf_marker, ours, why_not_a_checkpoint
 
 PACKED = "nanobitnet-packed-v"  # every packed export's "format" starts so (tools/export.py's docstring shows the dict)
-FORMAT = PACKED + "2"  # quant.pack_ternary's bytes as they are; v1 held each row's codes in k order (upgraded on load)
+FORMAT = PACKED + "2"  # quant.pack_ternary's bytes as they are
 
 
 def gpt_config(model_args):
@@ -92,8 +92,7 @@ def load_gpt(path, device="cpu"):
 def model_from_packed(obj, source="export"):
     """Rebuild a GPT whose hidden projections are PackedBitLinear from an export dict; ValueError if it does not fit."""
     from kernels.packed_linear import PackedBitLinear, freeze_ternary  # here: it imports Triton, which takes seconds
-    from kernels.ternary_matmul import planes_from_packed  # a v1 file's k-order rows -> the one layout
-    if not isinstance(obj, dict) or obj.get("format") not in (FORMAT, PACKED + "1"):
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(f"{source}: not a packed export (format {found!r}, expected {FORMAT!r}); "
                          "make one with: python -m tools.export --ckpt=<ckpt.pt>")
@@ -104,8 +103,7 @@ def model_from_packed(obj, source="export"):
         if not isinstance(m, PackedBitLinear) or (m.in_features, m.out_features) != (p["in_features"], p["out_features"]):
             raise ValueError(f"{source}: {name} ({p['in_features']} -> {p['out_features']}) does not fit the model "
                              f"that model_args describe ({m})")
-        w = planes_from_packed(p["w_packed"]) if obj["format"] == PACKED + "1" else p["w_packed"]
-        state[f"{name}.w_packed"], state[f"{name}.w_scale"] = w, p["w_scale"]
+        state[f"{name}.w_packed"], state[f"{name}.w_scale"] = p["w_packed"], p["w_scale"]
     model.load_state_dict(state)  # strict: every tensor of the model must come from the file
     model.dlm_shift = obj.get("dlm_shift", True)  # a masked-diffusion export: how it reads its predictions
     return model.eval()
