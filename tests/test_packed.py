@@ -249,20 +249,9 @@ def test_export_round_trip_is_bit_exact_and_one_eighth_of_bf16(tmp_path):
     with pytest.raises(ValueError) as e:  # the file, the format it should have, and how to make one
         load.model_from_packed({"model": {}}, "some.pt")
     assert all(f in str(e.value) for f in ("some.pt", "nanobitnet-packed-v2", "python -m tools.export")), e.value
-    # a v1 file (each row's codes in k order, bits 2*(k % 4) of byte k // 4) loads as the same model
-    v1 = {**obj, "format": "nanobitnet-packed-v1", "packed": {n: {**p, "w_packed": _k_order(
-        quant.unpack_ternary(p["w_packed"], p["in_features"]))} for n, p in obj["packed"].items()}}
-    with torch.no_grad():
-        assert torch.equal(load.model_from_packed(v1)(idx, idx)[0], frozen(idx, idx)[0])
-
-
-def _k_order(w_q):
-    """A v1 export's bytes, written here independently of kernels/planes.py: code k in bits 2*(k % 4) of byte k//4."""
-    N, K = w_q.shape
-    codes = torch.ones((N, 4 * ((K + 3) // 4)), dtype=torch.int32)
-    codes[:, :K] = w_q.int() + 1
-    c = codes.view(N, -1, 4)
-    return (c[..., 0] | c[..., 1] << 2 | c[..., 2] << 4 | c[..., 3] << 6).to(torch.uint8)
+    with pytest.raises(ValueError) as e:  # format v1 (rows in k order), never released: re-export it
+        load.model_from_packed({**obj, "format": "nanobitnet-packed-v1"}, "old.pt")
+    assert all(f in str(e.value) for f in ("old.pt", "nanobitnet-packed-v1", "python -m tools.export")), e.value
 
 
 def test_every_export_floors_gamma_where_training_does():

@@ -1,24 +1,29 @@
 """
-Writing a file or a directory so that an interruption leaves the old one whole, and stopping on SIGTERM/SIGINT:
-the two jobs every command that writes something shares (as nanochat's common.py), and the repository root.
+Writing a file or a directory so that an interruption leaves the old one whole, and stopping on
+SIGTERM/SIGINT: the two jobs every command that writes something shares (as nanochat's common.py),
+and the repository root.
 
     ROOT                                  the repository
-    atomic_write(path) -> tmp             with-block: write the file tmp any way you like; it takes path's place if
-                                          the block completes
-    atomic_dir(path) -> tmp               the same for a whole directory (an HF export, a prepared dataset)
-    swapped_out(path)                     where path's previous directory is, if a writer was killed mid-swap
+    atomic_write(path) -> tmp             with-block: write the file tmp any way you like; it takes
+                                          path's place if the block completes
+    atomic_dir(path) -> tmp               the same for a whole directory (an HF export, a prepared
+                                          dataset)
+    swapped_out(path)                     where path's previous directory is, if a writer was killed
+                                          mid-swap
     link_or_copy(src, dst)                a hard link, or a copy where the filesystem has none
-    StopSignal, Interrupted, stoppable    SIGTERM/SIGINT as a flag checked at a step boundary, or at once
+    StopSignal, Interrupted, stoppable    SIGTERM/SIGINT as a flag checked at a step boundary, or at
+                                          once
 
-The one writer: the new file or directory is written beside path under a name of its own (two writers of one path
-never share a temporary file), synced, and renamed into path's place (atomic on
-POSIX), so path is always the whole old one or the whole new one. A rename cannot replace a directory that holds
-files, so a directory is swapped in by two renames, path -> .<name>.old_<owner>_<random> and
-.<name>.tmp_<owner>_<random> -> path, with SIGTERM and SIGINT held until both are done. owner =
-<host>_<pid>_<start> (start: when that process started, from /proc/<pid>/stat, so a pid reused by a later process
-is told apart; without /proc, <host>_<pid>): a later writer, on this machine or another one sharing the disk, tells
-what a writer that is gone left (removed; an old directory whose path is missing is put back) from what a running
-one is using (left alone), and each one removed is named in a line. Any other name beside path (<name>.tmp,
+The one writer: the new file or directory is written beside path under a name of its own (two
+writers of one path never share a temporary file), synced, and renamed into path's place (atomic on
+POSIX), so path is always the whole old one or the whole new one. A rename cannot replace a
+directory that holds files, so a directory is swapped in by two renames, path ->
+.<name>.old_<owner>_<random> and .<name>.tmp_<owner>_<random> -> path, with SIGTERM and SIGINT held
+until both are done. owner = <host>_<pid>_<start> (start: when that process started, from
+/proc/<pid>/stat, so a pid reused by a later process is told apart; without /proc, <host>_<pid>): a
+later writer, on this machine or another one sharing the disk, tells what a writer that is gone left
+(removed; an old directory whose path is missing is put back) from what a running one is using (left
+alone), and each one removed is named in a line. Any other name beside path (<name>.tmp,
 .<name>.old-backup, .<name>.tmp_mine) is not provably a writer's and is never touched.
 Test: python -m pytest tests/test_atomic.py tests/test_prepare.py
 """
@@ -38,7 +43,8 @@ from tools.flags import die
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
-STALE_AFTER_S = 86400  # a leftover whose writer cannot be asked (another host's) counts as gone after a day
+# a leftover whose writer cannot be asked (another host's) counts as gone after a day
+STALE_AFTER_S = 86400
 
 # -----------------------------------------------------------------------------
 # writing: the old file (or directory) stays whole until the new one is complete
@@ -46,12 +52,14 @@ STALE_AFTER_S = 86400  # a leftover whose writer cannot be asked (another host's
 
 @contextlib.contextmanager
 def atomic_write(path):
-    """with atomic_write(path) as tmp: write the new file at tmp, any way (open, torch.save, a library's writer).
-    When the block completes, tmp is synced to disk and renamed over path (atomic on POSIX), then the directory is
-    synced: path is always the whole old file or the whole new one. On any exception (an OSError such as a full
-    disk, errno ENOSPC; torch.save's RuntimeError; Ctrl-C; SystemExit) tmp is removed and path is left as it was.
-    tmp is path + ".<owner>_<random>.tmp", this writer's own (two writers of one path never share it), in the same
-    directory (a rename cannot cross filesystems); what a writer that is gone left (stale_tmps) is removed first."""
+    """with atomic_write(path) as tmp: write the new file at tmp, any way (open, torch.save, a
+    library's writer). When the block completes, tmp is synced to disk and renamed over path (atomic
+    on POSIX), then the directory is synced: path is always the whole old file or the whole new one.
+    On any exception (an OSError such as a full disk, errno ENOSPC; torch.save's RuntimeError;
+    Ctrl-C; SystemExit) tmp is removed and path is left as it was. tmp is path +
+    ".<owner>_<random>.tmp", this writer's own (two writers of one path never share it), in the same
+    directory (a rename cannot cross filesystems); what a writer that is gone left (stale_tmps) is
+    removed first."""
     clear_stale(path)
     tmp = f"{path}.{_owner()}_{os.urandom(4).hex()}.tmp"
     with _installing(tmp, path):
@@ -59,9 +67,10 @@ def atomic_write(path):
 
 
 def stale_tmps(path):
-    """The files atomic_write(path) left beside path whose writer is gone: path.<host>_<pid>[_<start>]_<hex>.tmp of
-    a process of this host that no longer runs (a pid now another process's counts as gone; another host's after
-    STALE_AFTER_S). No other name: a user's path.tmp is not ours."""
+    """The files atomic_write(path) left beside path whose writer is gone:
+    path.<host>_<pid>[_<start>]_<hex>.tmp of a process of this host that no longer runs (a pid now
+    another process's counts as gone; another host's after STALE_AFTER_S). No other name: a user's
+    path.tmp is not ours."""
     parent, name = os.path.split(os.path.abspath(path))
     ours = re.compile(re.escape(name) + r"\.([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+\.tmp")
     return [os.path.join(parent, n) for n, st, m in _beside(parent, ours, stat.S_ISREG)
@@ -77,8 +86,8 @@ def clear_stale(path):
 
 
 def _beside(parent, pattern, kind):
-    """(name, lstat, match) of each entry of parent whose whole name matches pattern and whose mode passes kind
-    (stat.S_ISREG, stat.S_ISDIR); one removed meanwhile is skipped."""
+    """(name, lstat, match) of each entry of parent whose whole name matches pattern and whose mode
+    passes kind (stat.S_ISREG, stat.S_ISDIR); one removed meanwhile is skipped."""
     for n in os.listdir(parent):
         m = pattern.fullmatch(n)
         try:
@@ -90,8 +99,9 @@ def _beside(parent, pattern, kind):
 
 
 def _writer_gone(host, pid, start, mtime):
-    """Whether the writer named by (host, pid, start) is gone: on this host, its pid no longer runs or is another
-    process's (start given); on another host, the leftover is older than STALE_AFTER_S."""
+    """Whether the writer named by (host, pid, start) is gone: on this host, its pid no longer runs
+    or is another process's (start given); on another host, the leftover is older than
+    STALE_AFTER_S."""
     if host == _host() and os.name == "posix":
         return not _running(int(pid), int(start) if start else None)
     return time.time() - mtime > STALE_AFTER_S
@@ -99,12 +109,14 @@ def _writer_gone(host, pid, start, mtime):
 
 @contextlib.contextmanager
 def atomic_dir(path):
-    """with atomic_dir(path) as tmp: write a whole directory at tmp, a new .<name>.tmp_<owner>_<random> beside path
-    with path's permissions (or, for a new path, the umask's). When the block completes, tmp takes path's place by
-    the swap and the old directory is deleted; on any exception tmp is deleted and path is left as it was. What
-    writers that are gone left beside path is cleared first (_recover)."""
+    """with atomic_dir(path) as tmp: write a whole directory at tmp, a new
+    .<name>.tmp_<owner>_<random> beside path with path's permissions (or, for a new path, the
+    umask's). When the block completes, tmp takes path's place by the swap and the old directory is
+    deleted; on any exception tmp is deleted and path is left as it was. What writers that are gone
+    left beside path is cleared first (_recover)."""
     path = os.path.abspath(path)
-    if os.path.ismount(path):  # checked before anything is written: the swap's rename of it would fail (EBUSY)
+    # checked before anything is written: the swap's rename of it would fail (EBUSY)
+    if os.path.ismount(path):
         raise OSError(errno.EBUSY, f"{path} is a mount point, which a new directory cannot replace")
     _recover(path)
     parent, name = os.path.split(path)
@@ -119,8 +131,9 @@ def atomic_dir(path):
 
 @contextlib.contextmanager
 def _installing(tmp, path, old=None):
-    """The block writes tmp (a file; a directory when old is given); then tmp is synced, takes path's place
-    (_swap) and the directory holding path is synced. On any exception tmp is removed; old never stays."""
+    """The block writes tmp (a file; a directory when old is given); then tmp is synced, takes
+    path's place (_swap) and the directory holding path is synced. On any exception tmp is removed;
+    old never stays."""
     try:
         yield
         if old is not None:  # a directory: the files in it, then the directory itself
@@ -140,9 +153,10 @@ def _installing(tmp, path, old=None):
 
 
 def _swap(tmp, path, old):
-    """tmp takes path's place: a file by one rename over it; a directory by two, path -> old, then tmp -> path. If
-    the second fails, old goes back to path. Retried when another writer swaps the same path meanwhile (nodes
-    sharing a disk): the directory of the writer that swaps last is the one kept."""
+    """tmp takes path's place: a file by one rename over it; a directory by two, path -> old, then
+    tmp -> path. If the second fails, old goes back to path. Retried when another writer swaps the
+    same path meanwhile (nodes sharing a disk): the directory of the writer that swaps last is the
+    one kept."""
     for _ in range(10):
         try:
             if old is not None and os.path.lexists(path):
@@ -159,7 +173,8 @@ def _swap(tmp, path, old):
 
 
 def _put_back(old, path):
-    """Move old, the directory a swap took away from path, back to path if path is missing. True if it did."""
+    """Move old, the directory a swap took away from path, back to path if path is missing. True if
+    it did."""
     if old is None or not os.path.lexists(old) or os.path.lexists(path):
         return False
     os.rename(old, path)
@@ -167,8 +182,9 @@ def _put_back(old, path):
 
 
 def _recover(path):
-    """Before a directory is written at path: if a writer was killed between the swap's two renames (no path), its
-    old directory (the newest) goes back to path; then what writers that are gone left beside path is removed."""
+    """Before a directory is written at path: if a writer was killed between the swap's two renames
+    (no path), its old directory (the newest) goes back to path; then what writers that are gone
+    left beside path is removed."""
     parent = os.path.dirname(path)
     gone = [(n, kind) for n, kind, running in _leftovers(path) if not running]
     olds = [n for n, kind in gone if kind == "old"]
@@ -181,8 +197,8 @@ def _recover(path):
 
 
 def swapped_out(path):
-    """For a reader that finds no path: where its previous directory is, if a writer was killed between the swap's
-    two renames (the next atomic_dir(path) puts it back); else None."""
+    """For a reader that finds no path: where its previous directory is, if a writer was killed
+    between the swap's two renames (the next atomic_dir(path) puts it back); else None."""
     path = os.path.abspath(path)
     if os.path.exists(path) or not os.path.isdir(os.path.dirname(path)):
         return None
@@ -191,11 +207,12 @@ def swapped_out(path):
 
 
 def _leftovers(path):
-    """[(name, "tmp" or "old", whether its writer may still be running)] of the directories beside path that its
-    writers made, oldest first. Only two shapes of name count: .<name>.tmp_<owner>_<hex> and
-    .<name>.old_<owner>_<hex> (owner: <host>_<pid>_<start> or <host>_<pid>). A pid of this host is asked whether it
-    runs, and when it carries a start, whether the process with that pid is the one that started then; another
-    host's leftover is gone after STALE_AFTER_S."""
+    """[(name, "tmp" or "old", whether its writer may still be running)] of the directories beside
+    path that its writers made, oldest first. Only two shapes of name count:
+    .<name>.tmp_<owner>_<hex> and .<name>.old_<owner>_<hex> (owner: <host>_<pid>_<start> or
+    <host>_<pid>). A pid of this host is asked whether it runs, and when it carries a start, whether
+    the process with that pid is the one that started then; another host's leftover is gone after
+    STALE_AFTER_S."""
     parent, name = os.path.split(path)
     ours = re.compile(re.escape(f".{name}.") + r"(tmp|old)_([A-Za-z0-9-]+)_(\d+)(?:_(\d+))?_[0-9a-f]+")
     found = sorted((st.st_mtime, n, m[1], not _writer_gone(m[2], m[3], m[4], st.st_mtime))
@@ -213,18 +230,21 @@ def _owner():
 
 
 def _start_time(pid):
-    """When process pid started (clock ticks after boot: field 22 of /proc/<pid>/stat); with the pid it names one
-    process until the machine restarts. None without /proc or without such a process."""
+    """When process pid started (clock ticks after boot: field 22 of /proc/<pid>/stat); with the pid
+    it names one process until the machine restarts. None without /proc or without such a
+    process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])  # the fields after the command name (comm)
+            # the fields after the command name (comm)
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 
 
 def _running(pid, start=None):
-    """Whether process pid runs on this machine (this process included) and, when start is given, is the process
-    that started then: a pid reused by a later process (this one too) is not that writer."""
+    """Whether process pid runs on this machine (this process included) and, when start is given, is
+    the process that started then: a pid reused by a later process (this one too) is not that
+    writer."""
     try:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
@@ -254,8 +274,10 @@ def _delete(path):
 
 @contextlib.contextmanager
 def _signals_deferred():
-    """SIGTERM and SIGINT received in the block are raised again after it, so its steps are never cut in half."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets Python's handlers
+    """SIGTERM and SIGINT received in the block are raised again after it, so its steps are never
+    cut in half."""
+    # only the main thread gets Python's handlers
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
     got = []
@@ -270,7 +292,8 @@ def _signals_deferred():
 
 
 def size_limit():
-    """The largest file this process may write (the soft RLIMIT_FSIZE: `ulimit -f` in bytes), or None."""
+    """The largest file this process may write (the soft RLIMIT_FSIZE: `ulimit -f` in bytes), or
+    None."""
     try:
         import resource
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
@@ -280,17 +303,20 @@ def size_limit():
 
 
 def past_size_limit(f):
-    """Whether the open file f has reached this process's file-size limit: a write failing there failed for it
-    (EFBIG; a library's writer, torch.save's, may report it as a RuntimeError "unexpected pos ...")."""
+    """Whether the open file f has reached this process's file-size limit: a write failing there
+    failed for it (EFBIG; a library's writer, torch.save's, may report it as a RuntimeError
+    "unexpected pos ...")."""
     limit = size_limit()
-    return limit is not None and os.fstat(f.fileno()).st_size + (1 << 13) >= limit  # 8 KiB: a write buffer
+    # 8 KiB: a write buffer
+    return limit is not None and os.fstat(f.fileno()).st_size + (1 << 13) >= limit
 
 
 def write_failed(e, path):
-    """(why, cause, fix) for the error line of a write of path that raised e (an OSError): the error's words; the
-    file-size limit (EFBIG: `ulimit -f`), a mount point (EBUSY, atomic_dir) or the free space of the disk holding
-    path (measured now, after the partial file is gone); and the fix: "raise the limit (ulimit -f unlimited)",
-    a directory inside the mount point, or "free disk space"."""
+    """(why, cause, fix) for the error line of a write of path that raised e (an OSError): the
+    error's words; the file-size limit (EFBIG: `ulimit -f`), a mount point (EBUSY, atomic_dir) or
+    the free space of the disk holding path (measured now, after the partial file is gone); and the
+    fix: "raise the limit (ulimit -f unlimited)", a directory inside the mount point, or "free disk
+    space"."""
     why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
     if getattr(e, "errno", None) == errno.EFBIG:
         limit = size_limit()
@@ -313,7 +339,8 @@ def _bytes(n):
 
 
 def link_or_copy(src, dst):
-    """dst names the file src: a hard link (no extra space), or a copy where the filesystem has none."""
+    """dst names the file src: a hard link (no extra space), or a copy where the filesystem has
+    none."""
     try:
         os.link(src, dst, follow_symlinks=False)
     except OSError:
@@ -324,9 +351,9 @@ def link_or_copy(src, dst):
 
 
 class Interrupted(SystemExit):
-    """SIGTERM or SIGINT as an exception, raised by StopSignal where a signal stops the command at once. Uncaught,
-    it ends the command with its one line `error: ...` and exit code 1; a command that has to say what it kept
-    catches it (.signum)."""
+    """SIGTERM or SIGINT as an exception, raised by StopSignal where a signal stops the command at
+    once. Uncaught, it ends the command with its one line `error: ...` and exit code 1; a command
+    that has to say what it kept catches it (.signum)."""
 
     def __init__(self, signum, line):
         super().__init__(f"error: {line}")
@@ -334,12 +361,13 @@ class Interrupted(SystemExit):
 
 
 class StopSignal:
-    """with StopSignal() as stop: ... `stop.requested` is the name of the first SIGTERM/SIGINT received, else None;
-    a training loop checks it once per step. A second signal of the same kind raises Interrupted at once (torchrun
-    follows a Ctrl-C with SIGTERM to its workers: that second, different signal is not an abort).
-    StopSignal(at_once="why"): the first signal raises Interrupted, "error: SIGTERM: why".
-    StopSignal(forward=fn): fn(signum) is called first; when it returns True (it passed the signal on, e.g. to a
-    child process that decides for itself), the signal only sets `requested`."""
+    """with StopSignal() as stop: ... `stop.requested` is the name of the first SIGTERM/SIGINT
+    received, else None; a training loop checks it once per step. A second signal of the same kind
+    raises Interrupted at once (torchrun follows a Ctrl-C with SIGTERM to its workers: that second,
+    different signal is not an abort). StopSignal(at_once="why"): the first signal raises
+    Interrupted, "error: SIGTERM: why". StopSignal(forward=fn): fn(signum) is called first; when it
+    returns True (it passed the signal on, e.g. to a child process that decides for itself), the
+    signal only sets `requested`."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), at_once=None, forward=None):
         self.signals, self.at_once, self.forward = signals, at_once, forward
@@ -359,15 +387,16 @@ class StopSignal:
             raise Interrupted(signum, f"{name}: {self.at_once}")
         passed_on = self.forward is not None and self.forward(signum)
         if self.requested == name and not passed_on:
-            raise Interrupted(signum, f"second {name}: stopping now, without a checkpoint; the last one is kept")
+            raise Interrupted(signum, f"second {name}: stopping now, without a checkpoint; the "
+                                      "last one is kept")
         self.requested = self.requested or name
 
 
 @contextlib.contextmanager
 def stoppable(flag, path):
-    """with stoppable("--out", out): a command writing its output (with atomic_write or atomic_dir) is stopped by
-    SIGTERM or Ctrl-C at once, with one line saying whether path is as it was or already the whole new output, and
-    exit code 128 + the signal (the shell's convention)."""
+    """with stoppable("--out", out): a command writing its output (with atomic_write or atomic_dir)
+    is stopped by SIGTERM or Ctrl-C at once, with one line saying whether path is as it was or
+    already the whole new output, and exit code 128 + the signal (the shell's convention)."""
     def identity(p):
         return (os.lstat(p).st_dev, os.lstat(p).st_ino) if os.path.lexists(p) else None
     before = identity(path)

