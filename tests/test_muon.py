@@ -578,8 +578,8 @@ def test_muon_ns_dtype_float32_is_used_and_close_to_bf16_step():
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dtype, adjust, nesterov, monkeypatch):
     """muon_steps (the step on CUDA: same-shape matrices stacked, one batched NS5 per shape, foreach
-    momentum and update) gives every matrix what muon_step gives it, bit for bit on CPU, over 3 steps with weight decay; a
-    variant's own muon_step is never bypassed."""
+    momentum and update) gives every matrix what muon_step gives it, bit for bit on CPU, over 3
+    steps with weight decay; a variant's own muon_step is never bypassed."""
     import muon
     torch.manual_seed(0)
     shapes = [(64, 32)] * 3 + [(32, 64)] * 2 + [(48, 48)]
