@@ -35,8 +35,8 @@ import torch.nn.functional as F
 # -----------------------------------------------------------------------------
 # quantizers: integer codes plus the scale, and the fake-quantised ("dequantised") forms used in training
 
-# the floor of gamma, one value for training (weight_fake_quant), weight_quant and every export: a matrix
-# with mean|W| below it (all zero, or tiny) has codes 0 everywhere, in each of them
+# the floor of gamma, one value for training (weight_fake_quant), weight_quant and every export:
+# a matrix with mean|W| below it (all zero, or tiny) has codes 0 everywhere, in each of them
 GAMMA_MIN = 1e-5
 
 
@@ -69,9 +69,9 @@ def weight_fake_quant(w):
 
 @torch.no_grad()
 def activation_fake_quant(x):
-    """x_q / s in x's dtype, computed in fp32: one row absmax (the inf-norm), one scale, one rounding
-    per row. The clamp to [-128, 127] never binds here: |x * s| <= 127 (1 + 2^-23) < 127.5 rounds to at
-    most 127. No autograd graph: the gradient comes from the STE."""
+    """x_q / s in x's dtype, computed in fp32: one row absmax (the inf-norm), one scale, one
+    rounding per row. The clamp to [-128, 127] never binds here: |x * s| <= 127 (1 + 2^-23) < 127.5
+    rounds to at most 127. No autograd graph: the gradient comes from the STE."""
     xf = x.float()
     s = 127.0 / torch.linalg.vector_norm(xf, float("inf"), dim=-1, keepdim=True).clamp_(min=1e-5)
     return (xf * s).round_().div_(s).to(x.dtype)
@@ -108,8 +108,8 @@ class BitLinear(nn.Linear):
     quantize_input=False when the op before it already quantised x (QuantRMSNorm, speed section).
     In model.py that is every BitLinear: each reads a QuantRMSNorm's output, so the activation
     quantiser that runs there is the norm's (the same ste(x, activation_fake_quant(x), lambda) as
-    forward() below), and of BitLinear only quantized_weight() runs (stacked_linear calls it for q, k, v
-    and gate, up). Used alone, as an nn.Linear swap, it quantises its input itself.
+    forward() below), and of BitLinear only quantized_weight() runs (stacked_linear calls it for
+    q, k, v and gate, up). Used alone, as an nn.Linear swap, it quantises its input itself.
 
     Swapping it for an nn.Linear in another project, three differences to know:
       - bias defaults to False (BitNet b1.58 has no biases; PackedBitLinear refuses them), where nn.Linear's
@@ -206,19 +206,19 @@ def unpack_ternary(packed, in_features):
 #     skips its own quantiser.
 #   - Weight quantisation is a whole-matrix reduction (absmean) and a rounding pass per matrix. It depends only
 #     on the weights, which change once per optimizer step, so with gradient accumulation cache_weight_quant
-#     computes W_q * gamma once per step and every micro-batch reuses it (same values, same gradients);
+#     computes W_q * gamma once per step and every micro-batch reuses it (same values, gradients);
 #     clear_weight_quant drops the cache before the weights change.
 #   - lambda is a tensor, never a Python float: no recompilation as it warms up, and no host sync to read it.
-#   - In eager mode (the CPU default) every op is a dispatch and a pass over memory: the STE is one lerp
-#     forward and nothing backward, the fake quantisers round and scale in place, and RMSNormCPU gives
-#     the norms a 9-op backward (python -m lab.bench --train counts the ops of a step).
+#   - In eager mode (the CPU default) every op is a dispatch and a pass over memory: the STE is one
+#     lerp forward and nothing backward, the fake quantisers round and scale in place, and
+#     RMSNormCPU gives the norms a 9-op backward (python -m lab.bench --train counts a step's ops).
 
 
 class RMSNormCPU(torch.autograd.Function):
-    """F.rms_norm over the last dim, for fp32 CPU tensors, with a hand-written backward. On the CPU torch
-    has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates them in about 23
-    more. The forward here is the same six ops in the same order (the same bits as F.rms_norm); the
-    backward is 9 ops:
+    """F.rms_norm over the last dim, for fp32 CPU tensors, with a hand-written backward. On the CPU
+    torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates them
+    in about 23 more. The forward here is the same six ops in the same order (the same bits as
+    F.rms_norm); the backward is 9 ops:
         y = x_hat * w,  x_hat = x * r,  r = 1 / sqrt(mean(x^2) + eps)
         dx = r * (g w - x_hat * mean(g w x_hat)),  dw = sum over rows of g x_hat"""
 
@@ -240,8 +240,9 @@ class RMSNormCPU(torch.autograd.Function):
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm with its gain cast to the input's dtype, so that under bf16 autocast (a bf16 input, an fp32 gain)
     torch dispatches to its fused RMSNorm kernel instead of the unfused fallback. In fp32 the cast is a no-op: the
-    same op on the same tensors as nn.RMSNorm, bit for bit. The parameter stays fp32 (the optimizer's copy).
-    An fp32 CPU input with a 1-D gain runs RMSNormCPU: the same forward bits, a 9-op backward."""
+    same op on the same tensors as nn.RMSNorm, bit for bit. The parameter stays fp32 (the
+    optimizer's copy). An fp32 CPU input with a 1-D gain runs RMSNormCPU: the same forward bits,
+    a 9-op backward."""
 
     def forward(self, x):
         w = self.weight.to(x.dtype) if self.weight is not None else None

@@ -34,7 +34,8 @@ import torch
 
 
 def total_norm(grads):
-    """g = || all gradients ||_2 as a 0-d fp32 tensor; one fused _foreach_norm per accumulation dtype."""
+    """g = || all gradients ||_2 as a 0-d fp32 tensor; one fused _foreach_norm per accumulation
+    dtype."""
     norms = [n.float() for dtype, group in _by_compute_dtype(grads).items()
              for n in torch._foreach_norm(group, 2.0, dtype=dtype)]
     return torch.linalg.vector_norm(torch.stack(norms))
@@ -45,7 +46,8 @@ def z_score(g, mean, var, eps):
     return (g - mean) / (var.sqrt() + eps)
 
 
-def clip_threshold(g, z, mean, var, z_thresh, mode="zscore", clip_option="adaptive_scaling", clip_factor=1.0):
+def clip_threshold(g, z, mean, var, z_thresh, mode="zscore", clip_option="adaptive_scaling",
+                   clip_factor=1.0):
     """(spike, T): whether g is a spike (0-d bool), and the norm T a spike is scaled down to."""
     std = var.sqrt()
     if mode == "percentile":  # a fixed number of standard deviations above the mean
@@ -62,12 +64,13 @@ def clip_threshold(g, z, mean, var, z_thresh, mode="zscore", clip_option="adapti
 def update_ema(mean, var, x, alpha):
     """One EMA step of the norm's mean and variance toward x (T on a spike, else g)."""
     mean = alpha * mean + (1 - alpha) * x
-    var = alpha * var + (1 - alpha) * (x - mean) ** 2  # with the updated mean, as the reference does
+    var = alpha * var + (1 - alpha) * (x - mean) ** 2  # the updated mean, as the reference does
     return mean, var
 
 
 def warmup_stats(norms):
-    """(mu, var): mean and population variance of the finite warmup norms (a NaN/inf one would poison both)."""
+    """(mu, var): mean and population variance of the finite warmup norms (a NaN/inf one would
+    poison both)."""
     ok = torch.isfinite(norms)
     n = ok.sum().clamp(min=1)
     x = torch.where(ok, norms, torch.zeros_like(norms))
@@ -76,7 +79,8 @@ def warmup_stats(norms):
 
 
 def scale_(grads, factor):
-    """grads *= factor in place, the 0-d fp32 factor cast to each group's compute dtype (exactly, fp32 -> fp64)."""
+    """grads *= factor in place, the 0-d fp32 factor cast to each group's compute dtype (exactly,
+    fp32 -> fp64)."""
     for dtype, group in _by_compute_dtype(grads).items():
         torch._foreach_mul_(group, factor.to(dtype))
 
@@ -100,7 +104,8 @@ CLIP_OPTIONS = ("adaptive_scaling", "mean")
 SPIKE_UPDATES = ("threshold", "raw", "skip")
 # Not the paper's default: the variant an earlier codebase used (EMA decay 0.99, clip to mu + 3 sigma, EMA fed
 # with the raw norm, no warmup; warmup_steps=1, i.e. mu = first norm and var = 0, is the closest form).
-PERCENTILE_RAW_EMA = dict(alpha=0.99, z_thresh=3.0, warmup_steps=1, mode="percentile", spike_update="raw")
+PERCENTILE_RAW_EMA = dict(alpha=0.99, z_thresh=3.0, warmup_steps=1, mode="percentile",
+                          spike_update="raw")
 CONFIG_KEYS = ("alpha", "z_thresh", "warmup_steps", "eps", "mode", "clip_option", "clip_factor",
                "max_grad_norm", "spike_update")
 
@@ -118,13 +123,14 @@ class ZClip:
         self.warmup_steps = warmup_steps    # norms collected before mu, var are initialised
         self.eps = eps                      # keeps z finite when var = 0
         self.mode = mode                    # "zscore" or "percentile"
-        self.clip_option = clip_option      # zscore mode: "adaptive_scaling" or "mean"; ignored in percentile
+        self.clip_option = clip_option      # zscore: "adaptive_scaling" or "mean" (else unused)
         self.clip_factor = clip_factor      # scales T in adaptive_scaling (< 1 clips harder)
-        self.max_grad_norm = max_grad_norm  # None = pure ZClip (the reference defaults to 1.0); a float also
-                                            # hard-clips every step, warmup included
+        # None = pure ZClip (the reference defaults to 1.0); a float also hard-clips every step,
+        # warmup included
+        self.max_grad_norm = max_grad_norm
         self.spike_update = spike_update    # what feeds the EMA on a spike, see SPIKE_UPDATES
         self._check_config()
-        self.n_seen = 0                     # norms collected toward warmup; saturates at warmup_steps
+        self.n_seen = 0                     # norms collected toward warmup; stops at warmup_steps
         self.mean = torch.zeros(())         # mu, 0-d fp32
         self.var = torch.zeros(())          # sigma^2, 0-d fp32
         self.warmup_norms = torch.zeros(warmup_steps)
@@ -140,8 +146,8 @@ class ZClip:
         after this call's update. A non-finite g (NaN/inf) leaves the gradients, mu and var untouched (ours,
         not the reference's): the training loop should skip that optimizer step. No host sync: every decision
         is a torch.where, and the factor is exactly 1.0 when nothing is clipped (x * 1.0 == x bitwise)."""
-        grads = [p.grad for p in (params.parameters() if isinstance(params, torch.nn.Module) else params)
-                 if p.grad is not None]
+        params = params.parameters() if isinstance(params, torch.nn.Module) else params
+        grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             raise ValueError("ZClip.clip: no parameter has a .grad; call it after loss.backward()")
         grads, group = _local_shards(grads)  # FSDP2 only: see the section at the bottom of the file
@@ -152,13 +158,14 @@ class ZClip:
         decide = self.initialized  # depends on the call count only, never on data
         if decide:
             z = z_score(g, self.mean, self.var, self.eps)
-            spike, T = clip_threshold(g, z, self.mean, self.var, self.z_thresh, self.mode, self.clip_option,
-                                      self.clip_factor)
+            spike, T = clip_threshold(g, z, self.mean, self.var, self.z_thresh, self.mode,
+                                      self.clip_option, self.clip_factor)
             spike = spike & finite
             target = torch.where(spike, T, g)
         else:
             z, target = self._collect_warmup(g)
-        effective = target if self.max_grad_norm is None else torch.clamp(target, max=self.max_grad_norm)
+        effective = (target if self.max_grad_norm is None
+                     else torch.clamp(target, max=self.max_grad_norm))
         clipped = finite & (g > effective)
         factor = torch.where(clipped, effective / (g + 1e-6), torch.ones_like(g))
         scale_(grads, factor)  # factor == 1.0 exactly when not clipped: grads bitwise unchanged
@@ -166,12 +173,14 @@ class ZClip:
             x = target if self.spike_update == "threshold" else g  # x = T on a spike, else g
             mean, var = update_ema(self.mean, self.var, x, self.alpha)
             keep = ~finite | spike if self.spike_update == "skip" else ~finite
-            self.mean, self.var = torch.where(keep, self.mean, mean), torch.where(keep, self.var, var)
+            self.mean = torch.where(keep, self.mean, mean)
+            self.var = torch.where(keep, self.var, var)
         return dict(raw_norm=g, clipped_norm=g * factor, was_clipped=clipped.float(), z_score=z,
                     ema_mean=self.mean, ema_var=self.var)
 
     def _collect_warmup(self, g):
-        """Store g; at the last warmup call set mu, var. Returns (z, target) = (0, g): no z-clipping yet."""
+        """Store g; at the last warmup call set mu, var. Returns (z, target) = (0, g): no z-clipping
+        yet."""
         self.warmup_norms[self.n_seen] = g
         self.n_seen += 1
         if self.initialized:
@@ -192,9 +201,11 @@ class ZClip:
     def load_state_dict(self, sd):
         """Restores statistics, warmup progress and config (the saved config replaces the constructor's).
         Tensors stay where they were loaded and move to the gradients' device at the next clip()."""
-        missing = [k for k in CONFIG_KEYS + ("n_seen", "mean", "var", "warmup_norms") if k not in sd]
+        missing = [k for k in CONFIG_KEYS + ("n_seen", "mean", "var", "warmup_norms")
+                   if k not in sd]
         if missing:
-            raise KeyError(f"ZClip.load_state_dict: missing keys {missing}; expected a ZClip.state_dict()")
+            raise KeyError(f"ZClip.load_state_dict: missing keys {missing}; "
+                           "expected a ZClip.state_dict()")
         for k in CONFIG_KEYS:
             setattr(self, k, sd[k])
         self._check_config()
@@ -203,7 +214,8 @@ class ZClip:
         self.warmup_norms = sd["warmup_norms"].float().clone()
 
     def _check_config(self):
-        for name, value, valid in (("mode", self.mode, MODES), ("clip_option", self.clip_option, CLIP_OPTIONS),
+        for name, value, valid in (("mode", self.mode, MODES),
+                                   ("clip_option", self.clip_option, CLIP_OPTIONS),
                                    ("spike_update", self.spike_update, SPIKE_UPDATES)):
             if value not in valid:
                 raise ValueError(f"ZClip: {name}={value!r} is not valid; expected one of {valid}")
@@ -212,7 +224,8 @@ class ZClip:
         if not 0.0 <= self.alpha < 1.0:
             raise ValueError(f"ZClip: alpha={self.alpha!r}; expected 0 <= alpha < 1")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"ZClip: max_grad_norm={self.max_grad_norm!r}; expected None or a positive float")
+            raise ValueError(f"ZClip: max_grad_norm={self.max_grad_norm!r}; "
+                             "expected None or a positive float")
 
 
 # -----------------------------------------------------------------------------
@@ -228,10 +241,11 @@ def _local_shards(grads):
     if not sharded:
         return grads, None
     mesh = sharded[0].device_mesh
-    if len(sharded) != len(grads) or mesh.ndim != 1 or not all(
-            pl.is_shard() for g in sharded for pl in g.placements) or any(g.device_mesh != mesh for g in sharded):
-        raise ValueError("ZClip: expected all gradients sharded (Shard placements) on one 1-D device mesh, "
-                         "as FSDP2's fully_shard makes them")
+    all_shards = all(pl.is_shard() for g in sharded for pl in g.placements)
+    one_mesh = all(g.device_mesh == mesh for g in sharded)
+    if len(sharded) != len(grads) or mesh.ndim != 1 or not all_shards or not one_mesh:
+        raise ValueError("ZClip: expected all gradients sharded (Shard placements) on one 1-D "
+                         "device mesh, as FSDP2's fully_shard makes them")
     return [g.to_local() for g in grads], mesh.get_group()
 
 
@@ -252,7 +266,7 @@ if __name__ == "__main__":
     norms = [1.0 + 0.05 * torch.randn(()).item() for _ in range(30)] + [10.0, 1.02, 0.98]
     zclip = ZClip()
     for step, n in enumerate(norms):
-        mu, sigma = float(zclip.mean), float(zclip.var) ** 0.5  # the statistics this step is judged by
+        mu, sigma = float(zclip.mean), float(zclip.var) ** 0.5  # what this step is judged by
         grad = torch.randn(1000)
         p.grad = grad * (n / grad.norm())
         s = zclip.clip([p])
@@ -262,14 +276,17 @@ if __name__ == "__main__":
                   f"mu {s['ema_mean']:.4f}  var {s['ema_var']:.6f}")
         if s["was_clipped"]:
             z = float(s["z_score"])
-            print(f"  check: T = mu + z_thresh^2 * sigma / z = {mu:.4f} + 6.25 * {sigma:.4f} / {z:.2f} "
+            print(f"  check: T = mu + z_thresh^2 * sigma / z = {mu:.4f} + 6.25 * {sigma:.4f} / "
+                  f"{z:.2f} "
                   f"= {mu + 6.25 * sigma / z:.4f}")
-    print("expected: only step 30 (raw norm 10) is clipped, to the T printed under it; warmup ends at step 24")
+    print("expected: only step 30 (raw norm 10) is clipped, to the T printed under it; "
+          "warmup ends at step 24")
 
     # Resume: the statistics live in ZClip, not in the optimizer. Rebuilt without them, it is back in warmup.
     restored, forgotten = ZClip(), ZClip()
     restored.load_state_dict(zclip.state_dict())
-    for name, z in (("restored with load_state_dict", restored), ("rebuilt without its state", forgotten)):
+    for name, z in (("restored with load_state_dict", restored),
+                    ("rebuilt without its state", forgotten)):
         p.grad = grad * (10.0 / grad.norm())
-        print(f"after a resume, a norm-10 spike, ZClip {name}: norm {float(z.clip([p])['clipped_norm']):.4f} "
-              "after clip()")
+        norm = float(z.clip([p])["clipped_norm"])
+        print(f"after a resume, a norm-10 spike, ZClip {name}: norm {norm:.4f} after clip()")

@@ -521,9 +521,9 @@ def test_muon_ns_dtype_float32_is_used_and_close_to_bf16_step():
                                              (torch.bfloat16, "match_rms_adamw")])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dtype, adjust, nesterov, monkeypatch):
-    """muon_steps (the default step on CUDA and CPU: same-shape matrices stacked, one batched NS5 per shape,
-    foreach momentum and update) gives every matrix what muon_step gives it, bit for bit on CPU, over 3 steps with weight decay; a
-    variant's own muon_step is never bypassed."""
+    """muon_steps (the step on CUDA: same-shape matrices stacked, one batched NS5 per shape, foreach
+    momentum and update) gives every matrix what muon_step gives it, bit for bit on CPU, over 3
+    steps with weight decay; a variant's own muon_step is never bypassed."""
     import muon
     torch.manual_seed(0)
     shapes = [(64, 32)] * 3 + [(32, 64)] * 2 + [(48, 48)]
@@ -531,7 +531,7 @@ def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dt
     batched = [torch.nn.Parameter(p.detach().clone()) for p in one]
     opts = [Muon(ps, lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype=ns_dtype, adjust_lr_fn=adjust)
             for ps in (one, batched)]
-    opts[0].batched_devices = ()  # per matrix; opts[1] keeps the default, batched on CPU too
+    opts[1].batched_devices = ("cpu",)
     calls, ns5 = [], muon.zeropower_via_newtonschulz5
     monkeypatch.setattr(muon, "zeropower_via_newtonschulz5", lambda G, **kw: (calls.append(G.shape), ns5(G, **kw))[1])
     for _ in range(3):

@@ -188,8 +188,9 @@ def test_quant_rmsnorm_then_bitlinear_equals_rmsnorm_then_self_quantising_bitlin
 
 @pytest.mark.parametrize("shape", [(2, 9, 24), (5, 384)])
 def test_rmsnorm_cpu_backward_matches_float64_autograd(shape):
-    """quant.RMSNorm on fp32 CPU runs RMSNormCPU: the forward is nn.RMSNorm's bit for bit, and its hand-written
-    9-op backward gives dx and dw within fp32 rounding of autograd through F.rms_norm in float64."""
+    """quant.RMSNorm on fp32 CPU runs RMSNormCPU: the forward is nn.RMSNorm's bit for bit, and its
+    hand-written 9-op backward gives dx and dw within fp32 rounding of autograd through F.rms_norm
+    in float64."""
     torch.manual_seed(0)
     C = shape[-1]
     norm = quant.RMSNorm(C, eps=1e-5)
@@ -202,7 +203,8 @@ def test_rmsnorm_cpu_backward_matches_float64_autograd(shape):
     y = norm(x)
     assert y.grad_fn.name().startswith("RMSNormCPU") and torch.equal(y, ref(x))
     y.backward(g)
-    x64, w64 = x.detach().double().requires_grad_(True), norm.weight.detach().double().requires_grad_(True)
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = norm.weight.detach().double().requires_grad_(True)
     F.rms_norm(x64, (C,), w64, 1e-5).backward(g.double())
     torch.testing.assert_close(x.grad, x64.grad.float(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(norm.weight.grad, w64.grad.float(), rtol=1e-5, atol=1e-5)
