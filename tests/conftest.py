@@ -37,11 +37,12 @@ def start(*args, log=None, faults=None, launch=None):
 
 class Forked:
     """A run forked by tests/forkserver.py (one server per pytest worker, started on first use): the parts of
-    subprocess.Popen the tests use. Its stdout and stderr are files, read by communicate() once it has ended."""
+    subprocess.Popen the tests use. Its stdout and stderr are files, read by communicate() once it has ended.
+    argv is [script, *args] (`python script args`) or ["-m", module, *args]; it runs in cwd."""
     server = None
     files = None
 
-    def __init__(self, argv, env, log=None):
+    def __init__(self, argv, env, log=None, cwd=ROOT):
         import atexit
         import itertools
         import shutil
@@ -56,7 +57,7 @@ class Forked:
         self.args, self.log, self.returncode = argv, log, None
         self.out, self.err, self.status = (log or f"{d}/{n}.out"), f"{d}/{n}.err", f"{d}/{n}.status"
         open(self.out, "w").close()  # there at once, as Popen's would be
-        Forked.server.stdin.write(json.dumps(dict(argv=argv, cwd=ROOT, env=env, stdout=self.out, stderr=self.err,
+        Forked.server.stdin.write(json.dumps(dict(argv=argv, cwd=cwd, env=env, stdout=self.out, stderr=self.err,
                                                   status=self.status)) + "\n")
         Forked.server.stdin.flush()
         self.pid = int(Forked.server.stdout.readline())
@@ -92,6 +93,20 @@ def run(*args, rc=0, faults=None, launch=None, timeout=300):
     if rc is not None:
         assert p.returncode == rc, stdout[-2000:] + stderr[-3000:]
     return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+
+
+def small_corpus(d, train=20000, val=2000):
+    """The directory d holding the first `train` and `val` tokens of the shipped Shakespeare byte shards, as a
+    --data directory: real text (a run's loss falls as on the whole corpus), with a whole val split of
+    (val - 1) // 32 TINY windows instead of 6,821. Returns d."""
+    import data
+    os.makedirs(d, exist_ok=True)
+    for split, n in (("train", train), ("val", val)):
+        shipped = data.read_shard(os.path.join(ROOT, "data", "shakespeare_byte", f"{split}_000.bin"))
+        data.write_shard(os.path.join(d, f"{split}_000.bin"), shipped[:n])
+    with open(os.path.join(d, "meta.json"), "w") as f:
+        json.dump({"tokenizer": "byte", "vocab_size": 257, "eot": 256}, f)
+    return str(d)
 
 
 def records(out, stage=2, run_name=None):

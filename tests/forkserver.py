@@ -7,7 +7,8 @@ process runs nothing itself, so every child starts from the same freshly importe
 Started by tests/conftest.py (one per pytest worker, with conftest's ENV), which writes one JSON request per line
 to stdin: {"argv": [script, *args], "cwd", "env", "stdout", "stderr", "status"} (paths); the answer is the child's
 pid on stdout. When the child ends, its exit status (negative: the signal that ended it, as Popen says it) is
-written to the "status" file. Run: python -m pytest (conftest.run and conftest.start use it).
+written to the "status" file. An argv of ["-m", module, *args] runs `python -m module <args>` (runpy.run_module).
+Run: python -m pytest (conftest.run and conftest.start use it).
 """
 
 import json
@@ -57,13 +58,17 @@ def child(req):
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-    script = req["argv"][0]
-    sys.argv = list(req["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
     code = 0
     try:
         import runpy
-        runpy.run_path(script, run_name="__main__")
+        if req["argv"][0] == "-m":  # python -m <module> <args>: the working directory leads sys.path
+            sys.argv = ["-m", *req["argv"][2:]]  # run_module puts the module's file in sys.argv[0]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(req["argv"][1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(req["argv"])
+            sys.path[0] = os.path.dirname(os.path.abspath(req["argv"][0]))
+            runpy.run_path(req["argv"][0], run_name="__main__")
     except SystemExit as e:  # as the interpreter exits: None is 0, a message is printed and is 1
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0

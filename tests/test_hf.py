@@ -7,8 +7,11 @@ command line refuses, in one line, what the format cannot hold. docs/hf-format.m
 """
 import json
 import os
+import sys
 
-import numpy as np
+if __name__ == "__main__":  # run as a script (the measurement at the bottom): the repository root is importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np  # noqa: E402
 import pytest
 import torch
 
@@ -89,20 +92,57 @@ def test_packed_weights_are_our_ternary_codes_and_weight_scale_is_one_over_gamma
     assert "lm_head.weight" not in t and torch.equal(t["model.embed_tokens.weight"], ours.wte.weight)
 
 
-def test_logits_agree_with_ours_to_float32_rounding_on_val_text(exported):
-    """Same int8 codes, same ternary codes; only the order of the scalings differs (ours: fp32 F.linear of x_q/s and
-    W_q*gamma; theirs: the exact integer product / (s * weight_scale)). In larger models those ulps now and then
-    move an activation across an int8 rounding tie, and one code differs by 1 (about 1e-2 in the logits, as between
-    our own fake-quant and packed paths); this fixed model and text have none, deterministically."""
-    _, _, ours, hf, _ = exported
-    idx = _val_tokens(ours.config.block_size)
+def past_a_tie(ours, hf, idx, tie=5e-4):
+    """Run our model and transformers' load of its export on idx (B, T), and read every int8 activation code each
+    computes (the four quantised norms of each layer, in forward order). Both compute the same codes from inputs
+    that agree to float32 rounding: ours scales in fp32 before the matmul (x_q/s times W_q*gamma), transformers
+    after it (the exact integer product / (s * weight_scale)), and their norms, RoPE and attention round in their
+    own order. So a code may differ only where transformers' x*s lies within `tie` of k + 1/2 (a rounding tie),
+    and then by 1; that changes its position and, through attention, the later positions of its row: those are
+    "past a tie". Asserts that, and that every other position's logits agree to float32 rounding (1e-5 of their
+    scale). Returns (past (B, T) bool, max |logit difference| per position (B, T), codes on a tie, argmax flips)."""
+    seen = {}
+    hooks = []
+    for i in range(ours.config.n_layer):
+        for a, b in export.HF_NORMS.items():  # our QuantRMSNorm's output is x_q/s; theirs is x, quantised next
+            for side, m in ((0, ours.get_submodule(f"h.{i}.{a}")), (1, hf.get_submodule(f"model.layers.{i}.{b}"))):
+                hooks.append(m.register_forward_hook(
+                    lambda m, args, out, key=(i, a, side): seen.__setitem__(key, out)))
     with torch.no_grad(), torch.compiler.set_stance(EAGER):
-        want = ours.forward_with_states(idx, idx)[0]  # (1, T, V): every position's logits
+        want = ours.forward_with_states(idx, idx)[0]  # (B, T, V): every position's logits
         got = hf(idx).logits
-    diff = (got - want).abs().max().item()
-    scale = want.abs().max().item()
-    print(f"max |logit difference| {diff:.3g} over {idx.numel()} positions (max |logit| {scale:.3g})")
-    assert diff <= 1e-5 * max(scale, 1.0), (diff, scale)
+    for h in hooks:
+        h.remove()
+    past, ties = torch.zeros(idx.shape, dtype=torch.bool), 0
+    for i in range(ours.config.n_layer):
+        for a in export.HF_NORMS:
+            x = seen[i, a, 1]
+            xs = x * (127.0 / x.abs().amax(-1, keepdim=True).clamp(min=1e-5))  # transformers' activation_quant
+            theirs = xs.round().clamp(-128, 127)
+            mine = quant.activation_quant(seen[i, a, 0])[0].float()  # x_q/s quantised again: x_q exactly
+            new = (mine != theirs) & ~past[..., None]  # a code that differs where no earlier one has reached
+            on_tie = (xs - xs.floor() - 0.5).abs() < tie
+            assert torch.all((mine - theirs).abs()[new] == 1) and torch.all(on_tie[new]), (i, a, int(new.sum()))
+            ties += int(new.sum())
+            past |= new.any(-1).cummax(-1).values  # its position and every later one of its row
+    per_position = (got - want).abs().amax(-1)  # (B, T)
+    scale = max(want.abs().max().item(), 1.0)
+    assert per_position[~past].max() <= 1e-5 * scale, (per_position[~past].max().item(), scale)
+    return past, per_position, ties, int((got.argmax(-1) != want.argmax(-1)).sum())
+
+
+def test_logits_agree_with_ours_to_float32_rounding_up_to_an_int8_rounding_tie(exported):
+    """256 windows of val text through the TINY model trained past its warm-up (8192 positions): at all but a few
+    positions the logits agree to float32 rounding; the others come after a code that rounded the other way on a
+    tie (past_a_tie). python -m pytest -n 0 tests/test_hf.py -k tie -s prints the counts."""
+    _, _, ours, hf, _ = exported
+    T = ours.config.block_size
+    idx = _val_tokens(256 * T).view(256, T)
+    past, diff, ties, flips = past_a_tie(ours, hf, idx)
+    print(f"TINY model: {ties} codes on a rounding tie; {int(past.sum())} of {past.numel()} positions past one, "
+          f"max |logit difference| {diff[past].max().item() if ties else 0:.3g} there, "
+          f"{diff[~past].max().item():.3g} elsewhere; {flips} argmax flips")
+    assert past.float().mean() < 0.05 and not past[0].any()  # the first window is exact
 
 
 def test_greedy_generation_gives_our_tokens(exported):
@@ -331,26 +371,14 @@ def test_an_imported_model_carries_its_tokenizer_files(imported_export):
 
 
 def test_an_imported_model_gives_our_logits_in_transformers(imported_export):
-    """Our logits to float32 rounding, as test_logits_agree_with_ours_to_float32_rounding_on_val_text, on inputs where
-    no activation lands on an int8 rounding tie; on random ids (5 draws) a tie now and then moves one int8 code by 1
-    and the positions after it by about 1e-2 (measured: 0.012 at most), never more: a wrong head order, K/V
-    sharing, rope theta or norm would move every position by far more."""
+    """Our logits to float32 rounding up to an int8 rounding tie (past_a_tie), on 8 sequences of random ids: a wrong
+    head order, K/V sharing, rope theta or norm would change codes far from any tie."""
     _, _, _, ours, hf, _ = imported_export
-    exact, worst, tied = 0, 0.0, 0
-    for seed in range(5):
-        torch.manual_seed(seed)
-        idx = torch.randint(0, ours.config.vocab_size, (2, ours.config.block_size))
-        with torch.no_grad(), torch.compiler.set_stance(EAGER):
-            want = ours.forward_with_states(idx, idx)[0]
-            got = hf(idx).logits
-        scale = max(want.abs().max().item(), 1.0)
-        per_position = (got - want).abs().amax(-1) / scale  # (2, T)
-        exact += bool(per_position.max() <= 1e-5)
-        tied += int((per_position > 1e-5).sum())
-        worst = max(worst, per_position.max().item())
-    print(f"imported model: {exact} of 5 draws within 1e-5 of ours; worst {worst:.3g} (relative), "
-          f"{tied} of {5 * 2 * ours.config.block_size} positions past a rounding tie")
-    assert exact >= 1 and worst <= 2e-2 and tied <= 5 * ours.config.block_size, (exact, worst, tied)
+    torch.manual_seed(0)
+    idx = torch.randint(0, ours.config.vocab_size, (8, ours.config.block_size))
+    past, diff, ties, flips = past_a_tie(ours, hf, idx)
+    print(f"imported model: {ties} codes on a rounding tie; {int(past.sum())} of {past.numel()} positions past one")
+    assert past.float().mean() < 0.5
 
 
 @pytest.mark.slow
@@ -416,3 +444,18 @@ def test_ctrl_c_while_the_checkpoint_and_its_tokenizer_load_is_one_line(tmp_path
     out = str(tmp_path / "out")
     err = fails(capsys, f"--format={fmt}", f"--ckpt={ckpt}", f"--out={out}", code=130, main=export.main)
     assert "Ctrl-C" in err and out in err and os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+if __name__ == "__main__":
+    # python tests/test_hf.py <ckpt.pt> [windows]: past_a_tie on a trained model's export (README's HF figures)
+    import tempfile
+    ckpt, windows = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 16
+    with tempfile.TemporaryDirectory() as d:
+        export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={d}/hf"])
+        hf = AutoModelForCausalLM.from_pretrained(f"{d}/hf", dtype=torch.float32).eval()
+        ours = export.load_training_checkpoint(ckpt)[0].eval()
+        T = ours.config.block_size
+        past, diff, ties, flips = past_a_tie(ours, hf, _val_tokens(windows * T).view(windows, T))
+    print(f"{ties} codes on an int8 rounding tie; {int(past.sum())} of {past.numel()} positions past one; max "
+          f"|logit difference| {diff[past].max().item() if ties else 0:.3g} there, {diff[~past].max().item():.3g} "
+          f"elsewhere; {flips} argmax flips")

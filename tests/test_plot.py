@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import TINY, fails, run
+from conftest import TINY, fails, run, small_corpus
 from tools import plot
 
 
@@ -63,14 +63,19 @@ def test_wandb_gets_every_logged_record_and_a_missing_wandb_is_said(tmp_path, mo
 
 @pytest.mark.slow
 def test_a_long_whole_split_evaluation_shows_its_progress(tmp_path, monkeypatch, capsys):
+    """Every batch counts as long (EVAL_PROGRESS_S = 0): one line per batch after the first, naming its number of
+    the whole split's. A val split of 2,000 tokens (conftest.small_corpus) is 62 windows of T+1 = 33 tokens."""
     import train
     from tools import metrics
     monkeypatch.setattr(metrics, "EVAL_PROGRESS_S", 0.0)  # every batch counts as long
+    corpus = small_corpus(tmp_path / "corpus")
     args = [a for a in TINY if a != "--eval_whole=False"]
-    train.main(["--stage=1", *args, "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path}"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if "evaluating shakespeare_byte" in line]
-    n = int(lines[0].split(" of ")[1].split(",")[0])
-    assert n == -(-((218305 - 1) // 32) // 4) and len(lines) == n - 1  # windows of T+1 = 33 tokens, 4 a batch and lines[-1].startswith(f"  evaluating shakespeare_byte: batch {n - 1} of {n}")
+    train.main(["--stage=1", *args, "--max_iters=1", "--eval_interval=1", f"--out_dir={tmp_path}",
+                f"--data={corpus}"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "evaluating corpus" in line]
+    n = -(-((2000 - 1) // 32) // 4)  # batches of 4 windows
+    assert n == 16 and len(lines) == n - 1, lines
+    assert lines[-1].startswith(f"  evaluating corpus: batch {n - 1} of {n}"), lines
 
 
 def _fake_run(d, steps=3):

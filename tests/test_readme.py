@@ -6,12 +6,10 @@ Run: python -m pytest tests/test_readme.py"""
 import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ENV, ROOT, TINY
+from conftest import ENV, ROOT, TINY, Forked
 
 SKIP = {
     "pip install -r requirements.txt": "the test environment is that install",
@@ -49,21 +47,24 @@ def readme_commands():
 
 
 def tiny(argv):
-    """argv with the tiny flags its command takes appended (later flags override earlier ones)."""
+    """argv ([script, *args] or ["-m", module, *args]) with the tiny flags its command takes appended (later flags
+    override earlier ones)."""
     names = [os.path.basename(a) for a in argv]
     if "train.py" in names:
         return argv + TRAIN + ([] if "--resume=True" in argv else ["--overwrite=True"])
     if "sample.py" in names:
         return argv + SAMPLE
-    if argv[1:3] == ["-m", "lab.packed_decode"]:  # one of SmolLM2's 30 layers, 2 tokens, 1 pair
+    if argv[:2] == ["-m", "lab.packed_decode"]:  # one of SmolLM2's 30 layers, 2 tokens, 1 pair
         return argv + ["--n_layer=1", "--tokens=2", "--reps=1"]
-    if argv[1:3] == ["-m", "tools.prepare"] and len(argv) == 3:  # the shipped corpus again: here, not in the
-        return argv + ["--out_dir=data/shakespeare_byte"]       # checkout's data/, which other tests' runs read
+    if argv[:2] == ["-m", "tools.prepare"] and len(argv) == 2:  # the shipped corpus again: here, not in the
+        return argv + ["--out_dir=data/shakespeare_byte"]      # checkout's data/, which other tests' runs read
     return argv
 
 
 @pytest.mark.slow
 def test_every_readme_command_runs(tmp_path):
+    """Each command runs in a process of its own, forked by tests/forkserver.py (a fresh `python` with the imports
+    done) in the fresh directory; torchrun's launcher too, whose 2 workers it starts itself."""
     cwd = tmp_path
     os.makedirs(cwd / "corpus")
     for i in range(40):  # for `python -m tools.prepare ... corpus/*.txt`: 40 documents, 2 of them val
@@ -72,7 +73,8 @@ def test_every_readme_command_runs(tmp_path):
     import pyarrow.parquet as pq
     os.makedirs(cwd / "fineweb-edu" / "sample" / "10BT")  # where the download puts FineWeb-Edu's parquet files
     for k in range(2):
-        pq.write_table(pa.table({"text": [f"Doc {k}.{i}: " + "educational text about things " * 30 for i in range(20)]}),
+        pq.write_table(pa.table({"text": [f"Doc {k}.{i}: " + "educational text about things " * 30
+                                          for i in range(20)]}),
                        cwd / "fineweb-edu" / "sample" / "10BT" / f"00{k}_00000.parquet")
     env = dict(ENV, PYTHONPATH=ROOT)
     ran = []
@@ -80,22 +82,23 @@ def test_every_readme_command_runs(tmp_path):
         if any(cmd == s or cmd.startswith(s + " ") and s.startswith(("pip", "hf ")) for s in SKIP):
             continue
         argv = shlex.split(cmd)
-        if argv[0] == "python" and argv[1].endswith(".py"):
-            argv[1] = os.path.join(ROOT, argv[1])  # run from the fresh directory, as if it were the checkout
-        if argv[0] == "torchrun":  # 2 gloo processes on CPU (8 cost 18 s on 2 cores; test_scale checks world sizes
-            # 1-8 against the CUDA preset's batch), the global batch of 8 sequences split between them
-            argv = [sys.executable, "-m", "torch.distributed.run",
-                    *("--nproc_per_node=2" if a.startswith("--nproc_per_node=") else a for a in argv[1:])]
+        assert argv[0] in ("python", "torchrun"), cmd  # what a fork of python can run
+        argv = argv[1:]
+        if argv[0].endswith(".py"):
+            argv[0] = os.path.join(ROOT, argv[0])  # run from the fresh directory, as if it were the checkout
+        if cmd.startswith("torchrun"):  # 2 gloo processes on CPU (8 cost 18 s on 2 cores; test_scale checks world
+            # sizes 1-8 against the CUDA preset's batch), the global batch of 8 sequences split between them
+            argv = ["-m", "torch.distributed.run",
+                    *("--nproc_per_node=2" if a.startswith("--nproc_per_node=") else a for a in argv)]
             argv[argv.index(next(a for a in argv if a.endswith("train.py")))] = os.path.join(ROOT, "train.py")
             argv += ["--grad_accum=8", "--batch_size=1"]
-        elif argv[0] == "python":
-            argv[0] = sys.executable
-        argv = tiny(argv)
-        p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, f"{cmd}\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}"
+        p = Forked(tiny(argv), env, cwd=str(cwd))
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, f"{cmd}\n{stdout[-1500:]}\n{stderr[-1500:]}"
         ran.append(cmd)
     assert ran[0] == "python train.py --stage=2" and "python train.py --stage=3" in ran and len(ran) >= 15, ran
-    assert os.path.exists(cwd / "out" / "stage2" / "packed.pt") and os.path.exists(cwd / "out" / "stage2" / "model.gguf")
+    assert os.path.exists(cwd / "out" / "stage2" / "packed.pt")
+    assert os.path.exists(cwd / "out" / "stage2" / "model.gguf")
 
 
 def test_every_command_found_is_run_or_skipped_for_a_reason():

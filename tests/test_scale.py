@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import TINY, fails
+from conftest import TINY, fails, small_corpus
 from conftest import run as run_train
 from muon import Muon
 from zclip import ZClip
@@ -53,9 +53,10 @@ def runs(tmp_path_factory):
     batches of 4 per step) and on 2 ranks (1 micro-batch of 4 each: half the per-rank batch), DDP and FSDP2.
     Then the step-3 checkpoint of each 2-rank run is resumed to step 6 on 1 process."""
     base = tmp_path_factory.mktemp("scale")
+    args = [*ARGS, f"--data={small_corpus(base / 'corpus')}"]  # a whole val split of 62 windows, not 6,821
     out = {name: str(base / name) for name in ("one", "ddp", "fsdp")}
-    run(out["one"], *ARGS)
-    procs = {k: run(out[k], *ARGS, f"--fsdp={k == 'fsdp'}", nproc=2) for k in ("ddp", "fsdp")}
+    run(out["one"], *args)
+    procs = {k: run(out[k], *args, f"--fsdp={k == 'fsdp'}", nproc=2) for k in ("ddp", "fsdp")}
     for k in ("ddp", "fsdp"):
         d = base / f"{k}_resumed1" / "stage2"
         d.mkdir(parents=True)
