@@ -1,25 +1,28 @@
 """
 Train a ternary (BitNet b1.58) Llama-style model in three stages, nanoGPT-style.
 
-  stage 1  full-precision pre-training of the SubLN model                         -> out/stage1/ckpt.pt
+  stage 1  full-precision pre-training of the SubLN model                  -> out/stage1/ckpt.pt
   stage 2  ternary continued pre-training from stage 1 (or from scratch), with
-           lambda warming up linearly from 0 (fp) to 1 (ternary)                  -> out/stage2/ckpt.pt
-  stage 3  BitDistill: stage-2 student, frozen stage-1 teacher                    -> out/stage3/ckpt.pt
+           lambda warming up linearly from 0 (fp) to 1 (ternary)           -> out/stage2/ckpt.pt
+  stage 3  BitDistill: stage-2 student, frozen stage-1 teacher             -> out/stage3/ckpt.pt
 
 Run on one machine (CPU preset: byte tokenizer, minutes; CUDA preset: GPT-2 tokenizer, a real run):
-  python train.py --stage=2                                   (python train.py --help: every flag)
-  python train.py --stage=2 --max_iters=2000 --lr=3e-3        (any field of TrainConfig as --key=value)
-  python train.py --stage=2 --resume=True                     (continue a stopped run, bit for bit)
-One node, 8 GPUs (DDP; NCCL on CUDA, gloo on CPU); add --fsdp=True to shard params, grads and optimizer state:
+  python train.py --stage=2                              (python train.py --help: every flag)
+  python train.py --stage=2 --max_iters=2000 --lr=3e-3   (any field of TrainConfig as --key=value)
+  python train.py --stage=2 --resume=True                (continue a stopped run, bit for bit)
+One node, 8 GPUs (DDP; NCCL on CUDA, gloo on CPU); add --fsdp=True to shard params, grads and
+optimizer state:
   torchrun --standalone --nproc_per_node=8 train.py --stage=2
 Two nodes of 8 GPUs: the same command on each, with --node_rank=0 / 1 and the address of node 0:
-  torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 train.py --stage=2
+  torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \
+      train.py --stage=2
 
-Read top to bottom: the schedules (lr and lambda), train_step (one step of ternary QAT), the training loop,
-each stage's loss, the set-up (what a run holds, and the optimizer groups), then the checks of the schedule flags.
-One step needs model.py, quant.py, muon.py, zclip.py and data.py (stage 3 adds distill.py); the flags
-(tools/config.py), checkpoints, evaluation, logs and distributed wrapping are in tools/. batch_size is one micro-batch on one rank; grad_accum counts the micro-batches
-of a step over ALL ranks, so the global batch does not depend on the world size.
+Read top to bottom: the schedules (lr and lambda), train_step (one step of ternary QAT), the
+training loop, each stage's loss, the set-up (what a run holds, and the optimizer groups), then the
+checks of the schedule flags. One step needs model.py, quant.py, muon.py, zclip.py and data.py
+(stage 3 adds distill.py); the flags (tools/config.py), checkpoints, evaluation, logs and
+distributed wrapping are in tools/. batch_size is one micro-batch on one rank; grad_accum counts the
+micro-batches of a step over ALL ranks, so the global batch does not depend on the world size.
 Test: python -m pytest tests/test_train.py tests/test_scale.py tests/test_fault.py
 """
 
@@ -54,8 +57,9 @@ from zclip import ZClip
 
 
 def lr_mult(step, cfg):
-    """Multiplier on every group's peak lr: warmup-cosine (nanoGPT) or warmup-stable-decay (MiniCPM),
-    times two_phase_lr_drop in the second half with --two_phase=True (BitNet b1.58 FAQ)."""
+    """Multiplier on every group's peak lr: warmup-cosine (nanoGPT) or warmup-stable-decay
+    (MiniCPM), times two_phase_lr_drop in the second half with --two_phase=True (BitNet b1.58
+    FAQ)."""
     drop = cfg.two_phase_lr_drop if cfg.two_phase and step >= cfg.max_iters // 2 else 1.0
     return drop * _schedule(step, cfg)
 
@@ -76,8 +80,8 @@ def _schedule(step, cfg):
 
 
 def lambda_at(step, cfg):
-    """lambda = clip((step - quant_start) / lambda_warmup_steps, 0, 1); 0 = full precision, 1 = ternary.
-    Stage 3 starts from an already ternary student, so lambda is 1 throughout."""
+    """lambda = clip((step - quant_start) / lambda_warmup_steps, 0, 1); 0 = full precision, 1 =
+    ternary. Stage 3 starts from an already ternary student, so lambda is 1 throughout."""
     if cfg.stage == 3:
         return 1.0
     start = quant_start_step(cfg)
@@ -100,29 +104,34 @@ def quant_start_step(cfg):
 
 
 def train_step(run, step, stop_requested):
-    """Optimizer step `step` (counting from 0): set lambda, lr and weight decay for it; quantise the weights
-    once; forward/backward the micro-batches; clip; then the one host read decides whether to step (a
-    non-finite loss or gradient skips the update). Returns that read as a dict of floats.
-    The seams a lesson plugs into: run.loss_fn(x, y) -> (loss, parts) and run.callbacks, each with watch() (0-d
-    tensors to log, read with the rest) and after_step(step, ok) (after the update)."""
+    """Optimizer step `step` (counting from 0): set lambda, lr and weight decay for it; quantise the
+    weights once; forward/backward the micro-batches; clip; then the one host read decides whether
+    to step (a non-finite loss or gradient skips the update). Returns that read as a dict of floats.
+    The seams a lesson plugs into: run.loss_fn(x, y) -> (loss, parts) and run.callbacks, each with
+    watch() (0-d tensors to log, read with the rest) and after_step(step, ok) (after the update)."""
     model, opt, cfg = run.model, run.optimizer, run.cfg
     lam = set_step_lambda(run, step)  # 0 = full precision ... 1 = ternary, written into buffers
     mult = lr_mult(step, cfg)
     for g in opt.param_groups:
         g["lr"] = g["initial_lr"] * mult
         g["weight_decay"] = 0.0 if cfg.two_phase and step >= cfg.max_iters // 2 else g["initial_wd"]
-    if model.config.quant and run.accum > 1 and not cfg.fsdp:  # FSDP2: whole weights exist only in forward
+    # FSDP2: whole weights exist only in forward
+    if model.config.quant and run.accum > 1 and not cfg.fsdp:
         cache_weight_quant(model)  # W_q * gamma once per step, reused by every micro-batch
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.accum):
-        x, y = (t.to(run.device, non_blocking=True) for t in run.train_loader.next_batch())  # (B, T) each
+        # (B, T) each
+        x, y = (t.to(run.device, non_blocking=True) for t in run.train_loader.next_batch())
         with grad_sync(run, last=micro == run.accum - 1), run.autocast:
-            loss, parts = run.loss_fn(x, y)  # plain CE, the distillation loss in stage 3, or a lesson's
+            # plain CE, the distillation loss in stage 3, or a lesson's
+            loss, parts = run.loss_fn(x, y)
             (loss / run.accum).backward()
         loss_sum += loss.detach().float()
     clear_weight_quant(model)  # the weights are about to change
-    stats = clip_gradients([p for p in model.parameters() if p.grad is not None], run.clipper, cfg.grad_clip)
-    stats.update({k: v for k, v in (parts or {}).items() if k != "loss"})  # stage 3: ce and the kd_* terms
+    stats = clip_gradients([p for p in model.parameters() if p.grad is not None], run.clipper,
+                           cfg.grad_clip)
+    # stage 3: ce and the kd_* terms
+    stats.update({k: v for k, v in (parts or {}).items() if k != "loss"})
     for cb in run.callbacks:
         stats.update(cb.watch())  # e.g. QK-clip's max attention logit
     out = read_step(loss_sum / run.accum, stop_requested, stats)  # the one host read of the step
@@ -130,21 +139,24 @@ def train_step(run, step, stop_requested):
     if out["ok"]:
         opt.step()
     for cb in run.callbacks:
-        cb.after_step(step + 1, out["ok"])  # e.g. QK-clip rescales W_q, W_k; averaging takes a snapshot
+        # e.g. QK-clip rescales W_q, W_k; averaging takes a snapshot
+        cb.after_step(step + 1, out["ok"])
     opt.zero_grad(set_to_none=True)
     out.update(lam=lam, lr=cfg.lr * mult)
     return out
 
 
 def set_step_lambda(run, step):
-    """lambda for this step into every BitLinear's and QuantRMSNorm's buffer: no recompile, no host sync."""
+    """lambda for this step into every BitLinear's and QuantRMSNorm's buffer: no recompile, no host
+    sync."""
     lam = lambda_at(step, run.cfg) if run.model.config.quant else 0.0
     set_lambda(run.model, lam)
     return lam
 
 
 def grad_sync(run, last):
-    """Reduce gradients over the ranks on the last micro-batch of a step only: DDP's no_sync(), FSDP2's switch."""
+    """Reduce gradients over the ranks on the last micro-batch of a step only: DDP's no_sync(),
+    FSDP2's switch."""
     if hasattr(run.train_model, "no_sync"):
         return contextlib.nullcontext() if last else run.train_model.no_sync()
     if hasattr(run.model, "set_requires_gradient_sync"):
@@ -153,19 +165,21 @@ def grad_sync(run, last):
 
 
 def clip_gradients(params, clipper, grad_clip):
-    """ZClip's statistics (raw_norm, clipped_norm, was_clipped, z_score), or with a fixed clip_grad_norm_ the norm
-    before and after it; 0-d tensors, read once per step."""
+    """ZClip's statistics (raw_norm, clipped_norm, was_clipped, z_score), or with a fixed
+    clip_grad_norm_ the norm before and after it; 0-d tensors, read once per step."""
     if clipper is not None:
         stats = clipper.clip(params)
         return {k: stats[k] for k in ("raw_norm", "clipped_norm", "was_clipped", "z_score")}
     raw = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    raw = raw.full_tensor() if hasattr(raw, "full_tensor") else raw  # FSDP2: a DTensor of the global norm
+    # FSDP2: a DTensor of the global norm
+    raw = raw.full_tensor() if hasattr(raw, "full_tensor") else raw
     return {"raw_norm": raw, "clipped_norm": raw.clamp(max=grad_clip) if grad_clip > 0 else raw}
 
 
 def read_step(loss, stop_requested, stats):
-    """The one host read per step: the loss averaged over ranks, whether any rank got a stop signal, and the
-    step's statistics, in one tensor. Every rank gets the same loss and stop, so all take the same branch."""
+    """The one host read per step: the loss averaged over ranks, whether any rank got a stop signal,
+    and the step's statistics, in one tensor. Every rank gets the same loss and stop, so all take
+    the same branch."""
     head = torch.stack([loss, torch.tensor(float(stop_requested), device=loss.device)])
     if dist.is_initialized():
         dist.all_reduce(head)
@@ -175,9 +189,10 @@ def read_step(loss, stop_requested, stats):
 
 
 class WithStates(torch.nn.Module):
-    """What the step calls: model(x, y) -> (logits, loss), or with keywords model.forward_with_states(x, y, **kw)
-    -> (logits, loss, states). DDP and torch.compile wrap a module's forward only, so the distillation states
-    must come through a forward: this one."""
+    """What the step calls: model(x, y) -> (logits, loss), or with keywords
+    model.forward_with_states(x, y, **kw)
+    -> (logits, loss, states). DDP and torch.compile wrap a module's forward only, so the
+    distillation states must come through a forward: this one."""
 
     def __init__(self, model):
         super().__init__()
@@ -193,7 +208,8 @@ class WithStates(torch.nn.Module):
 
 
 def training_loop(run):
-    """The steps from run.start.step to max_iters, with evaluation, checkpoints, logs and the stop rules."""
+    """The steps from run.start.step to max_iters, with evaluation, checkpoints, logs and the stop
+    rules."""
     cfg, rt = run.cfg, run.rt
     step = start = run.start.step
     val_loss, skipped_steps, skipped_in_a_row = None, 0, 0
@@ -206,55 +222,61 @@ def training_loop(run):
                 if evaluate or (cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0):
                     lam = set_step_lambda(run, step)  # both see the model that step `step` trains
                     if evaluate:
-                        val_loss = metrics.evaluate(run, step, lam, whole=last and cfg.eval_whole)  # logged
+                        # logged
+                        val_loss = metrics.evaluate(run, step, lam, whole=last and cfg.eval_whole)
                     checkpoint.save_run(run, step, val_loss if evaluate else None)
                     timer.reset()  # evaluation and checkpoint time are not step time
             if last:
                 break
-            # ---------------------------------------------------------------- TRAINING SECTION BEGIN
+            # ------------------------------------------------------------ TRAINING SECTION BEGIN
             out = train_step(run, step, stop.requested is not None)
-            # ---------------------------------------------------------------- TRAINING SECTION END
+            # ------------------------------------------------------------ TRAINING SECTION END
             step += 1
             timer.steps += 1
             skipped_steps, skipped_in_a_row = ((skipped_steps, 0) if out["ok"] else
                                                (skipped_steps + 1, skipped_in_a_row + 1))
             if not out["ok"] or step % cfg.log_interval == 0:
                 metrics.log_step(run, step, out, skipped_steps, skipped_in_a_row, timer)
-            if not out["ok"] and not checkpoint.all_finite(run.model):  # skipping cannot mend broken weights
-                die(f"step {step}: the weights are no longer finite (the update of an earlier step overflowed: is "
-                    f"--lr or --muon_lr too high?); nothing was saved over {run.ckpt_path}; lower the lr and "
-                    f"continue from it with --resume=True")
+            # skipping cannot mend broken weights
+            if not out["ok"] and not checkpoint.all_finite(run.model):
+                die(f"step {step}: the weights are no longer finite (the update of an earlier step "
+                    "overflowed: is --lr or --muon_lr too high?); nothing was saved over "
+                    f"{run.ckpt_path}; lower the lr and continue from it with --resume=True")
             if skipped_in_a_row >= cfg.max_bad_steps:
                 checkpoint.save_run(run, step)
-                die(f"{skipped_in_a_row} steps in a row with a non-finite loss or gradient, the last at step {step}; "
-                    f"saved {run.ckpt_path} (weights as after step {step - skipped_in_a_row}); lower --lr or check "
-                    f"the data, then continue with --resume=True")
+                die(f"{skipped_in_a_row} steps in a row with a non-finite loss or gradient, the "
+                    f"last at step {step}; saved {run.ckpt_path} (weights as after step "
+                    f"{step - skipped_in_a_row}); lower --lr or check the data, then continue with "
+                    "--resume=True")
             if out["stop"]:
                 checkpoint.save_run(run, step)
-                rt.log(f"{stop.requested or 'stop signal on another rank'}: finished step {step}, saved "
-                       f"{run.ckpt_path}; continue with --resume=True")
+                rt.log(f"{stop.requested or 'stop signal on another rank'}: finished step {step}, "
+                       f"saved {run.ckpt_path}; continue with --resume=True")
                 break
     if step > start and skipped_steps == step - start:
-        die(f"all {skipped_steps} steps of this run were skipped as non-finite, so nothing was learned; see the log "
-            f"above, lower --lr or check the data")
+        die(f"all {skipped_steps} steps of this run were skipped as non-finite, so nothing was "
+            "learned; see the log above, lower --lr or check the data")
     if val_loss is not None and step >= cfg.max_iters:
         skipped = f", {skipped_steps} of them skipped as non-finite" if skipped_steps else ""
-        rt.log(f"final val loss {val_loss:.4f} ({stage_dir(cfg.stage)}, {step} steps{skipped}); checkpoint {run.ckpt_path}"
+        rt.log(f"final val loss {val_loss:.4f} ({stage_dir(cfg.stage)}, {step} steps{skipped}); "
+               f"checkpoint {run.ckpt_path}"
                + unfinished_warmup(run, step))
     rt.close()
     return val_loss
 
 
 def unfinished_warmup(run, step):
-    """The final line's warning when lambda never reached 1: the model is still part full precision, so it is
-    not the ternary model it is meant to be, and stage 3 and the packed export cannot take it as it is."""
+    """The final line's warning when lambda never reached 1: the model is still part full precision,
+    so it is not the ternary model it is meant to be, and stage 3 and the packed export cannot take
+    it as it is."""
     lam = lambda_at(step, run.cfg) if run.model.config.quant else 1.0
     if lam >= 1.0:
         return ""
     done = quant_start_step(run.cfg) + run.cfg.lambda_warmup_steps
-    return (f"; WARNING: lambda only reached {lam:.2f}, so the model is not ternary yet (lambda is 1 from step {done}): "
-            f"continue with --resume=True --max_iters={done} or more, or start a new run with a shorter --lambda_warmup_steps; stage 3 "
-            f"and the packed export need lambda 1")
+    return (f"; WARNING: lambda only reached {lam:.2f}, so the model is not ternary yet (lambda is "
+            f"1 from step {done}): continue with --resume=True --max_iters={done} or more, or "
+            "start a new run with a shorter --lambda_warmup_steps; stage 3 and the packed export "
+            "need lambda 1")
 
 
 
@@ -263,9 +285,10 @@ def unfinished_warmup(run, step):
 
 
 def make_loss_fn(run, teachers):
-    """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen teacher(s), or
-    plain CE when every distillation weight is 0 (the control run). A lesson's own stage brings its own loss
-    (--stage=dlm: the masked-diffusion loss). Picked once; returns loss_fn(x, y) -> (loss, parts)."""
+    """Stage 1 and 2: next-token cross-entropy. Stage 3: the BitDistill loss against the frozen
+    teacher(s), or plain CE when every distillation weight is 0 (the control run). A lesson's own
+    stage brings its own loss (--stage=dlm: the masked-diffusion loss). Picked once; returns
+    loss_fn(x, y) -> (loss, parts)."""
     if run.lesson is not None:
         return run.lesson.loss_fn(run)
     if run.cfg.stage < 3:
@@ -275,12 +298,16 @@ def make_loss_fn(run, teachers):
         run.rt.log("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
         return lambda x, y: (run.train_model(x, y)[1], None)
     run.rt.log(f"stage 3: teacher{'s' if len(models) > 1 else ''} {', '.join(teachers)}, {crit}")
-    kw = dict(qkv_layer=crit.distill_layer if crit.kd_relation != 0 else None, hiddens=crit.kd_hidden != 0)
-    first, others = models[0], models[1:]  # the first teacher also gives relations and hidden states
-    layers = match_layers(run.model.config.n_layer, first.config.n_layer)  # student block -> teacher block
+    kw = dict(qkv_layer=crit.distill_layer if crit.kd_relation != 0 else None,
+              hiddens=crit.kd_hidden != 0)
+    # the first teacher also gives relations and hidden states
+    first, others = models[0], models[1:]
+    # student block -> teacher block
+    layers = match_layers(run.model.config.n_layer, first.config.n_layer)
 
     def distill_loss(x, y):
-        s_logits, _, s = run.train_model(x, y, **kw)  # the student's forward_with_states (WithStates)
+        # the student's forward_with_states (WithStates)
+        s_logits, _, s = run.train_model(x, y, **kw)
         with torch.no_grad():
             t_logits, _, t = first.forward_with_states(x, y, **kw)
             t_logits = [t_logits] + [m(x, y)[0] for m in others]
@@ -301,7 +328,8 @@ class Run:
     cfg: TrainConfig
     rt: Runtime
     out_dir: str
-    given: dict = dataclasses.field(default_factory=dict)  # the flags given on the command line, {name: value}
+    given: dict = dataclasses.field(default_factory=dict)  # the flags given on the command line,
+                                                           # {name: value}
     model: GPT = None            # the model itself: its weights are what checkpoints hold
     train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
     optimizer: object = None
@@ -313,12 +341,16 @@ class Run:
     accum: int = 1               # micro-batches per step on this rank
     device: str = "cpu"          # where the step runs (rt.device)
     start: "start.Start" = None  # where the run starts: its step, weights and note (tools/start.py)
-    callbacks: list = dataclasses.field(default_factory=list)  # the lessons' step callbacks (tools/seams.py)
-    average: object = None       # --avg_checkpoints: the average of the last checkpoints (one of the callbacks)
+    callbacks: list = dataclasses.field(default_factory=list)  # the lessons' step callbacks
+                                                               # (tools/seams.py)
+    average: object = None       # --avg_checkpoints: the average of the last checkpoints (one of
+                                 # the callbacks)
     lesson: object = None        # a lesson's own stage (tools/seams.py: --stage=dlm), else None
-    eval_loss: object = None     # a lesson's evaluation loss (eval_loss(run) -> loss(x, y)); None: the model's CE
+    eval_loss: object = None     # a lesson's evaluation loss (eval_loss(run) -> loss(x, y)); None:
+                                 # the model's CE
     unlock: object = None        # releases out_dir's lock (rank 0)
-    commit: str = dataclasses.field(default_factory=git_commit)  # the code's (log_record writes it once)
+    commit: str = dataclasses.field(default_factory=git_commit)  # the code's (log_record writes it
+                                                                 # once)
     records: int = 0             # metrics.jsonl records this process has written
 
     @property
@@ -327,10 +359,12 @@ class Run:
 
 
 def setup(argv):
-    """Config, runtime, starting weights, data, model, optimizer, ZClip and loss: everything the loop needs.
-    Every input is checked before anything is written, so a bad flag or file costs nothing already saved."""
+    """Config, runtime, starting weights, data, model, optimizer, ZClip and loss: everything the
+    loop needs. Every input is checked before anything is written, so a bad flag or file costs
+    nothing already saved."""
     overrides = parse_args(argv)
-    given = TrainConfig(**overrides)  # the flags alone, no preset: enough to name the run's directory
+    # the flags alone, no preset: enough to name the run's directory
+    given = TrainConfig(**overrides)
     out_dir = os.path.join(given.out_dir, given.run_name or stage_dir(given.stage))
     resume, saved, notes = None, None, []
     if given.resume:  # the saved run's config, the flags given now on top
@@ -341,10 +375,12 @@ def setup(argv):
                     f"metrics.jsonl is there), so there is nothing to resume; start it again: the same command "
                     f"with --overwrite=True instead of --resume=True")
             die(f"--resume=True but there is no checkpoint at {path}; start without --resume")
-        resume = checkpoint.load(path, ("model", "model_args", "config", "step", "optimizer", "loader"))
+        resume = checkpoint.load(path,
+                                 ("model", "model_args", "config", "step", "optimizer", "loader"))
         saved = resume["config"]
         notes.append(check_resume(given, overrides, saved, path))
-    elif "tokenizer" not in overrides:  # the stage before began from a pretrained model: its tokenizer
+    # the stage before began from a pretrained model: its tokenizer
+    elif "tokenizer" not in overrides:
         tok = start.previous_stage_tokenizer(given)
         overrides = {**overrides, "tokenizer": tok} if tok is not None else overrides
     cfg = build_config(overrides, base=saved)
@@ -374,13 +410,16 @@ def build(run, resume, teachers):
     earlier = checkpoint.existing_run(run.out_dir) if rt.master and not cfg.resume else []
     if earlier and not cfg.overwrite:
         if checkpoint.before_first_save(run.out_dir):
-            die(f"{run.out_dir} already holds a run that ended before its first checkpoint (only its "
-                f"metrics.jsonl): replace it with --overwrite=True, or keep it and pass another --run_name")
-        die(f"{run.out_dir} already holds a run ({', '.join(earlier[:3])}); continue it with --resume=True, "
-            f"replace it with --overwrite=True, or keep it and pass another --run_name")
+            die(f"{run.out_dir} already holds a run that ended before its first checkpoint (only "
+                "its metrics.jsonl): replace it with --overwrite=True, or keep it and pass another "
+                "--run_name")
+        die(f"{run.out_dir} already holds a run ({', '.join(earlier[:3])}); continue it with "
+            "--resume=True, replace it with --overwrite=True, or keep it and pass another "
+            "--run_name")
     try:
         tok = get_tokenizer(cfg.tokenizer)
-    except (ValueError, ImportError) as e:  # a model's tokenizer transformers cannot load: one line naming the flag
+    # a model's tokenizer transformers cannot load: one line naming the flag
+    except (ValueError, ImportError) as e:
         flag = "--init_from" if cfg.tokenizer == cfg.init_from else \
             "--teacher" if cfg.tokenizer in cfg.teacher.split(",") else "--tokenizer"
         die(f"{flag}={cfg.tokenizer}: {e}", 2)
@@ -389,14 +428,18 @@ def build(run, resume, teachers):
     if run.lesson is not None:
         model_conf = run.lesson.model_config(model_conf)
         run.eval_loss = run.lesson.eval_loss
-    run.start = start.starting_weights(cfg, model_conf, resume, run.ckpt_path, run.lesson, run.given)
+    run.start = start.starting_weights(cfg, model_conf, resume, run.ckpt_path, run.lesson,
+                                       run.given)
 
     rt.start()
-    rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir), {**dataclasses.asdict(cfg), "commit": run.commit})
+    rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir),
+                   {**dataclasses.asdict(cfg), "commit": run.commit})
     checkpoint.seed_all(cfg.seed)  # the same on every rank: identical initial weights
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = rt.device_type == "cuda"
-    dtype = ("bfloat16" if rt.device_type == "cuda" else "float32") if cfg.dtype == "auto" else cfg.dtype
-    run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+    cuda = rt.device_type == "cuda"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cuda
+    dtype = ("bfloat16" if cuda else "float32") if cfg.dtype == "auto" else cfg.dtype
+    run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype),
+                                  enabled=dtype != "float32")
     run.train_loader, run.val_loaders = loaders.make_loaders(cfg, rt, resume)
 
     run.model = start.starting_model(run, model_conf)  # its weights; a pretrained model converted
@@ -404,11 +447,12 @@ def build(run, resume, teachers):
     rt.log(run.start.note)
     if cfg.quant_start:
         q = quant_start_step(cfg)
-        rt.log(f"continual QAT: full precision for steps 0..{q - 1}, then ternary, lambda reaching 1 at step "
-               f"{q + cfg.lambda_warmup_steps}; the optimizer state carries over")
+        rt.log(f"continual QAT: full precision for steps 0..{q - 1}, then ternary, lambda reaching "
+               f"1 at step {q + cfg.lambda_warmup_steps}; the optimizer state carries over")
     run.model.to(rt.device)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
-    run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile, WithStates)  # compiled, DDP or FSDP2 as asked
+    # compiled, DDP or FSDP2 as asked
+    run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile, WithStates)
     run.loss_fn = make_loss_fn(run, teachers)
     run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
@@ -418,27 +462,38 @@ def build(run, resume, teachers):
             checkpoint.restore(resume, run.optimizer, run.clipper)
     except checkpoint.CheckpointError as e:
         die(f"{run.ckpt_path}: {e}; resume with the --optimizer of the run that wrote it")
-    run.accum = cfg.grad_accum // rt.world  # global batch = batch_size * grad_accum sequences at any world size
+    # global batch = batch_size * grad_accum sequences at any world size
+    run.accum = cfg.grad_accum // rt.world
     if earlier:
-        checkpoint.remove_run(run.out_dir)  # --overwrite=True, and only now that everything else has loaded
-        rt.log(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from {run.out_dir}")
+        # --overwrite=True, and only now that everything else has loaded
+        checkpoint.remove_run(run.out_dir)
+        rt.log(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from "
+               f"{run.out_dir}")
     start.report_conversion(run)  # a pretrained start: the conversion's cost at step 0
-    rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, quant={model_conf.quant}, "
-           f"subln={model_conf.subln}, vocab={model_conf.vocab_size}, device={rt.device}, dtype={dtype}, world={rt.world} "
-           f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'}), "
-           f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences, compile {'on' if use_compile else 'off'}")
+    rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, "
+           f"quant={model_conf.quant}, subln={model_conf.subln}, vocab={model_conf.vocab_size}, "
+           f"device={rt.device}, dtype={dtype}, world={rt.world} "
+           f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'})"
+           ", "
+           f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences, compile "
+           f"{'on' if use_compile else 'off'}")
 
 
 def configure_optimizer(model, cfg, device_type, process_group=None):
-    """muon: one muon.Muon whose groups are tagged muon (the 2-D hidden matrices) or adamw (embeddings and head,
-    decayed; norm gains, not);
+    """muon: one muon.Muon whose groups are tagged muon (the 2-D hidden matrices) or adamw
+    (embeddings and head, decayed; norm gains, not);
     adamw: AdamW for all, weight decay on matrices only. Every group records its initial lr and wd.
-    process_group (DDP): the ranks that share out Muon's Newton-Schulz work (FSDP2 params bring their own)."""
-    fused = device_type == "cuda" and not cfg.fsdp  # fused AdamW over DTensor shards: not tried, so not used
-    if cfg.optimizer == "muon":  # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower (bench.py --muon)
-        opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr, muon_weight_decay=cfg.weight_decay,
+    process_group (DDP): the ranks that share out Muon's Newton-Schulz work (FSDP2 params bring
+    their own)."""
+    # fused AdamW over DTensor shards: not tried, so not used
+    fused = device_type == "cuda" and not cfg.fsdp
+    # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower (bench.py --muon)
+    if cfg.optimizer == "muon":
+        opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr,
+                             muon_weight_decay=cfg.weight_decay,
                              adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
-                             adamw_betas=(cfg.beta1, cfg.beta2), fused=fused, process_group=process_group,
+                             adamw_betas=(cfg.beta1, cfg.beta2), fused=fused,
+                             process_group=process_group,
                              ns_dtype=torch.bfloat16 if device_type == "cuda" else torch.float32)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
@@ -456,30 +511,35 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
 
 
 def check_quant_start(cfg):
-    """A --quant_start at or past the run's last step would leave its stage-2 checkpoint full precision: refused.
-    (Its range, and that only stage 2 takes it, are checked with every other flag in tools/config.py.)"""
+    """A --quant_start at or past the run's last step would leave its stage-2 checkpoint full
+    precision: refused. (Its range, and that only stage 2 takes it, are checked with every other
+    flag in tools/config.py.)"""
     q = quant_start_step(cfg)
     if cfg.quant_start and q >= cfg.max_iters:
-        die(f"--quant_start={cfg.quant_start} is step {q}, not before --max_iters={cfg.max_iters}: the run would "
-            f"never go ternary and its stage-2 checkpoint would be full precision; pass a smaller --quant_start", 2)
+        die(f"--quant_start={cfg.quant_start} is step {q}, not before --max_iters={cfg.max_iters}: "
+            "the run would never go ternary and its stage-2 checkpoint would be full precision; "
+            "pass a smaller --quant_start", 2)
 
 
 def check_lambda_on_resume(step, saved, new, path):
-    """A resumed run continues its lambda schedule (saved: the checkpoint's config, a dict): flags given now
-    (--lambda_warmup_steps, --quant_start, or --max_iters with a fractional --quant_start) that would move lambda
-    at the next step are refused in one line; a change that only moves steps still ahead of the warm-up is allowed
-    and said."""
+    """A resumed run continues its lambda schedule (saved: the checkpoint's config, a dict): flags
+    given now (--lambda_warmup_steps, --quant_start, or --max_iters with a fractional --quant_start)
+    that would move lambda at the next step are refused in one line; a change that only moves steps
+    still ahead of the warm-up is allowed and said."""
     schedule = ("lambda_warmup_steps", "quant_start", "max_iters")
     old = dataclasses.replace(new, **{k: saved.get(k, getattr(type(new), k)) for k in schedule})
     keys = [k for k in schedule if getattr(old, k) != getattr(new, k)]
     was, now = lambda_at(step, old), lambda_at(step, new)
     flags = " ".join(f"--{k}={getattr(new, k)}" for k in keys)
     if was != now:
-        die(f"{flags} would move lambda at step {step} from {was:.3g} to {now:.3g}, but the run in {path} continues "
-            f"its lambda schedule (--lambda_warmup_steps={old.lambda_warmup_steps}, --quant_start={old.quant_start}); "
+        die(f"{flags} would move lambda at step {step} from {was:.3g} to {now:.3g}, but the run in "
+            f"{path} continues its lambda schedule "
+            f"(--lambda_warmup_steps={old.lambda_warmup_steps}, --quant_start={old.quant_start}); "
             f"drop the flag, or start a new run with it (--run_name=<name>)", 2)
     ends = [quant_start_step(c) + c.lambda_warmup_steps for c in (old, new)]
-    return f"lambda now reaches 1 at step {ends[1]} (was {ends[0]})" if ends[0] != ends[1] and now < 1 else ""
+    if ends[0] == ends[1] or now >= 1:
+        return ""
+    return f"lambda now reaches 1 at step {ends[1]} (was {ends[0]})"
 
 
 
@@ -487,14 +547,19 @@ def main(argv):
     try:
         with atomic.StopSignal(at_once="stopped before training began; no checkpoint was written"):
             run = setup(argv)
-    except checkpoint.CheckpointError as e:  # missing, corrupt, not fitting this model, locked: one line
+    # missing, corrupt, not fitting this model, locked: one line
+    except checkpoint.CheckpointError as e:
         die(str(e))
     try:
         return training_loop(run)
-    except data.DataChanged as e:  # tools/prepare.py re-ran under us: stop; the last checkpoint resumes exactly
+    # tools/prepare.py re-ran under us: stop; the last checkpoint resumes exactly
+    except data.DataChanged as e:
         die(str(e))
-    except RuntimeError as e:  # under torchrun: another rank died (a lost node), so a collective failed here
-        if run.rt.world == 1 or not isinstance(e, getattr(torch.distributed, "DistError", ())) and not any(
+    # under torchrun: another rank died (a lost node), so a collective failed here
+    except RuntimeError as e:
+        if run.rt.world == 1 or not isinstance(e,
+                                               getattr(torch.distributed, "DistError",
+                                                       ())) and not any(
                 w in str(e) for w in ("gloo", "NCCL", "Connection", "connection")):
             raise
         lost_rank(run, e)

@@ -449,16 +449,6 @@ def test_metrics_jsonl_names_the_commit_of_the_code_that_wrote_each_run_and_each
     assert runtime.git_commit(str(tmp_path)) == "unknown"  # no checkout there
 
 
-def test_stage3_loss_terms_are_logged_under_their_weights_names_and_other_names_still_read(tmp_path):
-    """Stage 3's loss terms are logged as kd_logits, kd_relation and kd_hidden, each under the name of the flag that
-    weighs it; a metrics.jsonl holding them as ld, ad and hidden reads back under those names."""
-    from tools import runtime
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "loss": 2.0, "ce": 1.5, "ld": 0.25, "ad": 0.125, "hidden": 0.0625}\n')
-    assert runtime.read_metrics(str(path)) == [
-        {"step": 1, "loss": 2.0, "ce": 1.5, "kd_logits": 0.25, "kd_relation": 0.125, "kd_hidden": 0.0625}]
-
-
 # ----------------------------------------------------------------------------- the CPU stage-2 preset
 # and the gradient scale of accumulation, pinned directly
 

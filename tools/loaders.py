@@ -1,8 +1,9 @@
 """
-Where a run's data comes from, and its loaders: a shipped corpus named (--data=shakespeare, tokenised into
-data/<name>_<tokenizer> the first time) or a directory of shards, each checked against the run's tokenizer, mixed
-by weight (--data=dirA:0.7,python:0.3); then the train loader (continuing a resumed run's position) and one val
-loader per source. The shard format and the loader itself: data.py.
+Where a run's data comes from, and its loaders: a shipped corpus named (--data=shakespeare,
+tokenised into data/<name>_<tokenizer> the first time) or a directory of shards, each checked
+against the run's tokenizer, mixed by weight (--data=dirA:0.7,python:0.3); then the train loader
+(continuing a resumed run's position) and one val loader per source. The shard format and the loader
+itself: data.py.
 Test: python -m pytest tests/test_train.py tests/test_prepare.py
 """
 
@@ -20,14 +21,15 @@ SHIPPED = ("shakespeare", "python")  # --data names of the corpora in data/ (pre
 
 
 def shipped_dir(name, cfg):
-    """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the first time. A
-    pretrained model's tokenizer is named by its source's last part (prepare.source_slug)."""
+    """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the
+    first time. A pretrained model's tokenizer is named by its source's last part
+    (prepare.source_slug)."""
     root = os.path.join(ROOT, "data", f"{name}_{source_slug(cfg.tokenizer)}")
     scores = os.path.join(root, "train_000.difficulty.npy")  # the curriculum needs them
     if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
                                                                 not os.path.exists(scores)):
-        print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; tokenising the "
-              f"shipped corpus {name} (once)")
+        print(f"no shards{' or no difficulty scores' if os.path.exists(root) else ''} in {root}; "
+              f"tokenising the shipped corpus {name} (once)")
         prepare.prepare(tokenizer=cfg.tokenizer, out_dir=root, corpus=name)
     try:
         prepare.check_shipped(root, name)  # data of one's own prepared into it is not that corpus
@@ -41,55 +43,64 @@ FINEWEB_EDU = os.path.join(ROOT, "data", "fineweb_edu_gpt2")
 
 
 def default_data(cfg):
-    """--data="": FineWeb-Edu when it has been prepared (docs/gpu-node.md) and the run uses the GPT-2 tokenizer
-    (the CUDA preset), else the shipped Shakespeare corpus."""
+    """--data="": FineWeb-Edu when it has been prepared (docs/gpu-node.md) and the run uses the
+    GPT-2 tokenizer (the CUDA preset), else the shipped Shakespeare corpus."""
     if cfg.tokenizer == "gpt2" and os.path.exists(os.path.join(FINEWEB_EDU, "meta.json")):
         return {FINEWEB_EDU: 1.0}
     return {"shakespeare": 1.0}
 
 
 def resolve_data(cfg):
-    """The shard directories and mixing weights. A shipped corpus may be named instead of a directory
-    (--data=shakespeare:0.75,python:0.25) and is prepared the first time; "" = default_data(cfg)."""
+    """The shard directories and mixing weights. A shipped corpus may be named instead of a
+    directory (--data=shakespeare:0.75,python:0.25) and is prepared the first time; "" =
+    default_data(cfg)."""
     sources = {shipped_dir(p, cfg) if p in SHIPPED and not os.path.isdir(p) else p: w
                for p, w in (parse_data(cfg.data) or default_data(cfg)).items()}
     for path in sources:
         try:
-            prepare.check_not_mid_swap(path)  # a dataset left between the two renames of a re-run: say where it is
+            # a dataset left between the two renames of a re-run: say where it is
+            prepare.check_not_mid_swap(path)
         except ValueError as e:
             die(str(e))
         if not os.path.exists(os.path.join(path, "meta.json")):
-            die(f"{path}: no meta.json; make shards with: python -m tools.prepare --tokenizer={cfg.tokenizer} --out_dir={path} <files>")
+            die(f"{path}: no meta.json; make shards with: python -m tools.prepare "
+                f"--tokenizer={cfg.tokenizer} --out_dir={path} <files>")
         try:
             meta = data.read_meta(path)  # an empty or broken meta.json: one line naming it
         except ValueError as e:
             die(str(e))
-        made_by = meta.get("tokenizer_fingerprint")  # the vocabulary itself: one model at two paths is one
+        # the vocabulary itself: one model at two paths is one
+        made_by = meta.get("tokenizer_fingerprint")
         mine = fingerprint(get_tokenizer(cfg.tokenizer)) if made_by else None
         if mine != made_by or not (made_by or same_source(meta["tokenizer"], cfg.tokenizer)):
-            die(f"{path} was tokenised with {meta['tokenizer']}" + (f" (fingerprint {made_by})" if made_by else "") +
-                f", but --tokenizer={cfg.tokenizer}" + (f" (fingerprint {mine})" if made_by else "") +
-                f"; pass --tokenizer={meta['tokenizer']} or re-run tools/prepare.py")
+            theirs = f" (fingerprint {made_by})" if made_by else ""
+            ours = f" (fingerprint {mine})" if made_by else ""
+            die(f"{path} was tokenised with {meta['tokenizer']}{theirs}, but "
+                f"--tokenizer={cfg.tokenizer}{ours}; pass --tokenizer={meta['tokenizer']} or "
+                "re-run tools/prepare.py")
     return sources
 
 
 def make_loaders(cfg, rt, resume):
-    """The train loader and {source name: (its val loader, mixing weight)} (rt: runtime.Runtime); local rank 0
-    of each node prepares the shipped corpora first. resume: a checkpoint whose loader position the train loader continues from."""
+    """The train loader and {source name: (its val loader, mixing weight)} (rt: runtime.Runtime);
+    local rank 0 of each node prepares the shipped corpora first. resume: a checkpoint whose loader
+    position the train loader continues from."""
     try:
         if rt.local_rank == 0:
             sources = resolve_data(cfg)
         rt.barrier()
         if rt.local_rank != 0:
             sources = resolve_data(cfg)
-        span = cfg.max_iters * cfg.batch_size * cfg.grad_accum  # the rows this run reads: one curriculum block
-        train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed,
-                                       order=cfg.data_order, span=span)
+        # the rows this run reads: one curriculum block
+        span = cfg.max_iters * cfg.batch_size * cfg.grad_accum
+        train_loader = data.DataLoader(sources, "train", cfg.batch_size, cfg.block_size, rt.rank,
+                                       rt.world, cfg.seed, order=cfg.data_order, span=span)
         total = sum(sources.values())
         names = [os.path.basename(os.path.normpath(d)) for d in sources]
-        names = names if len(set(names)) == len(names) else list(sources)  # two dirs of one name: their paths
-        val_loaders = {name: (data.DataLoader(d, "val", cfg.batch_size, cfg.block_size, rt.rank, rt.world, cfg.seed,
-                                              order="sequential"), w / total)
+        # two dirs of one name: their paths
+        names = names if len(set(names)) == len(names) else list(sources)
+        val_loaders = {name: (data.DataLoader(d, "val", cfg.batch_size, cfg.block_size, rt.rank,
+                                              rt.world, cfg.seed, order="sequential"), w / total)
                        for name, (d, w) in zip(names, sources.items())}
         if resume is not None:
             train_loader.load_state_dict(resume["loader"])
@@ -98,7 +109,8 @@ def make_loaders(cfg, rt, resume):
     have = [data.read_meta(d).get("train_tokens") for d in sources]
     epochs = span * cfg.block_size / sum(have) if None not in have and sum(have) > 0 else 0
     if epochs > 10:  # a 124M model on Shakespeare: hundreds of passes over 1.5M tokens
-        rt.log(f"note: this run reads its training data {epochs:.0f} times over ({span * cfg.block_size:,} tokens); "
-               f"a model of this size will memorise it. For the CUDA preset prepare FineWeb-Edu (docs/gpu-node.md), "
-               f"which --data='' then uses, or pass a larger --data")
+        rt.log(f"note: this run reads its training data {epochs:.0f} times over "
+               f"({span * cfg.block_size:,} tokens); a model of this size will memorise it. For "
+               "the CUDA preset prepare FineWeb-Edu (docs/gpu-node.md), which --data='' then "
+               "uses, or pass a larger --data")
     return train_loader, val_loaders

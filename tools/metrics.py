@@ -1,13 +1,14 @@
 """
-What a run measures and writes: evaluation (the val losses) and the log lines and metrics.jsonl records of
-evaluations and steps, shared by train.py and the lab.
+What a run measures and writes: evaluation (the val losses) and the log lines and metrics.jsonl
+records of evaluations and steps, shared by train.py and the lab.
 
 Evaluation: each val source's mean token loss and their mixing-weighted total, logged and written to
-metrics.jsonl. Every evaluation reads the first eval_iters batches of each source, the same rows every time; the
-final one (--eval_whole=True, the default) reads every window of every val split once (data.DataLoader.sweep),
-the number the lab also scores (whole_val_loss; token_loss_sums is the one sum behind train.py's, the lab's and
-the benchmarks' val losses). A masked-diffusion model (--stage=dlm) is scored by its own loss (lessons/dlm.py)
-with masks drawn from a generator seeded the same at every evaluation.
+metrics.jsonl. Every evaluation reads the first eval_iters batches of each source, the same rows
+every time; the final one (--eval_whole=True, the default) reads every window of every val split
+once (data.DataLoader.sweep), the number the lab also scores (whole_val_loss; token_loss_sums is the
+one sum behind train.py's, the lab's and the benchmarks' val losses). A masked-diffusion model
+(--stage=dlm) is scored by its own loss (lessons/dlm.py) with masks drawn from a generator seeded
+the same at every evaluation.
 Test: python -m pytest tests/test_train.py
 """
 
@@ -21,8 +22,8 @@ EVAL_PROGRESS_S = 10.0  # a whole-split evaluation prints a progress line this o
 
 
 def evaluate(run, step, lam, whole):
-    """Evaluate, log the line and the metrics.jsonl record, and return the val loss (mixing-weighted over the
-    sources). With --avg_checkpoints the average is evaluated beside the weights."""
+    """Evaluate, log the line and the metrics.jsonl record, and return the val loss (mixing-weighted
+    over the sources). With --avg_checkpoints the average is evaluated beside the weights."""
     val_loss, by_source = estimate_val_loss(run, whole)
     rec = {"step": step, "val_loss": val_loss, "lambda": lam, "whole_val": whole}
     if len(by_source) > 1:
@@ -36,10 +37,11 @@ def evaluate(run, step, lam, whole):
 
 @torch.no_grad()
 def estimate_val_loss(run, whole=False, model=None):
-    """(the mixing-weighted total, {source: val loss}): per source, the mean token loss over the first
-    eval_iters * batch_size rows of its val split, or with whole=True over every window of it once
-    (DataLoader.sweep). Each of W ranks reads its own rows of eval_iters / W global batches (rounded up), so when
-    W divides eval_iters every world size reads the same rows. model: another model to score on the same rows."""
+    """(the mixing-weighted total, {source: val loss}): per source, the mean token loss over the
+    first eval_iters * batch_size rows of its val split, or with whole=True over every window of it
+    once (DataLoader.sweep). Each of W ranks reads its own rows of eval_iters / W global batches
+    (rounded up), so when W divides eval_iters every world size reads the same rows. model: another
+    model to score on the same rows."""
     rt = run.rt
     loss_fn = (lambda x, y: model(x, y)[1]) if model is not None else \
         run.eval_loss(run) if run.eval_loss else (lambda x, y: run.train_model(x, y)[1])
@@ -51,7 +53,8 @@ def estimate_val_loss(run, whole=False, model=None):
         iters = -(-run.cfg.eval_iters // loader.world_size)
         batches = loader.sweep() if whole else (loader.next_batch() for _ in range(iters))
         total = -(-len(loader.windows[0][0]) // (loader.B * loader.world_size)) if whole else iters
-        progress = Progress(rt, name, total) if whole else None  # a long whole-split evaluation shows progress
+        # a long whole-split evaluation shows progress
+        progress = Progress(rt, name, total) if whole else None
         with run.autocast:
             sums = token_loss_sums(loss_fn, batches, rt.device, progress)
         rt.all_reduce_(sums)
@@ -61,7 +64,8 @@ def estimate_val_loss(run, whole=False, model=None):
 
 
 class Progress:
-    """A line every EVAL_PROGRESS_S seconds of a whole-split evaluation: the batch, of how many, time left."""
+    """A line every EVAL_PROGRESS_S seconds of a whole-split evaluation: the batch, of how many,
+    time left."""
 
     def __init__(self, rt, name, total):
         self.rt, self.name, self.total, self.t0 = rt, name, total, time.time()
@@ -75,10 +79,11 @@ class Progress:
 
 
 def token_loss_sums(loss_fn, batches, device, every=None):
-    """(sum over batches of loss * targets, targets) as a 2-element tensor, no host read: loss_fn(x, y) is the mean
-    loss over the targets of y that are not -1 (a whole-split sweep pads its last rows with -1; an all-padding
-    batch adds 0). every(i): called before batch i, e.g. to print progress. The caller divides (after summing the
-    tensor over the ranks, if several share the batches)."""
+    """(sum over batches of loss * targets, targets) as a 2-element tensor, no host read: loss_fn(x,
+    y) is the mean loss over the targets of y that are not -1 (a whole-split sweep pads its last
+    rows with -1; an all-padding batch adds 0). every(i): called before batch i, e.g. to print
+    progress. The caller divides (after summing the tensor over the ranks, if several share the
+    batches)."""
     sums = torch.zeros(2, device=device)
     for i, (x, y) in enumerate(batches):
         if every is not None:
@@ -91,9 +96,11 @@ def token_loss_sums(loss_fn, batches, device, every=None):
 
 
 def whole_val_loss(model, shard_dir, batch_size=16, device="cpu"):
-    """A model's mean next-token loss over every val window of shard_dir once (data.DataLoader.sweep), the number
-    train.py's final evaluation prints and the lab scores. Returns (loss, tokens)."""
-    loader = data.DataLoader(shard_dir, "val", batch_size, model.config.block_size, order="sequential")
+    """A model's mean next-token loss over every val window of shard_dir once
+    (data.DataLoader.sweep), the number train.py's final evaluation prints and the lab scores.
+    Returns (loss, tokens)."""
+    loader = data.DataLoader(shard_dir, "val", batch_size, model.config.block_size,
+                             order="sequential")
     was_training = model.training
     model.eval()
     with torch.no_grad():
@@ -108,7 +115,8 @@ def whole_val_loss(model, shard_dir, batch_size=16, device="cpu"):
 def log_eval(run, rec):
     parts = [f"step {rec['step']}: val loss {rec['val_loss']:.4f}"]
     if "val_loss_by_source" in rec:
-        parts.append("(" + ", ".join(f"{n} {v:.4f}" for n, v in rec["val_loss_by_source"].items()) + ")")
+        parts.append("(" + ", ".join(f"{n} {v:.4f}" for n,
+                                     v in rec["val_loss_by_source"].items()) + ")")
     if rec["whole_val"]:
         parts.append("over the whole val split")
     if "val_loss_avg" in rec:
@@ -118,35 +126,40 @@ def log_eval(run, rec):
 
 
 def log_step(run, step, out, skipped_steps, skipped_in_a_row, timer):
-    """The step's log line and metrics.jsonl record: the loss, lr, lambda, the clipping statistics under their
-    names in zclip.py (raw_norm, clipped_norm, was_clipped, z_score), speed, and what the loss and the callbacks
-    added (stage 3's loss terms, QK-clip's max_logit, the DLM's outlier ratios)."""
+    """The step's log line and metrics.jsonl record: the loss, lr, lambda, the clipping statistics
+    under their names in zclip.py (raw_norm, clipped_norm, was_clipped, z_score), speed, and what
+    the loss and the callbacks added (stage 3's loss terms, QK-clip's max_logit, the DLM's outlier
+    ratios)."""
     lam = out["lam"]
     if not out["ok"]:
-        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['raw_norm']} not finite, no update "
-                   f"({skipped_in_a_row} in a row, {skipped_steps} in all; max_bad_steps={run.cfg.max_bad_steps})")
-        log_record(run, {"step": step, "skipped": 1, "loss": None, "lambda": lam, "bad_steps": skipped_steps})
+        run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['raw_norm']} not "
+                   f"finite, no update ({skipped_in_a_row} in a row, {skipped_steps} in all; "
+                   f"max_bad_steps={run.cfg.max_bad_steps})")
+        log_record(run,
+                   {"step": step, "skipped": 1, "loss": None, "lambda": lam,
+                    "bad_steps": skipped_steps})
         return
     dt = timer.lap()
     tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
     extra = {k: v for k, v in out.items() if k not in ("loss", "stop", "ok", "lam", "lr")}
-    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam, **extra, "ms": 1000 * dt,
-           "tok_per_s": tokens / dt, "bad_steps": skipped_steps}
+    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam, **extra,
+           "ms": 1000 * dt, "tok_per_s": tokens / dt, "bad_steps": skipped_steps}
     clip = {"raw_norm", "clipped_norm", "was_clipped", "z_score"}
     if "was_clipped" in rec:
         rec["was_clipped"] = int(rec["was_clipped"])
     line = f"grad norm {rec['raw_norm']:.3f} -> {rec['clipped_norm']:.3f}"
     if "z_score" in rec:
         line += f" (clipped {rec['was_clipped']}, z {rec['z_score']:.2f})"
-    run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | {line} | "
-               f"{rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
+    run.rt.log(f"step {step} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | lambda {lam:.2f} | "
+               f"{line} | {rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
                "".join(f" | {k} {v:.4f}" for k, v in extra.items() if k not in clip))
     log_record(run, rec)
 
 
 def log_record(run, rec):
-    """Append rec to <out_dir>/metrics.jsonl (rank 0). The first record this process writes also names the commit
-    of the code that wrote it (runtime.git_commit: git rev-parse HEAD, or "unknown"), a resumed run's too."""
+    """Append rec to <out_dir>/metrics.jsonl (rank 0). The first record this process writes also
+    names the commit of the code that wrote it (runtime.git_commit: git rev-parse HEAD, or
+    "unknown"), a resumed run's too."""
     if run.records == 0:
         rec = {**rec, "commit": run.commit}
     run.records += 1

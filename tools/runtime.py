@@ -1,25 +1,28 @@
 """
-Where a run runs: one process, or one of W processes started by torchrun; its device; how the model is spread
-over the processes (DDP or FSDP2, and torch.compile); how a run stops on an error.
+Where a run runs: one process, or one of W processes started by torchrun; its device; how the model
+is spread over the processes (DDP or FSDP2, and torch.compile); how a run stops on an error.
 
-torchrun starts one process per GPU and tells each where it stands through three environment variables:
-RANK (0 .. W-1 over all nodes), LOCAL_RANK (0 .. 7 on a node: which GPU it drives) and WORLD_SIZE (W). A plain
-`python train.py` has none of them and is rank 0 of 1. Processes talk through a process group: NCCL between
-GPUs, gloo between CPU processes. Only rank 0 prints and writes files; every rank computes.
+torchrun starts one process per GPU and tells each where it stands through three environment
+variables: RANK (0 .. W-1 over all nodes), LOCAL_RANK (0 .. 7 on a node: which GPU it drives) and
+WORLD_SIZE (W). A plain `python train.py` has none of them and is rank 0 of 1. Processes talk
+through a process group: NCCL between GPUs, gloo between CPU processes. Only rank 0 prints and
+writes files; every rank computes.
 
     rt = Runtime.from_env("cuda")   # reads RANK / LOCAL_RANK / WORLD_SIZE, picks cuda:<LOCAL_RANK>
     rt.start()                      # joins the process group (nothing to do for one process)
-    rt.log("only rank 0 prints")    # and rt.log_json(out_dir, record) appends to out_dir/metrics.jsonl
+    rt.log("only rank 0 prints")    # rt.log_json(out_dir, record) appends to out_dir/metrics.jsonl
     rt.barrier()                    # wait for every rank
-    train_model = rt.wrap(model, fsdp=False, compile=False, front=WithStates)   # what the step calls
+    # what the step calls:
+    train_model = rt.wrap(model, fsdp=False, compile=False, front=WithStates)
     rt.close()
 
-DDP keeps a whole model per rank and all-reduces gradients; FSDP2 (fsdp=True) shards parameters, gradients and
-optimizer state by rows and gathers each block's weights just before it runs. Both reduce gradients only on the
-last micro-batch of a step (train.py's grad_sync).
+DDP keeps a whole model per rank and all-reduces gradients; FSDP2 (fsdp=True) shards parameters,
+gradients and optimizer state by rows and gathers each block's weights just before it runs. Both
+reduce gradients only on the last micro-batch of a step (train.py's grad_sync).
 
-Used by train.py; tested by tests/test_scale.py (2 gloo processes on CPU) and tests/test_runtime.py (in this
-process: torchrun's environment on two nodes, cuda:<LOCAL_RANK>, wandb on rank 0 only, wandb not logged in).
+Used by train.py; tested by tests/test_scale.py (2 gloo processes on CPU) and tests/test_runtime.py
+(in this process: torchrun's environment on two nodes, cuda:<LOCAL_RANK>, wandb on rank 0 only,
+wandb not logged in).
 """
 
 import json
@@ -41,7 +44,8 @@ class Runtime:
     local_rank: int = 0    # this process on its node: which GPU
     world: int = 1         # number of processes
     device: str = "cpu"    # e.g. "cuda:3" under torchrun, "cuda" or "cpu" alone
-    wandb: object = None   # a wandb run (--wandb_project) that gets every metrics.jsonl record too, rank 0 only
+    wandb: object = None   # a wandb run (--wandb_project) that gets every metrics.jsonl record too,
+                           # rank 0 only
 
     @classmethod
     def from_env(cls, device):
@@ -79,25 +83,28 @@ class Runtime:
                                 and not isinstance(v, str)}, step=rec["step"])
 
     def start_wandb(self, project, name, config):
-        """--wandb_project: log to Weights & Biases on rank 0 only (one run per job, never one per rank) when
-        wandb is installed; say so when it is not. wandb's own errors from init (not logged in: UsageError; a
-        bad key or no network: CommError) end in one line saying how to log in, not a traceback."""
+        """--wandb_project: log to Weights & Biases on rank 0 only (one run per job, never one per
+        rank) when wandb is installed; say so when it is not. wandb's own errors from init (not
+        logged in: UsageError; a bad key or no network: CommError) end in one line saying how to log
+        in, not a traceback."""
         if not project or not self.master:
             return
         import importlib.util
         if importlib.util.find_spec("wandb") is None:
-            self.log(f"--wandb_project={project}: wandb is not installed (pip install wandb), so this run logs to "
-                     f"metrics.jsonl only")
+            self.log(f"--wandb_project={project}: wandb is not installed (pip install wandb), so "
+                     "this run logs to metrics.jsonl only")
             return
         import wandb
-        errors = getattr(getattr(wandb, "errors", None), "Error", ())  # UsageError, CommError, AuthenticationError
+        # UsageError, CommError, AuthenticationError
+        errors = getattr(getattr(wandb, "errors", None), "Error", ())
         try:
             self.wandb = wandb.init(project=project, name=name, config=config)
-        except errors as e:  # not logged in (no API key, no tty to ask for one), a bad key, no network
+        # not logged in (no API key, no tty to ask for one), a bad key, no network
+        except errors as e:
             why = (str(e).strip().splitlines() or [""])[0]
-            die(f"--wandb_project={project}: wandb could not start a run ({type(e).__name__}: {why}); log in "
-                f"with `wandb login` or set WANDB_API_KEY (WANDB_MODE=offline logs locally), or drop "
-                f"--wandb_project")
+            die(f"--wandb_project={project}: wandb could not start a run ({type(e).__name__}: "
+                f"{why}); log in with `wandb login` or set WANDB_API_KEY (WANDB_MODE=offline logs "
+                "locally), or drop --wandb_project")
 
     def barrier(self):
         if self.world > 1:
@@ -116,8 +123,9 @@ class Runtime:
             dist.destroy_process_group()
 
     def wrap(self, model, fsdp, compile, front):
-        """The module the training step calls: front(model) (train.py's WithStates around a GPT), compiled if
-        asked, in DDP (world > 1) or with model sharded by FSDP2 (fsdp=True: fully_shard each block, then the root)."""
+        """The module the training step calls: front(model) (train.py's WithStates around a GPT),
+        compiled if asked, in DDP (world > 1) or with model sharded by FSDP2 (fsdp=True: fully_shard
+        each block, then the root)."""
         if fsdp and self.world > 1:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
@@ -125,29 +133,33 @@ class Runtime:
             for block in model.h:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-            register_fsdp_forward_method(model, "forward_with_states")  # gathers the weights for it too
+            # gathers the weights for it too
+            register_fsdp_forward_method(model, "forward_with_states")
         elif fsdp:
             self.log("--fsdp=True in one process: nothing to shard, training unsharded")
         train_model = front(model)
         train_model = torch.compile(train_model) if compile else train_model
         if self.world > 1 and not fsdp:
             from torch.nn.parallel import DistributedDataParallel as DDP
-            # lambda buffers are set identically on every rank, so they need no broadcast each forward
-            train_model = DDP(train_model, device_ids=[self.local_rank] if self.device_type == "cuda" else None,
+            # lambda buffers are set identically on every rank, so they need no broadcast each
+            # forward
+            train_model = DDP(train_model,
+                              device_ids=[self.local_rank] if self.device_type == "cuda" else None,
                               broadcast_buffers=False)
         return train_model
 
     def replica_group(self, fsdp):
-        """DDP's process group (Muon shares out its Newton-Schulz work over it); None for one process or FSDP2,
-        whose parameters bring their own mesh."""
+        """DDP's process group (Muon shares out its Newton-Schulz work over it); None for one
+        process or FSDP2, whose parameters bring their own mesh."""
         return dist.group.WORLD if self.world > 1 and not fsdp else None
 
 
 def git_commit(d=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
-    """`git rev-parse HEAD` of the checkout holding d (by default this code's), or "unknown" where there is none
-    (a copy outside git, or no git installed)."""
+    """`git rev-parse HEAD` of the checkout holding d (by default this code's), or "unknown" where
+    there is none (a copy outside git, or no git installed)."""
     try:
-        p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=d, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=d, capture_output=True, text=True,
+                           timeout=30)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return p.stdout.strip() if p.returncode == 0 and p.stdout.strip() else "unknown"
@@ -158,8 +170,8 @@ def git_commit(d=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
 
 
 def check_device(device, flag="--device"):
-    """auto, cpu, cuda or cuda:<index> that this machine has: train.py's and sample.py's one rule, refused in
-    one line naming the flag before anything is read."""
+    """auto, cpu, cuda or cuda:<index> that this machine has: train.py's and sample.py's one rule,
+    refused in one line naming the flag before anything is read."""
     dev = device.split(":")
     if device != "auto" and (dev[0] not in ("cpu", "cuda") or len(dev) > 2 or
                              (len(dev) == 2 and not dev[1].isdigit())):
@@ -171,20 +183,24 @@ def check_device(device, flag="--device"):
 
 
 def lost_rank(run, e):
-    """A collective failed because another rank stopped: one line per rank instead of a traceback, naming the
-    checkpoint the whole job resumes from (torchrun's own summary names the rank that exited first)."""
-    why = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:160]
-    step = checkpoint.load(run.ckpt_path, ("step",))["step"] if os.path.exists(run.ckpt_path) else None
-    resume = (f"restart all {run.rt.world} ranks with the same torchrun command and --resume=True to "
-              f"continue from {run.ckpt_path} (step {step})") if step is not None else \
+    """A collective failed because another rank stopped: one line per rank instead of a traceback,
+    naming the checkpoint the whole job resumes from (torchrun's own summary names the rank that
+    exited first)."""
+    why = next((line.strip() for line in str(e).splitlines() if line.strip()),
+               type(e).__name__)[:160]
+    step = checkpoint.load(run.ckpt_path,
+                           ("step",))["step"] if os.path.exists(run.ckpt_path) else None
+    resume = (f"restart all {run.rt.world} ranks with the same torchrun command and --resume=True "
+              f"to continue from {run.ckpt_path} (step {step})") if step is not None else \
         "no checkpoint was written yet; start again"
-    die(f"lost contact with another rank of this {run.rt.world}-process run ({why}); torchrun's summary names "
-        f"the rank that stopped; {resume}")
+    die(f"lost contact with another rank of this {run.rt.world}-process run ({why}); torchrun's "
+        f"summary names the rank that stopped; {resume}")
 
 
 class StepTimer:
-    """Wall time per step, averaged over the steps since the last lap (a log line) or reset (after an eval or a
-    checkpoint, whose time is not step time). The loop counts steps with timer.steps += 1."""
+    """Wall time per step, averaged over the steps since the last lap (a log line) or reset (after
+    an eval or a checkpoint, whose time is not step time). The loop counts steps with timer.steps +=
+    1."""
 
     def __init__(self):
         self.reset()
@@ -199,8 +215,9 @@ class StepTimer:
 
 
 def read_metrics(path):
-    """The records of a metrics.jsonl as log_json writes them. A torn last line (a run killed while writing
-    it) is left out; an earlier line that is not a JSON object raises ValueError naming the file and the line."""
+    """The records of a metrics.jsonl as log_json writes them. A torn last line (a run killed while
+    writing it) is left out; an earlier line that is not a JSON object raises ValueError naming the
+    file and the line."""
     with open(path, errors="replace") as f:
         lines = f.read().split("\n")  # a complete file ends with "\n": its last item is ""
     recs = []
@@ -214,5 +231,6 @@ def read_metrics(path):
         if isinstance(rec, dict):
             recs.append(rec)
         elif i < len(lines):
-            raise ValueError(f"{path}, line {i}: not a JSON object ({rec}); repair or delete that line")
+            raise ValueError(f"{path}, line {i}: not a JSON object ({rec}); repair or delete that "
+                             "line")
     return recs

@@ -374,37 +374,45 @@ def report_conversion(run):
 
 
 def make_teachers(cfg, paths, student_conf, device):
-    """Stage 3: the frozen full-precision teachers (eval mode, no grad, bf16 on CUDA) and the BitDistill loss.
-    With every distillation weight 0 there is no teacher: ([], crit), plain CE, the control run."""
+    """Stage 3: the frozen full-precision teachers (eval mode, no grad, bf16 on CUDA) and the
+    BitDistill loss. With every distillation weight 0 there is no teacher: ([], crit), plain CE, the
+    control run."""
     try:
-        crit = BitDistillLoss(cfg.distill_preset, kd_logits=None if cfg.kd_logits < 0 else cfg.kd_logits,
+        crit = BitDistillLoss(cfg.distill_preset,
+                              kd_logits=None if cfg.kd_logits < 0 else cfg.kd_logits,
                               kd_relation=None if cfg.kd_relation < 0 else cfg.kd_relation,
                               kd_hidden=cfg.kd_hidden, temperature=cfg.distill_tau,
-                              n_relation_heads=cfg.distill_relation_heads, distill_layer=cfg.distill_layer,
+                              n_relation_heads=cfg.distill_relation_heads,
+                              distill_layer=cfg.distill_layer,
                               teacher_weights=parse_teacher_weights(cfg, len(paths)))
     except ValueError as e:
         die(str(e), 2)
     if crit.kd_logits == crit.kd_relation == crit.kd_hidden == 0:
         return [], crit
-    return [_load_teacher(cfg, crit, p, student_conf, device, first=i == 0) for i, p in enumerate(paths)], crit
+    return [_load_teacher(cfg, crit, p, student_conf, device, first=i == 0) for i,
+            p in enumerate(paths)], crit
 
 
 def _load_teacher(cfg, crit, path, student_conf, device, first):
-    if is_model_source(path):  # the original model as published (BitDistill's teacher): full precision, no SubLN
+    # the original model as published (BitDistill's teacher): full precision, no SubLN
+    if is_model_source(path):
         check_same_tokenizer("--tokenizer", cfg.tokenizer, "the tokenizer of the --teacher", path)
         teacher = import_model(path, cfg.block_size, "--teacher")
         check_teacher(cfg, crit, student_conf, teacher.config, path, first)
         return _frozen(teacher, device)
     outputs.check_input("--teacher", path)  # an HF export of ours: named as such
     if not checkpoint.load(path, ("model_args",), mmap=True)["model_args"].get("causal", True):
-        die(f"{path}: a masked-diffusion model (--stage=dlm) cannot be a teacher: stage 3 distils next-token "
-            f"predictions; pass a stage-1 (or any autoregressive) checkpoint as --teacher", 2)
+        die(f"{path}: a masked-diffusion model (--stage=dlm) cannot be a teacher: stage 3 distils "
+            "next-token predictions; pass a stage-1 (or any autoregressive) checkpoint as "
+            "--teacher", 2)
     teacher, obj = load_gpt(path)
-    if saved_tokenizer(obj):  # the teacher's ids are the student's: one vocabulary, not only one size
+    # the teacher's ids are the student's: one vocabulary, not only one size
+    if saved_tokenizer(obj):
         check_same_tokenizer("--tokenizer", cfg.tokenizer, f"the tokenizer of the --teacher {path}",
                              saved_tokenizer(obj))
     tconf = teacher.config
-    check_teacher(cfg, crit, student_conf, tconf, path, first)  # shapes that would only fail at the first step
+    # shapes that would only fail at the first step
+    check_teacher(cfg, crit, student_conf, tconf, path, first)
     return _frozen(teacher, device)
 
 
@@ -419,21 +427,27 @@ def _frozen(teacher, device):
 
 
 def check_teacher(cfg, crit, s, t, path, first=True):
-    """Stage 3 settings that only fail at the first step, refused before training: another vocabulary, a
-    --distill_layer outside either model, relation heads that do not divide both widths, a context longer
-    than the teacher's. Only the first teacher gives relations and hidden states (first=False: the others)."""
+    """Stage 3 settings that only fail at the first step, refused before training: another
+    vocabulary, a
+    --distill_layer outside either model, relation heads that do not divide both widths, a context
+    longer than the teacher's. Only the first teacher gives relations and hidden states
+    (first=False: the others)."""
     if t.vocab_size != s.vocab_size:
-        die(f"{path}: teacher vocabulary {t.vocab_size} != student {s.vocab_size}; the same --tokenizer is needed")
+        die(f"{path}: teacher vocabulary {t.vocab_size} != student {s.vocab_size}; the same "
+            "--tokenizer is needed")
     try:
         crit.layer_index(s.n_layer), crit.layer_index(t.n_layer) if first else None
     except ValueError as e:  # --distill_layer outside one of the models
         die(str(e), 2)
     heads = crit.n_relation_heads
-    widths = sorted({c.n_head * c.head_size() for c in (s, t)} | {c.kv_heads() * c.head_size() for c in (s, t)})
-    if first and crit.kd_relation and any(w % heads for w in widths):  # q's width, and k's and v's under GQA
+    widths = sorted({c.n_head * c.head_size() for c in (s, t)} |
+                    {c.kv_heads() * c.head_size() for c in (s, t)})
+    # q's width, and k's and v's under GQA
+    if first and crit.kd_relation and any(w % heads for w in widths):
         fits = max(a for a in range(1, heads + 1) if all(w % a == 0 for w in widths))
-        die(f"--distill_relation_heads={heads} must divide the widths of the student's and the teacher's q, k and v "
-            f"({', '.join(map(str, widths))}); try --distill_relation_heads={fits}", 2)
+        die(f"--distill_relation_heads={heads} must divide the widths of the student's and the "
+            f"teacher's q, k and v ({', '.join(map(str, widths))}); try "
+            f"--distill_relation_heads={fits}", 2)
     if cfg.block_size > t.block_size:
-        die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} in {path}); pass "
-            f"--block_size={t.block_size} or less", 2)
+        die(f"--block_size={cfg.block_size} is longer than the teacher's context ({t.block_size} "
+            f"in {path}); pass --block_size={t.block_size} or less", 2)
