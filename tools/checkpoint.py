@@ -400,17 +400,20 @@ RESUME_ONLY = ("step", "config", "optimizer", "loader", "zclip", "rng")
 def _damaged(key, value):
     """Why value cannot be a training checkpoint's `key` of today's layout (the table in the
     docstring), or None."""
-    want = {"step": int, "config": dict, "model_args": dict, "model": dict, "optimizer": dict, "loader": dict,
-            "zclip": dict, "rng": dict}
+    want = {"step": int, "config": dict, "model_args": dict, "model": dict, "optimizer": dict,
+            "loader": dict, "zclip": dict, "rng": dict}
     if key not in want:
         return None
     if not isinstance(value, want[key]) or isinstance(value, bool):
-        return f"is {type(value).__name__}, not {'an' if want[key] is int else 'a'} {want[key].__name__}"
+        article = "an" if want[key] is int else "a"
+        return f"is {type(value).__name__}, not {article} {want[key].__name__}"
     keys = {"optimizer": ("state", "param_groups"), "loader": ("order", "cursor"),
             "rng": ("python", "numpy", "torch", "cuda")}.get(key, ())
     lacks = [k for k in keys if k not in value]
-    return f"has keys {', '.join(map(str, sorted(value, key=str))) or 'none'}, without {', '.join(lacks)}" \
-        if lacks else None
+    if not lacks:
+        return None
+    have = ", ".join(map(str, sorted(value, key=str))) or "none"
+    return f"has keys {have}, without {', '.join(lacks)}"
 
 def saved_lambda(ckpt):
     """The lambda a checkpoint's BitLinear buffers hold (their smallest), or None for a

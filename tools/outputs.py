@@ -108,7 +108,9 @@ def ours(path):
     if os.path.isdir(path):
         return hf_marker(path) is not None
     st = os.stat(path) if os.path.isfile(path) else None
-    return st is not None and _gguf_source_of(os.path.realpath(path), st.st_mtime_ns, st.st_size) is not None
+    if st is None:
+        return False
+    return _gguf_source_of(os.path.realpath(path), st.st_mtime_ns, st.st_size) is not None
 
 
 @functools.lru_cache(maxsize=64)

@@ -61,9 +61,11 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
                warms up from 0, so step 0 computes exactly what stage 1 ended with); from scratch if
                there is no stage-1 run
       stage 3  the stage-2 student; the frozen stage-1 teacher is loaded by make_loss_fn
-      --resume=True, any stage: its own latest checkpoint, continued exactly (weights, optimizer, loader, RNG)
-      --init_from=<a pretrained model> (a Hugging Face directory, a hub id or a GGUF file), stage 1 or 2: its weights
-               as published, SubLN inserted in front of o_proj and down_proj (unit gain, or --subln_gain=calibrated)
+      --resume=True, any stage: its own latest checkpoint, continued exactly (weights, optimizer,
+               loader, RNG)
+      --init_from=<a pretrained model> (a Hugging Face directory, a hub id or a GGUF file), stage 1
+               or 2: its weights as published, SubLN inserted in front of o_proj and down_proj
+               (unit gain, or --subln_gain=calibrated)
     Every checkpoint is checked against this run's shape before anything is loaded; a run that
     started from a pretrained model keeps that model's architecture (adopt_architecture). given: the
     flags given on the command line, {name: value}; an architecture flag that the model's
@@ -82,7 +84,8 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
         return Start(0, ckpt, path, note=note)
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
         return Start(note=f"stage {cfg.stage}: training from scratch")
-    path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
+    path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" \
+        else cfg.init_from
     # a hub id is no path: from_pretrained fetches it
     if not os.path.exists(path) and not is_model_source(path):
         if cfg.init_from == "auto" and cfg.stage == 2:
@@ -156,12 +159,14 @@ def shipped_of_moved_model(cfg, ckpt, given):
     if saved in (None, cfg.tokenizer) or "data" in (given or {}) or not dirs:
         return ""
     paths = [os.path.join(atomic.ROOT, "data", d) for d in dirs]
-    if not all(d.split("_")[0] in prepare.CORPORA and os.path.isdir(p) for d, p in zip(dirs, paths)):
+    shipped = [d.split("_")[0] in prepare.CORPORA and os.path.isdir(p) for d, p in zip(dirs, paths)]
+    if not all(shipped):
         # not all shipped corpora: --data names directories, which moving a model does not rename
         return ""
     items = str(ckpt["config"].get("data") or "").split(",")
     weighted = len(items) == len(paths) and all(":" in item for item in items)
-    cfg.data = ",".join(f"{p}:{item.rpartition(':')[2]}" if weighted else p for p, item in zip(paths, items * len(paths)))
+    cfg.data = ",".join(f"{p}:{item.rpartition(':')[2]}" if weighted else p
+                        for p, item in zip(paths, items * len(paths)))
     return (f"; the model moved from {saved}: the shipped corpus' shards it made are read again "
             f"(--data={cfg.data})")
 
@@ -297,8 +302,9 @@ def import_model(source, block_size, flag, check=None):
     """A pretrained model as published (tools/pretrained.py: full precision, no SubLN); a model we
     cannot carry is one error line naming the config field. check(its GPTConfig): the caller's
     refusals, before any weight is read."""
-    size = os.path.getsize(source) if os.path.isfile(source) else sum(
-        os.path.getsize(os.path.join(source, n)) for n in os.listdir(source)) if os.path.isdir(source) else 0
+    files = [source] if os.path.isfile(source) else \
+        [os.path.join(source, n) for n in os.listdir(source)] if os.path.isdir(source) else []
+    size = sum(os.path.getsize(f) for f in files)
     t0 = time.time()
     print(f"{flag}={source}: loading the model with transformers ({size / 1e6:,.0f} MB on disk"
           + (", dequantised to float32" if source.endswith(".gguf") else "") + ")", flush=True)
