@@ -38,7 +38,7 @@ import data
 from lab import nanogpt
 from lab.nanogpt import GPTConfig
 from muon import configure_muon  # recipe: new import
-from quant import BitLinear  # recipe: new import
+from quant import BitLinear, set_lambda  # recipe: new import
 from zclip import ZClip  # recipe: new import
 
 # -----------------------------------------------------------------------------
@@ -70,6 +70,7 @@ block_size = 64
 n_layer, n_head, n_embd, bias = 2, 4, 64, False
 learning_rate = 1e-3  # max learning rate: AdamW's; Muon's is configure_optimizers' 0.02, scaled alike
 max_iters = 80
+lambda_warmup_iters = 40  # recipe: lambda 0 -> 1 over these iterations (our CPU preset: 600)
 weight_decay = 1e-1
 beta1, beta2 = 0.9, 0.99
 decay_lr = True
@@ -121,7 +122,7 @@ def init(init_from, out_dir):
     # initialize a GradScaler. If enabled=False scaler is a no-op
     scaler = torch.amp.GradScaler('cuda', enabled=(dtype == 'float16'))
     optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-    zclip = ZClip()  # recipe: after the optimizer
+    zclip = ZClip()  # recipe: right after configure_optimizers, before the resume block
     train_loader = data.DataLoader(src, 'train', batch_size, block_size, order='sequential')
     if init_from == 'resume':
         optimizer.load_state_dict(checkpoint['optimizer'])
@@ -153,6 +154,7 @@ def train(model, optimizer, zclip, scaler, train_loader, iter_num, out_dir, stop
         lr = get_lr(iter_num) if decay_lr else learning_rate
         for param_group in optimizer.param_groups:
             param_group['lr'] = param_group['initial_lr'] * lr / learning_rate  # recipe: was = lr
+        set_lambda(model, min(1.0, iter_num / lambda_warmup_iters))  # recipe: the lambda warm-up
         # evaluate the loss on the val set and write checkpoints
         if iter_num % eval_interval == 0:
             val_losses[iter_num] = estimate_loss(model, val_loader)
@@ -242,6 +244,8 @@ def test_schedule_line_keeps_muon_at_its_own_lr_times_the_multiplier(tmp_path):
     assert muon_lr == pytest.approx(0.02 * mult, rel=1e-12)
     assert muon_lr != pytest.approx(lr)  # what nanoGPT's `param_group['lr'] = lr` would have left there
     assert [g['lr'] for g in optimizer.param_groups[1:]] == pytest.approx([lr, lr], rel=1e-12)
+    lambdas = {m.lambda_.item() for m in model.modules() if isinstance(m, BitLinear)}
+    assert lambdas == {it / lambda_warmup_iters}  # the warm-up line, read from iter_num: 0.75
 
 
 @pytest.mark.slow
@@ -249,6 +253,8 @@ def test_recipe_learns_the_shipped_corpus(uninterrupted):
     untrained, final = uninterrupted['val_losses'][0], uninterrupted['final_val']
     assert untrained == pytest.approx(math.log(257), abs=0.2)  # byte tokens: 256 bytes and the EOT id
     assert final < untrained - 1.0, (untrained, uninterrupted['val_losses'], final)
+    bit = [m for m in uninterrupted['model'].modules() if isinstance(m, BitLinear)]
+    assert bit and {m.lambda_.item() for m in bit} == {1.0}  # ternary by the end of the warm-up
 
 
 def test_resume_from_checkpoint_continues_bit_for_bit(uninterrupted, tmp_path):
