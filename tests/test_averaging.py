@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lessons.averaging import CheckpointAverage
-from conftest import ROOT, TINY, ENV, records, run
+from conftest import ROOT, TINY, ENV, Forked, records, run
 
 
 def _snapshots(k, steps):
@@ -79,12 +79,9 @@ def test_train_saves_the_average_of_its_own_checkpoints_resumes_it_exactly_and_s
     run("--resume=True", "--stage=2", f"--out_dir={out2}")
     again = torch.load(os.path.join(out2, "stage2", "avg.pt"), weights_only=True)
     assert all(torch.equal(again["model"][n], t) for n, t in avg["model"].items())
-    import subprocess
-    import sys
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), f"--ckpt={os.path.join(d, 'avg.pt')}",
-                        "--max_new_tokens=8", "--num_samples=1", "--device=cpu"], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
+    p = Forked([os.path.join(ROOT, "sample.py"), f"--ckpt={os.path.join(d, 'avg.pt')}", "--max_new_tokens=8",
+                "--num_samples=1", "--device=cpu"], ENV)  # `python sample.py`, forked with the imports done
+    assert p.wait(timeout=120) == 0, p.communicate()[1]
 
 
 def test_a_resumed_running_mean_equals_the_uninterrupted_one():

@@ -3,15 +3,13 @@ sampler (low-confidence and random remasking), and the outlier-ratio diagnostic.
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 from lessons import dlm
-from conftest import ENV, ROOT, TINY, fails, records, run, start
+from conftest import ENV, ROOT, TINY, Forked, fails, records, run, start
 from model import GPT, GPTConfig
 
 
@@ -253,10 +251,10 @@ def test_stage_dlm_converts_logs_its_diagnostics_and_resumes_bit_exactly(stage2,
     assert "at step 4" in run(f"--out_dir={halves}", "--stage=dlm", "--resume=True").stdout
     a, b = _steps(straight, "dlm"), _steps(halves, "dlm")
     assert sorted(a) == sorted(b) == list(range(1, 9)) and [a[s] for s in a] == [b[s] for s in a]
-    out = subprocess.run([sys.executable, "sample.py", "--dlm=True", f"--ckpt={straight}/dlm/ckpt.pt",
-                          "--max_new_tokens=20", "--steps=5", "--num_samples=1"], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.count("---------------") == 1, out.stderr
+    p = Forked([os.path.join(ROOT, "sample.py"), "--dlm=True", f"--ckpt={straight}/dlm/ckpt.pt",
+                "--max_new_tokens=20", "--steps=5", "--num_samples=1"], ENV)  # forked with the imports done
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0 and stdout.count("---------------") == 1, stderr
 
 
 def test_stage_dlm_refuses_a_missing_source_and_torchrun(tmp_path, capsys, monkeypatch):

@@ -382,19 +382,21 @@ def test_an_imported_model_gives_our_logits_in_transformers(imported_export):
 
 
 @pytest.mark.slow
-def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logits_layer_by_layer(smollm2, smollm2_models,
-                                                                                              tmp_path):
-    """SmolLM2-135M with SubLN, ternary (lambda 1), two AdamW steps on Shakespeare, exported and loaded back by
-    transformers. End to end the logits differ by a few percent of their scale: with 30 layers of per-token int8
-    activations, an ulp of difference between the two orders of scaling moves an activation across a rounding
-    tie at a handful of positions per layer, and the change grows through the layers after it. So
-    each layer is checked alone, given transformers' own input: at all but a few positions it computes our output to float32 rounding, and a tie moves a position by under 1% of the
+def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logits_layer_by_layer(
+        smollm2, smollm2_models, tmp_path):
+    """SmolLM2-135M's embedding and first 4 of its 30 layers (its real weights, GQA and head_dim: what each layer
+    computes does not depend on how many follow it) with SubLN, ternary (lambda 1), two AdamW steps on
+    Shakespeare, exported and loaded back by transformers. End to end the logits may differ past an int8 rounding
+    tie (past_a_tie), and the change grows through the layers after it. So each layer is checked alone, given
+    transformers' own input: at all but
+    a few positions it computes our output to float32 rounding, and a tie moves a position by under 1% of the
     layer's scale. A wrong head order, K/V sharing, scale, rope or norm moves every position of every layer."""
     import dataclasses
     from tokenizer import get_tokenizer
     fp = smollm2_models[0]  # SmolLM2 imported (block_size=64), shared: read, never trained
-    ours = GPT(dataclasses.replace(fp.config, quant=True, subln=True))
-    assert ours.load_state_dict(fp.state_dict(), strict=False).unexpected_keys == []  # + SubLN gains and lambdas
+    ours = GPT(dataclasses.replace(fp.config, quant=True, subln=True, n_layer=4))
+    first4 = {k: v for k, v in fp.state_dict().items() if not k.startswith("h.") or int(k.split(".")[1]) < 4}
+    assert ours.load_state_dict(first4, strict=False).unexpected_keys == []  # + SubLN gains and lambdas
     quant.set_lambda(ours, 1.0)
     with open(os.path.join(ROOT, "data", "shakespeare.jsonl.gz"), "rb") as f:
         import gzip
@@ -426,9 +428,10 @@ def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logit
             per_position = (got - want).abs().amax(-1)[0] / want.abs().max()  # (T,) relative to the layer's scale
             off += int((per_position > 1e-5).sum())
             worst = max(worst, per_position.max().item())
-    print(f"SmolLM2: max |logit difference| {end_to_end:.3g} end to end; layer by layer {off} of {30 * T} (layer, "
+    L = ours.config.n_layer
+    print(f"SmolLM2: max |logit difference| {end_to_end:.3g} end to end; layer by layer {off} of {L * T} (layer, "
           f"position) pairs past a rounding tie, worst {worst:.3g} of the layer's scale")
-    assert off <= 0.05 * 30 * T and worst <= 1e-2, (off, worst)
+    assert off <= 0.05 * L * T and worst <= 1e-2, (off, worst)
 
 
 @pytest.mark.parametrize("fmt", ["hf", "packed", "gguf"])

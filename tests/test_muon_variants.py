@@ -156,6 +156,16 @@ def _recorded(m, qk, x):
     return qk.max_logits[0].clone()
 
 
+def _probed(quant):
+    """(model, input, a QKClip probe of 2 rows, each head's max logit before any clip, tau between the 2nd and the
+    3rd head's max: two heads over it)."""
+    m = _attn_model(quant=quant)
+    x = torch.randint(0, 64, (2, 16))
+    probe = mv.QKClip(m, rows=2)
+    before = _recorded(m, probe, x)
+    return m, x, probe, before, float(before.sort().values[1:3].mean())
+
+
 @pytest.mark.parametrize("config", [{}, {"doc_mask": True, "eot": 0}, {"causal": False}],
                          ids=["causal", "doc_mask", "bidirectional"])
 def test_recorded_max_logit_is_the_largest_allowed_qk_over_the_first_rows(config):
@@ -178,13 +188,9 @@ def test_recorded_max_logit_is_the_largest_allowed_qk_over_the_first_rows(config
 
 
 def test_qk_clip_caps_heads_over_tau_exactly_and_leaves_the_others():
-    m = _attn_model(quant=False)
-    x = torch.randint(0, 64, (2, 16))
-    probe = mv.QKClip(m, rows=2)
-    before = _recorded(m, probe, x)
+    m, x, probe, before, tau = _probed(quant=False)
     probe.remove()
     probe.after_step(0, ok=False)  # tau 0: no clip, only the reset
-    tau = float(before.sort().values[1:3].mean())  # between the 2nd and 3rd head's max: two heads over tau
     over = before > tau
     assert over.sum() == 2
     w_q, w_k = m.h[0].attn.q_proj.weight.clone(), m.h[0].attn.k_proj.weight.clone()
@@ -204,11 +210,8 @@ def test_qk_clip_caps_heads_over_tau_exactly_and_leaves_the_others():
 def test_qk_clip_on_a_ternary_model_moves_the_other_heads_too():
     """The ternary twist (muon_variants docstring): gamma = mean|W| is per matrix, so scaling two heads' rows
     changes every head's quantised weights; the capped heads land near, not exactly on, tau."""
-    m = _attn_model(quant=True)
-    x = torch.randint(0, 64, (2, 16))
-    qk = mv.QKClip(m, rows=2)
-    before = _recorded(m, qk, x)
-    qk.tau = tau = float(before.sort().values[1:3].mean())
+    m, x, qk, before, tau = _probed(quant=True)
+    qk.tau = tau
     over = before > tau
     qk.after_step(1, ok=True)  # the records of `before` are still there: clip on them
     after = _recorded(m, qk, x)
@@ -239,8 +242,8 @@ def test_qk_clip_clips_only_taken_steps_with_tau_and_records_only_training_forwa
     assert torch.all(log_only.max_logits[0] == 0) and torch.all(skipped.max_logits[0] == 0)
 
 
-@pytest.mark.parametrize("flags", [["--normuon=True"], ["--muon_state=linear8"], ["--qk_clip_tau=1"],
-                                   ["--log_max_logit=True"]])
+@pytest.mark.parametrize("flags", [["--normuon=True", "--muon_state=linear8"], ["--qk_clip_tau=1"],
+                                   ["--log_max_logit=True"]])  # NorMuon's update on 8-bit momentum: one run
 @pytest.mark.slow
 def test_train_py_runs_the_variants_and_logs_the_max_logit(tmp_path, flags):
     out = str(tmp_path / "o")
