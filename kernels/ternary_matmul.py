@@ -416,36 +416,16 @@ def launch_decode(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False, cfg=N
     """The decode kernel on x words (M, 4 KW) and weight words (N, KW); cfg: a decode entry
     (default: the table's, or the interpreter's)."""
     if cfg is None:
-        cfg = (
-            INTERPRETER_CONFIGS["decode"]
-            if INTERPRETED
-            else DECODE_CONFIGS[decode_config(N, 16 * KW, M)]
-        )
+        cfg = (INTERPRETER_CONFIGS["decode"] if INTERPRETED
+               else DECODE_CONFIGS[decode_config(N, 16 * KW, M)])
     bm = decode_block_m(M)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
-    _decode_kernel[grid](
-        xw,
-        xs,
-        w,
-        ws,
-        y,
-        M,
-        N,
-        KW,
-        xw.stride(0),
-        w.stride(0),
-        y.stride(0),
-        stride_ws,
-        BLOCK_M=bm,
-        DP4A=not INTERPRETED,
-        WRITE_ACC=return_acc,
-        **cfg,
-    )
+    _decode_kernel[grid](xw, xs, w, ws, y, M, N, KW, xw.stride(0), w.stride(0), y.stride(0),
+                         stride_ws, BLOCK_M=bm, DP4A=not INTERPRETED, WRITE_ACC=return_acc, **cfg)
 
 
-def launch_prefill(
-    x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc=False, cfg=None, codes=None
-):
+def launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc=False, cfg=None,
+                   codes=None):
     """Unpack the weight words once (codes: a preallocated (N, 16 KW) int8 buffer, or None), then
     the GEMM."""
     codes = unpack_codes(w, N, KW, codes)
@@ -453,22 +433,8 @@ def launch_prefill(
         cfg = (INTERPRETER_CONFIGS["prefill"] if INTERPRETED
                else prefill_config(M, K, torch.cuda.get_device_capability(x2.device)[0]))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _prefill_kernel[grid](
-        x2,
-        xs,
-        codes,
-        ws,
-        y,
-        M,
-        N,
-        K,
-        x2.stride(0),
-        codes.stride(0),
-        y.stride(0),
-        stride_ws,
-        WRITE_ACC=return_acc,
-        **cfg,
-    )
+    _prefill_kernel[grid](x2, xs, codes, ws, y, M, N, K, x2.stride(0), codes.stride(0), y.stride(0),
+                          stride_ws, WRITE_ACC=return_acc, **cfg)
 
 
 # -----------------------------------------------------------------------------
@@ -573,12 +539,8 @@ def norm_quant_settings(K, block_k=None):
     """Launch settings of the two row kernels for rows of K: one pass up to 8192 (or block_k), else
     loops."""
     block = triton.next_power_of_2(block_k or min(triton.next_power_of_2(max(K, 1)), 8192))
-    return dict(
-        BLOCK_K=block,
-        ONE_PASS=K <= block,
-        num_warps=4 if block <= 2048 else 8,
-        enable_fp_fusion=False,
-    )
+    return dict(BLOCK_K=block, ONE_PASS=K <= block, num_warps=4 if block <= 2048 else 8,
+                enable_fp_fusion=False)
 
 
 def rmsnorm_quantize(x, weight, eps=None, *, block_k=None):
@@ -611,17 +573,9 @@ def rmsnorm_quantize(x, weight, eps=None, *, block_k=None):
     x_scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if x2.shape[0]:
         eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
-        _rmsnorm_quant_kernel[(x2.shape[0],)](
-            x2,
-            weight.to(x.dtype).contiguous(),
-            x_q,
-            x_scale,
-            K,
-            x2.stride(0),
-            eps,
-            BF16=x.dtype == torch.bfloat16,
-            **norm_quant_settings(K, block_k),
-        )
+        _rmsnorm_quant_kernel[(x2.shape[0],)](x2, weight.to(x.dtype).contiguous(), x_q, x_scale, K,
+                                              x2.stride(0), eps, BF16=x.dtype == torch.bfloat16,
+                                              **norm_quant_settings(K, block_k))
     return x_q, x_scale
 
 if __name__ == "__main__":

@@ -357,26 +357,15 @@ class Lab(Report):
             loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
         extra_val_loss = {name: full_val_loss(os.path.join(d, row.score), self.corpus_dir(name))[0]
                           for name in self.table.extra_corpora}
-        res = {
-            **extra,
-            "row": row.name,
-            "seed": seed,
-            "val_loss": loss,
-            "val_tokens": n,
-            "scored": row.score,
-            "argv": cmd[1:],
-            "commit": commit,
-            "extra_val_loss": extra_val_loss,
-            "steps": step,
-            "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
-            "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
-            "optimizer_bytes": _state_bytes(
-                checkpoint.load(os.path.join(d, checkpoint.LATEST))["optimizer"]
-            ),
-            "wall_s": time.time() - t0,
-            "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r],
-            "logit_curve": [[r["step"], r["max_logit"]] for r in steps if "max_logit" in r],
-        }
+        opt = checkpoint.load(os.path.join(d, checkpoint.LATEST))["optimizer"]
+        res = {**extra, "row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n,
+               "scored": row.score, "argv": cmd[1:], "commit": commit,
+               "extra_val_loss": extra_val_loss, "steps": step,
+               "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
+               "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
+               "optimizer_bytes": _state_bytes(opt), "wall_s": time.time() - t0,
+               "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r],
+               "logit_curve": [[r["step"], r["max_logit"]] for r in steps if "max_logit" in r]}
         _write_json(os.path.join(d, "result.json"), res)
         log(f"[lab] {row.name} seed {seed}: whole-val loss {loss:.4f} ({n} tokens), "
             f"{res['wall_s']:.0f} s")
