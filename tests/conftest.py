@@ -150,7 +150,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(items):
-    """python -m pytest -m "not slow": the quick check (under 2 minutes on 2 cores); CI runs everything. The longest
+    """python -m pytest -m "not slow": the check without end-to-end runs; CI runs everything. The longest
     files go first (LONGEST_FIRST)."""
     for item in items:
         if SLOW_FIXTURES.get(os.path.basename(str(item.fspath)), set()) & set(item.fixturenames):
