@@ -114,6 +114,9 @@ def test_grad_accum_that_does_not_divide_the_world_size_is_refused(monkeypatch, 
     monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets; the check runs before any process group
     msg = fails(capsys, "--grad_accum=3", f"--out_dir={tmp_path}", "--device=cpu", code=2)
     assert "--grad_accum=3" in msg and "multiple of 2" in msg and "--grad_accum=2" in msg  # the flag, why, the fix
+    assert "--batch_size=24 --grad_accum=2 for the same 48 sequences a step" in msg  # the step's size kept
+    msg = fails(capsys, f"--out_dir={tmp_path}", "--device=cpu", code=2)  # the CPU preset under torchrun
+    assert "--batch_size=8 --grad_accum=2 for the same 16 sequences a step" in msg, msg
 
 # -----------------------------------------------------------------------------
 # distributed Muon and sharded ZClip, 2 spawned gloo processes against the single-process result
