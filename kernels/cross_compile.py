@@ -36,15 +36,12 @@ import sys
 import tempfile
 import time
 
-if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels are not compilable objects
-    sys.exit("kernels.cross_compile: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from kernels import ternary_matmul as tm  # noqa: E402
-from kernels.occupancy import SMS_OF, in_flight, occupancy  # noqa: E402,F401
+from kernels import ternary_matmul as tm
+from kernels.occupancy import SMS_OF, in_flight, occupancy  # noqa: F401
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")  # Triton's ptxas, cuobjdump
@@ -192,6 +189,8 @@ def jobs(target):
 
 def compile_one(kernel, signature, constexprs, options, target):
     """The compiled kernel (its .asm holds ttir, ttgir, llir, ptx and cubin); raises if it does not compile."""
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels are not compilable objects
+        sys.exit("kernels.cross_compile: unset TRITON_INTERPRET (the interpreter compiles nothing)")
     args = [a for a in kernel.arg_names]
     attrs = {(args.index(a),): [["tt.divisibility", 16]] for a in ALIGNED
              if a in args and signature.get(a) != "constexpr"}

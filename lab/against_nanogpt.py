@@ -25,6 +25,7 @@ import pickle
 import re
 import shlex
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile

@@ -41,6 +41,7 @@ from tools.flags import stop_on_ctrl_c
 stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, no traceback
 
 import math
+import signal
 import statistics
 import sys
 import time

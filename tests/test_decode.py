@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.packed_linear import freeze_ternary
 from model import GPT, DecodeState, GPTConfig
@@ -210,7 +211,14 @@ def test_the_packed_step_compiles_whole_through_the_registered_op_for_every_posi
     from kernels import op
     monkeypatch.setattr(tm, "quantize_activations", quant.activation_quant)
     monkeypatch.setattr(tm, "ternary_matmul", tm.ternary_matmul_reference)
-    monkeypatch.setattr(op, "BoundLinear", lambda w, w_scale, K: lambda x: op.linear(x, w, w_scale))
+    monkeypatch.setattr(tm, "rmsnorm_quantize", lambda x, g, eps=None: quant.activation_quant(
+        F.rms_norm(x, (x.shape[-1],), g.to(x.dtype), torch.finfo(x.dtype).eps if eps is None else eps)))
+
+    def bound(w, w_scale, K, norm=None):  # the eager launches' stand-in: the op's own function
+        if norm is None:
+            return lambda x: op.linear(x, w, w_scale)
+        return lambda x: op.norm_linear(x, norm[0], norm[1], w, w_scale)
+    monkeypatch.setattr(op, "BoundLinear", bound)
     idx = torch.randint(0, 60, (1, 3), generator=torch.Generator().manual_seed(4))
     want = decode.generate(make(packed=True, n_layer=1), idx, 6, top_k=1, mode="fixed")
     model = make(packed=True, use_triton=True, n_layer=1)
