@@ -48,53 +48,16 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 # as a launch on model shapes specialises them: multiples of 16
 ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "xq_ptr", "g_ptr", "N", "K", "KW",
            "stride_xm", "stride_wn", "stride_om", "stride_x")
-DECODE_ARGS = dict(
-    x_ptr="*i32",
-    xs_ptr="*fp32",
-    w_ptr="*i32",
-    ws_ptr="*fp32",
-    out_ptr="*bf16",
-    M="i32",
-    N="i32",
-    KW="i32",
-    stride_xm="i32",
-    stride_wn="i32",
-    stride_om="i32",
-    stride_ws="i32",
-    BLOCK_M="constexpr",
-    BLOCK_N="constexpr",
-    BLOCK_G="constexpr",
-    DP4A="constexpr",
-    WRITE_ACC="constexpr",
-)
-PREFILL_ARGS = dict(
-    x_ptr="*i8",
-    xs_ptr="*fp32",
-    w_ptr="*i8",
-    ws_ptr="*fp32",
-    out_ptr="*bf16",
-    M="i32",
-    N="i32",
-    K="i32",
-    stride_xm="i32",
-    stride_wn="i32",
-    stride_om="i32",
-    stride_ws="i32",
-    BLOCK_M="constexpr",
-    BLOCK_N="constexpr",
-    BLOCK_K="constexpr",
-    GROUP_M="constexpr",
-    WRITE_ACC="constexpr",
-)
-UNPACK_ARGS = dict(
-    w_ptr="*i32",
-    out_ptr="*i32",
-    N="i32",
-    KW="i32",
-    stride_wn="i32",
-    BLOCK_N="constexpr",
-    BLOCK_G="constexpr",
-)
+DECODE_ARGS = dict(x_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*fp32", out_ptr="*bf16",
+                   M="i32", N="i32", KW="i32", stride_xm="i32", stride_wn="i32", stride_om="i32",
+                   stride_ws="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_G="constexpr",
+                   DP4A="constexpr", WRITE_ACC="constexpr")
+PREFILL_ARGS = dict(x_ptr="*i8", xs_ptr="*fp32", w_ptr="*i8", ws_ptr="*fp32", out_ptr="*bf16",
+                    M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32",
+                    stride_ws="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
+                    GROUP_M="constexpr", WRITE_ACC="constexpr")
+UNPACK_ARGS = dict(w_ptr="*i32", out_ptr="*i32", N="i32", KW="i32", stride_wn="i32",
+                   BLOCK_N="constexpr", BLOCK_G="constexpr")
 TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
 
 

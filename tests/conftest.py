@@ -159,6 +159,17 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one OpenMP thread: tiny models and timing harnesses run many small ops, which two
+    threads on 2 shared cores only slow (~10x when the cores are busy)."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The path of the real SmolLM2-135M-Instruct GGUF (98 MB, sha256 checked): tools/get_model.py fetches it from

@@ -153,16 +153,6 @@ def test_train_with_a_pretrained_model_times_ours_against_transformers_and_gener
     assert f"--model={gpt2}" in msg and "gpt2" in msg, msg
 
 
-@pytest.fixture
-def one_thread():
-    """torch on one thread for a timing harness's test (2 shared cores: two threads per process only
-    contend)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_decode_rows_on_cpu_each_ratio_the_quotient_and_the_prefill_cancelled(capsys, one_thread):
     """bench_decode on CPU: a tiny fp32 model and its packed twin, model.generate and the static
     cache, eager (CUDA adds the graphed rows and the replay/sync columns, '-' here). Every row's

@@ -21,14 +21,7 @@ SMALL = dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32, eot=6
 GQA = dict(n_head=4, n_kv_head=1, head_dim=24, qk_norm=True)  # Qwen3's attention: 4 query heads share one K/V head
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One OpenMP thread: these tiny models run many small ops, which 2 threads on 2 busy cores slow
-    ~10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: torch on one thread
 
 
 def make(packed=False, use_triton=None, **kw):

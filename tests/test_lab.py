@@ -407,14 +407,9 @@ def test_a_run_refused_by_the_lock_writes_nothing_to_the_table(tmp_path, tiny_ma
 
 
 def test_a_run_that_stopped_before_max_iters_is_not_scored_and_is_resumed(tmp_path):
-    t = runner.Lab(
-        _table(),
-        seeds=(0,),
-        root=str(tmp_path / "runs"),
-        results=str(tmp_path / "results"),
-        # "train.py" exits 0 at once, as one sent SIGTERM does after saving
-        python=shutil.which("true"),
-    )
+    # "train.py" exits 0 at once, as one sent SIGTERM does after saving
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python=shutil.which("true"))
     good = [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in (1, 2)]
     # 2 of the row's 3 steps, a torn line
     _finished_ckpt(t, "a", 0, step=2, records=good + ['{"step": 3, "ms'])
@@ -492,14 +487,9 @@ def test_a_corrupt_or_foreign_result_json_is_one_line_naming_it(tmp_path, tiny_m
 
 def test_a_torn_last_metrics_line_is_tolerated_and_a_corrupt_one_is_named(tmp_path):
     _shards(str(tmp_path / "shards"), 1000)
-    t = runner.Lab(
-        _table(),
-        seeds=(0,),
-        root=str(tmp_path / "runs"),
-        results=str(tmp_path / "results"),
-        # the run is finished: scored without starting train.py
-        python=shutil.which("false"),
-    )
+    # the run is finished: scored without starting train.py
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python=shutil.which("false"))
     t.shipped = str(tmp_path / "shards")
     good = [json.dumps({"step": s, "ms": 1.0}) + "\n" for s in (1, 2, 3)]
     # killed while writing a line
@@ -521,14 +511,9 @@ def test_every_result_records_the_commit_lab_ran_at(tmp_path, monkeypatch):
     runs from; "unknown" outside a git checkout, or without git."""
     import subprocess
     _shards(str(tmp_path / "shards"), 1000)
-    t = runner.Lab(
-        _table(),
-        seeds=(0,),
-        root=str(tmp_path / "runs"),
-        results=str(tmp_path / "results"),
-        # the run is finished: scored without starting train.py
-        python=shutil.which("false"),
-    )
+    # the run is finished: scored without starting train.py
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python=shutil.which("false"))
     t.shipped = str(tmp_path / "shards")
     _finished_ckpt(t, "a", 0, step=3)
     t.run(["a"], log=lambda line: None)

@@ -19,16 +19,6 @@ def make(**kw):
     return GPT(GPTConfig(**{**SMALL, **kw}))
 
 
-@pytest.fixture
-def one_thread():
-    """One OpenMP thread: tiny models run many small ops, which 2 threads on 2 busy cores slow
-    ~10x."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_hidden_projections_are_bitlinear_and_embedding_head_norms_stay_fp():
     model = make(quant=True)
     names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
