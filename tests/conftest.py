@@ -95,15 +95,15 @@ def run(*args, rc=0, faults=None, launch=None, timeout=300):
     return subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
 
 
-def small_corpus(d, train=20000, val=2000):
-    """The directory d holding the first `train` and `val` tokens of the shipped Shakespeare byte shards, as a
+def small_corpus(d, train=20000, val=2000, start=0):
+    """The directory d holding `train` and `val` tokens (from token `start` on) of the shipped Shakespeare byte shards, as a
     --data directory: real text (a run's loss falls as on the whole corpus), with a whole val split of
     (val - 1) // 32 TINY windows instead of 6,821. Returns d."""
     import data
     os.makedirs(d, exist_ok=True)
     for split, n in (("train", train), ("val", val)):
         shipped = data.read_shard(os.path.join(ROOT, "data", "shakespeare_byte", f"{split}_000.bin"))
-        data.write_shard(os.path.join(d, f"{split}_000.bin"), shipped[:n])
+        data.write_shard(os.path.join(d, f"{split}_000.bin"), shipped[start:start + n])
     with open(os.path.join(d, "meta.json"), "w") as f:
         json.dump({"tokenizer": "byte", "vocab_size": 257, "eot": 256}, f)
     return str(d)

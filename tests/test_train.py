@@ -10,7 +10,7 @@ import torch
 import train
 from tools import checks, config, loaders, metrics, seams, start
 from zclip import ZClip
-from conftest import ROOT, TINY, fails, records, run
+from conftest import ROOT, TINY, fails, records, run, small_corpus
 
 BIGGER = [*TINY, "--batch_size=8", "--eval_iters=4"]  # enough tokens per step to see stage 1 learn in 60 steps
 
@@ -330,23 +330,27 @@ def test_constant_and_moderate_schedules():
 
 @pytest.mark.slow
 def test_final_val_loss_is_over_the_whole_val_split_per_source_and_weighted(tmp_path):
-    """Two shipped corpora mixed 3:1: every evaluation logs each source's val loss and their 3:1 total; the
-    final one reads every val window once and equals lab/runner.py's independent whole-split scoring of the checkpoint."""
+    """Two corpora mixed 3:1: every evaluation logs each source's val loss and their 3:1 total; the final one
+    reads every val window once and equals lab/runner.py's independent whole-split scoring of the checkpoint.
+    (Two slices of the shipped Shakespeare shards, conftest.small_corpus: a whole val split of 62 windows each.)"""
     from lab import runner
     out = str(tmp_path / "o")
+    a = small_corpus(tmp_path / "plays_a")
+    b = small_corpus(tmp_path / "plays_b", start=40000)
     p = run(f"--out_dir={out}", "--stage=2", "--init_from=scratch", *TINY, "--eval_whole=True", "--max_iters=4",
-            "--eval_interval=2", "--data=shakespeare:0.75,python:0.25")
+            "--eval_interval=2", f"--data={a}:0.75,{b}:0.25")
     evals = [r for r in records(out) if "val_loss" in r]
     assert [r["whole_val"] for r in evals] == [False, True]
     for r in evals:
         by = r["val_loss_by_source"]
-        assert set(by) == {"shakespeare_byte", "python_byte"}
-        assert r["val_loss"] == pytest.approx(0.75 * by["shakespeare_byte"] + 0.25 * by["python_byte"], rel=1e-12)
+        assert set(by) == {"plays_a", "plays_b"}
+        assert by["plays_a"] != by["plays_b"]  # two val splits, not one read twice
+        assert r["val_loss"] == pytest.approx(0.75 * by["plays_a"] + 0.25 * by["plays_b"], rel=1e-12)
     ckpt = os.path.join(out, "stage2", "ckpt.pt")
     for name, by in evals[-1]["val_loss_by_source"].items():
-        want, _ = runner.full_val_loss(ckpt, os.path.join(ROOT, "data", name))
+        want, _ = runner.full_val_loss(ckpt, str(tmp_path / name))
         assert by == pytest.approx(want, abs=1e-5), name
-    assert "python_byte" in p.stdout and "over the whole val split" in p.stdout
+    assert "plays_b" in p.stdout and "over the whole val split" in p.stdout
 
 
 # ----------------------------------------------------------------------------- in-process runs (train.setup)
