@@ -138,10 +138,14 @@ SLOW_FIXTURES = {"test_scale.py": {"runs", "spawned"}, "test_outputs.py": {"runs
 
 def pytest_configure(config):
     """pytest.ini runs the suite in 2 processes (pytest-xdist: half the wall time on 2 cores, where most tests wait
-    on one single-threaded subprocess). The shipped corpora's byte shards, which most runs read, are made here
+    on one single-threaded subprocess), each on one torch thread. The shipped corpora's byte shards, which most runs read, are made here
     once, before the workers start: two workers making them at once would swap the directory under a run of the
     other, which stops that run (data.DataChanged), as it should."""
     if hasattr(config, "workerinput"):  # a worker: the controller made them
+        import torch
+        # one OpenMP thread per worker, as in the runs it starts (ENV): two workers' two threads each on 2
+        # cores spin against each other, and a tiny in-process run takes ~6x as long
+        torch.set_num_threads(1)
         return
     from tools import loaders
     from types import SimpleNamespace

@@ -41,10 +41,11 @@ def estimate_val_loss(run, whole=False, model=None):
     first eval_iters * batch_size rows of its val split, or with whole=True over every window of it
     once (DataLoader.sweep). Each of W ranks reads its own rows of eval_iters / W global batches
     (rounded up), so when W divides eval_iters every world size reads the same rows. model: another
-    model to score on the same rows."""
+    model to score on the same rows. The model runs as it is, not compiled: a no_grad graph of the
+    compiled train_model would be a second compile (~40 s on a CPU) for a few forward passes."""
     rt = run.rt
     loss_fn = (lambda x, y: model(x, y)[1]) if model is not None else \
-        run.eval_loss(run) if run.eval_loss else (lambda x, y: run.train_model(x, y)[1])
+        run.eval_loss(run) if run.eval_loss else (lambda x, y: run.model(x, y)[1])
     model = run.model if model is None else model
     model.eval()
     by_source = {}
