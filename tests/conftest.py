@@ -184,17 +184,36 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
-def smollm2_models(smollm2):
+def smollm2_models(smollm2, tmp_path_factory, worker_id):
     """(ours, transformers') SmolLM2-135M as published, in float32, eval mode: transformers' own load of the GGUF
-    (dequantising it takes over 10 s on 2 cores), once per test run, and ours made from that model in memory by
-    tools.pretrained.from_transformers, the step GPT.from_pretrained takes after its own load of a file: the
-    reference, and the import that must equal it. The two share their weight tensors: read them; a test that
-    trains builds its own model from ours.state_dict()."""
+    (its reader and dequantising take over 20 s on 2 cores), once per test run, and ours made from that model in
+    memory by tools.pretrained.from_transformers, the step GPT.from_pretrained takes after its own load of a file:
+    the reference, and the import that must equal it. Under pytest-xdist the first worker that needs it saves
+    that model's config and float32 tensors (transformers will not save_pretrained a GGUF load) where the other
+    worker rebuilds the same model from them (seconds).
+    The two share their weight tensors: read them; a test that trains builds its own model from
+    ours.state_dict()."""
+    import fcntl
     import torch
     from transformers import AutoModelForCausalLM
     from tools.pretrained import from_transformers
-    theirs = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2),
-                                                  dtype=torch.float32).eval()
+    gguf = lambda: AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2), gguf_file=os.path.basename(smollm2),
+                                                        dtype=torch.float32)
+    if worker_id == "master":  # one process: nothing to share
+        theirs = gguf()
+    else:
+        shared = tmp_path_factory.getbasetemp().parent / "smollm2_transformers.pt"  # this run's, seen by every worker
+        with open(f"{shared}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if shared.exists():
+                config, state = torch.load(shared, weights_only=False)
+                theirs = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                theirs.load_state_dict(state, strict=True)
+            else:
+                theirs = gguf()
+                torch.save((theirs.config, theirs.state_dict()), f"{shared}.tmp")
+                os.replace(f"{shared}.tmp", shared)
+    theirs.eval()
     ours = from_transformers(theirs, smollm2, block_size=64).eval()
     return ours, theirs
 
@@ -209,8 +228,10 @@ def imported_model(tmp_path_factory):
 
 # The files that take longest (seconds of one worker each), sent to the workers first: pytest.ini hands out whole
 # files (--dist loadfile), so a long file collected last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ["test_readme.py", "test_kernels.py", "test_convert.py", "test_lab.py", "test_scale.py",
-                 "test_packed.py", "test_hf.py", "test_pretrained.py"]
+# Measured with cold Triton and inductor caches (a new machine), longest first.
+LONGEST_FIRST = ["test_cross_compile.py", "test_lab.py", "test_model.py", "test_hf.py", "test_convert.py",
+                 "test_packed.py", "test_scale.py", "test_bench.py", "test_pretrained.py", "test_gguf.py",
+                 "test_prepare.py", "test_decode.py", "test_readme.py"]
 
 
 
