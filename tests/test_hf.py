@@ -16,8 +16,8 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never ask the Hub (read at import)
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitNetForCausalLM  # noqa: E402
-from transformers.integrations.bitnet import BitLinear as HfBitLinear, pack_weights  # noqa: E402
+# transformers is imported in the tests that use it: its BitNet model takes seconds to import, and every pytest
+# worker imports every test module to collect it
 
 import data
 from tokenizer import ByteTokenizer, get_tokenizer
@@ -38,6 +38,7 @@ def exported(tmp_path_factory):
     """A TINY ternary model trained past its lambda warm-up (lambda = 1 at step 4), exported by the command line,
     then loaded back by transformers: (checkpoint path, export directory, our model, transformers' model, what
     from_pretrained says it loaded)."""
+    from transformers import AutoModelForCausalLM
     d = tmp_path_factory.mktemp("hf")
     run(f"--out_dir={d}", "--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=4")
     ckpt, out = str(d / "stage2" / "ckpt.pt"), str(d / "hf")
@@ -53,6 +54,8 @@ def _val_tokens(n, start=1000):
 
 @pytest.mark.slow
 def test_transformers_loads_its_own_bitnet_with_packed_bitlinear_layers(exported):
+    from transformers import BitNetForCausalLM
+    from transformers.integrations.bitnet import BitLinear as HfBitLinear
     _, out, ours, hf, info = exported
     assert {k: v for k, v in info.items() if v} == {}  # no missing, unexpected or mismatched tensor: all are read
     c = ours.config
@@ -75,6 +78,7 @@ def _unpack_by_hand(packed):
 
 
 def test_packed_weights_are_our_ternary_codes_and_weight_scale_is_one_over_gamma(exported):
+    from transformers.integrations.bitnet import pack_weights
     from safetensors.torch import load_file
     _, out, ours, hf, _ = exported
     t = load_file(os.path.join(out, "model.safetensors"))
@@ -158,6 +162,7 @@ def test_greedy_generation_gives_our_tokens(exported):
 
 
 def test_gpt2_tokenizer_encodes_as_ours_in_a_padded_vocabulary(tmp_path):
+    from transformers import AutoTokenizer
     m = GPT(GPTConfig(vocab_size=50304, eot=50256, n_layer=1, n_head=2, n_embd=32, block_size=32))  # --pad_vocab
     out = str(tmp_path / "hf")
     export.write_hf(m, "gpt2", out)
@@ -180,6 +185,7 @@ def test_tie_word_embeddings_says_whether_the_head_is_the_embedding(tmp_path):
     with its own head (True would say its head is the embedding; transformers 5 keeps the file's own lm_head only
     because the two differ, with a warning). No training run: an untrained model of the shape, written by write_hf
     and read back."""
+    from transformers import AutoModelForCausalLM
     import dataclasses
     tied = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)
     assert tied.tie_embeddings and export.hf_config(tied)["tie_word_embeddings"] is True
@@ -333,6 +339,7 @@ def test_an_hf_export_on_a_full_disk_is_one_line_and_keeps_the_old_directory(tmp
 @pytest.fixture(scope="module")
 def imported_export(imported_model, tmp_path_factory):
     """(tiny Llama source directory, its stage-2 checkpoint, export directory, our model, transformers' model, info)."""
+    from transformers import AutoModelForCausalLM
     src, ckpt = imported_model
     out = str(tmp_path_factory.mktemp("imported_hf") / "hf")
     export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={out}"])
@@ -343,6 +350,7 @@ def imported_export(imported_model, tmp_path_factory):
 
 @pytest.mark.slow
 def test_an_imported_model_exports_with_its_gqa_untied_head_and_config(imported_export):
+    from transformers import BitNetForCausalLM
     src, _, out, ours, hf, info = imported_export
     c = ours.config
     assert (c.n_head, c.kv_heads(), c.head_size(), c.tie_embeddings) == (4, 2, 16, False)  # the tiny Llama's shape
@@ -358,6 +366,7 @@ def test_an_imported_model_exports_with_its_gqa_untied_head_and_config(imported_
 
 def test_an_imported_model_carries_its_tokenizer_files(imported_export):
     """The source's tokenizer as transformers saves it (tokenizer.json ...): it encodes and decodes as the source's."""
+    from transformers import AutoTokenizer
     from tokenizer import HFTokenizer
     src, _, out, ours, _, _ = imported_export
     mine, theirs = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(out)
@@ -391,6 +400,7 @@ def test_the_real_smollm2_converted_and_trained_two_steps_exports_with_our_logit
     transformers' own input: at all but
     a few positions it computes our output to float32 rounding, and a tie moves a position by under 1% of the
     layer's scale. A wrong head order, K/V sharing, scale, rope or norm moves every position of every layer."""
+    from transformers import AutoModelForCausalLM
     import dataclasses
     from tokenizer import get_tokenizer
     fp = smollm2_models[0]  # SmolLM2 imported (block_size=64), shared: read, never trained
@@ -452,6 +462,7 @@ def test_ctrl_c_while_the_checkpoint_and_its_tokenizer_load_is_one_line(tmp_path
 if __name__ == "__main__":
     # python tests/test_hf.py <ckpt.pt> [windows]: past_a_tie on a trained model's export (README's HF figures)
     import tempfile
+    from transformers import AutoModelForCausalLM
     ckpt, windows = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 16
     with tempfile.TemporaryDirectory() as d:
         export.main(["--format=hf", f"--ckpt={ckpt}", f"--out={d}/hf"])
