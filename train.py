@@ -18,8 +18,9 @@ Two nodes of 8 GPUs: the same command on each, with --node_rank=0 / 1 and the ad
       train.py --stage=2
 
 Read top to bottom: the schedules (lr and lambda), train_step (one step of ternary QAT), the
-training loop, each stage's loss, the set-up (what a run holds, and the optimizer groups), then the
-checks of the schedule flags. One step needs model.py, quant.py, muon.py, zclip.py and data.py
+training loop, each stage's loss, the set-up (what a run holds, what the recipe adds to it: the
+wrapped model, the loss, the optimizer groups; the config, data and starting model come from
+tools/assemble.py), then the checks of the schedule flags. One step needs model.py, quant.py, muon.py, zclip.py and data.py
 (stage 3 adds distill.py); the flags (tools/config.py), checkpoints, evaluation, logs and
 distributed wrapping are in tools/. batch_size is one micro-batch on one rank; grad_accum counts the
 micro-batches of a step over ALL ranks, so the global batch does not depend on the world size.
@@ -44,10 +45,8 @@ from distill import match_layers
 from model import GPT
 from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
-from tokenizer import get_tokenizer
-from tools import atomic, checkpoint, loaders, metrics, seams, start
-from tools.checks import build_config, check_resume, check_run, teacher_paths
-from tools.config import TrainConfig, model_config, parse_args, stage_dir
+from tools import assemble, atomic, checkpoint, metrics, seams, start
+from tools.config import TrainConfig, stage_dir
 from tools.flags import die
 from tools.runtime import Runtime, StepTimer, git_commit, lost_rank
 from zclip import ZClip
@@ -361,41 +360,16 @@ class Run:
 def setup(argv):
     """Config, runtime, starting weights, data, model, optimizer, ZClip and loss: everything the
     loop needs. Every input is checked before anything is written, so a bad flag or file costs
-    nothing already saved."""
-    overrides = parse_args(argv)
-    # the flags alone, no preset: enough to name the run's directory
-    given = TrainConfig(**overrides)
-    out_dir = os.path.join(given.out_dir, given.run_name or stage_dir(given.stage))
-    resume, saved, notes = None, None, []
-    if given.resume:  # the saved run's config, the flags given now on top
-        path = os.path.join(out_dir, checkpoint.LATEST)
-        if not os.path.exists(path):
-            if checkpoint.before_first_save(out_dir):
-                die(f"--resume=True: the run in {out_dir} ended before its first checkpoint (only its "
-                    f"metrics.jsonl is there), so there is nothing to resume; start it again: the same command "
-                    f"with --overwrite=True instead of --resume=True")
-            die(f"--resume=True but there is no checkpoint at {path}; start without --resume")
-        resume = checkpoint.load(path,
-                                 ("model", "model_args", "config", "step", "optimizer", "loader"))
-        saved = resume["config"]
-        notes.append(check_resume(given, overrides, saved, path))
-    # the stage before began from a pretrained model: its tokenizer
-    elif "tokenizer" not in overrides:
-        tok = start.previous_stage_tokenizer(given)
-        overrides = {**overrides, "tokenizer": tok} if tok is not None else overrides
-    cfg = build_config(overrides, base=saved)
+    nothing already saved (tools/assemble.py: the config, the resume, the data and the starting
+    model; here what the recipe decides: the lambda schedule's checks, the wrapped model, the loss,
+    the optimizer, the clipper)."""
+    overrides, out_dir, resume, cfg, notes = assemble.read_config(argv)
     check_quant_start(cfg)
     run = Run(cfg, Runtime.from_env(cfg.device), out_dir, given=overrides)
     run.device = run.rt.device
     if resume is not None and resume["model_args"].get("quant"):
-        notes.append(check_lambda_on_resume(resume["step"], saved, cfg, run.ckpt_path))
-    for line in notes:
-        if line:
-            run.rt.log(line)
-    teachers = teacher_paths(cfg)
-    check_run(cfg, run.rt, run.out_dir, teachers)
-    if run.rt.master:
-        run.unlock = checkpoint.lock(run.out_dir)  # a second run into the same out_dir stops here
+        notes.append(check_lambda_on_resume(resume["step"], resume["config"], cfg, run.ckpt_path))
+    teachers = assemble.open_run(run, notes)  # checks the run's inputs, then takes out_dir's lock
     try:
         build(run, resume, teachers)
     except BaseException:  # an error line, a signal: the lock goes with it
@@ -407,44 +381,7 @@ def setup(argv):
 
 def build(run, resume, teachers):
     cfg, rt = run.cfg, run.rt
-    earlier = checkpoint.existing_run(run.out_dir) if rt.master and not cfg.resume else []
-    if earlier and not cfg.overwrite:
-        if checkpoint.before_first_save(run.out_dir):
-            die(f"{run.out_dir} already holds a run that ended before its first checkpoint (only "
-                "its metrics.jsonl): replace it with --overwrite=True, or keep it and pass another "
-                "--run_name")
-        die(f"{run.out_dir} already holds a run ({', '.join(earlier[:3])}); continue it with "
-            "--resume=True, replace it with --overwrite=True, or keep it and pass another "
-            "--run_name")
-    try:
-        tok = get_tokenizer(cfg.tokenizer)
-    # a model's tokenizer transformers cannot load: one line naming the flag
-    except (ValueError, ImportError) as e:
-        flag = "--init_from" if cfg.tokenizer == cfg.init_from else \
-            "--teacher" if cfg.tokenizer in cfg.teacher.split(",") else "--tokenizer"
-        die(f"{flag}={cfg.tokenizer}: {e}", 2)
-    model_conf = model_config(cfg, tok.vocab_size, tok.eot)
-    run.lesson = seams.stage_lesson(cfg)  # --stage=dlm brings its own start, model shape and loss
-    if run.lesson is not None:
-        model_conf = run.lesson.model_config(model_conf)
-        run.eval_loss = run.lesson.eval_loss
-    run.start = start.starting_weights(cfg, model_conf, resume, run.ckpt_path, run.lesson,
-                                       run.given)
-
-    rt.start()
-    rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir),
-                   {**dataclasses.asdict(cfg), "commit": run.commit})
-    checkpoint.seed_all(cfg.seed)  # the same on every rank: identical initial weights
-    cuda = rt.device_type == "cuda"
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cuda
-    dtype = ("bfloat16" if cuda else "float32") if cfg.dtype == "auto" else cfg.dtype
-    run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype),
-                                  enabled=dtype != "float32")
-    run.train_loader, run.val_loaders = loaders.make_loaders(cfg, rt, resume)
-
-    run.model = start.starting_model(run, model_conf)  # its weights; a pretrained model converted
-    model_conf = run.model.config
-    rt.log(run.start.note)
+    earlier, dtype = assemble.starting_model(run, resume)  # data, weights; out_dir's earlier run
     if cfg.quant_start:
         q = quant_start_step(cfg)
         rt.log(f"continual QAT: full precision for steps 0..{q - 1}, then ternary, lambda reaching "
@@ -464,19 +401,7 @@ def build(run, resume, teachers):
         die(f"{run.ckpt_path}: {e}; resume with the --optimizer of the run that wrote it")
     # global batch = batch_size * grad_accum sequences at any world size
     run.accum = cfg.grad_accum // rt.world
-    if earlier:
-        # --overwrite=True, and only now that everything else has loaded
-        checkpoint.remove_run(run.out_dir)
-        rt.log(f"--overwrite=True: removed the earlier run's {', '.join(earlier)} from "
-               f"{run.out_dir}")
-    start.report_conversion(run)  # a pretrained start: the conversion's cost at step 0
-    rt.log(f"{run.model.get_num_params() / 1e6:.2f}M non-embedding params, "
-           f"quant={model_conf.quant}, subln={model_conf.subln}, vocab={model_conf.vocab_size}, "
-           f"device={rt.device}, dtype={dtype}, world={rt.world} "
-           f"({'FSDP2' if cfg.fsdp and rt.world > 1 else 'DDP' if rt.world > 1 else 'one process'})"
-           ", "
-           f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences, compile "
-           f"{'on' if use_compile else 'off'}")
+    assemble.finish(run, earlier, use_compile, dtype)  # --overwrite's removal, the report
 
 
 def configure_optimizer(model, cfg, device_type, process_group=None):

@@ -198,7 +198,7 @@ def _spiked_run(clip, spike_step, steps=50):
     val = data.DataLoader(src, "val", 8, 32, order="sequential")
     val_batches = [val.next_batch() for _ in range(8)]
     torch.manual_seed(0)
-    model = GPT(train.model_config(cfg, 257, 256))
+    model = GPT(config.model_config(cfg, 257, 256))
     opt = train.configure_optimizer(model, cfg, "cpu")
     clipper = ZClip() if cfg.zclip else None
     spike_stats, untouched = None, True
