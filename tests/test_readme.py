@@ -25,7 +25,6 @@ SKIP = {
     "python -m lab muon": "a lab table trains 3 seeds x its rows; tests/test_lab.py runs the runner with tiny rows",
     "bash lab/check_llamacpp.sh --ckpt=out/stage2/ckpt.pt": "downloads and compiles llama-cpp-python",
     "bash lab/gpu_check.sh": "needs a GPU; tests/test_cross_compile.py runs it without one",
-    "python -m lab.bench --quality": "trains two 600-step models; tests/test_bench.py runs it with a tiny --train_args",
     "python -m lab.against_nanogpt": "needs a clone of karpathy/nanoGPT (not on PyPI); tests/test_bench.py gives it a stand-in",
     "hf download HuggingFaceFW/fineweb-edu": "the download (the test writes a small parquet file where it would land)",
 }
