@@ -69,11 +69,14 @@ def weight_fake_quant(w):
 
 @torch.no_grad()
 def activation_fake_quant(x):
-    """x_q / s in x's dtype, computed in fp32: one row absmax (the inf-norm), one scale, one
-    rounding per row. The clamp to [-128, 127] never binds here: |x * s| <= 127 (1 + 2^-23) < 127.5
-    rounds to at most 127. No autograd graph: the gradient comes from the STE."""
+    """x_q / s in x's dtype, computed in fp32: one row absmax, one scale, one rounding per row.
+    max|x| is taken as max(amax(x), -amin(x)): the same value as x.abs().amax(-1) without writing
+    |x|, and on a CPU ~4x faster than torch.linalg.vector_norm(x, inf). The clamp to [-128, 127]
+    never binds here: |x * s| <= 127 (1 + 2^-23) < 127.5 rounds to at most 127. No autograd graph:
+    the gradient comes from the STE."""
     xf = x.float()
-    s = 127.0 / torch.linalg.vector_norm(xf, float("inf"), dim=-1, keepdim=True).clamp_(min=1e-5)
+    absmax = torch.maximum(xf.amax(-1, keepdim=True), xf.amin(-1, keepdim=True).neg_())
+    s = 127.0 / absmax.clamp_(min=1e-5)
     return (xf * s).round_().div_(s).to(x.dtype)
 
 
@@ -143,12 +146,13 @@ class BitLinear(nn.Linear):
         return ste(self.weight, w_quant, self.lambda_)
 
 
-def stacked_linear(x, layers):
+def stacked_linear(x, layers, split=True):
     """Several projections of one input (q, k, v; gate, up) as ONE matmul: the layers' weights, each quantised
     with its own gamma (a BitLinear) or as it is (an nn.Linear), stacked along the output dim. Every output
     column is the same dot product as in the layer's own forward, so the result equals calling the layers one
     by one up to fp32 rounding, in one larger GEMM; the gradient flows back into each layer's own weight.
-    Returns one output (..., out_i) per layer (views of the one product)."""
+    Returns one output (..., out_i) per layer (views of the one product), or with split=False the one
+    product (..., sum out), whose gradient then stays one tensor (no cat of the parts in backward)."""
     if len({(isinstance(m, BitLinear) and m.quantize_input) for m in layers}) > 1:
         raise ValueError("stacked_linear: the layers must all quantise their input, or none")
     if isinstance(layers[0], BitLinear) and layers[0].quantize_input:  # once for all (one lambda)
@@ -157,7 +161,8 @@ def stacked_linear(x, layers):
                    for m in layers])  # (sum out, in)
     bias = None if all(m.bias is None for m in layers) else torch.cat(
         [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
-    return F.linear(x, w, bias).split([m.out_features for m in layers], dim=-1)
+    y = F.linear(x, w, bias)
+    return y.split([m.out_features for m in layers], dim=-1) if split else y
 
 
 def set_lambda(model, lam):

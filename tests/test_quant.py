@@ -49,6 +49,25 @@ def test_activation_quant_all_zero_row_is_finite_and_zero():
     assert scale[0].item() == pytest.approx(1e-5 / 127) and torch.isfinite(activation_fake_quant(x)).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_fake_quant_equals_the_formula_with_abs_amax_bit_for_bit(dtype):
+    """max(amax(x), -amin(x)) is max|x| exactly: the fake quantiser equals x_q / s written out with
+    x.abs().amax(-1), on random rows, rows whose absmax is negative or tied (-3 and 3), all-zero rows and
+    a NaN row (NaN stays NaN)."""
+    torch.manual_seed(0)
+    x = torch.cat([torch.randn(64, 48) * 10, torch.zeros(2, 48), torch.full((1, 48), -2.0)]).to(dtype)
+    x[64, 5], x[65, :3] = 3.0, torch.tensor([-3.0, 3.0, 0.5])
+    x[66, 7] = -5.0  # the absmax is the negative one
+
+    def formula(x):
+        xf = x.float()
+        s = 127.0 / xf.abs().amax(-1, keepdim=True).clamp(min=1e-5)
+        return ((xf * s).round() / s).to(x.dtype)
+    assert torch.equal(activation_fake_quant(x), formula(x))
+    nan_row = torch.tensor([[float("nan"), 1.0]], dtype=dtype)
+    assert activation_fake_quant(nan_row).isnan().all()
+
+
 def test_quantizers_reconstruct_within_half_a_step():
     torch.manual_seed(0)
     x = torch.randn(8, 64)

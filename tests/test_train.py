@@ -578,6 +578,44 @@ def test_the_compiled_training_step_has_no_graph_break_and_no_recompile_as_lambd
     assert lams == ([0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 1.0] if "--stage=2" in flags else [0.0] * 7)
 
 
+@pytest.fixture
+def cpu_flags_restored():
+    """torch's process-wide settings that train.setup changes when it compiles on the CPU (deterministic mode, the
+    NaN fill of new memory) and the thread count, as they were before the test."""
+    import torch.utils.deterministic as det
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             det.fill_uninitialized_memory, torch.get_num_threads())
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    det.fill_uninitialized_memory, _ = saved[2], torch.set_num_threads(saved[3])
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_compiled_cpu_training_gives_the_same_bits_on_every_run(setup_run, cpu_flags_restored):
+    """Inductor's CPU kernel for the embedding's gradient adds token rows into place with atomic adds from every
+    thread, so without train.setup's deterministic mode (tools/runtime.deterministic_cpu_compile) the order of the
+    adds, and the last bits of the gradient, changed from call to call. Here the model's compiled forward and
+    backward on the quick start's 16 x 256 tokens, on 2 threads, 6 times: one set of gradient bits, and the
+    step's loss as eager's to fp32 rounding."""
+    import torch.utils.deterministic as det
+    run = setup_run("--compile=true", "--block_size=256")
+    assert torch.are_deterministic_algorithms_enabled() and not det.fill_uninitialized_memory
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, run.model.config.vocab_size, (16, 256), generator=g) for _ in range(2))
+    grads = []
+    for _ in range(6):
+        run.model.zero_grad(set_to_none=True)
+        _, loss = run.train_model(x, y)
+        loss.backward()
+        grads.append(run.model.wte.weight.grad.clone())
+    assert all(torch.equal(grads[0], other) for other in grads[1:])
+    run.model.zero_grad(set_to_none=True)
+    _, eager_loss = train.WithStates(run.model)(x, y)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("flags", [("--zclip=True", "--grad_accum=2"), ("--zclip=False", "--grad_clip=1.0")])
 def test_a_training_step_reads_the_device_once(setup_run, monkeypatch, flags):
     """train_step's one host read is read_step's: no .item(), float(t), bool(t) or `if t:` anywhere else in the

@@ -138,6 +138,8 @@ class Runtime:
         elif fsdp:
             self.log("--fsdp=True in one process: nothing to shard, training unsharded")
         train_model = front(model)
+        if compile and self.device_type == "cpu":
+            deterministic_cpu_compile()
         train_model = torch.compile(train_model) if compile else train_model
         if self.world > 1 and not fsdp:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -152,6 +154,17 @@ class Runtime:
         """DDP's process group (Muon shares out its Newton-Schulz work over it); None for one
         process or FSDP2, whose parameters bring their own mesh."""
         return dist.group.WORLD if self.world > 1 and not fsdp else None
+
+
+def deterministic_cpu_compile():
+    """Make torch.compile's CPU kernels give the same bits on every run. Inductor adds the embedding's
+    gradient rows into place with atomic adds from all threads, so their order, and the last bits of
+    every step after the first, changed from run to run; torch's deterministic mode makes it call
+    aten's ordered index_put instead (tests/test_train.py runs a compiled tiny run twice). Memory
+    that torch.empty hands out is left as it is (deterministic mode would fill it with NaN first:
+    a pass over every buffer, for nothing here: the step writes before it reads)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def git_commit(d=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
