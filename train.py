@@ -387,7 +387,7 @@ def build(run, resume, teachers):
         rt.log(f"continual QAT: full precision for steps 0..{q - 1}, then ternary, lambda reaching "
                f"1 at step {q + cfg.lambda_warmup_steps}; the optimizer state carries over")
     run.model.to(rt.device)
-    use_compile = rt.use_compile(cfg.compile)  # auto: on CUDA, and on a CPU that can build kernels
+    use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
     # compiled, DDP or FSDP2 as asked
     run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile, WithStates)
     run.loss_fn = make_loss_fn(run, teachers)

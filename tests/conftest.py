@@ -17,8 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A model of 1 block, 32 wide, 32 tokens of context: a step takes milliseconds on one CPU core.
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2",
         "--warmup_steps=2", "--lambda_warmup_steps=4", "--device=cpu",
-        "--eval_whole=False",  # the final evaluation reads eval_iters batches, not the whole val split (seconds)
-        "--compile=false"]  # eager: a compile costs seconds to a minute (test_train's compile tests say --compile=true)
+        "--eval_whole=False"]  # the final evaluation reads eval_iters batches, not the whole val split (seconds)
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 FAULTS = os.path.join(ROOT, "tests", "faults.py")  # train.py with fault injection, see that file
 

@@ -115,33 +115,3 @@ def test_train_py_with_wandb_not_logged_in_stops_in_one_line(monkeypatch, capsys
     msg = fails(capsys, "--stage=2", "--init_from=scratch", *TINY, "--max_iters=1", f"--out_dir={tmp_path}",
                 "--wandb_project=x")
     assert "--wandb_project=x" in msg and "wandb login" in msg, msg
-
-
-def test_compile_auto_compiles_on_cuda_and_on_a_cpu_whose_probe_builds(monkeypatch):
-    """--compile=auto: CUDA compiles; a CPU compiles once runtime.cpu_compile_fails() finds nothing wrong (here, with
-    g++: the probe builds and runs); true and false are obeyed without a probe."""
-    from tools import runtime
-    assert runtime.cpu_compile_fails() is None  # this machine builds inductor's CPU kernels
-    rt = Runtime(device="cpu")
-    calls = []
-    monkeypatch.setattr(runtime, "cpu_compile_fails", lambda: calls.append(1))
-    assert rt.use_compile("auto") and calls == [1]
-    assert rt.use_compile("true") and not rt.use_compile("false") and calls == [1]
-    assert Runtime(device="cuda:0").use_compile("auto")
-
-
-@pytest.mark.slow
-def test_compile_auto_without_a_cpu_compiler_trains_eagerly_and_says_why(tmp_path):
-    """A machine without a working C++ compiler (CXX names none, and an empty inductor cache): --compile=auto probes,
-    says in one line that it trains eagerly and why, and the run ends normally, uncompiled."""
-    import os
-    import subprocess
-    from conftest import ENV, ROOT
-    flags = [a for a in TINY if not a.startswith("--compile")]
-    env = dict(ENV, CXX="/nonexistent/g++", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", *flags, "--max_iters=2",
-                        "--eval_interval=2", f"--out_dir={tmp_path / 'out'}", "--compile=auto"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-1500:] + p.stderr[-1500:]
-    said = [line for line in p.stdout.splitlines() if line.startswith("--compile=auto: training eagerly")]
-    assert len(said) == 1 and "C++ compiler" in said[0] and "compile off" in p.stdout, p.stdout[-2000:]

@@ -127,6 +127,3 @@ def finish(run, earlier, use_compile, dtype):
            ", "
            f"global batch {cfg.batch_size} x {cfg.grad_accum} sequences, compile "
            f"{'on' if use_compile else 'off'}")
-    if use_compile:
-        rt.log("the first step compiles the model (torch.compile: about a minute on a CPU, less once "
-               "inductor has cached it; --compile=false trains eagerly)")

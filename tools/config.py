@@ -127,8 +127,7 @@ class TrainConfig:
                                  # below
     dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32,
                                  # bfloat16, float16
-    compile: str = "auto"        # auto = on (cuda; cpu when torch.compile can build kernels there);
-                                 # true / false (also 1/0, yes/no, on/off)
+    compile: str = "auto"        # auto = on for cuda only; true / false (also 1/0, yes/no, on/off)
     fsdp: bool = False           # under torchrun: FSDP2 shards params, grads and optimizer state
                                  # (else DDP)
     # lessons (tools/seams.py fills each seam): a stage of its own, --stage=dlm (lessons/dlm.py)

@@ -122,21 +122,6 @@ class Runtime:
         if self.world > 1:
             dist.destroy_process_group()
 
-    def use_compile(self, flag):
-        """--compile's answer for this run: true / false as given; auto compiles on CUDA, and on the
-        CPU once a probe (one small function through torch.compile: inductor's C++ compiler and
-        OpenMP) built and ran; where it did not, the run says why in one line and trains eagerly."""
-        if flag != "auto":
-            return flag == "true"
-        if self.device_type != "cpu":
-            return self.device_type == "cuda"
-        why = cpu_compile_fails()
-        if why:
-            self.log(f"--compile=auto: training eagerly, torch.compile cannot build a CPU kernel here "
-                     f"({why}); a C++ compiler with OpenMP (g++) makes the step ~25 % faster, "
-                     "--compile=false skips this check")
-        return not why
-
     def wrap(self, model, fsdp, compile, front):
         """The module the training step calls: front(model) (train.py's WithStates around a GPT),
         compiled if asked, in DDP (world > 1) or with model sharded by FSDP2 (fsdp=True: fully_shard
@@ -169,17 +154,6 @@ class Runtime:
         """DDP's process group (Muon shares out its Newton-Schulz work over it); None for one
         process or FSDP2, whose parameters bring their own mesh."""
         return dist.group.WORLD if self.world > 1 and not fsdp else None
-
-
-def cpu_compile_fails():
-    """None if torch.compile builds and runs a CPU kernel here, else why not, in a few words. The
-    first time it compiles a little C++ (~3 s), later it reads inductor's cache (<1 s)."""
-    try:
-        probe = torch.compile(lambda x: (x * 2 + 1).sum(-1), fullgraph=True, dynamic=False)
-        return None if torch.equal(probe(torch.ones(4, 16)), torch.full((4,), 48.0)) else \
-            "a probe computed a wrong value"
-    except Exception as e:  # no compiler, no OpenMP, no headers: inductor's errors have many types
-        return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
 
 
 def deterministic_cpu_compile():
