@@ -160,7 +160,7 @@ def deterministic_cpu_compile():
     """Make torch.compile's CPU kernels give the same bits on every run. Inductor adds the embedding's
     gradient rows into place with atomic adds from all threads, so their order, and the last bits of
     every step after the first, changed from run to run; torch's deterministic mode makes it call
-    aten's ordered index_put instead (tests/test_train.py runs a compiled tiny run twice). Memory
+    aten's ordered index_put instead (tests/test_train.py: 6 compiled steps, one set of bits). Memory
     that torch.empty hands out is left as it is (deterministic mode would fill it with NaN first:
     a pass over every buffer, for nothing here: the step writes before it reads)."""
     torch.use_deterministic_algorithms(True, warn_only=True)
