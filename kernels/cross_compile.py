@@ -7,7 +7,8 @@ kernels as NumPy and never meets the compiler, so a kernel that cannot compile f
 catches it, and reports per kernel what only the compiled code shows:
 
     regs     registers per thread, spills (STL/LDL instructions in the SASS: local memory), shared memory
-    mma      integer MMA instructions in the PTX (mma.sync ... .s8 on sm_80, wgmma ... .s8 on sm_90)
+    mma      integer MMA instructions in the PTX (mma.sync ... .s8 on sm_80, wgmma ... .s8 on sm_90): prefill,
+             and decode-mma (M <= 16 rows on tensor cores, the weight words unpacked in registers)
     dp4a     dp4a instructions in the PTX
     wload    the global loads whose address comes from the weight pointer, with their widths in bytes.
              Found by following registers in the PTX: the one loaded from the weight parameter (ld.param of
@@ -56,6 +57,9 @@ PREFILL_ARGS = dict(x_ptr="*i8", xs_ptr="*fp32", w_ptr="*i8", ws_ptr="*fp32", ou
                     M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32",
                     stride_ws="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
                     GROUP_M="constexpr", WRITE_ACC="constexpr")
+DECODE_MMA_ARGS = dict(x_ptr="*i8", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*fp32", out_ptr="*bf16",
+                       M="i32", N="i32", KW="i32", stride_xm="i32", stride_wn="i32", stride_om="i32",
+                       stride_ws="i32", BLOCK_N="constexpr", BLOCK_G="constexpr", WRITE_ACC="constexpr")
 UNPACK_ARGS = dict(w_ptr="*i32", out_ptr="*i32", N="i32", KW="i32", stride_wn="i32",
                    BLOCK_N="constexpr", BLOCK_G="constexpr")
 TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
@@ -102,6 +106,10 @@ def jobs(target):
     ]
     for bm in (2, 4, tm.DECODE_BLOCK_M):
         out.append(_decode(f"decode rows M={bm}", tm.DECODE_CONFIGS["rows"], block_m=bm))
+    c = tm.DECODE_MMA_CONFIG
+    out.append(dict(name="decode-mma M<=16", kind="decode-mma", kernel=tm._decode_mma_kernel, signature=DECODE_MMA_ARGS,
+                    constexprs=dict(BLOCK_N=c["BLOCK_N"], BLOCK_G=c["BLOCK_G"], WRITE_ACC=False),
+                    options=dict(num_warps=c["num_warps"], num_stages=c["num_stages"]), block_m=16))
     cfg = tm.DECODE_CONFIGS["long-wide"]
     out.append(_decode("decode long-wide fp32 out", cfg, out="*fp32"))
     out.append(_decode("decode long-wide int32 acc", cfg, out="*i32", write_acc=True))
@@ -292,7 +300,7 @@ def report(job, k):
     }
     if job["kind"] == "unpack":  # no loop: the whole kernel, per word a thread unpacks
         r["instr_per_word"] = round(r["instructions"] / (r["tile_bytes"] / 4 / r["threads"]), 2)
-    if job["kind"] in ("decode", "prefill"):  # per packed word: 16 weights (prefill: 16 int8 codes)
+    if job["kind"] in ("decode", "decode-mma", "prefill"):  # per packed word: 16 weights (prefill: 16 int8 codes)
         words = r["tile_bytes"] / (16 if job["kind"] == "prefill" else 4) / r["threads"]
         r["instr_per_word"] = round(r["loop_instructions"] / words, 2)  # per thread and K step
     return r

@@ -32,6 +32,10 @@ Chosen by the row count M (or forced with config="decode"|"prefill"); the scales
             byte-wise work anywhere); _prefill_kernel is then a plain int8 GEMM on tensor cores
             (mma.sync .s8 on Ampere, wgmma .s8 on Hopper) with 16-byte loads of both operands and
             both scales in its epilogue: W_q holds -1/0/+1, so no row-sum correction is needed.
+    decode-mma (config="decode-mma", M <= 16; not the default until measured on a GPU): the M rows on
+            int8 tensor cores as the tile's 16 columns, each weight word unpacked in registers once for all
+            of them (sm_90: 87-90 instructions a word for 16 rows, against 175 for the dp4a form's two
+            programs of 8; lab.bench prints both at M = 4 and 16).
 The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS, UNPACK_CONFIG) are fixed per shape class and GPU
 generation: no autotuning, and a K loop of one step is not software-pipelined (num_stages = 1).
 kernels/cross_compile.py compiles every entry for sm_80 and sm_90 and reads the result: instructions
@@ -157,6 +161,53 @@ def _decode_kernel(
 
 
 @triton.jit
+def _decode_mma_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, 16 KW) int8 (x words as bytes), x_scale, w (N, KW) int32, gamma, y
+    M, N, KW,
+    stride_xm, stride_wn, stride_om, stride_ws,
+    BLOCK_N: tl.constexpr,  # weight rows per program: the tensor-core tile's M side
+    BLOCK_G: tl.constexpr,  # words of each row per K step: 4 BLOCK_G codes of each plane
+    WRITE_ACC: tl.constexpr,
+):
+    """Decode for 2 <= M <= 16 on int8 tensor cores, weights as the A operand (y^T = W_q x_q^T: the
+    N side fills the tile's 16+ rows, the M <= 16 rows of x its 16 columns). Each weight word is
+    loaded once and unpacked in registers into W_q (-1, 0, +1) for all rows of x: word g's byte j
+    holds the codes of k = iQ + 4g + j in bits 2i (plane i), so the plane-i tile of BLOCK_G words is
+    ((w >> (2i + 8 (c % 4))) & 3) - 1 for column c = 4 (g - g0) + j, and x's plane-i tile is its
+    bytes iQ + 4 g0 .. + 4 BLOCK_G, contiguous. W_q holds -1/0/+1: no row-sum correction."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    offs_c = tl.arange(0, 4 * BLOCK_G)  # a code's column in the plane tile: word c // 4, byte c % 4
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (16, 1)
+    shift = 8 * (offs_c % 4)  # (4 BG,)
+    acc = tl.full((BLOCK_N, 16), 0, tl.int32)
+    for g0 in range(0, KW, BLOCK_G):
+        g = g0 + tl.arange(0, BLOCK_G)
+        # (BN, BG) int32, each word once; past K (and past N) the code 1 of every byte: weight 0
+        w = tl.load(w_rows + g[None, :], mask=n_mask[:, None] & (g < KW)[None, :], other=0x55555555)
+        w4 = tl.reshape(tl.join(tl.join(w, w), tl.join(w, w)), (BLOCK_N, 4 * BLOCK_G))  # w4[:, c] = w[:, c // 4]
+        c_mask = (g0 * 4 + offs_c) < 4 * KW
+        for i in tl.static_range(4):
+            codes = (((w4 >> (shift[None, :] + 2 * i)) & 3) - 1).to(tl.int8)  # (BN, 4 BG) W_q
+            # (16, 4 BG) int8: k = iQ + 4 g0 + c, Q = 4 KW bytes of each plane
+            x = tl.load(x_rows + (i * 4 * KW + 4 * g0 + offs_c)[None, :], mask=m_mask[:, None] & c_mask[None, :],
+                        other=0)
+            acc = tl.dot(codes, tl.trans(x), acc, out_dtype=tl.int32)  # (BN, 16), exact
+    out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]  # y[m, n] = acc[n, m]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if WRITE_ACC:
+        tl.store(out, acc, mask=out_mask)
+    else:  # same order as the reference: (acc * x_scale) * gamma
+        gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
+        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)  # (16,) fp32
+        y = acc.to(tl.float32) * xs[None, :] * gamma[:, None]
+        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def _unpack_kernel(w_ptr, out_ptr, N, KW, stride_wn, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     """Packed words -> W_q as int8 (N, 16 KW), whole words in and out: the four codes of plane i in
     word g are bytes of (w >> 2i) & 0x03030303, minus one in each byte without a borrow crossing
@@ -245,6 +296,9 @@ DECODE_CONFIGS = {
     "long-wide": dict(BLOCK_N=8, BLOCK_G=256, num_warps=2, num_stages=1),
     "rows": dict(BLOCK_N=8, BLOCK_G=64, num_warps=4, num_stages=1),
 }
+# decode on tensor cores (config="decode-mma", 2 <= M <= 16; not the default until measured on a GPU):
+# 64 weight rows a program (the tile's M side), 16 words = 64 codes of each plane per K step
+DECODE_MMA_CONFIG = dict(BLOCK_N=64, BLOCK_G=16, num_warps=4, num_stages=1)
 # prefill (an int8 GEMM on W_q unpacked once per call): by GPU generation (8: Ampere/Ada mma.sync,
 # 9: Hopper wgmma) and M ("short": M <= 64, "tall": more); BLOCK_K = 128 int8 = 128 bytes of each
 # row per K step
@@ -262,6 +316,7 @@ INTERPRETER_CONFIGS = {
     "decode": dict(BLOCK_N=16, BLOCK_G=8),  # N = 33, 37: three programs, the last one masked
     "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8),
     "unpack": dict(BLOCK_N=16, BLOCK_G=8),
+    "decode-mma": dict(BLOCK_N=16, BLOCK_G=8),  # 32 codes per plane: the smallest int8 tl.dot K
 }
 
 
@@ -311,6 +366,15 @@ def launch_decode(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False, cfg=N
                          stride_ws, BLOCK_M=bm, DP4A=not INTERPRETED, WRITE_ACC=return_acc, **cfg)
 
 
+def launch_decode_mma(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False, cfg=None):
+    """The tensor-core decode kernel (M <= 16) on x words (M, 4 KW), read as bytes, and weight words (N, KW)."""
+    if cfg is None:
+        cfg = INTERPRETER_CONFIGS["decode-mma"] if INTERPRETED else DECODE_MMA_CONFIG
+    x8 = xw.view(torch.int8)  # (M, 16 KW)
+    _decode_mma_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](x8, xs, w, ws, y, M, N, KW, x8.stride(0), w.stride(0),
+                                                          y.stride(0), stride_ws, WRITE_ACC=return_acc, **cfg)
+
+
 def launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc=False, cfg=None,
                    codes=None):
     """Unpack the weight words once (codes: a preallocated (N, 16 KW) int8 buffer, or None), then
@@ -337,7 +401,8 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     output row, for several matrices stacked along N (q, k, v in one call).
     Returns y (..., N) in out_dtype (float32 or bfloat16), or with return_acc=True the exact int32
     accumulator x_q @ W_q^T instead. out= writes into a given contiguous (..., N) tensor.
-    config: "decode", "prefill" or None (decode when the row count is <= DECODE_MAX_M).
+    config: "decode", "prefill" or None (decode when the row count is <= DECODE_MAX_M); "decode-mma" (at most
+    16 rows) the decode on int8 tensor cores.
     """
     if x_q.dtype != torch.int8 or x_q.dim() < 1:
         raise TypeError(f"x_q: expected int8 (..., K), got {x_q.dtype} {tuple(x_q.shape)}; quantise with quantize_activations")
@@ -357,8 +422,10 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
                          f"{w_scale.dtype} {tuple(w_scale.shape)}")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
-    if config not in (None, "decode", "prefill"):
-        raise ValueError(f"config: expected 'decode', 'prefill' or None, got {config!r}")
+    if config not in (None, "decode", "prefill", "decode-mma"):
+        raise ValueError(f"config: expected 'decode', 'decode-mma', 'prefill' or None, got {config!r}")
+    if config == "decode-mma" and M > DECODE_MAX_M:
+        raise ValueError(f"config='decode-mma' takes at most {DECODE_MAX_M} rows, got {M}")
     _check_device(x_q, x_scale, w_packed, w_scale)
     res_dtype = torch.int32 if return_acc else out_dtype
     if out is None:
@@ -378,7 +445,9 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     KW = (K + 15) // 16
     w = _weight_words(w_packed, K)  # (N, KW) int32: a view for K % 16 == 0
 
-    if M <= DECODE_MAX_M if config is None else config == "decode":
+    if config == "decode-mma":
+        launch_decode_mma(_x_words(x2, K, KW), xs, w, ws, y, M, N, KW, stride_ws, return_acc)
+    elif M <= DECODE_MAX_M if config is None else config == "decode":
         launch_decode(_x_words(x2, K, KW), xs, w, ws, y, M, N, KW, stride_ws, return_acc)
     else:
         launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc)

@@ -208,6 +208,20 @@ def kernel_row(M, N, K, dev, budget=L2_BUDGET):
     return row
 
 
+def mma_graph_us(M, N, K, budget=L2_BUDGET):
+    """CUDA only: GPU us per call of ternary_matmul(config="decode-mma") in one CUDA graph over
+    rotated weight copies, as kernel_row's ternary column."""
+    from kernels.ternary_matmul import quantize_activations, ternary_matmul
+    g = torch.Generator("cuda").manual_seed(0)
+    wp = [torch.randint(0, 256, (N, (K + 3) // 4), device="cuda", dtype=torch.uint8, generator=g)
+          for _ in range(copies_for(N * ((K + 3) // 4), budget))]
+    x_q, x_scale = quantize_activations(torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g))
+    gamma = torch.tensor(0.02, device="cuda")
+    fns = [lambda w=w: ternary_matmul(x_q, x_scale, w, gamma, out_dtype=torch.bfloat16, config="decode-mma")
+           for w in wp]
+    return per_call_median_us(cuda_graph_replays_ms(fns), len(fns))
+
+
 def _rotation(fns):
     """One function calling fns in turn, one per call."""
     i = [0]
@@ -266,6 +280,9 @@ def bench_kernels(shapes=None, dev=None, budget=L2_BUDGET):
     for M, N, K in shapes or SHAPES:
         rows.append(kernel_row(M, N, K, dev, budget))
         print(kernel_line(rows[-1], copy_bw), flush=True)
+        if cuda and 1 < M <= 16:  # the decode on tensor cores, not the default until it measures faster
+            print(f"{'':20s}decode-mma | {'':9s} {mma_graph_us(M, N, K, budget):9.1f} (graph us, the same "
+                  "rotated weights)", flush=True)
     quantize, _ = kernel_ops(cuda)
     for M, K in ((1, 4096), (16, 4096), (2048, 4096), (2048, 11008)) if shapes is None else ():
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)

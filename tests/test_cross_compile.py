@@ -35,11 +35,12 @@ def test_cross_compile_every_kernel_configuration_for_sm80_and_sm90(compiled):
 
 
 @pytest.mark.slow
-def test_compiled_kernels_no_spills_integer_mma_only_in_prefill_and_each_weight_byte_loaded_once(compiled):
+def test_compiled_kernels_no_spills_integer_mma_only_in_prefill_and_decode_mma_each_weight_byte_loaded_once(compiled):
     """Read from the compiled code (kernels/cross_compile.py says how):
     - no kernel spills registers (no STL/LDL in the SASS, no stack frame);
-    - the prefill kernel's PTX holds integer MMA: mma.sync ... .s32.s8.s8 on sm_80, wgmma ... .s32.s8.s8 on sm_90;
-    - the decode kernel holds no MMA at all, and dp4a where DP4A is set (none in its pure-Triton form);
+    - the prefill kernel's and decode-mma's PTX hold integer MMA: mma.sync ... .s32.s8.s8 on sm_80, wgmma ...
+      .s32.s8.s8 on sm_90;
+    - the dp4a decode kernel holds no MMA at all, and dp4a where DP4A is set (none in its pure-Triton form);
     - weight loads: the global loads whose address register is computed from the weight pointer parameter
       (followed through the PTX's register arithmetic) are 16 bytes wide, and their widths summed over a K step's
       instructions times the threads equal the step's weight tile (BLOCK_N * BLOCK_G words of 4 bytes), times the
@@ -51,20 +52,21 @@ def test_compiled_kernels_no_spills_integer_mma_only_in_prefill_and_each_weight_
     for r in reports:
         where = f"{r['target']} {r['name']}"
         assert r["spills"] == 0 and r["stack"] == 0, where
-        if r["kind"] == "prefill":
+        if r["kind"] in ("prefill", "decode-mma"):
             want = "wgmma.mma_async" if r["target"] == "sm_90" else "mma.sync"
             assert r["mma"] and all(m.startswith(want) and ".s32.s8.s8" in m for m in r["mma"]), where
             assert r["n_mma"] > 0 and r["dp4a"] == 0, where
         elif r["kind"] == "decode":
             assert r["mma"] == [] and r["n_mma"] == 0, where
             assert (r["dp4a"] > 0) == ("pure-Triton" not in r["name"]), where
-        if r["kind"] in ("decode", "prefill", "unpack"):
+        if r["kind"] in ("decode", "decode-mma", "prefill", "unpack"):
             assert r["wload_widths"] == [16], where
             stages = r["num_stages"] if r["wload_pipelined"] else 1
             assert r["wload_bytes"] * r["threads"] == r["tile_bytes"] * stages, where
             assert r["wload_pipelined"] == (r["num_stages"] > 1), where  # prefill's K loop, unless one step
     names = {r["name"] for r in reports}
     assert any("pure-Triton" in n for n in names) and sum(r["kind"] == "prefill" for r in reports) >= 8
+    assert sum(r["kind"] == "decode-mma" for r in reports) == 2  # M <= 16 on tensor cores, sm_80 and sm_90
 
 
 @pytest.mark.slow
@@ -105,6 +107,9 @@ def test_compiled_k_loops_instructions_per_weight_word_and_bytes_in_flight(compi
             )
         if r["kind"] == "unpack":
             assert r["sts_u8"] == 0 and r["instr_per_word"] <= 32, where
+        if r["kind"] == "decode-mma":  # 16 rows a weight word: fewer instructions a row than the dp4a rows form's
+            # 8 (at most 20 a row and word, 87-88 measured), unpacked once in registers; no one-byte shared stores
+            assert c["mma"] > 0 and r["sts_u8"] == 0 and r["instr_per_word"] / 16 <= 8, (where, r["instr_per_word"])
     norms = [r for r in reports if r["name"].startswith("rmsnorm+quantize")]
     assert len(norms) == 6
     # torch's IEEE roundings, no FMA

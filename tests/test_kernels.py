@@ -88,6 +88,28 @@ def test_ternary_matmul_integer_part_exact_and_scaled_within_1e6(M, K, N, config
     assert ((y16.float() - y_ref).abs() <= 2**-7 * y_ref.abs()).all()
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 4, 33), (3, 100, 37), (8, 256, 1), (16, 60, 70), (11, 500, 20)])
+def test_decode_on_tensor_cores_is_exact_for_up_to_16_rows(M, K, N):
+    """config="decode-mma" (x_q's rows on int8 tensor cores, each weight word unpacked in registers once for all
+    of them): the int32 accumulator equals x_q @ W_q^T exactly, y equals the reference within 1e-6, with one
+    gamma or one per row; past K and past N nothing leaks in (odd K and N); more than 16 rows is refused."""
+    x_q, w_q, x_scale, w_scale = _case_data(M, K, N, seed=M * 31 + K * 7 + N)
+    gammas = torch.rand(N, generator=torch.Generator().manual_seed(K)) + 0.01
+    x_q, x_scale, w_scale, gammas = (t.to(DEVICE) for t in (x_q, x_scale, w_scale, gammas))
+    w_packed = quant.pack_ternary(w_q).to(DEVICE)
+    acc = tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, config="decode-mma", return_acc=True,
+                            out=torch.full((M, N), 2**31 - 1, dtype=torch.int32, device=DEVICE))
+    assert torch.equal(acc.cpu(), (x_q.cpu().long() @ w_q.long().T).int())
+    for scale in (w_scale, gammas):
+        y_ref = tm.ternary_matmul_reference(x_q, x_scale, w_packed, scale)
+        y = tm.ternary_matmul(x_q, x_scale, w_packed, scale, config="decode-mma",
+                              out=torch.full((M, N), float("nan"), device=DEVICE))
+        assert ((y - y_ref).abs() <= 1e-6 * y_ref.abs()).all()
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        tm.ternary_matmul(torch.zeros(17, K, dtype=torch.int8, device=DEVICE), torch.ones(17, 1, device=DEVICE),
+                          w_packed, w_scale, config="decode-mma")
+
+
 @pytest.mark.parametrize("M,K,N", SHAPES)
 def test_cpu_int8_codes_matmul_equals_the_reference_bit_for_bit(M, K, N):
     """ternary_matmul_codes (torch._int_mm on the unpacked int8 codes): the reference's acc and y, exactly."""
