@@ -25,6 +25,7 @@ Used by train.py; tested by tests/test_scale.py (2 gloo processes on CPU) and te
 wandb not logged in).
 """
 
+import inspect
 import json
 import os
 import subprocess
@@ -144,10 +145,13 @@ class Runtime:
         if self.world > 1 and not fsdp:
             from torch.nn.parallel import DistributedDataParallel as DDP
             # lambda buffers are set identically on every rank, so they need no broadcast each
-            # forward
+            # forward (torch 2.13 calls that forward_sync_buffers and warns at broadcast_buffers;
+            # older torch knows only broadcast_buffers)
+            no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                       else "broadcast_buffers")
             train_model = DDP(train_model,
                               device_ids=[self.local_rank] if self.device_type == "cuda" else None,
-                              broadcast_buffers=False)
+                              **{no_sync: False})
         return train_model
 
     def replica_group(self, fsdp):
