@@ -34,8 +34,8 @@ Chosen by the row count M (or forced with config="decode"|"prefill"); the scales
             both scales in its epilogue: W_q holds -1/0/+1, so no row-sum correction is needed.
     decode-mma (config="decode-mma", M <= 16; not the default until measured on a GPU): the M rows on
             int8 tensor cores as the tile's 16 columns, each weight word unpacked in registers once for all
-            of them (sm_90: 87-90 instructions a word for 16 rows, against 175 for the dp4a form's two
-            programs of 8; lab.bench prints both at M = 4 and 16).
+            of them, whole words at a time (sm_90: 53.5 instructions a word for 16 rows, against 175 for
+            the dp4a form's two programs of 8; lab.bench prints both at M = 4 and 16).
 The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS, UNPACK_CONFIG) are fixed per shape class and GPU
 generation: no autotuning, and a K loop of one step is not software-pipelined (num_stages = 1).
 kernels/cross_compile.py compiles every entry for sm_80 and sm_90 and reads the result: instructions
@@ -166,36 +166,41 @@ def _decode_mma_kernel(
     M, N, KW,
     stride_xm, stride_wn, stride_om, stride_ws,
     BLOCK_N: tl.constexpr,  # weight rows per program: the tensor-core tile's M side
-    BLOCK_G: tl.constexpr,  # words of each row per K step: 4 BLOCK_G codes of each plane
+    BLOCK_G: tl.constexpr,  # words of each row per K step (>= 32: the int8 MMA's K)
     WRITE_ACC: tl.constexpr,
 ):
     """Decode for 2 <= M <= 16 on int8 tensor cores, weights as the A operand (y^T = W_q x_q^T: the
-    N side fills the tile's 16+ rows, the M <= 16 rows of x its 16 columns). Each weight word is
-    loaded once and unpacked in registers into W_q (-1, 0, +1) for all rows of x: word g's byte j
-    holds the codes of k = iQ + 4g + j in bits 2i (plane i), so the plane-i tile of BLOCK_G words is
-    ((w >> (2i + 8 (c % 4))) & 3) - 1 for column c = 4 (g - g0) + j, and x's plane-i tile is its
-    bytes iQ + 4 g0 .. + 4 BLOCK_G, contiguous. W_q holds -1/0/+1: no row-sum correction."""
+    N side fills the tile's rows, the M <= 16 rows of x its 16 columns). Each weight word is loaded
+    once and unpacked in registers for all rows of x, whole words as in _unpack_kernel: plane i's
+    four codes (w >> 2i) & 0x03030303, minus one in each byte without a borrow, are four int8
+    weights W_q, byte j for k = iQ + 4g + j. The sum over k is taken byte by byte: byte j of every
+    word (a (BN, BG) int8 tile) against x's elements iQ + 4g + j (x's plane-i bytes, split four
+    ways), four MMAs a plane. W_q holds -1/0/+1: no row-sum correction."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, 16)
-    offs_c = tl.arange(0, 4 * BLOCK_G)  # a code's column in the plane tile: word c // 4, byte c % 4
+    offs_c = tl.arange(0, 4 * BLOCK_G)  # x's bytes of one plane and K step
     n_mask = offs_n < N
     m_mask = offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (16, 1)
-    shift = 8 * (offs_c % 4)  # (4 BG,)
     acc = tl.full((BLOCK_N, 16), 0, tl.int32)
     for g0 in range(0, KW, BLOCK_G):
         g = g0 + tl.arange(0, BLOCK_G)
         # (BN, BG) int32, each word once; past K (and past N) the code 1 of every byte: weight 0
         w = tl.load(w_rows + g[None, :], mask=n_mask[:, None] & (g < KW)[None, :], other=0x55555555)
-        w4 = tl.reshape(tl.join(tl.join(w, w), tl.join(w, w)), (BLOCK_N, 4 * BLOCK_G))  # w4[:, c] = w[:, c // 4]
         c_mask = (g0 * 4 + offs_c) < 4 * KW
         for i in tl.static_range(4):
-            codes = (((w4 >> (shift[None, :] + 2 * i)) & 3) - 1).to(tl.int8)  # (BN, 4 BG) W_q
-            # (16, 4 BG) int8: k = iQ + 4 g0 + c, Q = 4 KW bytes of each plane
+            # four int8 W_q per word; -2139062144 = 0x80808080
+            v = ((((w >> (2 * i)) & 0x03030303) | -2139062144) - 0x01010101) ^ -2139062144
             x = tl.load(x_rows + (i * 4 * KW + 4 * g0 + offs_c)[None, :], mask=m_mask[:, None] & c_mask[None, :],
-                        other=0)
-            acc = tl.dot(codes, tl.trans(x), acc, out_dtype=tl.int32)  # (BN, 16), exact
+                        other=0)  # (16, 4 BG) int8: k = iQ + 4 g0 + c, Q = 4 KW bytes of each plane
+            x01, x23 = tl.split(tl.reshape(x, (16, BLOCK_G, 2, 2)))  # [m, g, t]: byte 2t + a, a = 0 / 1
+            x0, x2 = tl.split(x01)
+            x1, x3 = tl.split(x23)
+            acc = tl.dot(v.to(tl.int8), tl.trans(x0), acc, out_dtype=tl.int32)  # byte 0 of each word
+            acc = tl.dot((v >> 8).to(tl.int8), tl.trans(x1), acc, out_dtype=tl.int32)
+            acc = tl.dot((v >> 16).to(tl.int8), tl.trans(x2), acc, out_dtype=tl.int32)
+            acc = tl.dot((v >> 24).to(tl.int8), tl.trans(x3), acc, out_dtype=tl.int32)
     out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]  # y[m, n] = acc[n, m]
     out_mask = n_mask[:, None] & m_mask[None, :]
     if WRITE_ACC:
@@ -297,8 +302,8 @@ DECODE_CONFIGS = {
     "rows": dict(BLOCK_N=8, BLOCK_G=64, num_warps=4, num_stages=1),
 }
 # decode on tensor cores (config="decode-mma", 2 <= M <= 16; not the default until measured on a GPU):
-# 64 weight rows a program (the tile's M side), 16 words = 64 codes of each plane per K step
-DECODE_MMA_CONFIG = dict(BLOCK_N=64, BLOCK_G=16, num_warps=4, num_stages=1)
+# 64 weight rows a program (the tile's M side), 32 words = 128 codes of each plane per K step
+DECODE_MMA_CONFIG = dict(BLOCK_N=64, BLOCK_G=32, num_warps=4, num_stages=1)
 # prefill (an int8 GEMM on W_q unpacked once per call): by GPU generation (8: Ampere/Ada mma.sync,
 # 9: Hopper wgmma) and M ("short": M <= 64, "tall": more); BLOCK_K = 128 int8 = 128 bytes of each
 # row per K step
@@ -316,7 +321,7 @@ INTERPRETER_CONFIGS = {
     "decode": dict(BLOCK_N=16, BLOCK_G=8),  # N = 33, 37: three programs, the last one masked
     "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8),
     "unpack": dict(BLOCK_N=16, BLOCK_G=8),
-    "decode-mma": dict(BLOCK_N=16, BLOCK_G=8),  # 32 codes per plane: the smallest int8 tl.dot K
+    "decode-mma": dict(BLOCK_N=16, BLOCK_G=32),  # 32 words: the smallest int8 tl.dot K
 }
 
 

@@ -107,9 +107,10 @@ def test_compiled_k_loops_instructions_per_weight_word_and_bytes_in_flight(compi
             )
         if r["kind"] == "unpack":
             assert r["sts_u8"] == 0 and r["instr_per_word"] <= 32, where
-        if r["kind"] == "decode-mma":  # 16 rows a weight word: fewer instructions a row than the dp4a rows form's
-            # 8 (at most 20 a row and word, 87-88 measured), unpacked once in registers; no one-byte shared stores
-            assert c["mma"] > 0 and r["sts_u8"] == 0 and r["instr_per_word"] / 16 <= 8, (where, r["instr_per_word"])
+        if r["kind"] == "decode-mma":  # 16 rows a weight word, unpacked once in registers as whole words: at most
+            # 64 instructions a word (53.5 on sm_90, 59.2 on sm_80; unpacked code by code it was 86-90, and the dp4a
+            # rows form takes 175 for 16 rows); no one-byte shared stores
+            assert c["mma"] > 0 and r["sts_u8"] == 0 and r["instr_per_word"] <= 64, (where, r["instr_per_word"])
     norms = [r for r in reports if r["name"].startswith("rmsnorm+quantize")]
     assert len(norms) == 6
     # torch's IEEE roundings, no FMA
