@@ -194,9 +194,10 @@ def _decode_mma_kernel(
             v = ((((w >> (2 * i)) & 0x03030303) | -2139062144) - 0x01010101) ^ -2139062144
             x = tl.load(x_rows + (i * 4 * KW + 4 * g0 + offs_c)[None, :], mask=m_mask[:, None] & c_mask[None, :],
                         other=0)  # (16, 4 BG) int8: k = iQ + 4 g0 + c, Q = 4 KW bytes of each plane
-            x01, x23 = tl.split(tl.reshape(x, (16, BLOCK_G, 2, 2)))  # [m, g, t]: byte 2t + a, a = 0 / 1
-            x0, x2 = tl.split(x01)
-            x1, x3 = tl.split(x23)
+            # (16, BG, 2, 2)[m, g, t, a] is byte j = 2t + a of word g; split takes the last dim
+            x_even, x_odd = tl.split(tl.reshape(x, (16, BLOCK_G, 2, 2)))  # bytes 0, 2 and 1, 3: [m, g, t]
+            x0, x2 = tl.split(x_even)
+            x1, x3 = tl.split(x_odd)
             acc = tl.dot(v.to(tl.int8), tl.trans(x0), acc, out_dtype=tl.int32)  # byte 0 of each word
             acc = tl.dot((v >> 8).to(tl.int8), tl.trans(x1), acc, out_dtype=tl.int32)
             acc = tl.dot((v >> 16).to(tl.int8), tl.trans(x2), acc, out_dtype=tl.int32)
