@@ -248,6 +248,18 @@ def _muon_table():
 
 
 
+def _compile_table():
+    """The quick start eager and compiled on the CPU (torch.compile with deterministic CPU kernels):
+    whether compile changes what is learned, and what it does to the step."""
+    common = "--stage=2 --init_from=scratch"
+    rows = [Row("eager", "eager (--compile=auto on a CPU)", f"{common} --compile=false"),
+            Row("compiled", "torch.compile (--compile=true)", f"{common} --compile=true")]
+    return Table("compile", "the quick start eager against torch.compile, on the CPU", rows,
+                 baseline="eager", measures={"ms_per_step_median": "ms/step (median)"},
+                 notes=["every row: the quick start (python train.py --stage=2), 600 steps of 16 x 256 "
+                        "tokens; ms/step is a 2-core CPU's; the median leaves out the first step, which "
+                        "compiles"])
+
 # 4e-2: added once 2e-2 tied 1e-2, to find the edge
 LRS = ("2e-3", "3e-3", "6e-3", "1e-2", "2e-2", "4e-2")
 
@@ -401,7 +413,7 @@ def _smollm2_table():
 
 TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _curriculum_table,
           "order": _order_table, "mix": _mix_table, "muon": _muon_table, "dlm": _dlm_table, "lr": _lr_table,
-          "warmup": _warmup_table, "smollm2": _smollm2_table}
+          "warmup": _warmup_table, "smollm2": _smollm2_table, "compile": _compile_table}
 
 
 def _shipped_dir(name, tokenizer="byte"):
