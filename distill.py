@@ -234,6 +234,28 @@ class BitDistillLoss:
                 (f", teacher_weights={self.teacher_weights})" if self.teacher_weights else ")"))
 
 
+def teacher_student_loss(student, teachers, crit, n_student_layers):
+    """loss(x, y) -> (loss, parts): crit (a BitDistillLoss) of the student against frozen teachers.
+    student(x, y, **kw) and the first teacher's forward_with_states(x, y, **kw) return (logits,
+    loss, states); the first teacher also gives the relations (crit.distill_layer) and hidden states
+    (student block -> teacher block by match_layers) as crit weighs them, the others their logits;
+    no teacher is differentiated."""
+    kw = dict(qkv_layer=crit.distill_layer if crit.kd_relation != 0 else None,
+              hiddens=crit.kd_hidden != 0)
+    first, others = teachers[0], teachers[1:]
+    layers = match_layers(n_student_layers, first.config.n_layer)
+
+    def loss(x, y):
+        s_logits, _, s = student(x, y, **kw)
+        with torch.no_grad():
+            t_logits, _, t = first.forward_with_states(x, y, **kw)
+            t_logits = [t_logits] + [m(x, y)[0] for m in others]
+        t_hiddens = [t["hiddens"][i] for i in layers] if t["hiddens"] else None
+        parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t_hiddens)
+        return parts["loss"], parts
+    return loss
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     # closed form: V=2, tau=2, z_t=(2,0), z_s=(0,0): tau^2 * KL(softmax(1,0) || (1/2,1/2))

@@ -281,9 +281,13 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wte.weight.numel() if non_embedding else n
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, **states):
         """idx, targets: (B, T) int64. Returns (logits, loss); loss is None without targets, and then only the
-        last position's logits are computed, as in nanoGPT."""
+        last position's logits are computed, as in nanoGPT. With keywords, forward_with_states(idx, targets,
+        **states) -> (logits, loss, states): DDP and torch.compile wrap forward only, so distillation's states
+        come through it."""
+        if states:
+            return self.forward_with_states(idx, targets, **states)
         logits, loss, _ = self.forward_with_states(idx, targets)
         return logits, loss
 

@@ -18,9 +18,9 @@ Two nodes of 8 GPUs: the same command on each, with --node_rank=0 / 1 and the ad
       train.py --stage=2
 
 Read top to bottom: the schedules (lr and lambda), train_step (one step of ternary QAT), the
-training loop, each stage's loss, the set-up (what a run holds, what the recipe adds to it: the
-wrapped model, the loss, the optimizer groups; the config, data and starting model come from
-tools/assemble.py), then the checks of the schedule flags. One step needs model.py, quant.py, muon.py, zclip.py and data.py
+training loop, each stage's loss (stage 3's: distill.py), the set-up (what the recipe adds to a
+run: the wrapped model, the loss, the optimizer groups; what a run holds, its config, data and
+starting model: tools/assemble.py), then the checks of the schedule flags. One step needs model.py, quant.py, muon.py, zclip.py and data.py
 (stage 3 adds distill.py); the flags (tools/config.py), checkpoints, evaluation, logs and
 distributed wrapping are in tools/. batch_size is one micro-batch on one rank; grad_accum counts the
 micro-batches of a step over ALL ranks, so the global batch does not depend on the world size.
@@ -33,22 +33,19 @@ stop_on_ctrl_c(__name__)  # while the imports below load: Ctrl-C stops at once, 
 import contextlib
 import dataclasses
 import math
-import os
 import sys
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import data
-from distill import match_layers
-from model import GPT
+from distill import teacher_student_loss
 from muon import configure_muon
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tools import assemble, atomic, checkpoint, metrics, seams, start
-from tools.config import TrainConfig, stage_dir
+from tools.assemble import Run
 from tools.flags import die
-from tools.runtime import Runtime, StepTimer, git_commit, lost_rank
+from tools.runtime import Runtime, StepTimer, lost_rank, lost_rank_error
 from zclip import ZClip
 
 # -----------------------------------------------------------------------------
@@ -95,7 +92,6 @@ def quant_start_step(cfg):
     """--quant_start as a step: a fraction of max_iters when below 1, else the step itself."""
     q = cfg.quant_start
     return round(q * cfg.max_iters) if q < 1 else int(q)
-
 
 
 # -----------------------------------------------------------------------------
@@ -187,21 +183,6 @@ def read_step(loss, stop_requested, stats):
     return {"loss": values[0], "stop": values[1] > 0, **dict(zip(stats, values[2:]))}
 
 
-class WithStates(torch.nn.Module):
-    """What the step calls: model(x, y) -> (logits, loss), or with keywords
-    model.forward_with_states(x, y, **kw)
-    -> (logits, loss, states). DDP and torch.compile wrap a module's forward only, so the
-    distillation states must come through a forward: this one."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x, y, **kw):
-        return self.model.forward_with_states(x, y, **kw) if kw else self.model(x, y)
-
-
-
 # -----------------------------------------------------------------------------
 # the training loop
 
@@ -255,28 +236,12 @@ def training_loop(run):
     if step > start and skipped_steps == step - start:
         die(f"all {skipped_steps} steps of this run were skipped as non-finite, so nothing was "
             "learned; see the log above, lower --lr or check the data")
-    if val_loss is not None and step >= cfg.max_iters:
-        skipped = f", {skipped_steps} of them skipped as non-finite" if skipped_steps else ""
-        rt.log(f"final val loss {val_loss:.4f} ({stage_dir(cfg.stage)}, {step} steps{skipped}); "
-               f"checkpoint {run.ckpt_path}"
-               + unfinished_warmup(run, step))
+    if val_loss is not None and step >= cfg.max_iters:  # lambda short of 1: the line says so
+        metrics.log_final(run, step, val_loss, skipped_steps,
+                          lambda_at(step, cfg) if run.model.config.quant else 1.0,
+                          quant_start_step(cfg) + cfg.lambda_warmup_steps)
     rt.close()
     return val_loss
-
-
-def unfinished_warmup(run, step):
-    """The final line's warning when lambda never reached 1: the model is still part full precision,
-    so it is not the ternary model it is meant to be, and stage 3 and the packed export cannot take
-    it as it is."""
-    lam = lambda_at(step, run.cfg) if run.model.config.quant else 1.0
-    if lam >= 1.0:
-        return ""
-    done = quant_start_step(run.cfg) + run.cfg.lambda_warmup_steps
-    return (f"; WARNING: lambda only reached {lam:.2f}, so the model is not ternary yet (lambda is "
-            f"1 from step {done}): continue with --resume=True --max_iters={done} or more, or "
-            "start a new run with a shorter --lambda_warmup_steps; stage 3 and the packed export "
-            "need lambda 1")
-
 
 
 # -----------------------------------------------------------------------------
@@ -297,64 +262,11 @@ def make_loss_fn(run, teachers):
         run.rt.log("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
         return lambda x, y: (run.train_model(x, y)[1], None)
     run.rt.log(f"stage 3: teacher{'s' if len(models) > 1 else ''} {', '.join(teachers)}, {crit}")
-    kw = dict(qkv_layer=crit.distill_layer if crit.kd_relation != 0 else None,
-              hiddens=crit.kd_hidden != 0)
-    # the first teacher also gives relations and hidden states
-    first, others = models[0], models[1:]
-    # student block -> teacher block
-    layers = match_layers(run.model.config.n_layer, first.config.n_layer)
-
-    def distill_loss(x, y):
-        # the student's forward_with_states (WithStates)
-        s_logits, _, s = run.train_model(x, y, **kw)
-        with torch.no_grad():
-            t_logits, _, t = first.forward_with_states(x, y, **kw)
-            t_logits = [t_logits] + [m(x, y)[0] for m in others]
-        t_hiddens = [t["hiddens"][i] for i in layers] if t["hiddens"] else None
-        parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t_hiddens)
-        return parts["loss"], parts
-    return distill_loss
-
+    return teacher_student_loss(run.train_model, models, crit, run.model.config.n_layer)
 
 
 # -----------------------------------------------------------------------------
-# set-up: what a run holds, built once; every input is checked before anything is written
-
-
-@dataclass
-class Run:
-    """Everything train_step and the loop touch, built once by setup()."""
-    cfg: TrainConfig
-    rt: Runtime
-    out_dir: str
-    given: dict = dataclasses.field(default_factory=dict)  # the flags given on the command line,
-                                                           # {name: value}
-    model: GPT = None            # the model itself: its weights are what checkpoints hold
-    train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
-    optimizer: object = None
-    clipper: ZClip = None
-    loss_fn: object = None
-    train_loader: data.DataLoader = None
-    val_loaders: dict = None     # source name -> (its val DataLoader, its mixing weight)
-    autocast: object = None
-    accum: int = 1               # micro-batches per step on this rank
-    device: str = "cpu"          # where the step runs (rt.device)
-    start: "start.Start" = None  # where the run starts: its step, weights and note (tools/start.py)
-    callbacks: list = dataclasses.field(default_factory=list)  # the lessons' step callbacks
-                                                               # (tools/seams.py)
-    average: object = None       # --avg_checkpoints: the average of the last checkpoints (one of
-                                 # the callbacks)
-    lesson: object = None        # a lesson's own stage (tools/seams.py: --stage=dlm), else None
-    eval_loss: object = None     # a lesson's evaluation loss (eval_loss(run) -> loss(x, y)); None:
-                                 # the model's CE
-    unlock: object = None        # releases out_dir's lock (rank 0)
-    commit: str = dataclasses.field(default_factory=git_commit)  # the code's (log_record writes it
-                                                                 # once)
-    records: int = 0             # metrics.jsonl records this process has written
-
-    @property
-    def ckpt_path(self):
-        return os.path.join(self.out_dir, checkpoint.LATEST)
+# set-up: a run (tools/assemble.Run) built once; every input is checked before anything is written
 
 
 def setup(argv):
@@ -389,7 +301,7 @@ def build(run, resume, teachers):
     run.model.to(rt.device)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
     # compiled, DDP or FSDP2 as asked
-    run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile, WithStates)
+    run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile)
     run.loss_fn = make_loss_fn(run, teachers)
     run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
@@ -430,7 +342,6 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
     return opt
 
 
-
 # -----------------------------------------------------------------------------
 # checks of the schedule flags against the run (the other flags: tools/checks.py)
 
@@ -467,7 +378,6 @@ def check_lambda_on_resume(step, saved, new, path):
     return f"lambda now reaches 1 at step {ends[1]} (was {ends[0]})"
 
 
-
 def main(argv):
     try:
         with atomic.StopSignal(at_once="stopped before training began; no checkpoint was written"):
@@ -482,16 +392,12 @@ def main(argv):
         die(str(e))
     # under torchrun: another rank died (a lost node), so a collective failed here
     except RuntimeError as e:
-        if run.rt.world == 1 or not isinstance(e,
-                                               getattr(torch.distributed, "DistError",
-                                                       ())) and not any(
-                w in str(e) for w in ("gloo", "NCCL", "Connection", "connection")):
+        if not lost_rank_error(run.rt, e):
             raise
         lost_rank(run, e)
     finally:
         if run.unlock:
             run.unlock()
-
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def test_train_py_reads_schedules_step_loop_loss_set_up_checks_with_the_step_on_
     set-up, then the checks of the schedule flags; train_step starts within 100 lines of the docstring's end."""
     tree = _tree("train.py")
     line = {n.name: n.lineno for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    order = ["lr_mult", "lambda_at", "train_step", "training_loop", "make_loss_fn", "Run", "setup",
+    order = ["lr_mult", "lambda_at", "train_step", "training_loop", "make_loss_fn", "setup",
              "configure_optimizer", "check_quant_start", "check_lambda_on_resume", "main"]
     assert [line[n] for n in order] == sorted(line[n] for n in order), {n: line[n] for n in order}
     assert line["train_step"] - tree.body[0].end_lineno <= 100, (line["train_step"], tree.body[0].end_lineno)

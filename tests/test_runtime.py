@@ -40,7 +40,7 @@ def test_a_rank_on_the_second_node_drives_its_local_gpu(monkeypatch):
     rt = Runtime.from_env("cuda")
     assert (rt.rank, rt.local_rank, rt.world, rt.device, rt.master) == (9, 1, 16, "cuda:1", False)
     rt.start()
-    rt.wrap(torch.nn.Linear(2, 2), fsdp=False, compile=False, front=lambda m: m)
+    rt.wrap(torch.nn.Linear(2, 2), fsdp=False, compile=False)
     assert calls == [("set_device", "cuda:1"), ("init", "nccl"), ("ddp", [1])]
 
     torchrun_env(monkeypatch, rank=8, local_rank=0, world=16)  # node 1's first process: cuda:0, and not rank 0

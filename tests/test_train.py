@@ -554,7 +554,7 @@ def test_a_pretrained_model_trains_with_adamw_at_1e_4_unless_told_otherwise():
 @pytest.mark.parametrize("flags", [("--stage=2",), ("--stage=2", "--doc_mask=True", "--grad_accum=2"), ("--stage=1",)])
 def test_the_compiled_training_step_has_no_graph_break_and_no_recompile_as_lambda_and_steps_move(setup_run,
                                                                                                     monkeypatch, flags):
-    """--compile=true compiles what train_step calls (WithStates around the model, train.setup's wrap) into ONE
+    """--compile=true compiles what train_step calls (the model, train.setup's wrap) into ONE
     graph for training, whatever lambda (0, 0.25 ... 1 over TINY's 4 warm-up steps: a buffer, not a constant), the
     step, or the weight-quant cache of grad_accum; an evaluation runs the model uncompiled, so it adds no graph
     (a no_grad graph would be a second compile). After that, any recompile raises (error_on_recompile)."""
@@ -612,7 +612,7 @@ def test_compiled_cpu_training_gives_the_same_bits_on_every_run(setup_run, cpu_f
         grads.append(run.model.wte.weight.grad.clone())
     assert all(torch.equal(grads[0], other) for other in grads[1:])
     run.model.zero_grad(set_to_none=True)
-    _, eager_loss = train.WithStates(run.model)(x, y)
+    _, eager_loss = run.model(x, y)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-5)
 
 

@@ -6,7 +6,7 @@ has added what the recipe decides (the wrapped model, the loss, the optimizer, t
 earlier run in out_dir is removed only with --overwrite=True, and the run says what it is (finish).
 
     overrides, out_dir, resume, cfg, notes = read_config(argv)
-    teachers = open_run(run, notes)                 # run: train.Run
+    teachers = open_run(run, notes)                 # run: Run, what a run holds
     earlier, dtype = starting_model(run, resume)
     ...                                             # train.build: wrap, loss, optimizer, ZClip
     finish(run, earlier, use_compile, dtype)
@@ -16,14 +16,55 @@ Used by train.setup; tested through it (tests/test_train.py, test_fault.py, test
 
 import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 
+import data
+from model import GPT
 from tokenizer import get_tokenizer
 from tools import checkpoint, loaders, seams, start
 from tools.checks import build_config, check_resume, check_run, teacher_paths
 from tools.config import TrainConfig, model_config, parse_args, stage_dir
 from tools.flags import die
+from tools.runtime import Runtime, git_commit
+from zclip import ZClip
+
+
+@dataclass
+class Run:
+    """Everything train_step and the loop touch, built once by setup()."""
+    cfg: TrainConfig
+    rt: Runtime
+    out_dir: str
+    given: dict = dataclasses.field(default_factory=dict)  # the flags given on the command line,
+                                                           # {name: value}
+    model: GPT = None            # the model itself: its weights are what checkpoints hold
+    train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
+    optimizer: object = None
+    clipper: ZClip = None
+    loss_fn: object = None
+    train_loader: data.DataLoader = None
+    val_loaders: dict = None     # source name -> (its val DataLoader, its mixing weight)
+    autocast: object = None
+    accum: int = 1               # micro-batches per step on this rank
+    device: str = "cpu"          # where the step runs (rt.device)
+    start: "start.Start" = None  # where the run starts: its step, weights and note (tools/start.py)
+    callbacks: list = dataclasses.field(default_factory=list)  # the lessons' step callbacks
+                                                               # (tools/seams.py)
+    average: object = None       # --avg_checkpoints: the average of the last checkpoints (one of
+                                 # the callbacks)
+    lesson: object = None        # a lesson's own stage (tools/seams.py: --stage=dlm), else None
+    eval_loss: object = None     # a lesson's evaluation loss (eval_loss(run) -> loss(x, y)); None:
+                                 # the model's CE
+    unlock: object = None        # releases out_dir's lock (rank 0)
+    commit: str = dataclasses.field(default_factory=git_commit)  # the code's (log_record writes it
+                                                                 # once)
+    records: int = 0             # metrics.jsonl records this process has written
+
+    @property
+    def ckpt_path(self):
+        return os.path.join(self.out_dir, checkpoint.LATEST)
 
 
 def read_config(argv):

@@ -17,6 +17,7 @@ import time
 import torch
 
 import data
+from tools.config import stage_dir
 
 EVAL_PROGRESS_S = 10.0  # a whole-split evaluation prints a progress line this often
 
@@ -155,6 +156,19 @@ def log_step(run, step, out, skipped_steps, skipped_in_a_row, timer):
                f"{line} | {rec['ms']:.0f} ms | {rec['tok_per_s']:.0f} tok/s" +
                "".join(f" | {k} {v:.4f}" for k, v in extra.items() if k not in clip))
     log_record(run, rec)
+
+
+def log_final(run, step, val_loss, skipped_steps, lam, ternary_from):
+    """The run's last line: its final val loss, and a warning when lambda (lam, at step) never
+    reached 1 (it does at step ternary_from): the model is still part full precision, so it is not
+    the ternary model it is meant to be, and stage 3 and the packed export cannot take it as it is."""
+    skipped = f", {skipped_steps} of them skipped as non-finite" if skipped_steps else ""
+    warn = "" if lam >= 1.0 else (
+        f"; WARNING: lambda only reached {lam:.2f}, so the model is not ternary yet (lambda is 1 from "
+        f"step {ternary_from}): continue with --resume=True --max_iters={ternary_from} or more, or start "
+        "a new run with a shorter --lambda_warmup_steps; stage 3 and the packed export need lambda 1")
+    run.rt.log(f"final val loss {val_loss:.4f} ({stage_dir(run.cfg.stage)}, {step} steps{skipped}); "
+               f"checkpoint {run.ckpt_path}" + warn)
 
 
 def log_record(run, rec):

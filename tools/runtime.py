@@ -13,7 +13,7 @@ writes files; every rank computes.
     rt.log("only rank 0 prints")    # rt.log_json(out_dir, record) appends to out_dir/metrics.jsonl
     rt.barrier()                    # wait for every rank
     # what the step calls:
-    train_model = rt.wrap(model, fsdp=False, compile=False, front=WithStates)
+    train_model = rt.wrap(model, fsdp=False, compile=False)
     rt.close()
 
 DDP keeps a whole model per rank and all-reduces gradients; FSDP2 (fsdp=True) shards parameters,
@@ -123,8 +123,8 @@ class Runtime:
         if self.world > 1:
             dist.destroy_process_group()
 
-    def wrap(self, model, fsdp, compile, front):
-        """The module the training step calls: front(model) (train.py's WithStates around a GPT),
+    def wrap(self, model, fsdp, compile):
+        """The module the training step calls: model (a GPT: its forward gives the states too),
         compiled if asked, in DDP (world > 1) or with model sharded by FSDP2 (fsdp=True: fully_shard
         each block, then the root)."""
         if fsdp and self.world > 1:
@@ -138,7 +138,7 @@ class Runtime:
             register_fsdp_forward_method(model, "forward_with_states")
         elif fsdp:
             self.log("--fsdp=True in one process: nothing to shard, training unsharded")
-        train_model = front(model)
+        train_model = model
         if compile and self.device_type == "cpu":
             deterministic_cpu_compile()
         train_model = torch.compile(train_model) if compile else train_model
@@ -197,6 +197,13 @@ def check_device(device, flag="--device"):
         die(f"{flag}={device}: no CUDA device here; use {flag}=cpu", 2)
     if dev[0] == "cuda" and len(dev) == 2 and int(dev[1]) >= torch.cuda.device_count():
         die(f"{flag}={device}: this machine has {torch.cuda.device_count()} CUDA device(s)", 2)
+
+
+def lost_rank_error(rt, e):
+    """Whether e, a RuntimeError under torchrun, is a failed collective (another rank stopped)
+    rather than a bug of this rank's own."""
+    return rt.world > 1 and (isinstance(e, getattr(torch.distributed, "DistError", ())) or any(
+        w in str(e) for w in ("gloo", "NCCL", "Connection", "connection")))
 
 
 def lost_rank(run, e):
