@@ -32,10 +32,8 @@ Chosen by the row count M (or forced with config="decode"|"prefill"); the scales
             byte-wise work anywhere); _prefill_kernel is then a plain int8 GEMM on tensor cores
             (mma.sync .s8 on Ampere, wgmma .s8 on Hopper) with 16-byte loads of both operands and
             both scales in its epilogue: W_q holds -1/0/+1, so no row-sum correction is needed.
-    decode-mma (config="decode-mma", M <= 16; not the default until measured on a GPU): the M rows on
-            int8 tensor cores as the tile's 16 columns, each weight word unpacked in registers once for all
-            of them, whole words at a time (sm_90: 53.5 instructions a word for 16 rows, against 175 for
-            the dp4a form's two programs of 8; lab.bench prints both at M = 4 and 16).
+    decode-mma (config="decode-mma", M <= 16; not the default until measured on a GPU): the rows on
+            int8 tensor cores, kernels/decode_mma.py.
 The tile tables (DECODE_CONFIGS, PREFILL_CONFIGS, UNPACK_CONFIG) are fixed per shape class and GPU
 generation: no autotuning, and a K loop of one step is not software-pipelined (num_stages = 1).
 kernels/cross_compile.py compiles every entry for sm_80 and sm_90 and reads the result: instructions
@@ -86,6 +84,10 @@ if _quantize.INTERPRETED != INTERPRETED:  # this module reloaded under TRITON_IN
 from kernels.quantize import (_check_device, _quantize_activations_kernel,  # noqa: E402,F401
                               _rmsnorm_quant_kernel, norm_quant_settings, quantize_activations,
                               rmsnorm_quantize)
+from kernels import decode_mma as _decode_mma  # noqa: E402
+if _decode_mma.INTERPRETED != INTERPRETED:
+    importlib.reload(_decode_mma)
+from kernels.decode_mma import DECODE_MMA_CONFIG, _decode_mma_kernel, launch_decode_mma  # noqa: E402,F401
 
 # -----------------------------------------------------------------------------
 # kernels
@@ -161,59 +163,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _decode_mma_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr,  # x (M, 16 KW) int8 (x words as bytes), x_scale, w (N, KW) int32, gamma, y
-    M, N, KW,
-    stride_xm, stride_wn, stride_om, stride_ws,
-    BLOCK_N: tl.constexpr,  # weight rows per program: the tensor-core tile's M side
-    BLOCK_G: tl.constexpr,  # words of each row per K step (>= 32: the int8 MMA's K)
-    WRITE_ACC: tl.constexpr,
-):
-    """Decode for 2 <= M <= 16 on int8 tensor cores, weights as the A operand (y^T = W_q x_q^T: the
-    N side fills the tile's rows, the M <= 16 rows of x its 16 columns). Each weight word is loaded
-    once and unpacked in registers for all rows of x, whole words as in _unpack_kernel: plane i's
-    four codes (w >> 2i) & 0x03030303, minus one in each byte without a borrow, are four int8
-    weights W_q, byte j for k = iQ + 4g + j. The sum over k is taken byte by byte: byte j of every
-    word (a (BN, BG) int8 tile) against x's elements iQ + 4g + j (x's plane-i bytes, split four
-    ways), four MMAs a plane. W_q holds -1/0/+1: no row-sum correction."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, 16)
-    offs_c = tl.arange(0, 4 * BLOCK_G)  # x's bytes of one plane and K step
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # (BN, 1)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # (16, 1)
-    acc = tl.full((BLOCK_N, 16), 0, tl.int32)
-    for g0 in range(0, KW, BLOCK_G):
-        g = g0 + tl.arange(0, BLOCK_G)
-        # (BN, BG) int32, each word once; past K (and past N) the code 1 of every byte: weight 0
-        w = tl.load(w_rows + g[None, :], mask=n_mask[:, None] & (g < KW)[None, :], other=0x55555555)
-        c_mask = (g0 * 4 + offs_c) < 4 * KW
-        for i in tl.static_range(4):
-            # four int8 W_q per word; -2139062144 = 0x80808080
-            v = ((((w >> (2 * i)) & 0x03030303) | -2139062144) - 0x01010101) ^ -2139062144
-            x = tl.load(x_rows + (i * 4 * KW + 4 * g0 + offs_c)[None, :], mask=m_mask[:, None] & c_mask[None, :],
-                        other=0)  # (16, 4 BG) int8: k = iQ + 4 g0 + c, Q = 4 KW bytes of each plane
-            # (16, BG, 2, 2)[m, g, t, a] is byte j = 2t + a of word g; split takes the last dim
-            x_even, x_odd = tl.split(tl.reshape(x, (16, BLOCK_G, 2, 2)))  # bytes 0, 2 and 1, 3: [m, g, t]
-            x0, x2 = tl.split(x_even)
-            x1, x3 = tl.split(x_odd)
-            acc = tl.dot(v.to(tl.int8), tl.trans(x0), acc, out_dtype=tl.int32)  # byte 0 of each word
-            acc = tl.dot((v >> 8).to(tl.int8), tl.trans(x1), acc, out_dtype=tl.int32)
-            acc = tl.dot((v >> 16).to(tl.int8), tl.trans(x2), acc, out_dtype=tl.int32)
-            acc = tl.dot((v >> 24).to(tl.int8), tl.trans(x3), acc, out_dtype=tl.int32)
-    out = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]  # y[m, n] = acc[n, m]
-    out_mask = n_mask[:, None] & m_mask[None, :]
-    if WRITE_ACC:
-        tl.store(out, acc, mask=out_mask)
-    else:  # same order as the reference: (acc * x_scale) * gamma
-        gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
-        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)  # (16,) fp32
-        y = acc.to(tl.float32) * xs[None, :] * gamma[:, None]
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
 def _unpack_kernel(w_ptr, out_ptr, N, KW, stride_wn, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     """Packed words -> W_q as int8 (N, 16 KW), whole words in and out: the four codes of plane i in
     word g are bytes of (w >> 2i) & 0x03030303, minus one in each byte without a borrow crossing
@@ -278,7 +227,6 @@ def _prefill_kernel(
 
 
 
-
 # -----------------------------------------------------------------------------
 # configurations: fixed tables, one entry per shape class (and GPU generation for prefill); no autotuning
 
@@ -302,9 +250,6 @@ DECODE_CONFIGS = {
     "long-wide": dict(BLOCK_N=8, BLOCK_G=256, num_warps=2, num_stages=1),
     "rows": dict(BLOCK_N=8, BLOCK_G=64, num_warps=4, num_stages=1),
 }
-# decode on tensor cores (config="decode-mma", 2 <= M <= 16; not the default until measured on a GPU):
-# 64 weight rows a program (the tile's M side), 32 words = 128 codes of each plane per K step
-DECODE_MMA_CONFIG = dict(BLOCK_N=64, BLOCK_G=32, num_warps=4, num_stages=1)
 # prefill (an int8 GEMM on W_q unpacked once per call): by GPU generation (8: Ampere/Ada mma.sync,
 # 9: Hopper wgmma) and M ("short": M <= 64, "tall": more); BLOCK_K = 128 int8 = 128 bytes of each
 # row per K step
@@ -322,7 +267,6 @@ INTERPRETER_CONFIGS = {
     "decode": dict(BLOCK_N=16, BLOCK_G=8),  # N = 33, 37: three programs, the last one masked
     "prefill": dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8),
     "unpack": dict(BLOCK_N=16, BLOCK_G=8),
-    "decode-mma": dict(BLOCK_N=16, BLOCK_G=32),  # 32 words: the smallest int8 tl.dot K
 }
 
 
@@ -370,15 +314,6 @@ def launch_decode(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False, cfg=N
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
     _decode_kernel[grid](xw, xs, w, ws, y, M, N, KW, xw.stride(0), w.stride(0), y.stride(0),
                          stride_ws, BLOCK_M=bm, DP4A=not INTERPRETED, WRITE_ACC=return_acc, **cfg)
-
-
-def launch_decode_mma(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False, cfg=None):
-    """The tensor-core decode kernel (M <= 16) on x words (M, 4 KW), read as bytes, and weight words (N, KW)."""
-    if cfg is None:
-        cfg = INTERPRETER_CONFIGS["decode-mma"] if INTERPRETED else DECODE_MMA_CONFIG
-    x8 = xw.view(torch.int8)  # (M, 16 KW)
-    _decode_mma_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](x8, xs, w, ws, y, M, N, KW, x8.stride(0), w.stride(0),
-                                                          y.stride(0), stride_ws, WRITE_ACC=return_acc, **cfg)
 
 
 def launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc=False, cfg=None,
@@ -458,7 +393,6 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     else:
         launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc)
     return out
-
 
 
 if __name__ == "__main__":
