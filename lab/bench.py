@@ -11,7 +11,7 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
                                  (lab/bench_train.py; --runs= picks some)
   python -m lab.bench --train --model=M   a pretrained model's shape against transformers' own
                                  training step and generate
-  python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours fp vs nanoGPT
+  python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours QAT and fp vs nanoGPT
   python -m lab.bench --decode   batch-1 greedy decoding, fp bf16 vs packed ternary
                                  (lab/bench_decode.py); with --shape=1b a 1B-class model
                                  (16 x 2048, GQA 32/8, vocab 128,256), random weights

@@ -330,25 +330,45 @@ def profile_ops(step, cuda, n, top=12):
     return ("GPU" if cuda else "CPU"), total, ops
 
 
-def bench_profile():
-    """Where the CPU step time goes: torch.profiler over 2 forward+backward passes, ours fp vs
-    nanoGPT."""
+def bench_profile(passes=2):
+    """Where the CPU step time goes: torch.profiler over `passes` forward+backward passes of ours
+    QAT (the quick start's model), ours fp and nanoGPT; then the activation quantiser's row absmax
+    on the quick start's two shapes, as quant.py computes it against torch's inf-norm (the same
+    values, checked here)."""
     from torch.profiler import ProfilerActivity, profile
     s = train_shape("cpu", {})
     x, y = s.x[0], s.y[0]
-    for name, how in (("ours fp", {}), ("nanoGPT", dict(nanogpt=True))):
+    for name, how in (("ours QAT", dict(quant=True)), ("ours fp", {}), ("nanoGPT", dict(nanogpt=True))):
         model = build(s, **how)[0]
-        for _ in range(2):
+        for _ in range(passes):
             model(x, y)[1].backward()
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            for _ in range(2):
+            for _ in range(passes):
                 model(x, y)[1].backward()
         events = prof.key_averages(group_by_input_shape=True)
         total = sum(e.self_cpu_time_total for e in events)
-        print(f"{name}: {total / 1e3:.0f} ms of CPU time for 2 forward+backward passes; top ops:")
-        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:6]:
+        print(f"{name}: {total / 1e3:.0f} ms of CPU time for {passes} forward+backward passes; top ops:")
+        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
             print(f"  {e.key:45s} x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.0f} ms  "
                   f"{e.input_shapes}")
+    print("the activation quantiser's row absmax, median us of 20 calls:")
+    for shape in ((16, 256, 128), (16, 256, 384)):
+        a = torch.randn(shape)
+        forms = {"torch.linalg.vector_norm(x, inf)":
+                 lambda: torch.linalg.vector_norm(a, float("inf"), dim=-1, keepdim=True),
+                 "max(amax(x), -amin(x)) (quant.py)":
+                 lambda: torch.maximum(a.amax(-1, keepdim=True), a.amin(-1, keepdim=True).neg_())}
+        vals, us = [f() for f in forms.values()], []
+        for f in forms.values():
+            times = []
+            for _ in range(20):
+                t0 = time.perf_counter()
+                f()
+                times.append(1e6 * (time.perf_counter() - t0))
+            us.append(sorted(times)[10])
+        same = "the same values" if torch.equal(*vals) else "DIFFERENT values"
+        print(f"  {shape}: " + ", ".join(f"{k} {t:.0f} us" for k, t in zip(forms, us))
+              + f" ({us[0] / us[1]:.1f}x; {same})")
 
 
 # -----------------------------------------------------------------------------

@@ -129,6 +129,16 @@ def test_quality_with_a_target_the_baseline_starts_below_prints_no_ratio(quality
     assert "ours / nanoGPT: none: the baseline's val loss at step 0 is already at or below 100.0000" in out, out
 
 
+def test_profile_names_each_models_top_ops_and_times_the_two_absmax_forms_on_equal_values(capsys):
+    """python -m lab.bench --profile: the top ops of ours QAT, ours fp and nanoGPT, and the quantiser's
+    absmax as quant.py computes it beside torch's inf-norm, on both shapes, with the values checked equal."""
+    bench_train.bench_profile(passes=1)
+    out = capsys.readouterr().out
+    assert all(f"{name}: " in out for name in ("ours QAT", "ours fp", "nanoGPT")), out
+    lines = [line for line in out.splitlines() if "max(amax(x), -amin(x))" in line]
+    assert len(lines) == 2 and all("the same values" in line for line in lines), out
+
+
 @pytest.mark.slow
 def test_train_with_a_pretrained_model_times_ours_against_transformers_and_generates(tmp_path, capsys):
     """python -m lab.bench --train --model=<a pretrained model> on tests/imported.py's tiny Llama
