@@ -324,7 +324,8 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
     their own)."""
     # fused AdamW over DTensor shards: not tried, so not used
     fused = device_type == "cuda" and not cfg.fsdp
-    # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower (bench.py --muon)
+    # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower without bf16 units
+    # (bench.py --muon; training-speed.md: 0.66x on an avx512_bf16 Zen 5)
     if cfg.optimizer == "muon":
         opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr,
                              muon_weight_decay=cfg.weight_decay,
