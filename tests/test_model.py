@@ -117,6 +117,28 @@ def test_rope_without_cat_is_the_rotation_formula_bit_for_bit():
         assert got.dtype == dtype and torch.equal(got, want), dtype
 
 
+def test_rope_function_equals_autograd_through_the_formula():
+    """model.RoPE (the eager path of apply_rope: no flip, a written-out backward) gives the forward
+    and the gradient of autograd through x * cos + flip(x) * sin bit for bit, fp32 and bf16, for
+    the model's transposed q and for per-document tables (B, 1, T, 2, hd/2)."""
+    hd, L, B, nh = 16, 32, 2, 3
+    cos, sin = precompute_rope(hd, L, 10000.0)
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, L, (B, L), generator=g)
+    for c, s in ((cos, sin), (cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(B, L, nh, hd, generator=g) * 3).to(dtype).transpose(1, 2)
+            dy = torch.randn(B, nh, L, hd, generator=g).to(dtype)
+            x1 = x.detach().requires_grad_()
+            y = apply_rope(x1, c, s)
+            y.backward(dy)
+            x2 = x.detach().requires_grad_()
+            xs = x2.unflatten(-1, (2, -1)).float()
+            want = (xs * c + xs.flip(-2) * s).flatten(-2).to(dtype)
+            want.backward(dy)
+            assert torch.equal(y, want) and torch.equal(x1.grad, x2.grad), dtype
+
+
 def test_packed_row_with_doc_mask_equals_each_document_alone():
     model = make(doc_mask=True)
     eot = SMALL["eot"]
