@@ -150,7 +150,8 @@ class SiLUMul(torch.autograd.Function):
         d = g.new_empty(g.shape[:-1] + (2 * g.size(-1),))
         d_gate, d_up = d.chunk(2, dim=-1)
         torch.mul(g, s, out=d_up)
-        torch.ops.aten.silu_backward.grad_input(g * up, gate, grad_input=d_gate)
+        torch.mul(g, up, out=d_gate)  # silu's input gradient, then silu' applied in place
+        torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
         return d
 
 

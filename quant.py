@@ -221,26 +221,36 @@ def unpack_ternary(packed, in_features):
 
 
 class RMSNormCPU(torch.autograd.Function):
-    """F.rms_norm over the last dim, for fp32 CPU tensors, with a hand-written backward. On the CPU
-    torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates them
-    in about 23 more. The forward here is the same six ops in the same order (the same bits as
-    F.rms_norm); the backward is 9 ops:
+    """F.rms_norm over the last dim, for fp32 CPU tensors, with a hand-written backward, and with
+    lambda_ given QuantRMSNorm's whole forward (the STE's lerp to activation_fake_quant of the
+    norm's output), whose backward is the norm's (the STE passes the gradient unchanged). On the
+    CPU torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates
+    them in about 23 more. The forward here is the same six ops in the same order (the same bits as
+    F.rms_norm, then as ste(y, activation_fake_quant(y), lambda_)); the backward is 9 ops:
         y = x_hat * w,  x_hat = x * r,  r = 1 / sqrt(mean(x^2) + eps)
-        dx = r * (g w - x_hat * mean(g w x_hat)),  dw = sum over rows of g x_hat"""
+        dx = r * (g w - x_hat * mean(g w x_hat)),  dw = sum over rows of g x_hat
+    In eager mode a new tensor costs more than its op (its memory is cold), so results are written
+    over temporaries where the bits allow: 3 new (..., dim) tensors forward (of 5), 2 backward (of 4)."""
 
     @staticmethod
-    def forward(ctx, x, w, eps):
-        r = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # (..., 1)
+    def forward(ctx, x, w, eps, lambda_=None):
+        p = x.pow(2)
+        r = p.mean(-1, keepdim=True).add_(eps).rsqrt_()  # (..., 1)
         x_hat = x * r
         ctx.save_for_backward(x_hat, r, w)
-        return x_hat * w
+        y = torch.mul(x_hat, w, out=p)
+        if lambda_ is None:
+            return y
+        q = activation_fake_quant(y)
+        return torch.lerp(y, q, lambda_.to(y.dtype), out=q)  # ste(y, q, lambda_)'s forward
 
     @staticmethod
     def backward(ctx, g):
         x_hat, r, w = ctx.saved_tensors
         gw = g * w
-        dx = gw.sub_(x_hat * (gw * x_hat).mean(-1, keepdim=True)).mul_(r)
-        return dx, (g * x_hat).reshape(-1, w.numel()).sum(0), None
+        t = gw * x_hat
+        dx = gw.sub_(torch.mul(x_hat, t.mean(-1, keepdim=True), out=t)).mul_(r)
+        return dx, torch.mul(g, x_hat, out=t).reshape(-1, w.numel()).sum(0), None, None
 
 
 class RMSNorm(nn.RMSNorm):
@@ -252,10 +262,16 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x):
         w = self.weight.to(x.dtype) if self.weight is not None else None
-        if x.device.type == "cpu" and x.dtype == torch.float32 and w is not None and w.dim() == 1:
-            eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # as F.rms_norm
-            return RMSNormCPU.apply(x, w, eps)
+        if self.on_cpu_path(x):
+            return RMSNormCPU.apply(x, w, self.eps_for(x))
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+    def on_cpu_path(self, x):
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight is not None
+                and self.weight.dim() == 1)
+
+    def eps_for(self, x):
+        return torch.finfo(x.dtype).eps if self.eps is None else self.eps  # as F.rms_norm
 
 
 class QuantRMSNorm(RMSNorm):
@@ -271,6 +287,8 @@ class QuantRMSNorm(RMSNorm):
         self.register_buffer("lambda_", torch.ones((), device=device))
 
     def forward(self, x):
+        if self.on_cpu_path(x):  # the same values in fewer passes
+            return RMSNormCPU.apply(x, self.weight, self.eps_for(x), self.lambda_)
         y = super().forward(x)
         return ste(y, activation_fake_quant(y), self.lambda_)
 

@@ -229,6 +229,28 @@ def test_rmsnorm_cpu_backward_matches_float64_autograd(shape):
     torch.testing.assert_close(norm.weight.grad, w64.grad.float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lam", [0.0, 0.3, 1.0])
+def test_quant_rmsnorm_cpu_path_equals_norm_then_ste_bit_for_bit(lam):
+    """QuantRMSNorm on fp32 CPU runs its norm, quantiser and STE in one RMSNormCPU call: output,
+    dx and dw equal the unfused ste(RMSNorm(x), activation_fake_quant(.), lambda) bit for bit."""
+    torch.manual_seed(0)
+    norm = QuantRMSNorm(24, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    norm.lambda_.fill_(lam)
+    x = 3 * torch.randn(2, 9, 24)
+    g = torch.randn(2, 9, 24)
+    x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got = norm(x1)
+    assert got.grad_fn.name().startswith("RMSNormCPU")
+    got.backward(g)
+    dw, norm.weight.grad = norm.weight.grad, None
+    y = quant.RMSNorm.forward(norm, x2)
+    want = quant.ste(y, activation_fake_quant(y), norm.lambda_)
+    want.backward(g)
+    assert torch.equal(got, want) and torch.equal(x1.grad, x2.grad) and torch.equal(dw, norm.weight.grad)
+
+
 def test_cached_weight_quant_gives_identical_outputs_and_gradients():
     torch.manual_seed(0)
     lin = BitLinear(32, 16)
