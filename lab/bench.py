@@ -307,7 +307,7 @@ def bench_kernels(shapes=None, dev=None, budget=L2_BUDGET):
 @dataclass
 class BenchFlags:
     data: bool = False           # tokeniser throughput on the shipped corpus
-    muon: bool = False           # Newton-Schulz in bf16 vs fp32 on the CPU model's hidden matrices, one by one and stacked
+    muon: bool = False           # NS5 in bf16 vs fp32 on the CPU model's matrices, alone and stacked
     train: bool = False          # training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
     profile: bool = False        # where the CPU step time goes (torch.profiler)
     decode: bool = False         # batch-1 greedy decoding: fp vs packed, eager vs CUDA graphs
