@@ -230,7 +230,8 @@ class RMSNormCPU(torch.autograd.Function):
         y = x_hat * w,  x_hat = x * r,  r = 1 / sqrt(mean(x^2) + eps)
         dx = r * (g w - x_hat * mean(g w x_hat)),  dw = sum over rows of g x_hat
     In eager mode a new tensor costs more than its op (its memory is cold), so results are written
-    over temporaries where the bits allow: 3 new (..., dim) tensors forward (of 5), 2 backward (of 4)."""
+    over temporaries where the bits allow: 3 new (..., dim) tensors forward (of 5), 2 backward
+    (of 4)."""
 
     @staticmethod
     def forward(ctx, x, w, eps, lambda_=None):

@@ -5,8 +5,8 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
                                  F.linear, here (CUDA only; prints a note and exits 0 without a GPU)
   python -m lab.bench --data     tokeniser throughput on the shipped corpus (target: gpt2 >= 2M
                                  tokens/s on 2 cores)
-  python -m lab.bench --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the CPU model's matrices, one
-                                 by one and stacked by shape
+  python -m lab.bench --muon     Newton-Schulz (NS5) in bf16 vs fp32 on the CPU model's
+                                 matrices, one by one and stacked by shape
   python -m lab.bench --train    training steps at the device preset's grad accumulation: nanoGPT
                                  baseline vs ours fp vs ours QAT, eager and compiled
                                  (lab/bench_train.py; --runs= picks some)
@@ -64,8 +64,8 @@ def bench_data():
 
 
 def bench_muon():
-    """NS5 on the CPU preset's hidden matrices, in bf16 and fp32, matrix by matrix and stacked by shape
-    (muon_steps: one batched NS5 per shape)."""
+    """NS5 on the CPU preset's hidden matrices, in bf16 and fp32, matrix by matrix and stacked by
+    shape (muon_steps: one batched NS5 per shape)."""
     from model import GPT, GPTConfig
     from muon import split_muon_params, zeropower_via_newtonschulz5
     model = GPT(GPTConfig())  # the CPU preset's shape
@@ -307,7 +307,7 @@ def bench_kernels(shapes=None, dev=None, budget=L2_BUDGET):
 @dataclass
 class BenchFlags:
     data: bool = False           # tokeniser throughput on the shipped corpus
-    muon: bool = False           # NS5 in bf16 vs fp32 on the CPU model's matrices, alone and stacked
+    muon: bool = False           # NS5, bf16 vs fp32, on the CPU model's matrices, alone and stacked
     train: bool = False          # training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
     profile: bool = False        # where the CPU step time goes (torch.profiler)
     decode: bool = False         # batch-1 greedy decoding: fp vs packed, eager vs CUDA graphs
