@@ -289,7 +289,7 @@ class QuantRMSNorm(RMSNorm):
 
     def forward(self, x):
         if self.on_cpu_path(x):  # the same values in fewer passes
-            return RMSNormCPU.apply(x, self.weight, self.eps_for(x), self.lambda_)
+            return RMSNormCPU.apply(x, self.weight.to(x.dtype), self.eps_for(x), self.lambda_)
         y = super().forward(x)
         return ste(y, activation_fake_quant(y), self.lambda_)
 
