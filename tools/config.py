@@ -128,7 +128,7 @@ class TrainConfig:
     dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32,
                                  # bfloat16, float16
     compile: str = "auto"        # auto = on for cuda only; true / false (also 1/0, yes/no, on/off);
-                                 # true on a CPU: the same bits every run, ~15 % shorter steps
+                                 # true on a CPU: the same bits every run, ~20 s to compile
     fsdp: bool = False           # under torchrun: FSDP2 shards params, grads and optimizer state
                                  # (else DDP)
     # lessons (tools/seams.py fills each seam): a stage of its own, --stage=dlm (lessons/dlm.py)
