@@ -51,43 +51,36 @@ def apply_rope(x, cos, sin):
     """x: (B, nh, T, hd); cos, sin: precompute_rope's rows, (T, 2, hd/2) or (B, 1, T, 2, hd/2).
     Rotates the halves of hd, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), in fp32, without a
     cat: x * cos + (x, halves swapped) * signed sin; x1*cos + x2*(-sin) is x1*cos - x2*sin in IEEE,
-    bit for bit. Eagerly it runs RoPE below (the same bits, fewer passes); torch.compile fuses the
-    formula itself."""
+    bit for bit. Eagerly RoPE computes it; torch.compile fuses the formula itself."""
     xs = x.unflatten(-1, (2, -1))  # (..., 2, hd/2): a view
     if x.dtype != torch.float32:
         xs = xs.float()
-    if torch.compiler.is_compiling():
-        y = xs * cos + xs.flip(-2) * sin
-    else:
-        y = RoPE.apply(xs, cos, sin)
+    y = (xs * cos + xs.flip(-2) * sin) if torch.compiler.is_compiling() else RoPE.apply(xs, cos, sin)
     y = y.flatten(-2)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def _swapped_times(x, sin, i):
-    """(x2 * sin[i], x1 * sin[1-i]) for x's halves (x1, x2) on dim -2: (x, halves swapped) * sin
-    for i = 0, or the swap of x * sin for i = 1, written half by half (flip is a slow gather)."""
-    t = torch.empty_like(x)
-    torch.mul(x.select(-2, 1), sin.select(-2, i), out=t.select(-2, 0))
-    torch.mul(x.select(-2, 0), sin.select(-2, 1 - i), out=t.select(-2, 1))
-    return t
-
-
 class RoPE(torch.autograd.Function):
-    """apply_rope's formula on xs (..., 2, hd/2), y = xs * cos + t with t = (x2 * -sin, x1 * sin)
-    written half by half, and its gradient written out: the rotation's transpose, dx = g * cos +
-    (g2 * sin, g1 * -sin). The same ops and bits as autograd through xs * cos + flip(xs) * sin,
-    without the flip (a gather: on a CPU slower than the two muls together)."""
+    """apply_rope's xs * cos + flip(xs) * sin without the flip (a gather: on a CPU slower than both
+    multiplies), the swapped product written half by half; backward the rotation's transpose,
+    g * cos + flip(g * sin), the same way. Forward and gradient have autograd's bits."""
+
+    @staticmethod
+    def swapped_times(x, sin, i):  # i = 0: flip(x) * sin;  i = 1: flip(x * sin)
+        t = torch.empty_like(x)
+        torch.mul(x.select(-2, 1), sin.select(-2, i), out=t.select(-2, 0))
+        torch.mul(x.select(-2, 0), sin.select(-2, 1 - i), out=t.select(-2, 1))
+        return t
 
     @staticmethod
     def forward(ctx, xs, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return torch.mul(xs, cos).add_(_swapped_times(xs, sin, 0))
+        return torch.mul(xs, cos).add_(RoPE.swapped_times(xs, sin, 0))
 
     @staticmethod
     def backward(ctx, g):
         cos, sin = ctx.saved_tensors
-        return torch.mul(g, cos).add_(_swapped_times(g, sin, 1)), None, None
+        return torch.mul(g, cos).add_(RoPE.swapped_times(g, sin, 1)), None, None
 
 
 def document_mask(idx, eot):
@@ -128,31 +121,6 @@ def project(x, layers, fused=True):
     if hasattr(layers[0], "stacked_forward"):
         return layers[0].stacked_forward(x, layers)
     return [m(x) for m in layers]
-
-
-class SiLUMul(torch.autograd.Function):
-    """SwiGLU's silu(gate) * up from one (..., 2H) tensor [gate | up] (the stacked gate/up product), with
-    the gradient written into one (..., 2H) tensor: the same ops and bits as autograd through
-    F.silu(gate) * up, without the cat that splitting the product costs in backward."""
-
-    @staticmethod
-    def forward(ctx, gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        s = F.silu(gate)
-        ctx.save_for_backward(gate, up, s)
-        return s * up
-
-    @staticmethod
-    def backward(ctx, g):
-        gate, up, s = ctx.saved_tensors
-        if torch.compiler.is_compiling():  # dynamo traces no strided out=; inductor writes the cat in place
-            return torch.cat([torch.ops.aten.silu_backward(g * up, gate), g * s], dim=-1)
-        d = g.new_empty(g.shape[:-1] + (2 * g.size(-1),))
-        d_gate, d_up = d.chunk(2, dim=-1)
-        torch.mul(g, s, out=d_up)
-        torch.mul(g, up, out=d_gate)  # silu's input gradient, then silu' applied in place
-        torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)
-        return d
 
 
 class SDPA(nn.Module):
@@ -232,12 +200,8 @@ class MLP(nn.Module):
         self.fused = config.fused
 
     def forward(self, x):
-        layers = (self.gate_proj, self.up_proj)
-        if self.fused and all(isinstance(m, nn.Linear) for m in layers):  # [gate | up] as one product
-            h = SiLUMul.apply(stacked_linear(x, layers, split=False))
-        else:
-            gate, up = project(x, layers, self.fused)
-            h = F.silu(gate) * up  # (B, T, H)
+        gate, up = project(x, (self.gate_proj, self.up_proj), self.fused)
+        h = F.silu(gate) * up  # (B, T, H)
         return self.down_proj(self.subln(h))
 
 
