@@ -334,7 +334,8 @@ def bench_profile(passes=2):
     """Where the CPU step time goes: torch.profiler over `passes` forward+backward passes of ours
     QAT (the quick start's model), ours fp and nanoGPT; then the activation quantiser's row absmax
     on the quick start's two shapes, as quant.py computes it against torch's inf-norm (the same
-    values, checked here)."""
+    values, checked here); then RoPE and QuantRMSNorm forward+backward, autograd through the
+    formula against model.RoPE and quant.RMSNormCPU (the eager step's forms; the same bits, checked)."""
     from torch.profiler import ProfilerActivity, profile
     s = train_shape("cpu", {})
     x, y = s.x[0], s.y[0]
@@ -358,17 +359,59 @@ def bench_profile(passes=2):
                  lambda: torch.linalg.vector_norm(a, float("inf"), dim=-1, keepdim=True),
                  "max(amax(x), -amin(x)) (quant.py)":
                  lambda: torch.maximum(a.amax(-1, keepdim=True), a.amin(-1, keepdim=True).neg_())}
-        vals, us = [f() for f in forms.values()], []
-        for f in forms.values():
-            times = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                f()
-                times.append(1e6 * (time.perf_counter() - t0))
-            us.append(sorted(times)[10])
+        vals, us = [f() for f in forms.values()], [median_us(f) for f in forms.values()]
         same = "the same values" if torch.equal(*vals) else "DIFFERENT values"
         print(f"  {shape}: " + ", ".join(f"{k} {t:.0f} us" for k, t in zip(forms, us))
               + f" ({us[0] / us[1]:.1f}x; {same})")
+    print("forward+backward on the quick start's shapes, median us of 20 calls:")
+    for what, forms in eager_forms().items():
+        outs, us = [f() for f in forms.values()], [median_us(f) for f in forms.values()]
+        same = all(torch.equal(a, b) for a, b in zip(*outs))
+        print(f"  {what}: " + ", ".join(f"{k} {t:.0f} us" for k, t in zip(forms, us))
+              + f" ({us[0] / us[1]:.1f}x; {'the same bits' if same else 'DIFFERENT bits'})")
+
+
+def median_us(fn, n=20):
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e6 * (time.perf_counter() - t0))
+    return sorted(times)[n // 2]
+
+
+def eager_forms():
+    """{what: {form: fn}}, each fn a forward+backward returning (output, input gradients): the
+    formula through autograd first, then the form the eager CPU step runs."""
+    import model
+    import quant
+
+    def run(f, *xs):
+        xs = [x.detach().requires_grad_() for x in xs]
+        y = f(*xs)
+        y.backward(torch.ones_like(y))
+        return (y.detach(), *(x.grad for x in xs))
+
+    q = torch.randn(16, 256, 4, 32).transpose(1, 2)  # (B, nh, T, hd), as Attention's q
+    cos, sin = model.precompute_rope(32, 256, 10000.0)
+
+    def rope_formula(x):
+        xs = x.unflatten(-1, (2, -1))
+        return (xs * cos + xs.flip(-2) * sin).flatten(-2)
+
+    h = torch.randn(16, 256, 384)
+    norm = quant.QuantRMSNorm(384)
+
+    def norm_unfused(x):
+        y = quant.RMSNorm.forward(norm, x)
+        return quant.ste(y, quant.activation_fake_quant(y), norm.lambda_)
+
+    return {"RoPE on q (16, 4, 256, 32)": {
+                "x * cos + flip(x) * sin": lambda: run(rope_formula, q),
+                "model.RoPE": lambda: run(lambda x: model.apply_rope(x, cos, sin), q)},
+            "QuantRMSNorm on (16, 256, 384)": {
+                "norm, quantiser, STE as ops": lambda: run(norm_unfused, h),
+                "quant.RMSNormCPU": lambda: run(norm, h)}}
 
 
 # -----------------------------------------------------------------------------

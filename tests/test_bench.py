@@ -131,12 +131,15 @@ def test_quality_with_a_target_the_baseline_starts_below_prints_no_ratio(quality
 
 def test_profile_names_each_models_top_ops_and_times_the_two_absmax_forms_on_equal_values(capsys):
     """python -m lab.bench --profile: the top ops of ours QAT, ours fp and nanoGPT, and the quantiser's
-    absmax as quant.py computes it beside torch's inf-norm, on both shapes, with the values checked equal."""
+    absmax as quant.py computes it beside torch's inf-norm, on both shapes, with the values checked equal;
+    RoPE and QuantRMSNorm forward+backward as formulas and as the eager step's Functions, the bits equal."""
     bench_train.bench_profile(passes=1)
     out = capsys.readouterr().out
     assert all(f"{name}: " in out for name in ("ours QAT", "ours fp", "nanoGPT")), out
     lines = [line for line in out.splitlines() if "max(amax(x), -amin(x))" in line]
     assert len(lines) == 2 and all("the same values" in line for line in lines), out
+    lines = [line for line in out.splitlines() if "model.RoPE" in line or "quant.RMSNormCPU" in line]
+    assert len(lines) == 2 and all("the same bits" in line for line in lines), out
 
 
 @pytest.mark.slow
