@@ -147,12 +147,13 @@ class BitLinear(nn.Linear):
         return ste(self.weight, w_quant, self.lambda_)
 
 
-def stacked_linear(x, layers):
+def stacked_linear(x, layers, split=True):
     """Several projections of one input (q, k, v; gate, up) as ONE matmul: the layers' weights, each quantised
     with its own gamma (a BitLinear) or as it is (an nn.Linear), stacked along the output dim. Every output
     column is the same dot product as in the layer's own forward, so the result equals calling the layers one
     by one up to fp32 rounding, in one larger GEMM; the gradient flows back into each layer's own weight.
-    Returns one output (..., out_i) per layer (views of the one product)."""
+    Returns one output (..., out_i) per layer (views of the one product), or with split=False the one
+    product (..., sum out), whose gradient then stays one tensor (no cat of the parts in backward)."""
     if len({(isinstance(m, BitLinear) and m.quantize_input) for m in layers}) > 1:
         raise ValueError("stacked_linear: the layers must all quantise their input, or none")
     if isinstance(layers[0], BitLinear) and layers[0].quantize_input:  # once for all (one lambda)
@@ -161,7 +162,8 @@ def stacked_linear(x, layers):
                    for m in layers])  # (sum out, in)
     bias = None if all(m.bias is None for m in layers) else torch.cat(
         [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in layers])
-    return F.linear(x, w, bias).split([m.out_features for m in layers], dim=-1)
+    y = F.linear(x, w, bias)
+    return y.split([m.out_features for m in layers], dim=-1) if split else y
 
 
 def set_lambda(model, lam):

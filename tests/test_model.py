@@ -315,6 +315,33 @@ def test_fused_projections_equal_separate_ones_forward_and_backward(quant, lam, 
     assert {"h.0.attn.q_proj.weight", "h.0.attn.k_proj.weight", "h.0.mlp.gate_proj.weight"} <= set(fused.state_dict())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_equals_autograd_through_silu_times_up_bit_for_bit_with_one_gradient(dtype):
+    """SiLUMul on the stacked [gate | up] product: the forward and the gradient equal autograd through
+    F.silu(gate) * up of the split product, bit for bit, and backward makes no cat (its gradient is one tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from model import SiLUMul
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    gu = (torch.randn(3, 7, 2 * 24) * 4).to(dtype).requires_grad_()
+    g = torch.randn(3, 7, 24).to(dtype)
+    gate, up = gu.split(24, dim=-1)
+    ref = F.silu(gate) * up
+    ref_grad, = torch.autograd.grad(ref, gu, g)
+    h = SiLUMul.apply(gu)
+    ops = Ops()
+    ops.seen = []
+    with ops:
+        grad, = torch.autograd.grad(h, gu, g)
+    assert torch.equal(h, ref) and torch.equal(grad, ref_grad)
+    assert not any(name.startswith("cat") for name in ops.seen), ops.seen
+
+
 def test_stacked_linear_keeps_one_gamma_per_matrix_and_quantises_its_input_once():
     from quant import activation_fake_quant, stacked_linear, weight_fake_quant
     torch.manual_seed(0)
