@@ -217,7 +217,7 @@ def unpack_ternary(packed, in_features):
 #   - lambda is a tensor, never a Python float: no recompilation as it warms up, and no host sync to read it.
 #   - In eager mode (the CPU default) every op is a dispatch and a pass over memory: the STE is one
 #     lerp forward and nothing backward, the fake quantisers round and scale in place, and
-#     RMSNormCPU gives the norms a 9-op backward (python -m lab.bench --train counts a step's ops).
+#     RMSNormCPU gives the norms a 7-pass backward (python -m lab.bench --train counts a step's ops).
 
 
 class RMSNormCPU(torch.autograd.Function):
@@ -226,20 +226,21 @@ class RMSNormCPU(torch.autograd.Function):
     norm's output), whose backward is the norm's (the STE passes the gradient unchanged). On the
     CPU torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates
     them in about 23 more. The forward here is the same six ops in the same order (the same bits as
-    F.rms_norm, then as ste(y, activation_fake_quant(y), lambda_)); the backward is 9 ops:
+    F.rms_norm, then as ste(y, activation_fake_quant(y), lambda_)); the backward is 7 passes over
+    (..., dim), within fp32 rounding of autograd's (t = g x_hat serves dw and, as a GEMV with w, m):
         y = x_hat * w,  x_hat = x * r,  r = 1 / sqrt(mean(x^2) + eps)
-        dx = r * (g w - x_hat * mean(g w x_hat)),  dw = sum over rows of g x_hat
+        dx = r * (g w - x_hat * m) = r (g w) - x (r^2 m),  m = mean(g w x_hat) = (t @ w) / dim,
+        dw = sum over rows of t
     In eager mode a new tensor costs more than its op (its memory is cold), so results are written
-    over temporaries where the bits allow: 3 new (..., dim) tensors forward (of 5), 2 backward
-    (of 4)."""
+    over temporaries and x_hat is recomputed from the saved input: 2 new (..., dim) tensors forward
+    (of 5), 1 backward (of 4)."""
 
     @staticmethod
     def forward(ctx, x, w, eps, lambda_=None):
         p = x.pow(2)
         r = p.mean(-1, keepdim=True).add_(eps).rsqrt_()  # (..., 1)
-        x_hat = x * r
-        ctx.save_for_backward(x_hat, r, w)
-        y = torch.mul(x_hat, w, out=p)
+        ctx.save_for_backward(x, r, w)
+        y = torch.mul(x, r, out=p).mul_(w)  # x_hat * w, x_hat = x * r: never a tensor of its own
         if lambda_ is None:
             return y
         q = activation_fake_quant(y)
@@ -247,11 +248,12 @@ class RMSNormCPU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x_hat, r, w = ctx.saved_tensors
-        gw = g * w
-        t = gw * x_hat
-        dx = gw.sub_(torch.mul(x_hat, t.mean(-1, keepdim=True), out=t)).mul_(r)
-        return dx, torch.mul(g, x_hat, out=t).reshape(-1, w.numel()).sum(0), None, None
+        x, r, w = ctx.saved_tensors
+        n = w.numel()
+        t = torch.mul(g, x).mul_(r)  # g x_hat: the one new (..., dim) tensor
+        dw = t.reshape(-1, n).sum(0)
+        k = torch.matmul(t, w).unsqueeze_(-1).mul_(r).mul_(r).div_(n)  # r^2 m, m by a GEMV
+        return torch.mul(g, w, out=t).mul_(r).addcmul_(x, k, value=-1), dw, None, None
 
 
 class RMSNorm(nn.RMSNorm):
@@ -259,7 +261,7 @@ class RMSNorm(nn.RMSNorm):
     torch dispatches to its fused RMSNorm kernel instead of the unfused fallback. In fp32 the cast is a no-op: the
     same op on the same tensors as nn.RMSNorm, bit for bit. The parameter stays fp32 (the
     optimizer's copy). An fp32 CPU input with a 1-D gain runs RMSNormCPU: the same forward bits,
-    a 9-op backward."""
+    a 7-pass backward."""
 
     def forward(self, x):
         w = self.weight.to(x.dtype) if self.weight is not None else None
