@@ -12,7 +12,8 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
                                  (lab/bench_train.py; --runs= picks some)
   python -m lab.bench --train --model=M   a pretrained model's shape against transformers' own
                                  training step and generate
-  python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours QAT and fp vs nanoGPT
+  python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours QAT and fp vs nanoGPT,
+                                 and what each technique (Muon, RoPE, the quantisers) costs the step
   python -m lab.bench --decode   batch-1 greedy decoding, fp bf16 vs packed ternary
                                  (lab/bench_decode.py); with --shape=1b a 1B-class model
                                  (16 x 2048, GQA 32/8, vocab 128,256), random weights
@@ -309,7 +310,7 @@ class BenchFlags:
     data: bool = False           # tokeniser throughput on the shipped corpus
     muon: bool = False           # NS5, bf16 vs fp32, on the CPU model's matrices, alone and stacked
     train: bool = False          # training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
-    profile: bool = False        # where the CPU step time goes (torch.profiler)
+    profile: bool = False        # where the CPU step time goes (torch.profiler; each technique's cost)
     decode: bool = False         # batch-1 greedy decoding: fp vs packed, eager vs CUDA graphs
     quality: bool = False        # time to quality: ours vs a nanoGPT-shaped fp baseline, to the
                                  # same val loss

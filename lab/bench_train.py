@@ -16,8 +16,10 @@ Results: lab/results/training-speed.md, lab/results/gpu.md, lab/results/smollm2-
 Test: python -m pytest tests/test_bench.py -k "train or work or profile"
 """
 
+import contextlib
 import copy
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -330,12 +332,13 @@ def profile_ops(step, cuda, n, top=12):
     return ("GPU" if cuda else "CPU"), total, ops
 
 
-def bench_profile(passes=2):
+def bench_profile(passes=2, rounds=6):
     """Where the CPU step time goes: torch.profiler over `passes` forward+backward passes of ours
     QAT (the quick start's model), ours fp and nanoGPT; then the activation quantiser's row absmax
     on the quick start's two shapes, as quant.py computes it against torch's inf-norm (the same
     values, checked here); then RoPE and QuantRMSNorm forward+backward, autograd through the
-    formula against model.RoPE and quant.RMSNormCPU (the eager step's forms; the same bits, checked)."""
+    formula against model.RoPE and quant.RMSNormCPU (the eager step's forms; the same bits,
+    checked); then what each technique costs the step (technique_costs, `rounds` rounds)."""
     from torch.profiler import ProfilerActivity, profile
     s = train_shape("cpu", {})
     x, y = s.x[0], s.y[0]
@@ -369,6 +372,49 @@ def bench_profile(passes=2):
         same = all(torch.equal(a, b) for a, b in zip(*outs))
         print(f"  {what}: " + ", ".join(f"{k} {t:.0f} us" for k, t in zip(forms, us))
               + f" ({us[0] / us[1]:.1f}x; {'the same bits' if same else 'DIFFERENT bits'})")
+    technique_costs(rounds)
+
+
+def plain_forms():
+    """{technique: a context manager that swaps it for its plain form in the QAT step}, for
+    technique_costs: the step then computes something else; only its time means anything."""
+    from unittest import mock
+    import model
+    import muon
+    import quant
+    return {"Muon's update (not applied)": lambda: mock.patch.object(
+                muon.Muon, "muon_step", lambda self, p, group: None),
+            "RoPE (not applied)": lambda: mock.patch.object(
+                model, "apply_rope", lambda x, cos, sin: x),
+            "activation quantiser (plain norms)": lambda: mock.patch.object(
+                quant.QuantRMSNorm, "forward", quant.RMSNorm.forward),
+            "weight quantiser (latent weights)": lambda: mock.patch.object(
+                quant.BitLinear, "quantized_weight", lambda self: self.weight)}
+
+
+def technique_costs(rounds=6, steps=4):
+    """What each technique costs the eager CPU QAT step here: the step as it is, and with one
+    technique at a time swapped for its plain form (plain_forms), alternated in one process
+    (rounds x steps steps each, the median); the nanoGPT-shaped step beside. [(name, ms)]."""
+    s = train_shape("cpu", {})
+    ours, nanogpt = Step(s, *build(s, quant=True)), Step(s, *build(s, nanogpt=True))
+    runs = {"ours QAT, as it is": (ours, contextlib.nullcontext),
+            **{f"  without {k}": (ours, v) for k, v in plain_forms().items()},
+            "nanoGPT-shaped": (nanogpt, contextlib.nullcontext)}
+    ms = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, (step, swap) in runs.items():
+            with swap():
+                for i in range(steps + (not ms[k])):  # one warm-up step the first time
+                    t0 = time.perf_counter()
+                    step()
+                    ms[k] += [1000 * (time.perf_counter() - t0)] if i < steps else []
+    rows = [(k, statistics.median(v)) for k, v in ms.items()]
+    print(f"what each technique costs the eager CPU QAT step, median ms of {rounds} x {steps} "
+          "steps each, alternated:")
+    for k, t in rows:
+        print(f"  {k:50s} {t:7.1f} ms  {t - rows[0][1]:+6.1f}")
+    return rows
 
 
 def median_us(fn, n=20):
