@@ -14,6 +14,7 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
                                  training step and generate
   python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours QAT and fp vs nanoGPT,
                                  and what each technique (Muon, RoPE, the quantisers) costs the step
+                                 (lab/bench_profile.py)
   python -m lab.bench --decode   batch-1 greedy decoding, fp bf16 vs packed ternary
                                  (lab/bench_decode.py); with --shape=1b a 1B-class model
                                  (16 x 2048, GQA 32/8, vocab 128,256), random weights
@@ -370,8 +371,8 @@ def run(which, opts):
         from lab import bench_quality
         return bench_quality.bench_quality(**opts)
     if which == "profile":
-        from lab import bench_train
-        return bench_train.bench_profile()
+        from lab import bench_profile
+        return bench_profile.bench_profile()
     return dict(data=bench_data, muon=bench_muon, kernels=bench_kernels)[which]()
 
 

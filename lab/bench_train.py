@@ -1,5 +1,5 @@
 """
-python -m lab.bench --train (--profile, --train --model=M): what a training step costs.
+python -m lab.bench --train (--train --model=M): what a training step costs.
 
 --train times whole optimizer steps (every micro-batch's forward and backward, clipping, the
 optimizer) at the device preset's shape and grad accumulation: on CUDA 8 micro-batches of 8 x 1024
@@ -9,17 +9,15 @@ GPT-2's biases), ours fp (stage 1: Muon + ZClip), ours ternary QAT (stage 2; its
 once per step, as train.py does), eager and compiled (--runs= picks some). Then the work of one
 eager step (aten ops and MB per phase, count_work: the same on any machine) and where each compiled
 step's time goes (torch.profiler: GPU kernels on CUDA).
---profile: where the CPU time of a forward+backward goes, ours fp vs nanoGPT.
+--profile (lab/bench_profile.py, built on this file's runs): where the CPU step's time goes.
 --train --model=M: a pretrained model's shape against transformers' own training step and generate.
 
 Results: lab/results/training-speed.md, lab/results/gpu.md, lab/results/smollm2-speed.md.
-Test: python -m pytest tests/test_bench.py -k "train or work or profile"
+Test: python -m pytest tests/test_bench.py -k "train or work"
 """
 
-import contextlib
 import copy
 import dataclasses
-import statistics
 import time
 
 import torch
@@ -330,134 +328,6 @@ def profile_ops(step, cuda, n, top=12):
     events = sorted(events, key=lambda e: -self_time(e))[:top]
     ops = [(e.key, e.count / n, self_time(e) / 1e3 / n) for e in events]
     return ("GPU" if cuda else "CPU"), total, ops
-
-
-def bench_profile(passes=2, rounds=6):
-    """Where the CPU step time goes: torch.profiler over `passes` forward+backward passes of ours
-    QAT (the quick start's model), ours fp and nanoGPT; then the activation quantiser's row absmax
-    on the quick start's two shapes, as quant.py computes it against torch's inf-norm (the same
-    values, checked here); then RoPE and QuantRMSNorm forward+backward, autograd through the
-    formula against model.RoPE and quant.RMSNormCPU (the eager step's forms; the same bits,
-    checked); then what each technique costs the step (technique_costs, `rounds` rounds)."""
-    from torch.profiler import ProfilerActivity, profile
-    s = train_shape("cpu", {})
-    x, y = s.x[0], s.y[0]
-    for name, how in (("ours QAT", dict(quant=True)), ("ours fp", {}), ("nanoGPT", dict(nanogpt=True))):
-        model = build(s, **how)[0]
-        for _ in range(passes):
-            model(x, y)[1].backward()
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            for _ in range(passes):
-                model(x, y)[1].backward()
-        events = prof.key_averages(group_by_input_shape=True)
-        total = sum(e.self_cpu_time_total for e in events)
-        print(f"{name}: {total / 1e3:.0f} ms of CPU time for {passes} forward+backward passes; top ops:")
-        for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]:
-            print(f"  {e.key:45s} x{e.count:<4d} {e.self_cpu_time_total / 1e3:8.0f} ms  "
-                  f"{e.input_shapes}")
-    print("the activation quantiser's row absmax, median us of 20 calls:")
-    for shape in ((16, 256, 128), (16, 256, 384)):
-        a = torch.randn(shape)
-        forms = {"torch.linalg.vector_norm(x, inf)":
-                 lambda: torch.linalg.vector_norm(a, float("inf"), dim=-1, keepdim=True),
-                 "max(amax(x), -amin(x)) (quant.py)":
-                 lambda: torch.maximum(a.amax(-1, keepdim=True), a.amin(-1, keepdim=True).neg_())}
-        vals, us = [f() for f in forms.values()], [median_us(f) for f in forms.values()]
-        same = "the same values" if torch.equal(*vals) else "DIFFERENT values"
-        print(f"  {shape}: " + ", ".join(f"{k} {t:.0f} us" for k, t in zip(forms, us))
-              + f" ({us[0] / us[1]:.1f}x; {same})")
-    print("forward+backward on the quick start's shapes, median us of 20 calls:")
-    for what, forms in eager_forms().items():
-        outs, us = [f() for f in forms.values()], [median_us(f) for f in forms.values()]
-        same = all(torch.equal(a, b) for a, b in zip(*outs))
-        print(f"  {what}: " + ", ".join(f"{k} {t:.0f} us" for k, t in zip(forms, us))
-              + f" ({us[0] / us[1]:.1f}x; {'the same bits' if same else 'DIFFERENT bits'})")
-    technique_costs(rounds)
-
-
-def plain_forms():
-    """{technique: a context manager that swaps it for its plain form in the QAT step}, for
-    technique_costs: the step then computes something else; only its time means anything."""
-    from unittest import mock
-    import model
-    import muon
-    import quant
-    return {"Muon's update (not applied)": lambda: mock.patch.object(
-                muon.Muon, "muon_step", lambda self, p, group: None),
-            "RoPE (not applied)": lambda: mock.patch.object(
-                model, "apply_rope", lambda x, cos, sin: x),
-            "activation quantiser (plain norms)": lambda: mock.patch.object(
-                quant.QuantRMSNorm, "forward", quant.RMSNorm.forward),
-            "weight quantiser (latent weights)": lambda: mock.patch.object(
-                quant.BitLinear, "quantized_weight", lambda self: self.weight)}
-
-
-def technique_costs(rounds=6, steps=4):
-    """What each technique costs the eager CPU QAT step here: the step as it is, and with one
-    technique at a time swapped for its plain form (plain_forms), alternated in one process
-    (rounds x steps steps each, the median); the nanoGPT-shaped step beside. [(name, ms)]."""
-    s = train_shape("cpu", {})
-    ours, nanogpt = Step(s, *build(s, quant=True)), Step(s, *build(s, nanogpt=True))
-    runs = {"ours QAT, as it is": (ours, contextlib.nullcontext),
-            **{f"  without {k}": (ours, v) for k, v in plain_forms().items()},
-            "nanoGPT-shaped": (nanogpt, contextlib.nullcontext)}
-    ms = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, (step, swap) in runs.items():
-            with swap():
-                for i in range(steps + (not ms[k])):  # one warm-up step the first time
-                    t0 = time.perf_counter()
-                    step()
-                    ms[k] += [1000 * (time.perf_counter() - t0)] if i < steps else []
-    rows = [(k, statistics.median(v)) for k, v in ms.items()]
-    print(f"what each technique costs the eager CPU QAT step, median ms of {rounds} x {steps} "
-          "steps each, alternated:")
-    for k, t in rows:
-        print(f"  {k:50s} {t:7.1f} ms  {t - rows[0][1]:+6.1f}")
-    return rows
-
-
-def median_us(fn, n=20):
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e6 * (time.perf_counter() - t0))
-    return sorted(times)[n // 2]
-
-
-def eager_forms():
-    """{what: {form: fn}}, each fn a forward+backward returning (output, input gradients): the
-    formula through autograd first, then the form the eager CPU step runs."""
-    import model
-    import quant
-
-    def run(f, *xs):
-        xs = [x.detach().requires_grad_() for x in xs]
-        y = f(*xs)
-        y.backward(torch.ones_like(y))
-        return (y.detach(), *(x.grad for x in xs))
-
-    q = torch.randn(16, 256, 4, 32).transpose(1, 2)  # (B, nh, T, hd), as Attention's q
-    cos, sin = model.precompute_rope(32, 256, 10000.0)
-
-    def rope_formula(x):
-        xs = x.unflatten(-1, (2, -1))
-        return (xs * cos + xs.flip(-2) * sin).flatten(-2)
-
-    h = torch.randn(16, 256, 384)
-    norm = quant.QuantRMSNorm(384)
-
-    def norm_unfused(x):
-        y = quant.RMSNorm.forward(norm, x)
-        return quant.ste(y, quant.activation_fake_quant(y), norm.lambda_)
-
-    return {"RoPE on q (16, 4, 256, 32)": {
-                "x * cos + flip(x) * sin": lambda: run(rope_formula, q),
-                "model.RoPE": lambda: run(lambda x: model.apply_rope(x, cos, sin), q)},
-            "QuantRMSNorm on (16, 256, 384)": {
-                "norm, quantiser, STE as ops": lambda: run(norm_unfused, h),
-                "quant.RMSNormCPU": lambda: run(norm, h)}}
 
 
 # -----------------------------------------------------------------------------

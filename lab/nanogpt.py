@@ -1,7 +1,7 @@
 """
 nanoGPT's model (github.com/karpathy/nanoGPT, model.py), the one baseline of every comparison here
 that needs a nanoGPT shape: lab/bench_train.py (step time, the work of a step, profiles),
-lab/bench_quality.py (time to quality) and tests/test_nanogpt_recipe.py (our recipe applied to
+lab/bench_profile.py (where the CPU step's time goes), lab/bench_quality.py (time to quality) and tests/test_nanogpt_recipe.py (our recipe applied to
 nanoGPT). Real nanoGPT itself, its train.py included, is run only by lab/against_nanogpt.py.
 
 nanoGPT's names, structure and initialisation: GPTConfig(bias), Block(ln_1, attn(c_attn, c_proj),

@@ -15,7 +15,7 @@ import torch
 
 import data
 from conftest import ENV, ROOT, fails
-from lab import bench, bench_decode, bench_quality, bench_train
+from lab import bench, bench_decode, bench_profile, bench_quality, bench_train
 
 
 def test_time_to_interpolates_between_evaluations_at_the_first_crossing():
@@ -133,7 +133,7 @@ def test_profile_names_each_models_top_ops_and_times_the_two_absmax_forms_on_equ
     """python -m lab.bench --profile: the top ops of ours QAT, ours fp and nanoGPT, and the quantiser's
     absmax as quant.py computes it beside torch's inf-norm, on both shapes, with the values checked equal;
     RoPE and QuantRMSNorm forward+backward as formulas and as the eager step's Functions, the bits equal."""
-    bench_train.bench_profile(passes=1, rounds=1)
+    bench_profile.bench_profile(passes=1, rounds=1)
     out = capsys.readouterr().out
     assert all(f"{name}: " in out for name in ("ours QAT", "ours fp", "nanoGPT")), out
     lines = [line for line in out.splitlines() if "max(amax(x), -amin(x))" in line]
@@ -152,13 +152,13 @@ def test_technique_costs_takes_each_technique_out_of_the_step_and_times_each_run
     def ops():
         return sum(n for n, _ in bench_train.count_work(step.phases()).values())
     full = ops()
-    for name, swap in bench_train.plain_forms().items():
+    for name, swap in bench_profile.plain_forms().items():
         with swap():
             assert ops() < full, name
     assert ops() == full  # each swap undone
-    rows = bench_train.technique_costs(rounds=1, steps=1)
+    rows = bench_profile.technique_costs(rounds=1, steps=1)
     names = [name.strip() for name, _ in rows]
-    assert names == ["ours QAT, as it is", *(f"without {k}" for k in bench_train.plain_forms()),
+    assert names == ["ours QAT, as it is", *(f"without {k}" for k in bench_profile.plain_forms()),
                      "nanoGPT-shaped"] and all(ms > 0 for _, ms in rows), rows
     assert "what each technique costs" in capsys.readouterr().out
 
