@@ -97,11 +97,13 @@ def technique_costs(rounds=6, steps=4):
     ms = {k: [] for k in runs}
     for _ in range(rounds):
         for k, (step, swap) in runs.items():
+            warmup = 0 if ms[k] else 1  # one untimed step the first time
             with swap():
-                for i in range(steps + (not ms[k])):  # one warm-up step the first time
+                for i in range(warmup + steps):
                     t0 = time.perf_counter()
                     step()
-                    ms[k] += [1000 * (time.perf_counter() - t0)] if i < steps else []
+                    if i >= warmup:
+                        ms[k].append(1000 * (time.perf_counter() - t0))
     rows = [(k, statistics.median(v)) for k, v in ms.items()]
     print(f"what each technique costs the eager CPU QAT step, median ms of {rounds} x {steps} "
           "steps each, alternated:")
