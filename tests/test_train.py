@@ -187,8 +187,9 @@ def test_logged_ms_per_step_does_not_depend_on_log_interval(tmp_path, monkeypatc
 
 def _spiked_run(clip, spike_step, seed=0, steps=50):
     """Train a tiny ternary model (initialised from seed) with train.py's optimizer and clipping; multiply the
-    gradients by 100 at spike_step (None = no spike). Returns (loss on fixed val batches at the end, stats of the spike step, whether
-    every step the clipper did not clip left the gradients bit for bit as backward() made them)."""
+    gradients by 100 at spike_step (None = no spike). Returns (loss on fixed val batches at the end, stats of
+    the spike step, whether every step the clipper did not clip left the gradients bit for bit as backward()
+    made them)."""
     import data
     from model import GPT
     cfg = config.TrainConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, warmup_steps=5,
@@ -253,8 +254,8 @@ def test_zclip_rescues_a_run_from_a_gradient_spike():
           f"{without.std():.3f} % (seeds: {per_seed} %)")
     assert abs(with_zclip.mean()) < 0.5
     # Muon and AdamW both normalise update sizes, so the damage is modest (a few percent), but it is there: in
-    # every seed, and on average more than 5x what is left with ZClip
-    assert (without > 0.5).all() and without.mean() > 5 * abs(with_zclip.mean())
+    # every seed, over 1 % on average, and more than 10x what is left with ZClip
+    assert (without > 0.5).all() and without.mean() > 1.0 and without.mean() > 10 * abs(with_zclip.mean())
 
 
 @pytest.mark.slow
