@@ -108,7 +108,7 @@ class Muon(torch.optim.Optimizer):
     # where step() runs muon_steps (NS5 batched per shape); elsewhere muon_step, matrix by
     # matrix. Not the CPU: there a batch of odd shapes (7 x 129) rounds differently from one
     # matrix, and DDP's step, matrix by matrix, must equal the single-process one bit for bit
-    # (tests/test_scale.py); in fp32 a stack is hardly faster there (python -m lab.bench --muon).
+    # (tests/test_scale.py). python -m lab.bench --muon times NS5 both ways.
     batched_devices = ("cuda",)
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
