@@ -227,13 +227,13 @@ class RMSNormCPU(torch.autograd.Function):
     CPU torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates
     them in about 23 more. The forward here is the same six ops in the same order (the same bits as
     F.rms_norm, then as ste(y, activation_fake_quant(y), lambda_)); the backward is 7 passes over
-    (..., dim), within fp32 rounding of autograd's (t = g x_hat serves dw and, as a GEMV with w, m):
+    (..., dim), within fp32 rounding of autograd's, with t = g x_hat:
         y = x_hat * w,  x_hat = x * r,  r = 1 / sqrt(mean(x^2) + eps)
         dx = r * (g w - x_hat * m) = r (g w) - x (r^2 m),  m = mean(g w x_hat) = (t @ w) / dim,
         dw = sum over rows of t
     In eager mode a new tensor costs more than its op (its memory is cold), so results are written
-    over temporaries and x_hat is recomputed from the saved input: 2 new (..., dim) tensors forward
-    (of 5), 1 backward (of 4)."""
+    over temporaries and x_hat is recomputed from the saved input: one new (..., dim) tensor
+    forward (two with lambda_) and one backward, where autograd through the formula makes 5 and 4."""
 
     @staticmethod
     def forward(ctx, x, w, eps, lambda_=None):
