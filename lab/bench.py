@@ -67,25 +67,31 @@ def bench_data():
 
 def bench_muon():
     """NS5 on the CPU preset's hidden matrices, in bf16 and fp32, matrix by matrix and stacked by
-    shape (muon_steps: one batched NS5 per shape)."""
+    shape (muon_steps: one batched NS5 per shape), the stacked results checked against the others."""
     from model import GPT, GPTConfig
     from muon import split_muon_params, zeropower_via_newtonschulz5
     model = GPT(GPTConfig())  # the CPU preset's shape
-    mats = [p.detach() for p in split_muon_params(model)[0]]
     by_shape = {}
-    for m in mats:
-        by_shape.setdefault(tuple(m.shape), []).append(m)
+    for p in split_muon_params(model)[0]:
+        by_shape.setdefault(tuple(p.shape), []).append(p.detach())
+    mats = [m for ms in by_shape.values() for m in ms]  # in the stacks' order
     stacks = [torch.stack(ms) for ms in by_shape.values()]
     for dtype in (torch.bfloat16, torch.float32):
+        outs = {}
         for how, arg in (("matrix by matrix", mats), (f"{len(stacks)} stacks by shape", stacks)):
             for _ in range(2):
                 [zeropower_via_newtonschulz5(m, dtype=dtype) for m in arg]
             t = time.perf_counter()
             for _ in range(5):
-                [zeropower_via_newtonschulz5(m, dtype=dtype) for m in arg]
+                outs[how] = [zeropower_via_newtonschulz5(m, dtype=dtype) for m in arg]
             ms = (time.perf_counter() - t) / 5 * 1000
+            same = ""
+            if len(outs) == 2:
+                one, stacked = outs.values()
+                same = "; the same bits" if all(torch.equal(a, b) for a, b in zip(
+                    one, [o for s in stacked for o in s.unbind(0)])) else "; DIFFERENT bits"
             print(f"NS5 on the {len(mats)} hidden matrices of the CPU model, {str(dtype):15s} "
-                  f"{how:18s}: {ms:8.1f} ms per step")
+                  f"{how:18s}: {ms:8.1f} ms per step{same}")
 
 
 # -----------------------------------------------------------------------------

@@ -142,6 +142,15 @@ def test_profile_names_each_models_top_ops_and_times_the_two_absmax_forms_on_equ
     assert len(lines) == 2 and all("the same bits" in line for line in lines), out
 
 
+def test_muon_bench_times_ns5_both_ways_and_the_stacks_give_the_same_bits(capsys):
+    """python -m lab.bench --muon: NS5 in bf16 and fp32, matrix by matrix and stacked by shape; on the
+    CPU model's shapes the stacked results are the per-matrix ones bit for bit."""
+    bench.bench_muon()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("NS5 on the 28")]
+    assert len(lines) == 4 and sum("stacks by shape" in line for line in lines) == 2, lines
+    assert all(line.endswith("; the same bits") for line in lines if "stacks" in line), lines
+
+
 def test_technique_costs_takes_each_technique_out_of_the_step_and_times_each_run(capsys):
     """--profile's last table: each plain form takes work out of the QAT step (fewer aten ops, counted:
     a swap that missed its target would leave the count as it is), and every run gets a time."""
