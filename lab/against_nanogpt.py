@@ -37,6 +37,7 @@ import numpy as np
 import data
 from tools.atomic import ROOT
 from tools.flags import die, parse
+from tools.runtime import GLIBC_TUNABLES
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16)  # our CPU preset's (tools/config.py)
 
@@ -46,13 +47,16 @@ class AgainstFlags:
     nanogpt: str = ""   # a checkout of https://github.com/karpathy/nanoGPT (its train.py, model.py, configurator.py)
     max_iters: int = 600  # steps of both runs (the quick start's)
     train_args: str = ""  # more flags for our run only, e.g. "--eval_whole=False" (a quick look; not the comparison)
+    nanogpt_keep_memory: bool = False  # nanoGPT's run keeps freed memory as ours does (glibc tunables):
+                                       # the same allocator for both; False: nanoGPT as its users run it
 
 
-def timed(argv, cwd, pattern, name):
-    """Run argv; return (wall seconds, the per-step ms its log prints, matched by pattern). A failed
-    run, or one that logs too few steps for the median (past the first 10), is one error line."""
+def timed(argv, cwd, pattern, name, env=None):
+    """Run argv (env: more environment variables); return (wall seconds, the per-step ms its log
+    prints, matched by pattern). A failed run, or one that logs too few steps for the median (past
+    the first 10), is one error line."""
     t0 = time.perf_counter()
-    p = subprocess.run(argv, cwd=cwd, capture_output=True, text=True)
+    p = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         last = ((p.stderr or p.stdout).strip().splitlines() or ["(no output)"])[-1]
@@ -94,7 +98,8 @@ def compare(args, files, shards, ours_extra, tmp, where):
                              "--log_interval=1", "--warmup_iters=50",
                              "--gradient_accumulation_steps=1", "--device=cpu", "--compile=False",
                              "--dtype=float32", f"--out_dir={os.path.join(tmp, 'nanogpt_out')}"],
-                            tmp, r"iter \d+: loss [\d.]+, time ([\d.]+)ms", "nanoGPT")
+                            tmp, r"iter \d+: loss [\d.]+, time ([\d.]+)ms", "nanoGPT",
+                            dict(GLIBC_TUNABLES=GLIBC_TUNABLES) if args.nanogpt_keep_memory else None)
     where[0] = "our train.py ran (nanoGPT's run had finished)"
     runs["ours"] = timed([sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", *shape,
                           f"--max_iters={n}", f"--out_dir={os.path.join(tmp, 'ours_out')}",

@@ -9,7 +9,8 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
                                  matrices, one by one and stacked by shape
   python -m lab.bench --train    training steps at the device preset's grad accumulation: nanoGPT
                                  baseline vs ours fp vs ours QAT, eager and compiled
-                                 (lab/bench_train.py; --runs= picks some)
+                                 (lab/bench_train.py; --runs= picks some; on CPU it keeps
+                                 freed memory as train.py does, --keep_memory=False does not)
   python -m lab.bench --train --model=M   a pretrained model's shape against transformers' own
                                  training step and generate
   python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours QAT and fp vs nanoGPT,
@@ -331,13 +332,15 @@ class BenchFlags:
     runs: str = ""               # --train: some of the runs, comma-separated (default all):
                                  # nanogpt, fp, qat, qat_sep, qat_bf16 (CPU), nanogpt_c, fp_c,
                                  # qat_c (_c: compiled)
+    keep_memory: bool = True     # --train on CPU: freed memory kept for the next step, as train.py
+                                 # keeps it (tools.runtime.keep_freed_memory); False: glibc's default
     shape: str = "preset"        # --decode: preset (the device preset's model) or 1b (16 x 2048,
                                  # GQA 32/8 heads, FFN 8192, vocab 128,256, random weights: the
                                  # weights set the decode time)
 
 
 OPTIONS = {"target": "quality", "train_args": "quality", "model": "train", "runs": "train",
-           "shape": "decode"}  # option: the benchmark it belongs to
+           "keep_memory": "train", "shape": "decode"}  # option: the benchmark it belongs to
 
 
 def main(argv):
@@ -368,7 +371,7 @@ def run(which, opts):
         runs = bench_train.check_runs(opts.get("runs", ""))
         if opts.get("model"):
             return bench_train.bench_pretrained(opts["model"])
-        return bench_train.bench_train(runs=runs)
+        return bench_train.bench_train(runs=runs, keep_memory=opts.get("keep_memory", True))
     if which == "decode":
         from lab import bench_decode
         shape = bench_decode.check_shape(opts.get("shape", "preset"))

@@ -23,6 +23,7 @@ import time
 import torch
 
 from lab.bench_train import Step, build, train_shape
+from tools.runtime import keep_freed_memory
 
 
 def bench_profile(passes=2, rounds=6):
@@ -31,8 +32,10 @@ def bench_profile(passes=2, rounds=6):
     on the quick start's two shapes, as quant.py computes it against torch's inf-norm (the same
     values, checked here); then RoPE and QuantRMSNorm forward+backward, autograd through the
     formula against model.RoPE and quant.RMSNormCPU (the eager step's forms; the same bits,
-    checked); then what each technique costs the step (technique_costs, `rounds` rounds)."""
+    checked); then what each technique costs the step (technique_costs, `rounds` rounds). Freed
+    memory is kept for the next step, as train.py keeps it (tools.runtime.keep_freed_memory)."""
     from torch.profiler import ProfilerActivity, profile
+    keep_freed_memory()
     s = train_shape("cpu", {})
     x, y = s.x[0], s.y[0]
     for name, how in (("ours QAT", dict(quant=True)), ("ours fp", {}), ("nanoGPT", dict(nanogpt=True))):

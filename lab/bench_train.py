@@ -23,6 +23,7 @@ import time
 import torch
 
 from tools.flags import die
+from tools.runtime import keep_freed_memory
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}  # dense bf16 tensor-core peak, per GPU
 
@@ -161,10 +162,11 @@ class Step:
 
 def time_steps(step, warmup, steps, sync):
     """(ms per step over the timed steps, seconds of the first step (compiles), Muon's ms of each
-    step)."""
-    muon_ms, total, first = [], 0.0, 0.0
+    step, the process's minor page faults per timed step (None where resource is missing))."""
+    muon_ms, total, first, faults = [], 0.0, 0.0, 0
     for i in range(warmup + steps):
         sync()
+        f0 = minor_faults()
         t0 = time.perf_counter()
         step(muon_ms)
         sync()
@@ -172,7 +174,18 @@ def time_steps(step, warmup, steps, sync):
             first = time.perf_counter() - t0
         if i >= warmup:
             total += time.perf_counter() - t0
-    return 1000 * total / steps, first, muon_ms[warmup:]
+            faults = None if f0 is None else faults + minor_faults() - f0
+    return 1000 * total / steps, first, muon_ms[warmup:], None if faults is None else faults / steps
+
+
+def minor_faults():
+    """Page faults this process took so far that the kernel served without I/O: a fresh page
+    mapped and zeroed, as when a tensor lands in memory the allocator just got from the kernel."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def mfu(s, n_params, ms):
@@ -193,11 +206,12 @@ def time_run(s, key, steps, warmup, profile_steps, shape=None):
     model, opt, clipper = build(s, how.get("quant", False), how.get("nanogpt", False),
                                 how.get("fused", True), shape)
     step = Step(s, model, opt, clipper, how.get("compiled", False), how.get("bf16", False))
-    ms, first, muon_ms = time_steps(step, warmup, steps, s.sync)
+    ms, first, muon_ms, faults = time_steps(step, warmup, steps, s.sync)
     n_params = sum(p.numel() for p in model.parameters())
     muon = f"{100 * sum(muon_ms) / steps / ms:5.1f}%" if muon_ms else "    -"
     print(f"{label:40s} {n_params / 1e6:7.2f}M {ms:9.1f} {s.x.numel() / ms * 1000:10.0f} "
-          f"{muon:>7s} {mfu(s, n_params, ms):>6s} {first:8.1f}", flush=True)
+          f"{muon:>7s} {mfu(s, n_params, ms):>6s} {first:8.1f} "
+          f"{'-' if faults is None else f'{faults:.0f}':>7s}", flush=True)
     out = dict(ms=ms)
     if how.get("compiled"):
         out["profile"] = profile_ops(step, s.cuda, profile_steps)
@@ -251,12 +265,15 @@ def print_profiles(r):
             print(f"  {name[:70]:70s} x{count:<5g} {t:8.2f} ms  {100 * t / total:5.1f}%")
 
 
-def bench_train(steps=10, warmup=3, shape=None, profile_steps=2, runs=None):
-    """ms/step and tokens/s of whole optimizer steps at the device preset's shape and grad
-    accumulation (shape: TrainConfig fields on top), for each run of RUNS named in runs (default:
-    all); then the ratios, the work of each eager step and where each compiled step's time goes.
-    Returns {run: dict(ms, work or profile)}."""
+def bench_train(steps=10, warmup=3, shape=None, profile_steps=2, runs=None, keep_memory=True):
+    """ms/step, tokens/s and page faults per step of whole optimizer steps at the device preset's
+    shape and grad accumulation (shape: TrainConfig fields on top), for each run of RUNS named in
+    runs (default: all); then the ratios, the work of each eager step and where each compiled
+    step's time goes. On CPU freed memory is kept for the next step as train.py keeps it
+    (tools.runtime.keep_freed_memory), unless keep_memory=False (glibc's default). Returns {run:
+    dict(ms, work or profile)}."""
     cuda = torch.cuda.is_available()
+    kept = not cuda and keep_memory and keep_freed_memory()
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -266,9 +283,10 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2, runs=None):
           f"{torch.get_num_threads()} threads; model {c.n_layer}x{c.n_embd}, {c.n_head} heads, "
           f"vocab {s.V}; "
           f"{accum} micro-batch(es) of {B} x {T} a step ({s.x.numel():,} tokens); "
-          f"{'bf16 autocast' if cuda else 'fp32'}, Muon+ZClip unless noted")
+          f"{'bf16 autocast' if cuda else 'fp32'}, Muon+ZClip unless noted"
+          + ("" if cuda else f"; freed memory {'kept' if kept else 'given back (glibc default)'}"))
     print(f"{'run':40s} {'params':>8s} {'ms/step':>9s} {'tokens/s':>10s} {'muon %':>7s} "
-          f"{'MFU':>6s} {'1st s':>8s}")
+          f"{'MFU':>6s} {'1st s':>8s} {'faults':>7s}")
     r = {key: time_run(s, key, steps, warmup, profile_steps, shape)
          for key in (runs or check_runs(""))}
     print_ratios(r)
