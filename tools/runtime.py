@@ -9,7 +9,8 @@ through a process group: NCCL between GPUs, gloo between CPU processes. Only ran
 writes files; every rank computes.
 
     rt = Runtime.from_env("cuda")   # reads RANK / LOCAL_RANK / WORLD_SIZE, picks cuda:<LOCAL_RANK>
-    rt.start()                      # joins the process group (nothing to do for one process)
+    rt.start()                      # joins the process group (nothing to do for one process); on
+                                    # CPU keeps freed memory for the next step (keep_freed_memory)
     rt.log("only rank 0 prints")    # rt.log_json(out_dir, record) appends to out_dir/metrics.jsonl
     rt.barrier()                    # wait for every rank
     # what the step calls:
