@@ -4,14 +4,16 @@ byte shards, shape and tokens per step: 4 layers, 4 heads, width 128, 16 sequenc
 steps, CPU, float32, no compile.
 
     git clone https://github.com/karpathy/nanoGPT /path/to/nanoGPT
-    python -m lab.against_nanogpt --nanogpt=/path/to/nanoGPT [--max_iters=600 --train_args="..."]
+    python -m lab.against_nanogpt --nanogpt=/path/to/nanoGPT [--max_iters=600 --train_args="..." --rounds=3]
 
 nanoGPT runs in a temporary directory holding links to its train.py, model.py and configurator.py
 and our data/shakespeare_byte shards rewritten as its train.bin / val.bin (uint16) and meta.pkl
 (vocab 257); nothing is written into its checkout. Then `python train.py --stage=2` (ours, into a
 temporary out_dir). Printed: each run's wall time and median ms per step (steps after the 10th;
 nanoGPT's evaluation steps are the outliers the median drops, ours excludes evaluation from its step
-time), and ours / nanoGPT for both. Time it on an idle machine. Ctrl-C stops the run in progress and
+time), and ours / nanoGPT for both. Time it on an idle machine; on a shared one, whose neighbours move
+both runs' times by 10 % and more, --rounds=3 runs three pairs, the first of each pair alternating, and
+prints the median of their ratios. Ctrl-C stops the run in progress and
 removes the temporary directory: one line, exit status 130.
 
 This is the one place real nanoGPT runs; every other comparison with a nanoGPT shape uses its model
@@ -47,6 +49,7 @@ class AgainstFlags:
     nanogpt: str = ""   # a checkout of https://github.com/karpathy/nanoGPT (its train.py, model.py, configurator.py)
     max_iters: int = 600  # steps of both runs (the quick start's)
     train_args: str = ""  # more flags for our run only, e.g. "--eval_whole=False" (a quick look; not the comparison)
+    rounds: int = 1     # pairs of runs, the first of each pair alternating; the ratios' median is printed
     nanogpt_keep_memory: bool = False  # nanoGPT's run keeps freed memory as ours does (glibc tunables):
                                        # the same allocator for both; False: nanoGPT as its users run it
 
@@ -77,8 +80,9 @@ def stopped(where):
 
 
 def compare(args, files, shards, ours_extra, tmp, where):
-    """Both runs in tmp: nanoGPT's train.py on our shards in its format, then ours. {name: (wall s,
-    [ms])}; where[0] says what runs now."""
+    """Both runs in tmp, args.rounds times: nanoGPT's train.py on our shards in its format, and ours;
+    the first of each pair alternates (nanoGPT first in round 1), so a load that drifts over the
+    rounds weighs on both alike. [{name: (wall s, [ms])}] a round; where[0] says what runs now."""
     os.makedirs(os.path.join(tmp, "data", "nanobitnet_byte"))
     for f in files:
         os.symlink(os.path.abspath(f), os.path.join(tmp, os.path.basename(f)))
@@ -89,26 +93,37 @@ def compare(args, files, shards, ours_extra, tmp, where):
     with open(os.path.join(tmp, "data", "nanobitnet_byte", "meta.pkl"), "wb") as f:
         pickle.dump({"vocab_size": 257}, f)
     shape = [f"--{k}={v}" for k, v in SHAPE.items()]
-    runs = {}
-    where[0] = "nanoGPT's train.py ran"
     n = args.max_iters
-    runs["nanoGPT"] = timed([sys.executable, "train.py", "--dataset=nanobitnet_byte", *shape,
-                             "--bias=False", "--dropout=0.0", f"--max_iters={n}",
-                             f"--lr_decay_iters={n}", "--eval_interval=200", "--eval_iters=20",
-                             "--log_interval=1", "--warmup_iters=50",
-                             "--gradient_accumulation_steps=1", "--device=cpu", "--compile=False",
-                             "--dtype=float32", f"--out_dir={os.path.join(tmp, 'nanogpt_out')}"],
-                            tmp, r"iter \d+: loss [\d.]+, time ([\d.]+)ms", "nanoGPT",
-                            dict(GLIBC_TUNABLES=GLIBC_TUNABLES) if args.nanogpt_keep_memory else None)
-    where[0] = "our train.py ran (nanoGPT's run had finished)"
-    runs["ours"] = timed([sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", *shape,
-                          f"--max_iters={n}", f"--out_dir={os.path.join(tmp, 'ours_out')}",
-                          *ours_extra], ROOT, r"\| ([\d.]+) ms \| [\d.]+ tok/s", "ours")
-    return runs
+
+    def nanogpt(r):
+        where[0] = f"nanoGPT's train.py ran (round {r + 1})"
+        return timed([sys.executable, "train.py", "--dataset=nanobitnet_byte", *shape,
+                      "--bias=False", "--dropout=0.0", f"--max_iters={n}",
+                      f"--lr_decay_iters={n}", "--eval_interval=200", "--eval_iters=20",
+                      "--log_interval=1", "--warmup_iters=50",
+                      "--gradient_accumulation_steps=1", "--device=cpu", "--compile=False",
+                      "--dtype=float32", f"--out_dir={os.path.join(tmp, f'nanogpt_out{r}')}"],
+                     tmp, r"iter \d+: loss [\d.]+, time ([\d.]+)ms", "nanoGPT",
+                     dict(GLIBC_TUNABLES=GLIBC_TUNABLES) if args.nanogpt_keep_memory else None)
+
+    def ours(r):
+        where[0] = f"our train.py ran (round {r + 1})"
+        return timed([sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", *shape,
+                      f"--max_iters={n}", f"--out_dir={os.path.join(tmp, f'ours_out{r}')}",
+                      *ours_extra], ROOT, r"\| ([\d.]+) ms \| [\d.]+ tok/s", "ours")
+
+    rounds = []
+    for r in range(args.rounds):
+        first, second = (("nanoGPT", nanogpt), ("ours", ours))[::1 if r % 2 == 0 else -1]
+        rounds.append({first[0]: first[1](r)})
+        rounds[-1][second[0]] = second[1](r)
+    return rounds
 
 
 def main(argv):
     args = AgainstFlags(**parse(argv, AgainstFlags, __doc__))
+    if args.rounds < 1:
+        die(f"--rounds={args.rounds}: expected at least 1 (pairs of runs)", 2)
     if args.max_iters < 11:  # the median is taken past the first 10 steps (warm-up)
         die(f"--max_iters={args.max_iters}: expected at least 11 (the median step leaves out the first 10)", 2)
     files = [os.path.join(args.nanogpt, f) for f in ("train.py", "model.py", "configurator.py")]
@@ -130,18 +145,24 @@ def main(argv):
     where = ["the shards were written in nanoGPT's format"]  # what runs now, for a Ctrl-C's line
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            runs = compare(args, files, shards, ours_extra, tmp, where)
+            rounds = compare(args, files, shards, ours_extra, tmp, where)
     except KeyboardInterrupt:
         stopped(where[0])
-    med = {k: statistics.median(ms[10:]) for k, (_, ms) in runs.items()}
-    for k, (wall, ms) in runs.items():
-        print(f"{k:8s} {args.max_iters} steps in {wall:6.1f} s, median {med[k]:6.1f} ms/step "
-              f"({len(ms)} steps logged)")
-    wall = runs['ours'][0] / runs['nanoGPT'][0]
-    print(f"ours / nanoGPT: {wall:.2f}x wall, {med['ours'] / med['nanoGPT']:.2f}x "
+    walls, steps = [], []
+    for r, runs in enumerate(rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} ({next(iter(runs))} first):")
+        med = {k: statistics.median(ms[10:]) for k, (_, ms) in runs.items()}
+        for k in ("nanoGPT", "ours"):
+            wall, ms = runs[k]
+            print(f"{k:8s} {args.max_iters} steps in {wall:6.1f} s, median {med[k]:6.1f} ms/step "
+                  f"({len(ms)} steps logged)")
+        walls.append(runs["ours"][0] / runs["nanoGPT"][0])
+        steps.append(med["ours"] / med["nanoGPT"])
+    of = "" if args.rounds == 1 else f"the median of {args.rounds} rounds' ratios "
+    print(f"ours / nanoGPT: {of}{statistics.median(walls):.2f}x wall, {statistics.median(steps):.2f}x "
           f"median step (target: at most 1.40x); {os.cpu_count()} CPUs")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -389,6 +389,33 @@ def test_against_nanogpt_feeds_it_our_byte_shards_in_its_format_and_prints_both_
     assert "--nanogpt=" in msg and "karpathy/nanoGPT" in msg
 
 
+def test_against_nanogpt_rounds_alternate_the_first_run_and_print_the_ratios_median(tmp_path, monkeypatch, capsys):
+    """--rounds=3: three pairs, nanoGPT first in rounds 1 and 3, ours first in round 2; the last line gives
+    the median of the rounds' ratios (wall 1.3, 1.5, 1.2 -> 1.30x; median steps 120/100, 160/100, 125/100 ->
+    1.25x), not the ratio of medians or of sums; --nanogpt_keep_memory gives glibc's tunables to nanoGPT's
+    run only; --rounds=0 is one error line. The runs are stand-ins (timed replaced): what is checked is the
+    order and the arithmetic."""
+    from lab import against_nanogpt
+    from tools.runtime import GLIBC_TUNABLES
+    ng = fake_nanogpt(tmp_path / "nanoGPT", "")
+    calls, ours_wall, ours_ms = [], iter([130.0, 150.0, 120.0]), iter([120.0, 160.0, 125.0])
+
+    def timed(argv, cwd, pattern, name, env=None):
+        calls.append((name, (env or {}).get("GLIBC_TUNABLES")))
+        if name == "nanoGPT":
+            return 100.0, [500.0] * 10 + [100.0] * 11
+        return next(ours_wall), [500.0] * 10 + [next(ours_ms)] * 11
+    monkeypatch.setattr(against_nanogpt, "timed", timed)
+    assert against_nanogpt.main([f"--nanogpt={ng}", "--rounds=3", "--nanogpt_keep_memory=True"]) == 0
+    assert calls == [("nanoGPT", GLIBC_TUNABLES), ("ours", None), ("ours", None), ("nanoGPT", GLIBC_TUNABLES),
+                     ("nanoGPT", GLIBC_TUNABLES), ("ours", None)]
+    out = capsys.readouterr().out
+    assert "round 2 (ours first):" in out and "round 3 (nanoGPT first):" in out
+    assert "ours / nanoGPT: the median of 3 rounds' ratios 1.30x wall, 1.25x median step" in out, out
+    msg = fails(capsys, f"--nanogpt={ng}", "--rounds=0", main=against_nanogpt.main, code=2)
+    assert "--rounds=0" in msg and "at least 1" in msg, msg
+
+
 def test_against_nanogpt_refuses_too_few_steps_for_its_median(capsys):
     """The median step leaves out the first 10 (warm-up): --max_iters below 11 is one line before anything runs."""
     from lab import against_nanogpt
