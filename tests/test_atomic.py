@@ -309,6 +309,33 @@ def test_stoppable_says_whether_the_output_was_written(tmp_path, capsys):
     msg = fails(capsys, code=128 + signal.SIGTERM, main=lambda argv: stopped(argv, True))
     assert "written whole" in msg and open(path).read() == "new" and os.listdir(tmp_path) == ["f"]
 
+
+
+def test_stoppable_names_the_signal_when_c_code_replaced_its_exception(tmp_path, capsys):
+    """A SIGTERM whose handler ran inside C code that put its own error in place of the handler's exception
+    (numpy's tofile, writing a shard: a TypeError, found in CI) still ends in the one line naming the signal and
+    its exit code, and a bare StopSignal(at_once=...) raises Interrupted; an error with no signal behind it is
+    left as it is."""
+    path = str(tmp_path / "f")
+
+    def numpy_like():  # what numpy's tofile did with the handler's exception
+        try:
+            _signal(signal.SIGTERM)
+        except atomic.Interrupted:
+            raise TypeError("expected str, bytes or os.PathLike object, not BufferedWriter") from None
+
+    def stopped(argv):
+        with atomic.stoppable("--out", path):
+            numpy_like()
+    msg = fails(capsys, code=128 + signal.SIGTERM, main=stopped)
+    assert "stopped by SIGTERM" in msg and f"--out={path} was not written" in msg, msg
+    with pytest.raises(TypeError):
+        with atomic.stoppable("--out", path):
+            raise TypeError("a bug, not a signal")
+    with pytest.raises(atomic.Interrupted, match="SIGTERM: before training"):  # train.py's kind
+        with atomic.StopSignal(at_once="before training"):
+            numpy_like()
+
 # -----------------------------------------------------------------------------
 # load_gpt
 

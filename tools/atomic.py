@@ -365,7 +365,8 @@ class StopSignal:
     received, else None; a training loop checks it once per step. A second signal of the same kind
     raises Interrupted at once (torchrun follows a Ctrl-C with SIGTERM to its workers: that second,
     different signal is not an abort). StopSignal(at_once="why"): the first signal raises
-    Interrupted, "error: SIGTERM: why". StopSignal(forward=fn): fn(signum) is called first; when it
+    Interrupted, "error: SIGTERM: why" (leaving the with block, also where C code replaced it with
+    an error of its own). StopSignal(forward=fn): fn(signum) is called first; when it
     returns True (it passed the signal on, e.g. to a child process that decides for itself), the
     signal only sets `requested`."""
 
@@ -377,13 +378,20 @@ class StopSignal:
         self.old = {s: signal.signal(s, self._handle) for s in self.signals}
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         for s, h in self.old.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
+        if self.at_once and self.requested and exc_type is not None and issubclass(exc_type, Exception):
+            # the handler's Interrupted, raised inside C code that put its own error in its place
+            # (numpy's tofile, whose os.PathLike check ran the handler, says TypeError): the signal
+            # is what stopped the command
+            raise Interrupted(signal.Signals[self.requested],
+                              f"{self.requested}: {self.at_once}") from None
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         if self.at_once:
+            self.requested = name  # for __exit__, where C code replaced the exception with its own
             raise Interrupted(signum, f"{name}: {self.at_once}")
         passed_on = self.forward is not None and self.forward(signum)
         if self.requested == name and not passed_on:
