@@ -118,6 +118,19 @@ def test_train_py_with_wandb_not_logged_in_stops_in_one_line(monkeypatch, capsys
 
 
 
+def test_close_waits_for_every_rank_before_tearing_the_process_group_down(monkeypatch):
+    """Rank 1 of 2 reaches close() while rank 0 still writes its checkpoint; tearing gloo down then raced rank
+    0's exit (a rank ended in SIGABRT after a finished run). close() passes a barrier first. The process group
+    is stubbed: the order of the calls is what is checked."""
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a, **k: calls.append("destroy"))
+    Runtime(rank=1, local_rank=1, world=2).close()
+    assert calls == ["barrier", "destroy"]
+    Runtime().close()  # one process: nothing to wait for or tear down
+    assert calls == ["barrier", "destroy"]
+
+
 FAULTS_SCRIPT = """
 import resource, sys, torch
 from tools.runtime import Runtime, keep_freed_memory

@@ -124,6 +124,9 @@ class Runtime:
         if self.wandb is not None:
             self.wandb.finish()
         if self.world > 1:
+            # every rank done (rank 0's checkpoint written) before any tears gloo/NCCL down: a rank
+            # whose teardown raced another's exit once ended in SIGABRT after a finished CPU run
+            dist.barrier()
             dist.destroy_process_group()
 
     def wrap(self, model, fsdp, compile):
