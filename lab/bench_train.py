@@ -299,18 +299,24 @@ def count_work(phases):
     """The work of one training step in counts that hold on any machine: {phase: (aten ops, MB they
     touch)} for phases, a list of (name, function) run in order (forward, backward, optimizer; a
     name repeated, as each micro-batch's forward, adds up). An op touches the bytes of its tensor
-    inputs and outputs (each read or written once: a lower bound of its memory traffic); a view op
-    (reshape, transpose, ...) moves none but is counted as an op, as it costs a dispatch."""
+    inputs and outputs (each read or written once: a lower bound of its memory traffic); an out=
+    argument is its output, counted once, and an in-place op's tensor twice (read, then written).
+    A view op (reshape, transpose, ...) and an op that only allocates (empty_like, new_empty) or
+    only relabels (_unsafe_view) move none but are counted as ops, as each costs a dispatch."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
+    aten = torch.ops.aten
+    moves_none = {aten.empty, aten.empty_like, aten.new_empty, aten.empty_strided,
+                  aten.new_empty_strided, aten._unsafe_view}
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             self.ops += 1
-            if not func.is_view:
-                self.bytes += sum(t.numel() * t.element_size()
-                                  for t in tree_leaves((args, kwargs, out))
+            if not func.is_view and func.overloadpacket not in moves_none:
+                outs = {a.name for a in func._schema.arguments if a.is_out}  # written: the result
+                inputs = (args, {k: v for k, v in (kwargs or {}).items() if k not in outs})
+                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((inputs, out))
                                   if isinstance(t, torch.Tensor))
             return out
 

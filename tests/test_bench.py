@@ -336,10 +336,17 @@ def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(caps
 
 def test_count_work_counts_ops_and_the_bytes_of_their_tensors():
     """count_work against a closed form: a (64, 32) @ (32, 16) fp32 mm touches 4 (64*32 + 32*16 +
-    64*16) bytes; a view is an op that moves nothing."""
-    a, b = torch.randn(64, 32), torch.randn(32, 16)
-    w = bench_train.count_work([("mm", lambda: a @ b), ("view", lambda: a.view(32, 64))])
+    64*16) bytes; a view, an allocation and a relabelling are ops that move nothing; an out= write
+    counts its output once (a * a into c: two reads, one write), an in-place op its tensor twice."""
+    a, b, c = torch.randn(64, 32), torch.randn(32, 16), torch.empty(64, 32)
+    w = bench_train.count_work([("mm", lambda: a @ b), ("view", lambda: a.view(32, 64)),
+                                ("alloc", lambda: (torch.empty_like(a), a.new_empty(8))),
+                                ("relabel", lambda: torch.ops.aten._unsafe_view(a, (32, 64))),
+                                ("out", lambda: torch.mul(a, a, out=c)), ("in place", lambda: c.mul_(2))])
+    n = 4 * 64 * 32 / 1e6  # one (64, 32) fp32 tensor
     assert w["mm"] == (1, 4 * (64 * 32 + 32 * 16 + 64 * 16) / 1e6) and w["view"] == (1, 0.0)
+    assert w["alloc"] == (2, 0.0) and w["relabel"] == (1, 0.0)
+    assert w["out"] == (1, 3 * n) and w["in place"] == (1, 2 * n)
 
 
 FAKE_NANOGPT = '''import os, sys, numpy as np, pickle
