@@ -235,23 +235,28 @@ def print_ratios(r):
 
 def print_work(r):
     """The aten ops and MB of one eager step of each eager run, phase by phase, and ours over
-    nanoGPT's."""
+    nanoGPT's: all bytes, and those outside the matmuls and attention (what a faster BLAS leaves as
+    it is)."""
     work = {RUNS[k][0]: v["work"] for k, v in r.items() if "work" in v}
     if not work:
         return
     print("the work of one eager step, the same on any machine (aten ops dispatched / MB their "
           "tensors hold):")
+
+    def total(w, i):
+        return sum(v[i] for v in w.values())
     for label, w in work.items():
-        ops, mb = sum(o for o, _ in w.values()), sum(b for _, b in w.values())
-        print(f"  {label:40s} " + "  ".join(f"{k} {o:5d} / {b:8.1f}" for k, (o, b) in w.items()) +
-              f"  total {ops:5d} / {mb:8.1f}")
+        print(f"  {label:40s} " + "  ".join(f"{k} {o:5d} / {b:8.1f}" for k, (o, b, _) in w.items()) +
+              f"  total {total(w, 0):5d} / {total(w, 1):8.1f}, outside matmuls and attention "
+              f"{total(w, 1) - total(w, 2):8.1f}")
     base = work.get(RUNS["nanogpt"][0])
     for key in ("fp", "qat"):
         if base and RUNS[key][0] in work:
             w = work[RUNS[key][0]]
-            ops = sum(o for o, _ in w.values()) / sum(o for o, _ in base.values())
-            mb = sum(b for _, b in w.values()) / sum(b for _, b in base.values())
-            print(f"{RUNS[key][0]} / nanoGPT: {ops:.2f}x the ops, {mb:.2f}x the bytes")
+            rest = (total(w, 1) - total(w, 2)) / (total(base, 1) - total(base, 2))
+            print(f"{RUNS[key][0]} / nanoGPT: {total(w, 0) / total(base, 0):.2f}x the ops, "
+                  f"{total(w, 1) / total(base, 1):.2f}x the bytes, {rest:.2f}x the bytes outside "
+                  f"matmuls and attention")
 
 
 def print_profiles(r):
@@ -297,8 +302,8 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2, runs=None, keep
 
 def count_work(phases):
     """The work of one training step in counts that hold on any machine: {phase: (aten ops, MB they
-    touch)} for phases, a list of (name, function) run in order (forward, backward, optimizer; a
-    name repeated, as each micro-batch's forward, adds up). An op touches the bytes of its tensor
+    touch, MB of those in matmuls and attention)} for phases, a list of (name, function) run in
+    order (forward, backward, optimizer; a name repeated, as each micro-batch's forward, adds up). An op touches the bytes of its tensor
     inputs and outputs (each read or written once: a lower bound of its memory traffic); an out=
     argument is its output, counted once, and an in-place op's tensor twice (read, then written).
     A view op (reshape, transpose, ...) and an op that only allocates (empty_like, new_empty) or
@@ -316,17 +321,21 @@ def count_work(phases):
             if not func.is_view and func.overloadpacket not in moves_none:
                 outs = {a.name for a in func._schema.arguments if a.is_out}  # written: the result
                 inputs = (args, {k: v for k, v in (kwargs or {}).items() if k not in outs})
-                self.bytes += sum(t.numel() * t.element_size() for t in tree_leaves((inputs, out))
-                                  if isinstance(t, torch.Tensor))
+                b = sum(t.numel() * t.element_size() for t in tree_leaves((inputs, out))
+                        if isinstance(t, torch.Tensor))
+                self.bytes += b
+                name = func.overloadpacket.__name__
+                if name in ("mm", "addmm", "bmm", "baddbmm") or "scaled_dot_product" in name:
+                    self.blas_bytes += b
             return out
 
     work = {}
     for name, fn in phases:
         with Count() as c:
-            c.ops, c.bytes = 0, 0
+            c.ops, c.bytes, c.blas_bytes = 0, 0, 0
             fn()
-        ops, mb = work.get(name, (0, 0.0))
-        work[name] = (ops + c.ops, mb + c.bytes / 1e6)
+        ops, mb, blas = work.get(name, (0, 0.0, 0.0))
+        work[name] = (ops + c.ops, mb + c.bytes / 1e6, blas + c.blas_bytes / 1e6)
     return work
 
 

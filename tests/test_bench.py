@@ -159,7 +159,7 @@ def test_technique_costs_takes_each_technique_out_of_the_step_and_times_each_run
     step()  # the optimizer's state made: each later step dispatches the same ops
 
     def ops():
-        return sum(n for n, _ in bench_train.count_work(step.phases()).values())
+        return sum(n for n, *_ in bench_train.count_work(step.phases()).values())
     full = ops()
     for name, swap in bench_profile.plain_forms().items():
         with swap():
@@ -332,21 +332,29 @@ def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(caps
     ratio = float(re.search(r"ours ternary QAT \(stage 2\) / nanoGPT: ([\d.]+)x the ops", out).group(1))
     assert ratio == pytest.approx(work["ours ternary QAT (stage 2)"][3][0] / work["nanoGPT baseline (fp, AdamW)"][3][0],
                                   abs=0.006)
+    # the bytes outside matmuls and attention: what count_work returned, less its matmul share
+    rest = {k: sum(b - m for _, b, m in r[k]["work"].values()) for k in ("nanogpt", "qat")}
+    assert 0 < rest["qat"] < work["ours ternary QAT (stage 2)"][3][1]
+    assert f"attention {rest['qat']:8.1f}" in out
+    ratio = float(re.search(r"ours ternary QAT \(stage 2\) / nanoGPT: .* ([\d.]+)x the bytes outside", out).group(1))
+    assert ratio == pytest.approx(rest["qat"] / rest["nanogpt"], abs=0.006)
 
 
 def test_count_work_counts_ops_and_the_bytes_of_their_tensors():
     """count_work against a closed form: a (64, 32) @ (32, 16) fp32 mm touches 4 (64*32 + 32*16 +
-    64*16) bytes; a view, an allocation and a relabelling are ops that move nothing; an out= write
-    counts its output once (a * a into c: two reads, one write), an in-place op its tensor twice."""
+    64*16) bytes, all of them a matmul's; a view, an allocation and a relabelling are ops that move
+    nothing; an out= write counts its output once (a * a into c: two reads, one write), an in-place
+    op its tensor twice."""
     a, b, c = torch.randn(64, 32), torch.randn(32, 16), torch.empty(64, 32)
     w = bench_train.count_work([("mm", lambda: a @ b), ("view", lambda: a.view(32, 64)),
                                 ("alloc", lambda: (torch.empty_like(a), a.new_empty(8))),
                                 ("relabel", lambda: torch.ops.aten._unsafe_view(a, (32, 64))),
                                 ("out", lambda: torch.mul(a, a, out=c)), ("in place", lambda: c.mul_(2))])
     n = 4 * 64 * 32 / 1e6  # one (64, 32) fp32 tensor
-    assert w["mm"] == (1, 4 * (64 * 32 + 32 * 16 + 64 * 16) / 1e6) and w["view"] == (1, 0.0)
-    assert w["alloc"] == (2, 0.0) and w["relabel"] == (1, 0.0)
-    assert w["out"] == (1, 3 * n) and w["in place"] == (1, 2 * n)
+    mm = 4 * (64 * 32 + 32 * 16 + 64 * 16) / 1e6
+    assert w["mm"] == (1, mm, mm) and w["view"] == (1, 0.0, 0.0)  # the third: bytes in matmuls and attention
+    assert w["alloc"] == (2, 0.0, 0.0) and w["relabel"] == (1, 0.0, 0.0)
+    assert w["out"] == (1, 3 * n, 0.0) and w["in place"] == (1, 2 * n, 0.0)
 
 
 FAKE_NANOGPT = '''import os, sys, numpy as np, pickle
