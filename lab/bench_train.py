@@ -303,8 +303,9 @@ def bench_train(steps=10, warmup=3, shape=None, profile_steps=2, runs=None, keep
 def count_work(phases):
     """The work of one training step in counts that hold on any machine: {phase: (aten ops, MB they
     touch, MB of those in matmuls and attention)} for phases, a list of (name, function) run in
-    order (forward, backward, optimizer; a name repeated, as each micro-batch's forward, adds up). An op touches the bytes of its tensor
-    inputs and outputs (each read or written once: a lower bound of its memory traffic); an out=
+    order (forward, backward, optimizer; a name repeated, as each micro-batch's forward, adds up).
+    An op touches the bytes of its tensor inputs and outputs (each read or written once: a lower
+    bound of its memory traffic); an out=
     argument is its output, counted once, and an in-place op's tensor twice (read, then written).
     A view op (reshape, transpose, ...) and an op that only allocates (empty_like, new_empty) or
     only relabels (_unsafe_view) move none but are counted as ops, as each costs a dispatch."""

@@ -1,8 +1,8 @@
 """
 nanoGPT's model (github.com/karpathy/nanoGPT, model.py), the one baseline of every comparison here
 that needs a nanoGPT shape: lab/bench_train.py (step time, the work of a step, profiles),
-lab/bench_profile.py (where the CPU step's time goes), lab/bench_quality.py (time to quality) and tests/test_nanogpt_recipe.py (our recipe applied to
-nanoGPT). Real nanoGPT itself, its train.py included, is run only by lab/against_nanogpt.py.
+lab/bench_profile.py (where the CPU step's time goes), lab/bench_quality.py (time to quality) and
+tests/test_nanogpt_recipe.py (our recipe applied to nanoGPT). Real nanoGPT itself, its train.py included, is run only by lab/against_nanogpt.py.
 
 nanoGPT's names, structure and initialisation: GPTConfig(bias), Block(ln_1, attn(c_attn, c_proj),
 ln_2, mlp(c_fc, gelu, c_proj)), GPT(transformer.wte/wpe/h/ln_f, lm_head tied to wte), N(0, 0.02)

@@ -312,6 +312,10 @@ def test_train_times_every_run_and_says_where_each_compiled_steps_time_goes(caps
     r = bench_train.bench_train(steps=1, warmup=1, shape=shape, runs=runs)
     out = capsys.readouterr().out
     assert {"nanogpt", "fp", "qat", "nanogpt_c", "fp_c", "qat_c"} <= set(r)
+    # freed memory kept as train.py keeps it, and each run's page faults per timed step in the last column
+    assert "freed memory kept" in out and re.search(r"1st s +faults$", out, re.M), out
+    rows = re.findall(r"^(?:nanoGPT|ours).* ([\d.]+) +(\d+)$", out, re.M)
+    assert len(rows) == len(runs), out
     assert all(v["ms"] > 0 for v in r.values())
     fp, qat = re.search(r"compiled nanoGPT step: ours fp ([\d.]+) .*, ours QAT ([\d.]+)", out).groups()
     assert float(fp) == pytest.approx(r["fp_c"]["ms"] / r["nanogpt_c"]["ms"], abs=6e-4)

@@ -252,7 +252,7 @@ def test_zclip_rescues_a_run_from_a_gradient_spike():
     print(f"\nval loss 11 steps after a x100 spike, against the clean run, mean +- std of {len(seeds)} seeds: "
           f"ZClip {with_zclip.mean():+.3f} +- {with_zclip.std():.3f} %, no clipping {without.mean():+.3f} +- "
           f"{without.std():.3f} % (seeds: {per_seed} %)")
-    assert abs(with_zclip.mean()) < 0.5
+    assert abs(with_zclip.mean()) < 0.5 and (with_zclip.abs() < 5).all()  # and within 5 % in every seed
     # Muon and AdamW both normalise update sizes, so the damage is modest (a few percent), but it is there: in
     # every seed, over 1 % on average, and more than 10x what is left with ZClip
     assert (without > 0.5).all() and without.mean() > 1.0 and without.mean() > 10 * abs(with_zclip.mean())
