@@ -42,8 +42,8 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
     """
     Approximate U Vᵀ, the orthogonal factor of G = U S Vᵀ, for G of shape (rows, cols) or (..., rows, cols).
     The coefficients maximise the slope at zero, so the result is U S' Vᵀ with S' roughly in [0.5, 1.5], which
-    trains as well as U Vᵀ. dtype: bf16 as in the paper (GPU tensor cores); float32 is ~18x faster on CPUs
-    without bf16 matrix units (`python -m lab.bench --muon`), and at least as accurate. Returns G's shape in dtype.
+    trains as well as U Vᵀ. dtype: bf16 as in the paper; ns_dtype_for(device) picks float32 on a CPU without
+    bf16 matrix units, where bf16 runs ~18x slower (`python -m lab.bench --muon`). Returns G's shape in dtype.
     """
     if G.ndim < 2:
         raise ValueError("zeropower_via_newtonschulz5 expects (..., rows, cols), "
@@ -67,6 +67,15 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
     if tall:
         X = X.mT
     return X.reshape(G.shape)
+
+
+def ns_dtype_for(device_type):
+    """NS5's precision on a device: bf16, the paper's, wherever matmuls have bf16 units (a GPU; a CPU with
+    AVX512-BF16 or AMX); float32 on other CPUs, where torch emulates bf16 matmuls and NS5 runs ~18x slower."""
+    if device_type != "cpu":
+        return torch.bfloat16
+    units = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's checks (torch >= 2.3)
+    return torch.bfloat16 if any(getattr(torch.cpu, f, bool)() for f in units) else torch.float32
 
 
 def muon_update(grad, momentum, beta=0.95, nesterov=True):
@@ -105,18 +114,18 @@ class Muon(torch.optim.Optimizer):
     A variant changes the update of one matrix by overriding muon_step (lessons/muon_variants.py).
     """
 
-    # where step() runs muon_steps (NS5 batched per shape); elsewhere muon_step, matrix by
-    # matrix. Not the CPU: there a batch of odd shapes (7 x 129) rounds differently from one
-    # matrix, and DDP's step, matrix by matrix, must equal the single-process one bit for bit
+    # where step() runs muon_steps (NS5 batched per shape); elsewhere muon_step, matrix by matrix.
+    # A batch may round differently from its matrices one by one (odd shapes, 7 x 129, on a CPU), so
+    # the distributed step batches exactly when this does: DDP equals one process bit for bit
     # (tests/test_scale.py). python -m lab.bench --muon times NS5 both ways.
-    batched_devices = ("cuda",)
+    batched_devices = ("cuda", "cpu")
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
                  adjust_lr_fn=None, ns_dtype=torch.bfloat16, process_group=None):
         _check_hyperparameters(lr, momentum, weight_decay)
         defaults = dict(kind="muon", lr=lr, momentum=momentum, nesterov=nesterov,
                         weight_decay=weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        self.ns_dtype = ns_dtype  # bf16 (paper); float32 on CPUs, where bf16 matmuls are slow
+        self.ns_dtype = ns_dtype  # bf16 (paper); ns_dtype_for(device) says where float32 is faster
         self.process_group = process_group
         super().__init__(params, defaults)
 
@@ -154,14 +163,15 @@ class Muon(torch.optim.Optimizer):
             if group["kind"] == "adamw":
                 _adamw_step(self, params, group)  # torch.optim.AdamW's arithmetic (bottom of file)
                 continue
+            # a variant's own muon_step runs matrix by matrix, below
+            batched = (params[0].device.type in self.batched_devices
+                       and type(self).muon_step is Muon.muon_step)
             pg = _distributed_group(params, self.process_group)  # None in a single process
             # DDP or FSDP2: the same update, NS5 shared out over the ranks (bottom of file)
             if pg is not None:
-                _distributed_step(self, params, group, pg)
+                _distributed_step(self, params, group, pg, batched)
                 continue
-            # a variant's own muon_step runs matrix by matrix, below
-            own_step = type(self).muon_step is Muon.muon_step
-            if params[0].device.type in self.batched_devices and own_step:
+            if batched:
                 self.muon_steps(params, group)
             else:
                 for p in params:
@@ -180,11 +190,8 @@ class Muon(torch.optim.Optimizer):
         every layer; gate and up) stacked, so each product is one batched matmul (baddbmm) instead of one small
         matmul per matrix, and the momentum and the update one foreach kernel per shape instead of one per matrix.
         Per matrix the same arithmetic as muon_step (tests/test_muon.py: equal on CPU)."""
-        by_shape = {}
-        for p in params:
-            by_shape.setdefault(tuple(p.shape), []).append(p)
         beta, lr = group["momentum"], group["lr"]
-        for shape, ps in by_shape.items():
+        for shape, ps in by_shape(params).items():
             grads, bufs = [p.grad for p in ps], [self._momentum_buffer(p) for p in ps]
             torch._foreach_lerp_(bufs, grads, 1 - beta)  # as muon_update
             us = torch._foreach_lerp(grads, bufs, beta) if group["nesterov"] else bufs
@@ -208,6 +215,14 @@ class Muon(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for group, kind in zip(self.param_groups, kinds):
             group.setdefault("kind", kind)
+
+
+def by_shape(params):
+    """{shape: the params of that shape}, shapes and params in the order of params."""
+    groups = {}
+    for p in params:
+        groups.setdefault(tuple(p.shape), []).append(p)
+    return groups
 
 
 def split_muon_params(model, head_names=("lm_head",)):
@@ -334,8 +349,9 @@ def _adamw_step(opt, params, group):
 
 # ----------------------------------------------------------------------------- distributed Muon (DDP, FSDP2)
 # Kept apart because it changes only where the work above runs, not what it computes. NS5 is the expensive part,
-# so each of the W ranks orthogonalises every W-th matrix (round-robin: matrix i belongs to rank i % W) and
-# broadcasts the result to the others. Momentum, cheap and elementwise, runs on every rank for every matrix, so
+# so each of the W ranks orthogonalises every W-th unit (round-robin: unit i belongs to rank i % W) and broadcasts
+# the result to the others; a unit is one matrix, or where the single-process step batches (Muon.batched_devices),
+# the stack of one shape's matrices, so that NS5 sees exactly what it sees in one process. Momentum, cheap and elementwise, runs on every rank for every matrix, so
 # each rank's optimizer state is complete (DDP: replicated; FSDP2: each rank's shard) and the step equals the
 # single-process one bit for bit (tests/test_scale.py). FSDP2 shards matrices by rows, and NS5 needs whole ones:
 # every rank all-gathers each momentum update (DTensor.full_tensor), the owner orthogonalises and broadcasts it,
@@ -350,15 +366,18 @@ def _distributed_group(params, process_group):
     return pg if pg is not None and dist.get_world_size(pg) > 1 else None
 
 
-def _distributed_step(opt, params, group, pg):
-    """Muon.step for one param group, NS5 round-robin over the ranks of pg. Every rank must call
-    it."""
+def _distributed_step(opt, params, group, pg, batched):
+    """Muon.step for one param group, NS5 round-robin over the ranks of pg (by stacks of one shape if
+    batched, else by matrices). Every rank must call it."""
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    units = list(by_shape(params).values()) if batched else [[p] for p in params]
     outs, works = [], []
-    for i, p in enumerate(params):
-        u = muon_update(p.grad, opt._momentum_buffer(p), group["momentum"], group["nesterov"])
-        if hasattr(u, "full_tensor"):  # an FSDP2 shard: all-gather the whole matrix
-            u = u.full_tensor()
+    for i, ps in enumerate(units):
+        us = [muon_update(p.grad, opt._momentum_buffer(p), group["momentum"], group["nesterov"])
+              for p in ps]
+        # an FSDP2 shard: all-gather the whole matrix
+        us = [u.full_tensor() if hasattr(u, "full_tensor") else u for u in us]
+        u = torch.stack(us) if batched else us[0]
         if i % world == rank:
             # contiguous: a tall matrix comes back as a transposed view, and broadcast sends raw storage
             o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=opt.ns_dtype)
@@ -367,14 +386,15 @@ def _distributed_step(opt, params, group, pg):
             o = torch.empty(u.shape, dtype=opt.ns_dtype, device=u.device)
         works.append(dist.broadcast(o, src=dist.get_global_rank(pg, i % world), group=pg,
                                     async_op=True))
-        outs.append(o)
-    for p, o, work in zip(params, outs, works):
+        outs.append(o.unbind(0) if batched else [o])
+    for ps, os_, work in zip(units, outs, works):
         work.wait()
-        if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no traffic)
-            from torch.distributed.tensor import distribute_tensor
-            o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
+        for p, o in zip(ps, os_):
+            if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no traffic)
+                from torch.distributed.tensor import distribute_tensor
+                o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
 
 
 if __name__ == "__main__":

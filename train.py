@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import data
 from distill import teacher_student_loss
-from muon import configure_muon
+from muon import configure_muon, ns_dtype_for
 from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tools import assemble, atomic, checkpoint, metrics, seams, start
 from tools.assemble import Run
@@ -324,15 +324,14 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
     their own)."""
     # fused AdamW over DTensor shards: not tried, so not used
     fused = device_type == "cuda" and not cfg.fsdp
-    # NS5 in bf16 on GPU (the paper); fp32 on CPU, where bf16 NS5 is ~18x slower without bf16 units
-    # (bench.py --muon; training-speed.md: 0.66x on an avx512_bf16 Zen 5)
+    # NS5 in bf16 (the paper) wherever matmuls have bf16 units; fp32 on other CPUs (ns_dtype_for)
     if cfg.optimizer == "muon":
         opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr,
                              muon_weight_decay=cfg.weight_decay,
                              adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
                              adamw_betas=(cfg.beta1, cfg.beta2), fused=fused,
                              process_group=process_group,
-                             ns_dtype=torch.bfloat16 if device_type == "cuda" else torch.float32)
+                             ns_dtype=ns_dtype_for(device_type))
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},

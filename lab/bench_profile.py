@@ -78,8 +78,9 @@ def plain_forms():
     import model
     import muon
     import quant
-    return {"Muon's update (not applied)": lambda: mock.patch.object(
-                muon.Muon, "muon_step", lambda self, p, group: None),
+    return {"Muon's update (not applied)": lambda: mock.patch.multiple(  # by matrix, and stacked
+                muon.Muon, muon_step=lambda self, p, group: None,
+                muon_steps=lambda self, params, group: None),
             "RoPE (not applied)": lambda: mock.patch.object(
                 model, "apply_rope", lambda x, cos, sin: x),
             "activation quantiser (plain norms)": lambda: mock.patch.object(

@@ -521,7 +521,7 @@ def test_muon_ns_dtype_float32_is_used_and_close_to_bf16_step():
                                              (torch.bfloat16, "match_rms_adamw")])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dtype, adjust, nesterov, monkeypatch):
-    """muon_steps (the step on CUDA: same-shape matrices stacked, one batched NS5 per shape, foreach
+    """muon_steps (the default step: same-shape matrices stacked, one batched NS5 per shape, foreach
     momentum and update) gives every matrix what muon_step gives it, bit for bit on CPU, over 3
     steps with weight decay; a variant's own muon_step is never bypassed."""
     import muon
@@ -531,7 +531,7 @@ def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dt
     batched = [torch.nn.Parameter(p.detach().clone()) for p in one]
     opts = [Muon(ps, lr=0.02, weight_decay=0.1, nesterov=nesterov, ns_dtype=ns_dtype, adjust_lr_fn=adjust)
             for ps in (one, batched)]
-    opts[1].batched_devices = ("cpu",)
+    opts[0].batched_devices = ()  # matrix by matrix; opts[1] batches, as on every device by default
     calls, ns5 = [], muon.zeropower_via_newtonschulz5
     monkeypatch.setattr(muon, "zeropower_via_newtonschulz5", lambda G, **kw: (calls.append(G.shape), ns5(G, **kw))[1])
     for _ in range(3):
@@ -556,3 +556,21 @@ def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dt
     one[0].grad = torch.ones_like(one[0])
     v.step()
     assert torch.equal(one[0], torch.zeros_like(one[0]))
+
+
+@pytest.mark.parametrize("avx512_bf16,amx,want", [(True, False, torch.bfloat16), (False, True, torch.bfloat16),
+                                                 (False, False, torch.float32), (None, None, torch.float32)])
+def test_ns_dtype_is_the_papers_bf16_where_matmuls_have_bf16_units_else_float32(avx512_bf16, amx, want, monkeypatch):
+    """A CPU with AVX512-BF16 or AMX runs NS5 in bf16, any other CPU (or a torch without the checks: None) in
+    float32; a GPU in bf16. train.py builds its Muon with it."""
+    import train
+    from muon import ns_dtype_for
+    from tools import config
+    for name, has in (("_is_avx512_bf16_supported", avx512_bf16), ("_is_amx_tile_supported", amx)):
+        if has is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, lambda has=has: has)
+    assert ns_dtype_for("cpu") == want and ns_dtype_for("cuda") == torch.bfloat16
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert train.configure_optimizer(model, config.TrainConfig(device="cpu"), "cpu").ns_dtype == want

@@ -37,7 +37,7 @@ from tools import config, loaders
 import data
 from lab import nanogpt
 from lab.nanogpt import GPTConfig
-from muon import configure_muon  # recipe: new import
+from muon import configure_muon, ns_dtype_for  # recipe: new import
 from quant import BitLinear, set_lambda  # recipe: new import
 from zclip import ZClip  # recipe: new import
 
@@ -57,7 +57,7 @@ class GPT(nanogpt.GPT):
         return configure_muon(self, muon_lr=0.02, adamw_lr=learning_rate,  # recipe: the whole body
                               muon_weight_decay=weight_decay, adamw_weight_decay=weight_decay, adamw_betas=betas,
                               fused=device_type == 'cuda',
-                              ns_dtype=torch.bfloat16 if device_type == 'cuda' else torch.float32)
+                              ns_dtype=ns_dtype_for(device_type))
 
 
 # -----------------------------------------------------------------------------

@@ -124,7 +124,8 @@ def test_grad_accum_that_does_not_divide_the_world_size_is_refused(monkeypatch, 
 # -----------------------------------------------------------------------------
 # distributed Muon and sharded ZClip, 2 spawned gloo processes against the single-process result
 
-SHAPES = [(64, 32), (32, 64), (7, 129), (129, 7), (48, 48)]  # tall ones come back from NS5 transposed
+# tall ones come back from NS5 transposed; (64, 32) twice: a stack of two where Muon batches by shape
+SHAPES = [(64, 32), (32, 64), (7, 129), (129, 7), (48, 48), (64, 32)]
 
 
 def _grads(steps):
@@ -132,10 +133,12 @@ def _grads(steps):
     return [[torch.randn(*s, generator=g) for s in SHAPES] for _ in range(steps)]
 
 
-def _muon_run(make_param, grad_of, read, steps=3, **kw):
+def _muon_run(make_param, grad_of, read, steps=3, batched=True, **kw):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(make_param(torch.randn(*s))) for s in SHAPES]
     opt = Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, **kw)
+    if not batched:  # NS5 matrix by matrix (a variant's muon_step), in one process and shared out alike
+        opt.batched_devices = ()
     for gs in _grads(steps):
         for p, g in zip(ps, gs):
             p.grad = grad_of(g.clone())
@@ -164,8 +167,11 @@ def _worker(rank, world, store, result_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    res = {"single": _muon_run(lambda t: t, lambda g: g, lambda t: t.detach()),  # same process, same threads
-           "replicated": _muon_run(lambda t: t, lambda g: g, lambda t: t.detach(), process_group=dist.group.WORLD),
+    same = (lambda t: t, lambda g: g, lambda t: t.detach())
+    res = {"single": _muon_run(*same),  # same process, same threads
+           "replicated": _muon_run(*same, process_group=dist.group.WORLD),
+           "single_by_matrix": _muon_run(*same, batched=False),
+           "replicated_by_matrix": _muon_run(*same, batched=False, process_group=dist.group.WORLD),
            "fsdp": _muon_run(lambda t: distribute_tensor(t, mesh, [Shard(0)]),
                              lambda g: distribute_tensor(g, mesh, [Shard(0)]), lambda t: t.full_tensor().detach()),
            "zclip": _zclip_run(True, mesh)}
@@ -186,14 +192,16 @@ def spawned(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
+@pytest.mark.parametrize("mode", ["replicated", "fsdp", "replicated_by_matrix"])
 def test_distributed_muon_equals_single_process_muon_bitwise(spawned, mode):
-    """Each rank orthogonalises every other matrix and broadcasts it (replicated = DDP); with FSDP2 DTensor
-    shards the update is all-gathered first. After 3 steps, weights and momentum equal one process's (run in
-    the same worker: fp32 matmuls may differ in the last bit between thread counts)."""
+    """Each rank orthogonalises every other stack of one shape (every other matrix where Muon does not batch)
+    and broadcasts it (replicated = DDP); with FSDP2 DTensor shards the update is all-gathered first. After 3
+    steps, weights and momentum equal one process's (run in the same worker: fp32 matmuls may differ in the
+    last bit between thread counts)."""
+    single = "single_by_matrix" if mode.endswith("_by_matrix") else "single"
     for rank in range(2):
         ps, ms = spawned[rank][mode]
-        ref_p, ref_m = spawned[rank]["single"]
+        ref_p, ref_m = spawned[rank][single]
         for s, a, b in zip(SHAPES, ps, ref_p):
             assert torch.equal(a, b), (mode, rank, s, (a - b).abs().max())
         for a, b in zip(ms, ref_m):
