@@ -351,12 +351,12 @@ def _adamw_step(opt, params, group):
 # Kept apart because it changes only where the work above runs, not what it computes. NS5 is the expensive part,
 # so each of the W ranks orthogonalises every W-th unit (round-robin: unit i belongs to rank i % W) and broadcasts
 # the result to the others; a unit is one matrix, or where the single-process step batches (Muon.batched_devices),
-# the stack of one shape's matrices, so that NS5 sees exactly what it sees in one process. Momentum, cheap and elementwise, runs on every rank for every matrix, so
-# each rank's optimizer state is complete (DDP: replicated; FSDP2: each rank's shard) and the step equals the
-# single-process one bit for bit (tests/test_scale.py). FSDP2 shards matrices by rows, and NS5 needs whole ones:
-# every rank all-gathers each momentum update (DTensor.full_tensor), the owner orthogonalises and broadcasts it,
-# and each rank applies its own rows. That moves 2x the bytes of an ideal gather-to-owner / scatter-back, and is
-# the simplest correct form.
+# the stack of one shape's matrices, so that NS5 sees exactly what it sees in one process. Momentum, cheap and
+# elementwise, runs on every rank for every matrix, so each rank's optimizer state is complete (DDP: replicated;
+# FSDP2: each rank's shard) and the step equals the single-process one bit for bit (tests/test_scale.py). FSDP2
+# shards matrices by rows, and NS5 needs whole ones: every rank all-gathers each momentum update
+# (DTensor.full_tensor), the owner orthogonalises and broadcasts it, and each rank applies its own rows. That moves
+# 2x the bytes of an ideal gather-to-owner / scatter-back, and is the simplest correct form.
 
 
 def _distributed_group(params, process_group):
@@ -387,9 +387,9 @@ def _distributed_step(opt, params, group, pg, batched):
         works.append(dist.broadcast(o, src=dist.get_global_rank(pg, i % world), group=pg,
                                     async_op=True))
         outs.append(o.unbind(0) if batched else [o])
-    for ps, os_, work in zip(units, outs, works):
+    for ps, results, work in zip(units, outs, works):
         work.wait()
-        for p, o in zip(ps, os_):
+        for p, o in zip(ps, results):
             if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no traffic)
                 from torch.distributed.tensor import distribute_tensor
                 o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
