@@ -70,13 +70,11 @@ def bench_muon():
     """NS5 on the CPU preset's hidden matrices, in bf16 and fp32, matrix by matrix and stacked by
     shape (muon_steps: one batched NS5 per shape), the stacked results checked against the others."""
     from model import GPT, GPTConfig
-    from muon import split_muon_params, zeropower_via_newtonschulz5
+    from muon import by_shape, split_muon_params, zeropower_via_newtonschulz5
     model = GPT(GPTConfig())  # the CPU preset's shape
-    by_shape = {}
-    for p in split_muon_params(model)[0]:
-        by_shape.setdefault(tuple(p.shape), []).append(p.detach())
-    mats = [m for ms in by_shape.values() for m in ms]  # in the stacks' order
-    stacks = [torch.stack(ms) for ms in by_shape.values()]
+    groups = by_shape([p.detach() for p in split_muon_params(model)[0]])  # as muon_steps stacks them
+    mats = [m for ms in groups.values() for m in ms]  # in the stacks' order
+    stacks = [torch.stack(ms) for ms in groups.values()]
     for dtype in (torch.bfloat16, torch.float32):
         outs = {}
         for how, arg in (("matrix by matrix", mats), (f"{len(stacks)} stacks by shape", stacks)):
