@@ -45,7 +45,7 @@ from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tools import assemble, atomic, checkpoint, metrics, seams, start
 from tools.assemble import Run
 from tools.flags import die
-from tools.runtime import Runtime, StepTimer, lost_rank, lost_rank_error
+from tools.runtime import Runtime, StepTimer, leave_after_torchrun, lost_rank, lost_rank_error
 from zclip import ZClip
 
 # -----------------------------------------------------------------------------
@@ -402,3 +402,4 @@ def main(argv):
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    leave_after_torchrun()  # under torchrun: done, without gloo's teardown (tools/runtime.py)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import TINY, fails
+from conftest import ROOT, TINY, fails
 from tools.runtime import GLIBC_TUNABLES, Runtime
 
 
@@ -129,6 +129,33 @@ def test_close_waits_for_every_rank_before_tearing_the_process_group_down(monkey
     assert calls == ["barrier", "destroy"]
     Runtime().close()  # one process: nothing to wait for or tear down
     assert calls == ["barrier", "destroy"]
+
+
+LEAVE_SCRIPT = """
+import atexit, sys
+from tools.runtime import leave_after_torchrun
+atexit.register(lambda: print("teardown ran"))
+print("finished", end="")  # no newline: still in the buffer of a pipe
+leave_after_torchrun()
+print(" and went on")
+"""
+
+
+@pytest.mark.parametrize("world", [None, "1", "2"])
+def test_leave_after_torchrun_ends_a_torchrun_process_at_once_its_output_flushed(world):
+    """Under torchrun (WORLD_SIZE 2) the process ends with status 0 right there: what it printed is out, Python's
+    teardown (an atexit handler here) never runs. A single process (no WORLD_SIZE, or 1) goes on as usual."""
+    import os
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "PYTHONUNBUFFERED")}  # stdout buffered
+    env |= {"WORLD_SIZE": world} if world else {}
+    p = subprocess.run([sys.executable, "-c", LEAVE_SCRIPT], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    if world == "2":
+        assert p.stdout == "finished", p.stdout
+    else:
+        assert p.stdout == "finished and went on\nteardown ran\n", p.stdout
 
 
 FAULTS_SCRIPT = """
