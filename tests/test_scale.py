@@ -133,10 +133,10 @@ def _grads(steps):
     return [[torch.randn(*s, generator=g) for s in SHAPES] for _ in range(steps)]
 
 
-def _muon_run(make_param, grad_of, read, steps=3, batched=True, **kw):
+def _muon_run(make_param, grad_of, read, steps=3, batched=True, ns_dtype=torch.float32, **kw):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(make_param(torch.randn(*s))) for s in SHAPES]
-    opt = Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, **kw)
+    opt = Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, **kw)
     if not batched:  # NS5 matrix by matrix (a variant's muon_step), in one process and shared out alike
         opt.batched_devices = ()
     for gs in _grads(steps):
@@ -172,6 +172,9 @@ def _worker(rank, world, store, result_dir):
            "replicated": _muon_run(*same, process_group=dist.group.WORLD),
            "single_by_matrix": _muon_run(*same, batched=False),
            "replicated_by_matrix": _muon_run(*same, batched=False, process_group=dist.group.WORLD),
+           # bf16 NS5 (a GPU's, and a CPU's with bf16 units): the results broadcast in bf16
+           "single_bf16": _muon_run(*same, ns_dtype=torch.bfloat16),
+           "replicated_bf16": _muon_run(*same, ns_dtype=torch.bfloat16, process_group=dist.group.WORLD),
            "fsdp": _muon_run(lambda t: distribute_tensor(t, mesh, [Shard(0)]),
                              lambda g: distribute_tensor(g, mesh, [Shard(0)]), lambda t: t.full_tensor().detach()),
            "zclip": _zclip_run(True, mesh)}
@@ -192,13 +195,13 @@ def spawned(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["replicated", "fsdp", "replicated_by_matrix"])
+@pytest.mark.parametrize("mode", ["replicated", "fsdp", "replicated_by_matrix", "replicated_bf16"])
 def test_distributed_muon_equals_single_process_muon_bitwise(spawned, mode):
     """Each rank orthogonalises every other stack of one shape (every other matrix where Muon does not batch)
     and broadcasts it (replicated = DDP); with FSDP2 DTensor shards the update is all-gathered first. After 3
     steps, weights and momentum equal one process's (run in the same worker: fp32 matmuls may differ in the
     last bit between thread counts)."""
-    single = "single_by_matrix" if mode.endswith("_by_matrix") else "single"
+    single = "single" + mode.removeprefix("replicated").removeprefix("fsdp")
     for rank in range(2):
         ps, ms = spawned[rank][mode]
         ref_p, ref_m = spawned[rank][single]
