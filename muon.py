@@ -23,14 +23,13 @@ Schedules: Muon's lr (0.02) and AdamW's (3e-4) differ, so a schedule scales each
 (g["lr"] = g["initial_lr"] * lr_mult(it)); nanoGPT's one lr for every group gives Muon AdamW's lr. See configure_muon.
 
 Run:   python muon.py   (NS5 against the SVD, least squares, parity with torch.optim.Muon, a Muon + AdamW schedule)
-Test:  python -m pytest tests/test_muon.py  (distributed: python -m pytest tests/test_scale.py -k muon)
-Imports only torch and the standard library: copy it into another project. DDP and FSDP2 (NS5 shared out over the
-ranks): the section at the bottom of this file.
+Test:  python -m pytest tests/test_muon.py
+Imports only torch and the standard library: copy it into another project. Under DDP or FSDP2 the NS5 work is shared
+out over the processes by a subclass, tools/sharded_muon.py.
 """
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.adamw import adamw as adamw_functional  # the function torch.optim.AdamW.step calls
 
@@ -109,24 +108,21 @@ class Muon(torch.optim.Optimizer):
     brings its own lr; betas (0.9, 0.95), eps 1e-8 and fused None unless it gives them. Its step is
     torch.optim.AdamW's own function on torch.optim.AdamW's state, so the bits are AdamW's.
     State: state[p]["momentum_buffer"] (Muon); "step", "exp_avg", "exp_avg_sq" (AdamW); state_dict() is torch's.
-    process_group: None = one process; a group (e.g. dist.group.WORLD) = DDP, replicated parameters whose ranks
-    share out NS5. FSDP2 (DTensor) parameters always use their mesh's group.
+    One process: under DDP or FSDP2, tools/sharded_muon.ShardedMuon shares NS5 out over the ranks.
     A variant changes the update of one matrix by overriding muon_step (lessons/muon_variants.py).
     """
 
-    # where step() runs muon_steps (NS5 batched per shape); elsewhere muon_step, matrix by matrix.
-    # A batch may round differently from its matrices one by one (odd shapes, 7 x 129, on a CPU), so
-    # the distributed step batches exactly when this does: DDP equals one process bit for bit
-    # (tests/test_scale.py). python -m lab.bench --muon times NS5 both ways.
+    # where step() runs muon_steps (NS5 batched per shape); elsewhere muon_step, matrix by matrix. A
+    # batch may round differently from its matrices one by one (odd shapes, 7 x 129, on a CPU).
+    # python -m lab.bench --muon times NS5 both ways.
     batched_devices = ("cuda", "cpu")
 
     def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
-                 adjust_lr_fn=None, ns_dtype=torch.bfloat16, process_group=None):
+                 adjust_lr_fn=None, ns_dtype=torch.bfloat16):
         _check_hyperparameters(lr, momentum, weight_decay)
         defaults = dict(kind="muon", lr=lr, momentum=momentum, nesterov=nesterov,
                         weight_decay=weight_decay, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         self.ns_dtype = ns_dtype  # bf16 (paper); ns_dtype_for(device) says where float32 is faster
-        self.process_group = process_group
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -139,8 +135,7 @@ class Muon(torch.optim.Optimizer):
 
     def __getstate__(self):
         """copy.deepcopy and pickle: Optimizer's own keeps only defaults, state and param_groups."""
-        return {**super().__getstate__(), "ns_dtype": self.ns_dtype,
-                "process_group": self.process_group}
+        return {**super().__getstate__(), "ns_dtype": self.ns_dtype}
 
     def _momentum_buffer(self, p):
         state = self.state[p]
@@ -163,20 +158,23 @@ class Muon(torch.optim.Optimizer):
             if group["kind"] == "adamw":
                 _adamw_step(self, params, group)  # torch.optim.AdamW's arithmetic (bottom of file)
                 continue
-            # a variant's own muon_step runs matrix by matrix, below
+            # a variant's own muon_step runs matrix by matrix
             batched = (params[0].device.type in self.batched_devices
                        and type(self).muon_step is Muon.muon_step)
-            pg = _distributed_group(params, self.process_group)  # None in a single process
-            # DDP or FSDP2: the same update, NS5 shared out over the ranks (bottom of file)
-            if pg is not None:
-                _distributed_step(self, params, group, pg, batched)
-                continue
-            if batched:
-                self.muon_steps(params, group)
-            else:
-                for p in params:
-                    self.muon_step(p, group)
+            self.update_matrices(params, group, batched)
         return loss
+
+    def update_matrices(self, params, group, batched):
+        """One Muon group's update: stacked by shape (muon_steps) or matrix by matrix (muon_step).
+        NS5 needs whole matrices: FSDP2's row shards (DTensor) go to tools/sharded_muon.ShardedMuon."""
+        if hasattr(params[0], "device_mesh"):
+            raise ValueError("Muon got FSDP2-sharded (DTensor) parameters, and NS5 needs whole matrices; "
+                             "use tools/sharded_muon.ShardedMuon, which gathers them")
+        if batched:
+            self.muon_steps(params, group)
+        else:
+            for p in params:
+                self.muon_step(p, group)
 
     def muon_step(self, p, group):
         """Muon's update of one matrix: momentum, NS5, decoupled weight decay, the adjusted lr."""
@@ -250,7 +248,7 @@ def split_muon_params(model, head_names=("lm_head",)):
 def configure_muon(model, head_names=("lm_head",), muon_lr=0.02, adamw_lr=3e-4,
                    muon_weight_decay=0.0, adamw_weight_decay=0.0, momentum=0.95, nesterov=True,
                    ns_steps=5, adjust_lr_fn=None, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
-                   fused=None, ns_dtype=torch.bfloat16, process_group=None):
+                   fused=None, ns_dtype=torch.bfloat16):
     """
     The usual split as one Muon with three groups: kind "muon" for the hidden matrices (split_muon_params), kind
     "adamw" for the 2-D rest (embeddings, head: adamw_weight_decay) and for the 1-D rest (norm gains, biases: no
@@ -273,7 +271,7 @@ def configure_muon(model, head_names=("lm_head",), muon_lr=0.02, adamw_lr=3e-4,
                    weight_decay=adamw_weight_decay),
               dict(adamw, params=[p for p in adamw_params if p.ndim < 2], weight_decay=0.0)]
     return Muon(groups, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, process_group=process_group)
+                adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
 
 
 # ----------------------------------------------------------------------------- argument checks
@@ -345,56 +343,6 @@ def _adamw_step(opt, params, group):
                      foreach=foreach,
                      fused=group["fused"], amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                      weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-
-
-# ----------------------------------------------------------------------------- distributed Muon (DDP, FSDP2)
-# Kept apart because it changes only where the work above runs, not what it computes. NS5 is the expensive part,
-# so each of the W ranks orthogonalises every W-th unit (round-robin: unit i belongs to rank i % W) and broadcasts
-# the result to the others; a unit is one matrix, or where the single-process step batches (Muon.batched_devices),
-# the stack of one shape's matrices, so that NS5 sees exactly what it sees in one process. Momentum, cheap and
-# elementwise, runs on every rank for every matrix, so each rank's optimizer state is complete (DDP: replicated;
-# FSDP2: each rank's shard) and the step equals the single-process one bit for bit (tests/test_scale.py). FSDP2
-# shards matrices by rows, and NS5 needs whole ones: every rank all-gathers each momentum update
-# (DTensor.full_tensor), the owner orthogonalises and broadcasts it, and each rank applies its own rows. That moves
-# 2x the bytes of an ideal gather-to-owner / scatter-back, and is the simplest correct form.
-
-
-def _distributed_group(params, process_group):
-    """The group whose ranks share out NS5 for these params, or None for the single-process step."""
-    meshes = [p.device_mesh for p in params if hasattr(p, "device_mesh")]
-    pg = meshes[0].get_group() if meshes else process_group  # FSDP2 parameters: their mesh's group
-    return pg if pg is not None and dist.get_world_size(pg) > 1 else None
-
-
-def _distributed_step(opt, params, group, pg, batched):
-    """Muon.step for one param group, NS5 round-robin over the ranks of pg (by stacks of one shape if
-    batched, else by matrices). Every rank must call it."""
-    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    units = list(by_shape(params).values()) if batched else [[p] for p in params]
-    outs, works = [], []
-    for i, ps in enumerate(units):
-        us = [muon_update(p.grad, opt._momentum_buffer(p), group["momentum"], group["nesterov"])
-              for p in ps]
-        # an FSDP2 shard: all-gather the whole matrix
-        us = [u.full_tensor() if hasattr(u, "full_tensor") else u for u in us]
-        u = torch.stack(us) if batched else us[0]
-        if i % world == rank:
-            # contiguous: a tall matrix comes back as a transposed view, and broadcast sends raw storage
-            o = zeropower_via_newtonschulz5(u, steps=group["ns_steps"], dtype=opt.ns_dtype)
-            o = o.contiguous()
-        else:
-            o = torch.empty(u.shape, dtype=opt.ns_dtype, device=u.device)
-        works.append(dist.broadcast(o, src=dist.get_global_rank(pg, i % world), group=pg,
-                                    async_op=True))
-        outs.append(o.unbind(0) if batched else [o])
-    for ps, results, work in zip(units, outs, works):
-        work.wait()
-        for p, o in zip(ps, results):
-            if hasattr(p, "device_mesh"):  # keep this rank's rows of the whole result (no traffic)
-                from torch.distributed.tensor import distribute_tensor
-                o = distribute_tensor(o, p.device_mesh, p.placements, src_data_rank=None)
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(o, alpha=-adjusted_lr(group["lr"], p.shape, group["adjust_lr_fn"]))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ from tools import assemble, atomic, checkpoint, metrics, seams, start
 from tools.assemble import Run
 from tools.flags import die
 from tools.runtime import Runtime, StepTimer, leave_after_torchrun, lost_rank, lost_rank_error
+from tools.sharded_muon import ShardedMuon
 from zclip import ZClip
 
 # -----------------------------------------------------------------------------
@@ -303,7 +304,8 @@ def build(run, resume, teachers):
     # compiled, DDP or FSDP2 as asked
     run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile)
     run.loss_fn = make_loss_fn(run, teachers)
-    run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp))
+    run.optimizer = configure_optimizer(run.model, cfg, rt.device_type, rt.replica_group(cfg.fsdp),
+                                        sharded=rt.world > 1)
     run.clipper = ZClip(z_thresh=cfg.zclip_z_thresh) if cfg.zclip else None
     seams.plug_in(run, resume)  # the lessons' callbacks: QK-clip, checkpoint averaging
     try:  # optimizer, ZClip and RNG states last: nothing after this may draw a random number
@@ -316,12 +318,12 @@ def build(run, resume, teachers):
     assemble.finish(run, earlier, use_compile, dtype)  # --overwrite's removal, the report
 
 
-def configure_optimizer(model, cfg, device_type, process_group=None):
+def configure_optimizer(model, cfg, device_type, process_group=None, sharded=False):
     """muon: one muon.Muon whose groups are tagged muon (the 2-D hidden matrices) or adamw
     (embeddings and head, decayed; norm gains, not);
     adamw: AdamW for all, weight decay on matrices only. Every group records its initial lr and wd.
-    process_group (DDP): the ranks that share out Muon's Newton-Schulz work (FSDP2 params bring
-    their own)."""
+    sharded (under torchrun): Muon's Newton-Schulz work shared out over the ranks of process_group
+    (DDP; FSDP2 params bring their own), tools/sharded_muon.py."""
     # fused AdamW over DTensor shards: not tried, so not used
     fused = device_type == "cuda" and not cfg.fsdp
     # NS5 in bf16 (the paper) wherever matmuls have bf16 units; fp32 on other CPUs (ns_dtype_for)
@@ -330,8 +332,9 @@ def configure_optimizer(model, cfg, device_type, process_group=None):
                              muon_weight_decay=cfg.weight_decay,
                              adamw_weight_decay=cfg.weight_decay, adjust_lr_fn=cfg.muon_adjust_lr,
                              adamw_betas=(cfg.beta1, cfg.beta2), fused=fused,
-                             process_group=process_group,
                              ns_dtype=ns_dtype_for(device_type))
+        if sharded:
+            opt = ShardedMuon(opt.param_groups, process_group=process_group, ns_dtype=opt.ns_dtype)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from conftest import TINY, fails, small_corpus
 from conftest import run as run_train
 from muon import Muon
+from tools.sharded_muon import ShardedMuon
 from zclip import ZClip
 
 ARGS = ["--stage=2", *TINY, "--max_iters=6", "--eval_interval=6", "--checkpoint_interval=3", "--keep_last=2",
@@ -133,10 +134,10 @@ def _grads(steps):
     return [[torch.randn(*s, generator=g) for s in SHAPES] for _ in range(steps)]
 
 
-def _muon_run(make_param, grad_of, read, steps=3, batched=True, ns_dtype=torch.float32, **kw):
+def _muon_run(make_param, grad_of, read, steps=3, batched=True, ns_dtype=torch.float32, opt=Muon, **kw):
     torch.manual_seed(0)
     ps = [torch.nn.Parameter(make_param(torch.randn(*s))) for s in SHAPES]
-    opt = Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, **kw)
+    opt = opt(ps, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, **kw)
     if not batched:  # NS5 matrix by matrix (a variant's muon_step), in one process and shared out alike
         opt.batched_devices = ()
     for gs in _grads(steps):
@@ -161,6 +162,14 @@ def _zclip_run(sharded, mesh=None):
     return out
 
 
+def _refusal(fn):
+    """The ValueError's message fn() raised, or None."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+
+
 def _worker(rank, world, store, result_dir):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -168,15 +177,24 @@ def _worker(rank, world, store, result_dir):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     same = (lambda t: t, lambda g: g, lambda t: t.detach())
+    sharded = (lambda t: distribute_tensor(t, mesh, [Shard(0)]), lambda g: distribute_tensor(g, mesh, [Shard(0)]),
+               lambda t: t.full_tensor().detach())
+    import tools.sharded_muon as sm
+    ns5, calls = sm.zeropower_via_newtonschulz5, []  # which NS5 this rank runs in the replicated run
+    sm.zeropower_via_newtonschulz5 = lambda G, **kw: (calls.append(tuple(G.shape)), ns5(G, **kw))[1]
+    replicated = _muon_run(*same, opt=ShardedMuon, process_group=dist.group.WORLD)
+    sm.zeropower_via_newtonschulz5 = ns5
     res = {"single": _muon_run(*same),  # same process, same threads
-           "replicated": _muon_run(*same, process_group=dist.group.WORLD),
+           "replicated": replicated, "ns5_calls": calls,
            "single_by_matrix": _muon_run(*same, batched=False),
-           "replicated_by_matrix": _muon_run(*same, batched=False, process_group=dist.group.WORLD),
+           "replicated_by_matrix": _muon_run(*same, batched=False, opt=ShardedMuon,
+                                             process_group=dist.group.WORLD),
            # bf16 NS5 (a GPU's, and a CPU's with bf16 units): the results broadcast in bf16
            "single_bf16": _muon_run(*same, ns_dtype=torch.bfloat16),
-           "replicated_bf16": _muon_run(*same, ns_dtype=torch.bfloat16, process_group=dist.group.WORLD),
-           "fsdp": _muon_run(lambda t: distribute_tensor(t, mesh, [Shard(0)]),
-                             lambda g: distribute_tensor(g, mesh, [Shard(0)]), lambda t: t.full_tensor().detach()),
+           "replicated_bf16": _muon_run(*same, ns_dtype=torch.bfloat16, opt=ShardedMuon,
+                                        process_group=dist.group.WORLD),
+           "fsdp": _muon_run(*sharded, opt=ShardedMuon),
+           "plain_muon_on_shards": _refusal(lambda: _muon_run(*sharded)),
            "zclip": _zclip_run(True, mesh)}
     torch.save(res, os.path.join(result_dir, f"rank{rank}.pt"))
     # Both ranks have saved; leave without tearing gloo down: under load, one rank's teardown racing the other's
@@ -211,6 +229,24 @@ def test_distributed_muon_equals_single_process_muon_bitwise(spawned, mode):
             assert torch.equal(a, b)
     torch.manual_seed(0)
     assert (ref_p[0] - torch.randn(*SHAPES[0])).abs().max() > 1e-3  # the steps moved the weights
+
+
+@pytest.mark.slow
+def test_each_rank_orthogonalises_its_own_stacks_only(spawned):
+    """Under DDP the 5 stacks of SHAPES (one of two matrices) go round-robin: rank 0 runs NS5 on stacks 0, 2, 4 and
+    rank 1 on 1, 3, in each of the 3 steps; no rank runs the whole step's NS5."""
+    stacks = [(2, 64, 32), (1, 32, 64), (1, 7, 129), (1, 129, 7), (1, 48, 48)]
+    for rank in range(2):
+        assert spawned[rank]["ns5_calls"] == stacks[rank::2] * 3, spawned[rank]["ns5_calls"]
+
+
+@pytest.mark.slow
+def test_plain_muon_refuses_fsdp_shards_whose_ns5_would_see_rows_only(spawned):
+    """NS5 of a row shard is not the shard of NS5: plain Muon (one process's) refuses DTensor parameters and names
+    ShardedMuon, which gathers whole matrices."""
+    for rank in range(2):
+        msg = spawned[rank]["plain_muon_on_shards"]
+        assert msg and "whole matrices" in msg and "ShardedMuon" in msg, msg
 
 
 def test_zclip_on_fsdp_shards_uses_the_global_norm(spawned):
