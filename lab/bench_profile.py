@@ -10,7 +10,10 @@ Three looks at the quick start's step (the CPU preset, fp32, eager), each from a
     quant.RMSNormCPU;
   - what each technique costs the whole step (technique_costs): the step timed as it is and with
     Muon's update, RoPE, the activation quantiser or the weight quantiser swapped for its plain
-    form, alternated in one process, the nanoGPT-shaped step beside.
+    form, alternated in one process, the nanoGPT-shaped step beside;
+  - whether the ratio to nanoGPT holds on a CPU with a faster BLAS (blas_split): each whole step's
+    profiled time split into matmuls with attention (what a BLAS speeds up) and the rest, and the
+    ratio if the first part ran k times faster, up to the k where it would pass 1.3x.
 
 Results: lab/results/training-speed.md.
 Test: python -m pytest tests/test_bench.py -k "profile or technique"
@@ -26,14 +29,15 @@ from lab.bench_train import Step, build, train_shape
 from tools.runtime import keep_freed_memory
 
 
-def bench_profile(passes=2, rounds=6):
+def bench_profile(passes=2, rounds=6, compiled=True):
     """Where the CPU step time goes: torch.profiler over `passes` forward+backward passes of ours
     QAT (the quick start's model), ours fp and nanoGPT; then the activation quantiser's row absmax
     on the quick start's two shapes, as quant.py computes it against torch's inf-norm (the same
     values, checked here); then RoPE and QuantRMSNorm forward+backward, autograd through the
     formula against model.RoPE and quant.RMSNormCPU (the eager step's forms; the same bits,
-    checked); then what each technique costs the step (technique_costs, `rounds` rounds). Freed
-    memory is kept for the next step, as train.py keeps it (tools.runtime.keep_freed_memory)."""
+    checked); then what each technique costs the step (technique_costs, `rounds` rounds); then the
+    step split into what a faster BLAS speeds up and the rest (blas_split; ours compiled too with
+    `compiled`). Freed memory is kept for the next step, as train.py keeps it (tools.runtime.keep_freed_memory)."""
     from torch.profiler import ProfilerActivity, profile
     keep_freed_memory()
     s = train_shape("cpu", {})
@@ -69,6 +73,79 @@ def bench_profile(passes=2, rounds=6):
         print(f"  {what}: " + ", ".join(f"{k} {t:.0f} us" for k, t in zip(forms, us))
               + f" ({us[0] / us[1]:.1f}x; {'the same bits' if same else 'DIFFERENT bits'})")
     technique_costs(rounds)
+    blas_split(passes, compiled=compiled)
+
+
+# what a faster BLAS (or oneDNN) speeds up: the GEMMs, GEMVs and their batched forms of forward, backward and
+# Muon's Newton-Schulz (in place too), and attention's CPU kernels (blocked matmuls inside); all else is the rest
+BLAS_OPS = {f"aten::{op}{inplace}" for op in ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv")
+            for inplace in ("", "_")} | {"aten::_scaled_dot_product_flash_attention_for_cpu",
+                                          "aten::_scaled_dot_product_flash_attention_for_cpu_backward"}
+
+
+def ratio_at(k, ours, base):
+    """ours / base step time when each one's (blas, rest) ms has its blas part k times faster."""
+    return (ours[0] / k + ours[1]) / (base[0] / k + base[1])
+
+
+def blas_limit(ours, base, target=1.3):
+    """The largest k with ratio_at(k', ours, base) <= target for every k' in [1, k]: 0 where the
+    ratio is over target already at k = 1 (this machine), inf where it never passes target (it
+    moves monotonically from the BLAS parts' ratio at k -> 0 to the rests' ratio at k -> inf)."""
+    (m1, e1), (m0, e0) = ours, base
+    if ratio_at(1, ours, base) > target:
+        return 0.0
+    if e1 <= target * e0:
+        return float("inf")
+    return (target * m0 - m1) / (e1 - target * e0)  # ratio_at(k) == target
+
+
+def blas_split(passes=2, steps=10, compiled=True, target=1.3):
+    """Each whole eager step (forward, backward, clipping, optimizer) of ours QAT, with `compiled`
+    ours QAT under torch.compile too, and the nanoGPT-shaped model (eager, as lab.against_nanogpt
+    runs nanoGPT on the CPU): its median time over `steps` unprofiled steps, and its self time in
+    BLAS_OPS under torch.profiler over `passes` more; the rest is the difference (elementwise ops,
+    reductions, Python: what a faster BLAS does not speed up). Then ours / nanoGPT if the BLAS part
+    ran k times faster and the rest did not (as on issue 49's Xeon), and the k up to which it stays
+    within `target`. Returns {name: (blas ms, rest ms)}."""
+    from torch.profiler import ProfilerActivity, profile
+    keep_freed_memory()  # as train.py
+    s = train_shape("cpu", {})
+    runs = {"ours QAT": dict(quant=True), "ours QAT, compiled": dict(quant=True, compiled=True),
+            "nanoGPT-shaped": dict(nanogpt=True)}
+    split = {}
+    for name, how in runs.items():
+        if how.get("compiled") and not compiled:
+            continue
+        step = Step(s, *build(s, **{k: v for k, v in how.items() if k != "compiled"}),
+                    compiled=how.get("compiled", False))
+        for _ in range(2):
+            step()  # the optimizer's state made (and a compiled step compiled)
+        wall = statistics.median(1000 * timed(step) for _ in range(steps))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(passes):
+                step()
+        blas = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in BLAS_OPS) / 1e3 / passes
+        split[name] = (blas, wall - blas)
+    base = split["nanoGPT-shaped"]
+    print(f"a faster BLAS: ms per whole step (median of {steps}), matmuls and attention (profiled) + "
+          f"the rest; nanoGPT-shaped {base[0]:.1f} + {base[1]:.1f}")
+    for name, ours in split.items():
+        if name == "nanoGPT-shaped":
+            continue
+        print(f"  {name} {ours[0]:.1f} + {ours[1]:.1f} (ratios {ours[0] / base[0]:.2f}x and "
+              f"{ours[1] / base[1]:.2f}x); ours / nanoGPT with the matmuls and attention k times "
+              "faster: " + ", ".join(f"k={k:g} {ratio_at(k, ours, base):.2f}x" for k in (1, 1.42, 2, 4))
+              + f", k->inf {ours[1] / base[1]:.2f}x; within {target}x up to k = "
+              f"{blas_limit(ours, base, target):.2f}")
+    print(f"  on any BLAS it takes the rest within {target}x of nanoGPT's: <= {target * base[1]:.1f} ms here")
+    return split
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def plain_forms():

@@ -133,13 +133,50 @@ def test_profile_names_each_models_top_ops_and_times_the_two_absmax_forms_on_equ
     """python -m lab.bench --profile: the top ops of ours QAT, ours fp and nanoGPT, and the quantiser's
     absmax as quant.py computes it beside torch's inf-norm, on both shapes, with the values checked equal;
     RoPE and QuantRMSNorm forward+backward as formulas and as the eager step's Functions, the bits equal."""
-    bench_profile.bench_profile(passes=1, rounds=1)
+    bench_profile.bench_profile(passes=1, rounds=1, compiled=False)
     out = capsys.readouterr().out
     assert all(f"{name}: " in out for name in ("ours QAT", "ours fp", "nanoGPT")), out
     lines = [line for line in out.splitlines() if "max(amax(x), -amin(x))" in line]
     assert len(lines) == 2 and all("the same values" in line for line in lines), out
     lines = [line for line in out.splitlines() if "model.RoPE" in line or "quant.RMSNormCPU" in line]
     assert len(lines) == 2 and all("the same bits" in line for line in lines), out
+
+
+def test_blas_limit_is_where_the_ratio_reaches_the_target():
+    """--profile's faster-BLAS line: ratio_at is (m1/k + e1) / (m0/k + e0); blas_limit the k where it reaches
+    the target (a closed form), inf where the rests' ratio is within it, 0 where k = 1 is already over it."""
+    ours, base = (160.0, 50.0), (150.0, 20.0)
+    assert bench_profile.ratio_at(1, ours, base) == 210.0 / 170.0
+    assert bench_profile.ratio_at(2, ours, base) == 130.0 / 95.0
+    k = bench_profile.blas_limit(ours, base, 1.3)
+    assert k == (1.3 * 150.0 - 160.0) / (50.0 - 1.3 * 20.0) and abs(bench_profile.ratio_at(k, ours, base) - 1.3) < 1e-12
+    assert bench_profile.ratio_at(k * 0.99, ours, base) < 1.3 < bench_profile.ratio_at(k * 1.01, ours, base)
+    assert bench_profile.blas_limit((160.0, 25.0), base, 1.3) == float("inf")  # the rest within 1.3x
+    assert bench_profile.blas_limit((160.0, 80.0), base, 1.3) == 0.0  # 240 / 170 > 1.3 at k = 1
+
+
+def test_blas_split_counts_every_matmul_the_step_runs_on_the_blas_side(capsys, monkeypatch):
+    """The split's BLAS side holds every GEMM, GEMV, batched GEMM and attention kernel the steps of ours
+    QAT and nanoGPT profile (a name missing would put its time into the rest); the split runs, its
+    compiled row plumbed (torch.compile stubbed: this test times nothing)."""
+    import re
+    from torch.profiler import ProfilerActivity, profile
+    s = bench_train.train_shape("cpu", {})
+    for how in (dict(quant=True), dict(nanogpt=True)):
+        step = bench_train.Step(s, *bench_train.build(s, **how))
+        step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+        names = {e.key for e in prof.key_averages()}
+        matmuls = {n for n in names if re.fullmatch(r"aten::\w*(mm|mv)_?|aten::\w*flash_attention\w*", n)}
+        assert {"aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu_backward"} <= matmuls, names
+        assert matmuls <= bench_profile.BLAS_OPS, matmuls - bench_profile.BLAS_OPS
+    monkeypatch.setattr(bench_train.torch, "compile", lambda model, **kw: model)
+    split = bench_profile.blas_split(passes=1, steps=1, compiled=True)
+    assert list(split) == ["ours QAT", "ours QAT, compiled", "nanoGPT-shaped"]
+    assert all(blas > 0 for blas, _ in split.values()), split
+    out = capsys.readouterr().out
+    assert out.count("within 1.3x up to k = ") == 2 and "on any BLAS it takes the rest" in out, out
 
 
 def test_muon_bench_times_ns5_both_ways_and_the_stacks_give_the_same_bits(capsys):
