@@ -73,7 +73,7 @@ def bench_profile(passes=2, rounds=6, compiled=True):
         print(f"  {what}: " + ", ".join(f"{k} {t:.0f} us" for k, t in zip(forms, us))
               + f" ({us[0] / us[1]:.1f}x; {'the same bits' if same else 'DIFFERENT bits'})")
     technique_costs(rounds)
-    blas_split(passes, compiled=compiled)
+    blas_split(compiled=compiled)
 
 
 # what a faster BLAS (or oneDNN) speeds up: the GEMMs, GEMVs and their batched forms of forward, backward and
@@ -100,36 +100,39 @@ def blas_limit(ours, base, target=1.3):
     return (target * m0 - m1) / (e1 - target * e0)  # ratio_at(k) == target
 
 
-def blas_split(passes=2, steps=10, compiled=True, target=1.3):
+def blas_split(rounds=5, steps=2, compiled=True, target=1.3):
     """Each whole eager step (forward, backward, clipping, optimizer) of ours QAT, with `compiled`
     ours QAT under torch.compile too, and the nanoGPT-shaped model (eager, as lab.against_nanogpt
-    runs nanoGPT on the CPU): its median time over `steps` unprofiled steps, and its self time in
-    BLAS_OPS under torch.profiler over `passes` more; the rest is the difference (elementwise ops,
-    reductions, Python: what a faster BLAS does not speed up). Then ours / nanoGPT if the BLAS part
-    ran k times faster and the rest did not (as on issue 49's Xeon), and the k up to which it stays
-    within `target`. Returns {name: (blas ms, rest ms)}."""
+    runs nanoGPT on the CPU), alternated for `rounds` rounds: `steps` steps timed unprofiled, then
+    one under torch.profiler for its self time in BLAS_OPS. The median step minus the median BLAS
+    time is the rest (elementwise ops, reductions, Python: what a faster BLAS does not speed up).
+    Then ours / nanoGPT if the BLAS part ran k times faster and the rest did not (as on issue 49's
+    Xeon), and the k up to which it stays within `target`. Returns {name: (blas ms, rest ms)}."""
     from torch.profiler import ProfilerActivity, profile
     keep_freed_memory()  # as train.py
     s = train_shape("cpu", {})
     runs = {"ours QAT": dict(quant=True), "ours QAT, compiled": dict(quant=True, compiled=True),
             "nanoGPT-shaped": dict(nanogpt=True)}
-    split = {}
+    if not compiled:
+        del runs["ours QAT, compiled"]
+    built, wall, blas = {}, {k: [] for k in runs}, {k: [] for k in runs}
     for name, how in runs.items():
-        if how.get("compiled") and not compiled:
-            continue
-        step = Step(s, *build(s, **{k: v for k, v in how.items() if k != "compiled"}),
-                    compiled=how.get("compiled", False))
+        built[name] = Step(s, *build(s, **{k: v for k, v in how.items() if k != "compiled"}),
+                           compiled=how.get("compiled", False))
         for _ in range(2):
-            step()  # the optimizer's state made (and a compiled step compiled)
-        wall = statistics.median(1000 * timed(step) for _ in range(steps))
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(passes):
+            built[name]()  # the optimizer's state made (and a compiled step compiled)
+    for _ in range(rounds):
+        for name, step in built.items():
+            wall[name] += [1000 * timed(step) for _ in range(steps)]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
                 step()
-        blas = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in BLAS_OPS) / 1e3 / passes
-        split[name] = (blas, wall - blas)
+            blas[name].append(sum(e.self_cpu_time_total for e in prof.key_averages()
+                                  if e.key in BLAS_OPS) / 1e3)
+    split = {k: (statistics.median(blas[k]), statistics.median(wall[k]) - statistics.median(blas[k]))
+             for k in runs}
     base = split["nanoGPT-shaped"]
-    print(f"a faster BLAS: ms per whole step (median of {steps}), matmuls and attention (profiled) + "
-          f"the rest; nanoGPT-shaped {base[0]:.1f} + {base[1]:.1f}")
+    print(f"a faster BLAS: ms per whole step ({rounds} x {steps} steps each, alternated), matmuls and "
+          f"attention (profiled) + the rest; nanoGPT-shaped {base[0]:.1f} + {base[1]:.1f}")
     for name, ours in split.items():
         if name == "nanoGPT-shaped":
             continue

@@ -172,7 +172,7 @@ def test_blas_split_counts_every_matmul_the_step_runs_on_the_blas_side(capsys, m
         assert {"aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu_backward"} <= matmuls, names
         assert matmuls <= bench_profile.BLAS_OPS, matmuls - bench_profile.BLAS_OPS
     monkeypatch.setattr(bench_train.torch, "compile", lambda model, **kw: model)
-    split = bench_profile.blas_split(passes=1, steps=1, compiled=True)
+    split = bench_profile.blas_split(rounds=1, steps=1, compiled=True)
     assert list(split) == ["ours QAT", "ours QAT, compiled", "nanoGPT-shaped"]
     assert all(blas > 0 for blas, _ in split.values()), split
     out = capsys.readouterr().out
