@@ -14,8 +14,9 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
   python -m lab.bench --train --model=M   a pretrained model's shape against transformers' own
                                  training step and generate
   python -m lab.bench --profile  where the CPU step time goes (torch.profiler), ours QAT and fp vs nanoGPT,
-                                 and what each technique (Muon, RoPE, the quantisers) costs the step
-                                 (lab/bench_profile.py)
+                                 what each technique (Muon, RoPE, the quantisers) costs the step, and
+                                 the step split into matmuls + the rest: ours / nanoGPT with a k-times
+                                 faster BLAS (lab/bench_profile.py)
   python -m lab.bench --decode   batch-1 greedy decoding, fp bf16 vs packed ternary
                                  (lab/bench_decode.py); with --shape=1b a 1B-class model
                                  (16 x 2048, GQA 32/8, vocab 128,256), random weights
@@ -316,7 +317,8 @@ class BenchFlags:
     data: bool = False           # tokeniser throughput on the shipped corpus
     muon: bool = False           # NS5, bf16 vs fp32, on the CPU model's matrices, alone and stacked
     train: bool = False          # training steps: nanoGPT baseline vs ours fp vs ours ternary QAT
-    profile: bool = False        # where the CPU step time goes (torch.profiler; each technique's cost)
+    profile: bool = False        # where the CPU step time goes (torch.profiler; each technique's cost;
+                                 # the ratio with a faster BLAS)
     decode: bool = False         # batch-1 greedy decoding: fp vs packed, eager vs CUDA graphs
     quality: bool = False        # time to quality: ours vs a nanoGPT-shaped fp baseline, to the
                                  # same val loss
