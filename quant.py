@@ -221,9 +221,9 @@ def unpack_ternary(packed, in_features):
 
 
 class RMSNormCPU(torch.autograd.Function):
-    """F.rms_norm over the last dim, for fp32 CPU tensors, with a hand-written backward, and with
-    lambda_ given QuantRMSNorm's whole forward (the STE's lerp to activation_fake_quant of the
-    norm's output), whose backward is the norm's (the STE passes the gradient unchanged). On the
+    """F.rms_norm over the last dim, for fp32 CPU tensors in eager mode, with a hand-written
+    backward, and with lambda_ given QuantRMSNorm's whole forward (the STE's lerp to
+    activation_fake_quant of the norm's output), whose backward is the norm's (the STE passes the gradient unchanged). On the
     CPU torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates
     them in about 23 more. The forward here is the same six ops in the same order (the same bits as
     F.rms_norm, then as ste(y, activation_fake_quant(y), lambda_)); the backward is 7 passes over
@@ -260,8 +260,8 @@ class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm with its gain cast to the input's dtype, so that under bf16 autocast (a bf16 input, an fp32 gain)
     torch dispatches to its fused RMSNorm kernel instead of the unfused fallback. In fp32 the cast is a no-op: the
     same op on the same tensors as nn.RMSNorm, bit for bit. The parameter stays fp32 (the
-    optimizer's copy). An fp32 CPU input with a 1-D gain runs RMSNormCPU: the same forward bits,
-    a 7-pass backward."""
+    optimizer's copy). An fp32 CPU input with a 1-D gain runs RMSNormCPU in eager mode: the same
+    forward bits, a 7-pass backward."""
 
     def forward(self, x):
         w = self.weight.to(x.dtype) if self.weight is not None else None
@@ -270,8 +270,11 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
     def on_cpu_path(self, x):
+        """RMSNormCPU's case: fp32 on the CPU, eager. Under torch.compile the formula runs instead:
+        inductor fuses and differentiates it itself (and torch 2.11's compile, tracing RMSNormCPU's
+        in-place forward, returned wrong gradients)."""
         return (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight is not None
-                and self.weight.dim() == 1)
+                and self.weight.dim() == 1 and not torch.compiler.is_compiling())
 
     def eps_for(self, x):
         return torch.finfo(x.dtype).eps if self.eps is None else self.eps  # as F.rms_norm

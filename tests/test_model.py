@@ -261,6 +261,28 @@ def test_fullgraph_compile_matches_eager_forward_and_backward():
         model.zero_grad(set_to_none=True)
 
 
+def test_compile_runs_the_norms_formula_not_the_eager_rmsnormcpu(monkeypatch):
+    """quant.RMSNormCPU (the eager CPU norm: in-place forward, hand-written backward) is never traced: under
+    torch.compile the norms run F.rms_norm and the quantiser as formulas, which inductor fuses and differentiates.
+    Traced, torch 2.11's compile returned gradients off by O(1) for every parameter (torch 2.13's did not, so the
+    test above cannot tell); eager, every norm still runs it."""
+    import quant
+    calls, forward = [], quant.RMSNormCPU.forward
+
+    def watched(ctx, *args):
+        calls.append(torch.compiler.is_compiling())
+        return forward(ctx, *args)
+    monkeypatch.setattr(quant.RMSNormCPU, "forward", staticmethod(watched))
+    model = make(quant=True)
+    idx = torch.randint(0, 60, (2, 16))
+    torch._dynamo.reset()
+    torch.compile(model, backend="eager", fullgraph=True)(idx, idx)[1].backward()
+    assert calls == []
+    model(idx, idx)
+    norms = sum(isinstance(m, quant.RMSNorm) and m.weight is not None for m in model.modules())
+    assert calls == [False] * norms and norms > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("doc_mask", [False, True])
 def test_changing_lambda_does_not_recompile(doc_mask):
