@@ -223,8 +223,8 @@ def unpack_ternary(packed, in_features):
 class RMSNormCPU(torch.autograd.Function):
     """F.rms_norm over the last dim, for fp32 CPU tensors in eager mode, with a hand-written
     backward, and with lambda_ given QuantRMSNorm's whole forward (the STE's lerp to
-    activation_fake_quant of the norm's output), whose backward is the norm's (the STE passes the gradient unchanged). On the
-    CPU torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates
+    activation_fake_quant of the norm's output), whose backward is the norm's (the STE passes the
+    gradient unchanged). On the CPU torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates
     them in about 23 more. The forward here is the same six ops in the same order (the same bits as
     F.rms_norm, then as ste(y, activation_fake_quant(y), lambda_)); the backward is 7 passes over
     (..., dim), within fp32 rounding of autograd's, with t = g x_hat:
@@ -270,9 +270,9 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
     def on_cpu_path(self, x):
-        """RMSNormCPU's case: fp32 on the CPU, eager. Under torch.compile the formula runs instead:
-        inductor fuses and differentiates it itself (and torch 2.11's compile, tracing RMSNormCPU's
-        in-place forward, returned wrong gradients)."""
+        """RMSNormCPU's case: fp32 on the CPU, eager. Under torch.compile the formula runs instead,
+        which inductor fuses and differentiates itself: RMSNormCPU's in-place forward is not safe to
+        trace (torch 2.11's compile gets its gradients wrong)."""
         return (x.device.type == "cpu" and x.dtype == torch.float32 and self.weight is not None
                 and self.weight.dim() == 1 and not torch.compiler.is_compiling())
 

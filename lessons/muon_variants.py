@@ -120,15 +120,12 @@ class MuonVariant(Muon):
     def __init__(self, params, normuon=False, beta2=0.95, state="fp32", block=2048, **kwargs):
         if state not in ("fp32", "linear8", "dynamic8"):
             raise ValueError(f"state must be fp32, linear8 or dynamic8, got {state!r}")
-        if kwargs.get("process_group") is not None:
-            raise ValueError("NorMuon and 8-bit Muon run in one process here; DDP/FSDP2 use plain "
-                             "Muon")
         self.normuon, self.beta2, self.state_kind, self.block = normuon, beta2, state, block
         super().__init__(params, **kwargs)
         muon_params = [p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]]
         if any(hasattr(p, "device_mesh") for p in muon_params):
-            raise ValueError("NorMuon and 8-bit Muon run in one process here; FSDP2 uses plain "
-                             "Muon")
+            raise ValueError("NorMuon and 8-bit Muon run in one process here; FSDP2 shards go to "
+                             "plain Muon's update through tools/sharded_muon.ShardedMuon")
 
     def muon_step(self, p, group):
         state, kind = self.state[p], self.state_kind.removesuffix("8")

@@ -170,10 +170,9 @@ class Runtime:
 def leave_after_torchrun():
     """End a process started by torchrun (WORLD_SIZE > 1) at once, exit status 0, once its run has
     finished (Runtime.close passed the last barrier; the script has nothing left to do): its output
-    flushed, Python's teardown skipped (C++ destructors included, gloo's threads among them). Between the last
-    barrier and a normal exit a rank of a finished CPU run ended in "terminate called without an active
-    exception" (SIGABRT): README's torchrun command, tiny, 2 CPU processes beside 3 busy loops, failed 2 of 40
-    runs before and 0 of 80 after. tests/test_scale.py's workers leave the same way. Nothing to do in a single
+    flushed, Python's teardown skipped (C++ destructors included, gloo's threads among them), where a
+    rank of a finished CPU run could end in "terminate called without an active exception" (SIGABRT)
+    and fail the run. tests/test_scale.py's workers leave the same way. Nothing to do in a single
     process."""
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         sys.stdout.flush()
