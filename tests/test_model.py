@@ -264,8 +264,8 @@ def test_fullgraph_compile_matches_eager_forward_and_backward():
 def test_compile_runs_the_norms_formula_not_the_eager_rmsnormcpu(monkeypatch):
     """quant.RMSNormCPU (the eager CPU norm: in-place forward, hand-written backward) is never traced: under
     torch.compile the norms run F.rms_norm and the quantiser as formulas, which inductor fuses and differentiates.
-    Traced, torch 2.11's compile returned gradients off by O(1) for every parameter (torch 2.13's did not, so the
-    test above cannot tell); eager, every norm still runs it."""
+    Traced, torch 2.11's compile returned wrong gradients (torch 2.13's did not, so the test above cannot
+    tell); eager, every norm still runs it."""
     import quant
     calls, forward = [], quant.RMSNormCPU.forward
 
