@@ -21,7 +21,6 @@ Test: python -m pytest tests/test_packed.py
 
 import torch
 import torch.nn.functional as F
-from triton import cdiv
 
 import kernels.ternary_matmul as tm  # used as tm.<name>: a test that reloads it (TRITON_INTERPRET=1) is seen here
 
@@ -76,22 +75,8 @@ class BoundLinear:
         self.ws = w_scale.reshape(-1).contiguous()
         self.stride_ws = 0 if self.ws.numel() == 1 else 1
         self.quant = tm.norm_quant_settings(K)
-        by_m = []  # for M = 0 .. DECODE_MAX_M: the decode kernel's settings and grid
-        for M in range(tm.DECODE_MAX_M + 1):
-            dec = (
-                tm.INTERPRETER_CONFIGS["decode"]
-                if tm.INTERPRETED
-                else tm.DECODE_CONFIGS[tm.decode_config(N, K, M)]
-            )
-            by_m.append(
-                (
-                    dict(
-                        dec, BLOCK_M=tm.decode_block_m(M), DP4A=not tm.INTERPRETED, WRITE_ACC=False
-                    ),
-                    (cdiv(N, dec["BLOCK_N"]), 1),
-                )
-            )
-        self.decode = by_m
+        # for M = 0 .. DECODE_MAX_M: the decode kernel's settings and grid
+        self.decode = [tm.decode_launch(N, K, M) for M in range(tm.DECODE_MAX_M + 1)]
         arch = 0 if tm.INTERPRETED else torch.cuda.get_device_capability(w_packed.device)[0]
         self.prefill = {tall: dict(tm.INTERPRETER_CONFIGS["prefill"]) if tm.INTERPRETED else
                         tm.prefill_config(65 if tall else 64, K, arch) for tall in (False, True)}
@@ -135,6 +120,7 @@ class BoundLinear:
                     self.KW,
                     N,
                     self.stride_ws,
+                    WRITE_ACC=False,
                     **cfg,
                 )
             else:

@@ -304,16 +304,19 @@ def unpack_codes(w, N, KW, out=None):
     return out
 
 
-def launch_decode(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False, cfg=None):
-    """The decode kernel on x words (M, 4 KW) and weight words (N, KW); cfg: a decode entry
-    (default: the table's, or the interpreter's)."""
-    if cfg is None:
-        cfg = (INTERPRETER_CONFIGS["decode"] if INTERPRETED
-               else DECODE_CONFIGS[decode_config(N, 16 * KW, M)])
+def decode_launch(N, K, M):
+    """The decode kernel's settings (the table's entry or the interpreter's, BLOCK_M, DP4A) and its grid for an
+    (N, K) weight and M rows: programs over N and over M, BLOCK_M rows each."""
+    cfg = INTERPRETER_CONFIGS["decode"] if INTERPRETED else DECODE_CONFIGS[decode_config(N, K, M)]
     bm = decode_block_m(M)
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
+    return dict(cfg, BLOCK_M=bm, DP4A=not INTERPRETED), (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
+
+
+def launch_decode(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False):
+    """The decode kernel on x words (M, 4 KW) and weight words (N, KW), as decode_launch sets it."""
+    settings, grid = decode_launch(N, 16 * KW, M)
     _decode_kernel[grid](xw, xs, w, ws, y, M, N, KW, xw.stride(0), w.stride(0), y.stride(0),
-                         stride_ws, BLOCK_M=bm, DP4A=not INTERPRETED, WRITE_ACC=return_acc, **cfg)
+                         stride_ws, WRITE_ACC=return_acc, **settings)
 
 
 def launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc=False, cfg=None,

@@ -554,6 +554,25 @@ def test_the_bound_linear_gives_linears_numbers_bit_for_bit(M):
             assert got.dtype == want.dtype and got.shape == (1, M, N) and torch.equal(got, want), (K, N, dtype)
 
 
+def test_decode_with_more_rows_than_one_program_holds_computes_every_row(monkeypatch):
+    """9 to 16 rows are two decode programs along M on a GPU (8 rows a program, DECODE_BLOCK_M; the interpreter
+    holds 16 in one): with that cap, the bound linear and ternary_matmul give every row of M = 12 its numbers.
+    (BoundLinear once launched one program along M, and rows 8 to 11 kept what torch.empty left there.)"""
+    monkeypatch.setattr(tm, "decode_block_m", lambda M: min(tm.triton.next_power_of_2(max(M, 1)), tm.DECODE_BLOCK_M))
+    g = torch.Generator().manual_seed(12)
+    K, N, M = 64, 40, 12
+    w_q = (torch.randint(0, 3, (N, K), generator=g) - 1).to(torch.int8)
+    w_packed, w_scale = quant.pack_ternary(w_q).to(DEVICE), torch.tensor(0.02).to(DEVICE)
+    bound = op.BoundLinear(w_packed, w_scale, K)
+    assert bound.decode[M][1][1] == 2  # two programs along M
+    x = torch.randn(M, K, generator=g).to(DEVICE)
+    want = op.linear(x, w_packed, w_scale)
+    assert torch.equal(bound(x), want)
+    x_q, x_scale = tm.quantize_activations(x)
+    acc = tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, config="decode", return_acc=True)
+    assert torch.equal(acc.cpu(), x_q.cpu().int() @ w_q.int().T)
+
+
 def test_a_packed_linear_call_is_a_few_python_calls_and_aten_ops(monkeypatch):
     """Host cost of one PackedBitLinear.forward on the Triton path, the launches faked (what runs before a kernel
     starts): the checks, word views and launch settings are made once (op.BoundLinear), so a call is at most 14
