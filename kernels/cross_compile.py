@@ -52,7 +52,7 @@ ALIGNED = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "out_ptr", "xq_ptr", "g_ptr", "
 DECODE_ARGS = dict(x_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*fp32", out_ptr="*bf16",
                    M="i32", N="i32", KW="i32", stride_xm="i32", stride_wn="i32", stride_om="i32",
                    stride_ws="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_G="constexpr",
-                   DP4A="constexpr", WRITE_ACC="constexpr")
+                   DP4A="constexpr", WRITE_ACC="constexpr", ROWS_FIRST="constexpr")
 PREFILL_ARGS = dict(x_ptr="*i8", xs_ptr="*fp32", w_ptr="*i8", ws_ptr="*fp32", out_ptr="*bf16",
                     M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32",
                     stride_ws="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr",
@@ -65,15 +65,16 @@ UNPACK_ARGS = dict(w_ptr="*i32", out_ptr="*i32", N="i32", KW="i32", stride_wn="i
 TILE = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")
 
 
-def _decode(name, cfg, out="*bf16", dp4a=True, write_acc=False, block_m=1):
+def _decode(name, cfg, out="*bf16", dp4a=True, write_acc=False, block_m=1, rows_first=None):
     """A decode configuration; M = 1 is specialised (constexpr) as a launch with one row specialises
-    it."""
+    it. rows_first: the tile's axis order, by default the one the host launches with."""
     consts = dict(
         BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"],
         BLOCK_G=cfg["BLOCK_G"],
         DP4A=dp4a,
         WRITE_ACC=write_acc,
+        ROWS_FIRST=tm.DECODE_ROWS_FIRST if rows_first is None else rows_first,
     )
     sig = dict(DECODE_ARGS, out_ptr=out)
     if block_m == 1:
@@ -106,6 +107,9 @@ def jobs(target):
     ]
     for bm in (2, 4, tm.DECODE_BLOCK_M):
         out.append(_decode(f"decode rows M={bm}", tm.DECODE_CONFIGS["rows"], block_m=bm))
+    # the axis order the installed Triton does not want (tm.DECODE_ROWS_FIRST): what it costs in the K loop
+    out.append(_decode("decode rows M=4, the other axis order", tm.DECODE_CONFIGS["rows"], block_m=4,
+                       rows_first=not tm.DECODE_ROWS_FIRST))
     c = tm.DECODE_MMA_CONFIG
     out.append(dict(name="decode-mma M<=16", kind="decode-mma", kernel=tm._decode_mma_kernel, signature=DECODE_MMA_ARGS,
                     constexprs=dict(BLOCK_N=c["BLOCK_N"], BLOCK_G=c["BLOCK_G"], WRITE_ACC=False),
@@ -277,6 +281,7 @@ def report(job, k):
         # the weight words of one K step (unpack: of the program)
         r["tile_bytes"] = c["BLOCK_N"] * c["BLOCK_G"] * 4
     r["block_m"] = job.get("block_m", c.get("BLOCK_M"))
+    r["rows_first"] = c.get("ROWS_FIRST")
     loop = k_loop(sass)
     ops = [op for _, op, _ in loop]
     r["loop_instructions"] = len(loop)

@@ -25,8 +25,9 @@ Chosen by the row count M (or forced with config="decode"|"prefill"); the scales
             rows over the whole K and BLOCK_M rows of x (M rounded up to a power of two, at most
             DECODE_BLOCK_M = 8); it loads each weight word once (16-byte loads), unpacks each plane
             once with one shift and one mask, and runs one dp4a per word, plane and row of x. x is
-            loaded in the accumulator's own layout, so the K loop holds no shuffles and no shared
-            memory. No tensor cores, no padding of M = 1 to 16 rows, no split-K.
+            loaded in the accumulator's own layout, and the tile's axes are ordered for the installed
+            Triton (DECODE_ROWS_FIRST), so the K loop holds no shuffles and no shared memory. No tensor
+            cores, no padding of M = 1 to 16 rows, no split-K.
     prefill (M > 16):  two launches. _unpack_kernel turns the packed words into W_q as int8 once per
             call, whole words in and out (16 codes per word, a borrow-free per-byte subtract: no
             byte-wise work anywhere); _prefill_kernel is then a plain int8 GEMM on tensor cores
@@ -122,43 +123,47 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,  # words of each row per loop step (4 per thread: 16-byte loads)
     DP4A: tl.constexpr,     # PTX dp4a (compiled) or its pure-Triton form (interpreter)
     WRITE_ACC: tl.constexpr,  # store the int32 accumulator instead of y
+    ROWS_FIRST: tl.constexpr,  # tile axes (rows of x, weight rows, words), else (weight rows, rows of x, words)
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_g = tl.arange(0, BLOCK_G)
-    n_mask = offs_n < N
-    m_mask = offs_m < M
-    w_rows = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn  # (1, BN, 1)
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None, None] * stride_xm  # (BM, 1, 1)
-    acc = tl.full((BLOCK_M, BLOCK_N, BLOCK_G), 0, tl.int32)  # per-lane partial sums of x * code
-    xsum = tl.full((BLOCK_M, 1, BLOCK_G), 0, tl.int32)  # per-lane partial sums of x
-    ones = tl.full((BLOCK_M, 1, BLOCK_G), 0x01010101, tl.int32)  # four int8 ones
-    n0 = tl.full((BLOCK_M, BLOCK_N, BLOCK_G), 0, tl.int32)
+    if ROWS_FIRST:  # (BM, BN) tiles of y
+        m2 = offs_m[:, None]
+        n2 = offs_n[None, :]
+    else:  # (BN, BM)
+        m2 = offs_m[None, :]
+        n2 = offs_n[:, None]
+    m3, n3 = m2[:, :, None], n2[:, :, None]
+    w_rows = w_ptr + n3.to(tl.int64) * stride_wn  # weight rows along their axis, 1 along the other
+    x_rows = x_ptr + m3.to(tl.int64) * stride_xm
+    zero = (m3 + n3 + offs_g[None, None, :]) * 0  # the whole (BM, BN, BG) or (BN, BM, BG) tile
+    acc = zero  # per-lane partial sums of x * code
+    xsum = (m3 + offs_g[None, None, :]) * 0  # per-lane partial sums of x
+    ones = xsum + 0x01010101  # four int8 ones
     for g0 in range(0, KW, BLOCK_G):
-        g = (g0 + offs_g)[None, None, :]  # (1, 1, BG)
+        g = (g0 + offs_g)[None, None, :]
         g_mask = g < KW
-        x_mask = (m_mask[:, None, None] & g_mask) & (n0 == 0)
-        # (1, BN, BG) int32, each word once
-        w = tl.load(w_rows + g, mask=n_mask[None, :, None] & g_mask, other=0)
+        # each word once, along the weight rows only
+        w = tl.load(w_rows + g, mask=(n3 < N) & g_mask, other=0)
         for i in tl.static_range(4):  # plane i: k = iQ + 4g .. iQ + 4g + 3, Q = 4 * KW
             # once for all rows
-            c = tl.broadcast_to((w >> (2 * i)) & 0x03030303, (BLOCK_M, BLOCK_N, BLOCK_G))
-            # (BM, 1, BG)
-            xi = tl.load(x_rows + i * KW + g, mask=m_mask[:, None, None] & g_mask, other=0)
+            c = tl.broadcast_to((w >> (2 * i)) & 0x03030303, zero.shape)
+            xi = tl.load(x_rows + i * KW + g, mask=(m3 < M) & g_mask, other=0)
             # the same words in acc's layout
-            xb = tl.load(x_rows + i * KW + g + n0, mask=x_mask, other=0)
+            xb = tl.load(x_rows + i * KW + g + zero, mask=((m3 < M) & g_mask) & (zero == 0), other=0)
             acc = _dp4a(c, xb, acc, DP4A)
             xsum = _dp4a(xi, ones, xsum, DP4A)
-    # (BM, BN): x @ code - sum(x) = x @ W_q
+    # x @ code - sum(x) = x @ W_q
     total = tl.reduce(acc, 2, _SUM) - tl.reduce(xsum, 2, _SUM)
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
+    out = out_ptr + m2.to(tl.int64) * stride_om + n2
+    out_mask = (m2 < M) & (n2 < N)
     if WRITE_ACC:
         tl.store(out, total, mask=out_mask)
     else:  # same order as the reference: (acc * x_scale) * gamma
-        gamma = tl.load(ws_ptr + offs_n * stride_ws, mask=n_mask, other=0.0)  # (BN,) fp32
-        xs = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)  # (BM,) fp32
-        y = total.to(tl.float32) * xs[:, None] * gamma[None, :]
+        gamma = tl.load(ws_ptr + n2 * stride_ws, mask=n2 < N, other=0.0)  # fp32
+        xs = tl.load(xs_ptr + m2, mask=m2 < M, other=0.0)  # fp32
+        y = total.to(tl.float32) * xs * gamma
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -233,6 +238,12 @@ def _prefill_kernel(
 DECODE_MAX_M = 16  # up to this many rows, use the decode kernel
 DECODE_BLOCK_M = 8  # rows of x one decode program multiplies with each unpacked weight word
 SMS = 132  # an H100's SMs: the decode table gives at least two programs per SM where N allows
+# Triton's coalescing pass orders two equally contiguous axes of a load by their index: highest first since
+# Triton 3.7, lowest first before. The decode tile's weight rows must take the threads (each word unpacked once, in
+# registers, for all rows of x): on the axis Triton takes first. The other order spreads threads over the rows of x
+# and sends every unpacked word through shared memory to them (STS, LDS and barriers in the K loop; compiled with
+# Triton 3.5 and 3.6 and with 3.7 to 3.9, kernels/cross_compile.py).
+DECODE_ROWS_FIRST = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7)
 
 # decode, M = 1: 4 int32 words (16-byte loads) per thread and row, BLOCK_G words of every row per
 # loop step: "short" rows (K <= 1024, at most 64 words) in one warp, longer ones 256 words (4096
@@ -305,11 +316,12 @@ def unpack_codes(w, N, KW, out=None):
 
 
 def decode_launch(N, K, M):
-    """The decode kernel's settings (the table's entry or the interpreter's, BLOCK_M, DP4A) and its grid for an
-    (N, K) weight and M rows: programs over N and over M, BLOCK_M rows each."""
+    """The decode kernel's settings (the table's entry or the interpreter's, BLOCK_M, DP4A, ROWS_FIRST) and
+    its grid for an (N, K) weight and M rows: programs over N and over M, BLOCK_M rows each."""
     cfg = INTERPRETER_CONFIGS["decode"] if INTERPRETED else DECODE_CONFIGS[decode_config(N, K, M)]
     bm = decode_block_m(M)
-    return dict(cfg, BLOCK_M=bm, DP4A=not INTERPRETED), (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
+    settings = dict(cfg, BLOCK_M=bm, DP4A=not INTERPRETED, ROWS_FIRST=DECODE_ROWS_FIRST)
+    return settings, (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
 
 
 def launch_decode(xw, xs, w, ws, y, M, N, KW, stride_ws, return_acc=False):

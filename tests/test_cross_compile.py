@@ -51,7 +51,9 @@ def test_compiled_kernels_no_spills_integer_mma_only_in_prefill_and_decode_mma_e
     assert reports
     for r in reports:
         where = f"{r['target']} {r['name']}"
-        assert r["spills"] == 0 and r["stack"] == 0, where
+        # (the decode tile in the axis order the installed Triton does not want, compiled to show its cost, may spill:
+        # with Triton 3.6, 4 bytes at M = 4 on sm_80)
+        assert r["spills"] == 0 and r["stack"] == 0 or "other axis order" in r["name"], where
         if r["kind"] in ("prefill", "decode-mma"):
             want = "wgmma.mma_async" if r["target"] == "sm_90" else "mma.sync"
             assert r["mma"] and all(m.startswith(want) and ".s32.s8.s8" in m for m in r["mma"]), where
@@ -73,11 +75,12 @@ def test_compiled_kernels_no_spills_integer_mma_only_in_prefill_and_decode_mma_e
 def test_compiled_k_loops_instructions_per_weight_word_and_bytes_in_flight(compiled):
     """What the K loops hold, read from the SASS (kernels/cross_compile.py: k_loop, the shortest
     backward branch around a global load), and the launches' weight bytes in flight per SM
-    (occupancy calculator): - decode: no shuffles, no shared memory and no barriers in the K loop (x
-    is loaded in the accumulator's own
-      layout); M = 1 at most 25 instructions a weight word (16 weights; it was 14-32 with shuffles
-      in the short configs); the rows form unpacks each word once for BLOCK_M rows: per row and word
-      fewer instructions than M = 1's 14 (2 rows: at most 20 a row);
+    (occupancy calculator):
+    - decode: no shuffles, no shared memory and no barriers in the K loop (x is loaded in the
+      accumulator's own layout, the tile's axes in the order the installed Triton wants; the other
+      order has them); M = 1 at most 25 instructions a weight word (16 weights; it was 14-32 with
+      shuffles in the short configs); the rows form unpacks each word once for BLOCK_M rows: per row
+      and word fewer instructions than M = 1's 14 (2 rows: at most 20 a row);
     - prefill: no one-byte shared-memory stores anywhere (STS.U8; the kernel that unpacked in its K
       loop had 128), at most 48 instructions per 16 weights in its K loop (15-43 now; it was
       75-122), the unpack kernel at most 32 a word (30);
@@ -92,7 +95,11 @@ def test_compiled_k_loops_instructions_per_weight_word_and_bytes_in_flight(compi
     for r in reports:
         where = f"{r['target']} {r['name']}"
         c = r["loop_counts"]
-        if r["kind"] == "decode":
+        if r["kind"] == "decode" and "other axis order" in r["name"]:
+            # the tile's axes in the order this Triton does not want: threads over the rows of x, the unpacked
+            # weight words through shared memory to them (why tm.DECODE_ROWS_FIRST follows the Triton version)
+            assert c["sts"] > 0 and c["lds"] > 0 and c["bar"] > 0, (where, c)
+        elif r["kind"] == "decode":
             assert (
                 c["shfl"] == c["sts"] == c["lds"] == c["bar"] == 0 and r["loop_instructions"] > 0
             ), (where, c)
