@@ -113,9 +113,15 @@ def test_decode_is_exact_in_both_axis_orders_of_its_tile(rows_first, monkeypatch
             assert ((y - y_ref).abs() <= 1e-6 * y_ref.abs()).all(), (M, K, N)
 
 
-def test_every_gpu_table_entry_computes_exactly():
+# every tile table entry a GPU launches with, one test each (on a GPU each compiles once, spread over the workers)
+TABLES = ([("decode", key) for key in tm.DECODE_CONFIGS] + [("prefill", key) for key in tm.PREFILL_CONFIGS]
+          + [("decode-mma", None), ("unpack", None)])
+
+
+@pytest.mark.parametrize("kind,key", TABLES)
+def test_every_gpu_table_entry_computes_exactly(kind, key):
     """The tiles a GPU launches with (every DECODE_CONFIGS entry, rows at 3 and 12 rows with the GPU's 8 rows a
-    program, every PREFILL_CONFIGS entry, UNPACK_CONFIG, DECODE_MMA_CONFIG) run here on the interpreter, which
+    program, every PREFILL_CONFIGS entry, DECODE_MMA_CONFIG, UNPACK_CONFIG) run here on the interpreter, which
     otherwise runs its own small tiles: the int32 accumulator equals x_q @ W_q^T exactly, on a shape that leaves
     every tile partly masked (N = 37, K = 600: 38 words, past one 32-word step, inside one of 64 or 256). On a GPU
     the same launches run compiled (the decode kernel with its pure-Triton dp4a)."""
@@ -124,32 +130,30 @@ def test_every_gpu_table_entry_computes_exactly():
     w_q = (torch.randint(0, 3, (N, K), generator=g) - 1).to(torch.int8)
     w = tm._weight_words(quant.pack_ternary(w_q).to(DEVICE), K)
     ws = torch.ones(1, device=DEVICE)
-    for key, cfg in tm.DECODE_CONFIGS.items():
-        for M in ((3, 12) if key == "rows" else (1,)):
-            x_q = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g).to(DEVICE)
-            bm = min(triton.next_power_of_2(M), tm.DECODE_BLOCK_M)
-            acc = torch.full((M, N), 2**31 - 1, dtype=torch.int32, device=DEVICE)
+    if kind == "unpack":
+        codes = torch.full((N, 16 * KW), 7, dtype=torch.int8, device=DEVICE)
+        cfg = tm.UNPACK_CONFIG
+        tm._unpack_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(KW, cfg["BLOCK_G"]))](
+            w, codes.view(torch.int32), N, KW, w.stride(0), **cfg)
+        assert torch.equal(codes[:, :K].cpu(), w_q) and not codes[:, K:].any()
+        return
+    rows = {"decode": (3, 12) if key == "rows" else (1,), "prefill": (5, 70), "decode-mma": (5, 16)}[kind]
+    for M in rows:
+        x_q = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g)
+        want = (x_q.long() @ w_q.long().T).int()
+        x_q, xs = x_q.to(DEVICE), torch.ones(M, device=DEVICE)
+        acc = torch.full((M, N), 2**31 - 1, dtype=torch.int32, device=DEVICE)  # poison: unwritten stays huge
+        if kind == "decode":
+            cfg, bm = tm.DECODE_CONFIGS[key], min(triton.next_power_of_2(M), tm.DECODE_BLOCK_M)
             grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
-            tm._decode_kernel[grid](tm._x_words(x_q, K, KW), torch.ones(M, device=DEVICE), w, ws, acc, M, N, KW, 4 * KW, KW, N, 0,
+            tm._decode_kernel[grid](tm._x_words(x_q, K, KW), xs, w, ws, acc, M, N, KW, 4 * KW, KW, N, 0,
                                     BLOCK_M=bm, DP4A=False, WRITE_ACC=True, ROWS_FIRST=tm.DECODE_ROWS_FIRST, **cfg)
-            assert torch.equal(acc.cpu(), (x_q.cpu().long() @ w_q.long().T).int()), (key, M)
-    for M in (5, 70):
-        x_q = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=g).to(DEVICE)
-        want = (x_q.cpu().long() @ w_q.long().T).int()
-        for (arch, cls), cfg in tm.PREFILL_CONFIGS.items():
-            acc = torch.full((M, N), 2**31 - 1, dtype=torch.int32, device=DEVICE)
-            tm.launch_prefill(x_q, torch.ones(M, device=DEVICE), w, ws, acc, M, N, K, KW, 0, return_acc=True, cfg=cfg)
-            assert torch.equal(acc.cpu(), want), (arch, cls, M)
-        acc = torch.full((M, N), 2**31 - 1, dtype=torch.int32, device=DEVICE)
-        if M <= tm.DECODE_MAX_M:
-            tm.launch_decode_mma(tm._x_words(x_q, K, KW), torch.ones(M, device=DEVICE), w, ws, acc, M, N, KW, 0, return_acc=True,
+        elif kind == "prefill":
+            tm.launch_prefill(x_q, xs, w, ws, acc, M, N, K, KW, 0, return_acc=True, cfg=tm.PREFILL_CONFIGS[key])
+        else:
+            tm.launch_decode_mma(tm._x_words(x_q, K, KW), xs, w, ws, acc, M, N, KW, 0, return_acc=True,
                                  cfg=tm.DECODE_MMA_CONFIG)
-            assert torch.equal(acc.cpu(), want), ("decode-mma", M)
-    codes = torch.full((N, 16 * KW), 7, dtype=torch.int8, device=DEVICE)
-    cfg = tm.UNPACK_CONFIG
-    tm._unpack_kernel[(triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(KW, cfg["BLOCK_G"]))](
-        w, codes.view(torch.int32), N, KW, w.stride(0), **cfg)
-    assert torch.equal(codes[:, :K].cpu(), w_q) and not codes[:, K:].any()
+        assert torch.equal(acc.cpu(), want), (kind, key, M)
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 4, 33), (3, 100, 37), (8, 256, 1), (16, 60, 70), (11, 500, 20)])
