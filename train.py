@@ -115,17 +115,20 @@ def train_step(run, step, stop_requested):
     if model.config.quant and run.accum > 1 and not cfg.fsdp:
         cache_weight_quant(model)  # W_q * gamma once per step, reused by every micro-batch
     loss_sum = torch.zeros((), device=run.device)
+    scale = run.loss_scale.scale  # 1 but in float16 (LossScale)
     for micro in range(run.accum):
         # (B, T) each
         x, y = (t.to(run.device, non_blocking=True) for t in run.train_loader.next_batch())
         with grad_sync(run, last=micro == run.accum - 1), run.autocast:
             # plain CE, the distillation loss in stage 3, or a lesson's
             loss, parts = run.loss_fn(x, y)
-            (loss / run.accum).backward()
+            (loss * (scale / run.accum)).backward()
         loss_sum += loss.detach().float()
     clear_weight_quant(model)  # the weights are about to change
-    stats = clip_gradients([p for p in model.parameters() if p.grad is not None], run.clipper,
-                           cfg.grad_clip)
+    grads = [p for p in model.parameters() if p.grad is not None]
+    if scale != 1.0:
+        torch._foreach_mul_([p.grad for p in grads], 1.0 / scale)
+    stats = clip_gradients(grads, run.clipper, cfg.grad_clip)
     # stage 3: ce and the kd_* terms
     stats.update({k: v for k, v in (parts or {}).items() if k != "loss"})
     for cb in run.callbacks:
@@ -134,12 +137,34 @@ def train_step(run, step, stop_requested):
     out["ok"] = math.isfinite(out["loss"]) and math.isfinite(out["raw_norm"])
     if out["ok"]:
         opt.step()
+    if run.loss_scale.enabled:
+        out["loss_scale"] = scale
+        run.loss_scale.update(out["ok"])
     for cb in run.callbacks:
         # e.g. QK-clip rescales W_q, W_k; averaging takes a snapshot
         cb.after_step(step + 1, out["ok"])
     opt.zero_grad(set_to_none=True)
     out.update(lam=lam, lr=cfg.lr * mult)
     return out
+
+
+class LossScale:
+    """Dynamic loss scaling for --dtype=float16 (Micikevicius et al. 2018, "Mixed Precision Training",
+    section 3.2; torch.amp.GradScaler's defaults). fp16's smallest subnormal is 6e-8: a backward in fp16
+    flushes smaller gradients to zero, silently, unless the loss is scaled up first. The step multiplies
+    the loss by `scale` and divides the gradients by it before clipping; its one host read says whether
+    they overflowed: then the update is skipped (as any non-finite step) and the scale halves; after
+    `interval` good steps in a row it doubles. bf16 and fp32 need none: scale 1, nothing changes."""
+
+    def __init__(self, enabled, scale=2.0 ** 16, interval=2000):
+        self.enabled, self.scale, self.interval, self.good = enabled, scale if enabled else 1.0, interval, 0
+
+    def update(self, ok):
+        self.good = self.good + 1 if ok else 0
+        if not ok:
+            self.scale /= 2
+        elif self.good % self.interval == 0:
+            self.scale *= 2
 
 
 def set_step_lambda(run, step):
@@ -295,6 +320,7 @@ def setup(argv):
 def build(run, resume, teachers):
     cfg, rt = run.cfg, run.rt
     earlier, dtype = assemble.starting_model(run, resume)  # data, weights; out_dir's earlier run
+    run.loss_scale = LossScale(dtype == "float16")
     if cfg.quant_start:
         q = quant_start_step(cfg)
         rt.log(f"continual QAT: full precision for steps 0..{q - 1}, then ternary, lambda reaching "

@@ -47,6 +47,7 @@ class Run:
     train_loader: data.DataLoader = None
     val_loaders: dict = None     # source name -> (its val DataLoader, its mixing weight)
     autocast: object = None
+    loss_scale: object = None    # train.LossScale: float16's dynamic loss scale (1 otherwise)
     accum: int = 1               # micro-batches per step on this rank
     device: str = "cpu"          # where the step runs (rt.device)
     start: "start.Start" = None  # where the run starts: its step, weights and note (tools/start.py)

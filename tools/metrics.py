@@ -134,8 +134,9 @@ def log_step(run, step, out, skipped_steps, skipped_in_a_row, timer):
     ratios)."""
     lam = out["lam"]
     if not out["ok"]:
+        scaled = f", float16 loss scale {out['loss_scale']:g} halved" if "loss_scale" in out else ""
         run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['raw_norm']} not "
-                   f"finite, no update ({skipped_in_a_row} in a row, {skipped_steps} in all; "
+                   f"finite, no update{scaled} ({skipped_in_a_row} in a row, {skipped_steps} in all; "
                    f"max_bad_steps={run.cfg.max_bad_steps})")
         log_record(run,
                    {"step": step, "skipped": 1, "loss": None, "lambda": lam,
