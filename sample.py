@@ -104,6 +104,8 @@ def main(argv):
     _check_args(args)
     device = args["device"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    if device.startswith("cuda"):  # Triton kernels and CUDA graphs run on the current device
+        torch.cuda.set_device(device)
     torch.manual_seed(args["seed"])
     if args["dlm"] and args["ckpt"] == SampleConfig.ckpt:
         args["ckpt"] = os.path.join("out", "dlm", checkpoint.LATEST)

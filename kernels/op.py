@@ -57,7 +57,9 @@ class BoundLinear:
     launch settings made once (PackedBitLinear keeps one per weight): a call allocates x_q, x_scale and y, makes
     two views and launches the quantiser and one matmul kernel, the same kernels with the same settings as
     linear, so the same numbers bit for bit. Inputs linear would re-lay (K % 16 != 0, a dtype other than fp32 or
-    bf16) go through linear itself."""
+    bf16) go through linear itself. The kernels launch on the current CUDA device, unguarded (a guard per call
+    costs host time): for a model on another GPU make its device current first (torch.cuda.set_device, as
+    sample.py does; tools/decode.py's Decoder does it for its generate)."""
 
     def __init__(self, w_packed, w_scale, K, norm=None):
         N = w_packed.shape[0]

@@ -14,6 +14,7 @@ and re-exports them (the tests switch both modules to the interpreter by reloadi
 Test (CPU, interpreter):  python -m pytest tests/test_kernels.py
 """
 
+import contextlib
 import os
 
 import torch
@@ -26,6 +27,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _SUM = tl.standard._sum_combine
 _MAX = tl.standard._elementwise_max
 def _check_device(*tensors):
+    """The inputs' one device, refused in one line unless it is CUDA (or the interpreter runs); then
+    launch under on_device(it)."""
     dev = tensors[0].device
     for t in tensors:
         if t.device != dev:
@@ -33,6 +36,14 @@ def _check_device(*tensors):
     if not INTERPRETED and dev.type != "cuda":
         raise ValueError(f"inputs are on {dev}; the Triton kernels need CUDA tensors "
                          "(or set TRITON_INTERPRET=1 before importing this module to run them on CPU)")
+    return dev
+
+
+def on_device(dev):
+    """Triton launches on the current CUDA device, whatever device the pointers are on: this makes the
+    inputs' device current for the launch (tensors on cuda:1 while cuda:0 is current would otherwise
+    run on cuda:0's stream); on the CPU (the interpreter) nothing."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -165,7 +176,7 @@ def quantize_activations(x, *, block_k=None):
     """
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() < 1:
         raise TypeError(f"x: expected a float32/bfloat16/float16 tensor (..., K), got {x.dtype} {tuple(x.shape)}")
-    _check_device(x)
+    dev = _check_device(x)
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     if K and x2.stride(-1) != 1:
@@ -178,8 +189,9 @@ def quantize_activations(x, *, block_k=None):
     block = block_k or min(triton.next_power_of_2(max(K, 1)), 8192)
     block = triton.next_power_of_2(block)
     # enable_fp_fusion=False: no FMA contraction anywhere in this kernel (see _quantize_row)
-    _quantize_activations_kernel[(R,)](x2, x_q, x_scale, K, x2.stride(0), BLOCK_K=block, ONE_PASS=K <= block,
-                                       num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
+    with on_device(dev):
+        _quantize_activations_kernel[(R,)](x2, x_q, x_scale, K, x2.stride(0), BLOCK_K=block, ONE_PASS=K <= block,
+                                           num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)
     return x_q, x_scale
 
 
@@ -214,7 +226,7 @@ def rmsnorm_quantize(x, weight, eps=None, *, block_k=None):
         weight = torch.ones(K, dtype=x.dtype, device=x.device)
     if weight.shape != (K,):
         raise ValueError(f"weight: expected the norm's gain ({K},), got {tuple(weight.shape)}")
-    _check_device(x, weight)
+    dev = _check_device(x, weight)
     x2 = x.reshape(-1, K)
     if K and x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -222,7 +234,8 @@ def rmsnorm_quantize(x, weight, eps=None, *, block_k=None):
     x_scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if x2.shape[0]:
         eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
-        _rmsnorm_quant_kernel[(x2.shape[0],)](x2, weight.to(x.dtype).contiguous(), x_q, x_scale, K,
-                                              x2.stride(0), eps, BF16=x.dtype == torch.bfloat16,
-                                              **norm_quant_settings(K, block_k))
+        with on_device(dev):
+            _rmsnorm_quant_kernel[(x2.shape[0],)](x2, weight.to(x.dtype).contiguous(), x_q, x_scale, K,
+                                                  x2.stride(0), eps, BF16=x.dtype == torch.bfloat16,
+                                                  **norm_quant_settings(K, block_k))
     return x_q, x_scale

@@ -83,7 +83,7 @@ from kernels import quantize as _quantize  # noqa: E402
 if _quantize.INTERPRETED != INTERPRETED:  # this module reloaded under TRITON_INTERPRET=1: the quantisers too
     importlib.reload(_quantize)
 from kernels.quantize import (_check_device, _quantize_activations_kernel,  # noqa: E402,F401
-                              _rmsnorm_quant_kernel, norm_quant_settings, quantize_activations,
+                              _rmsnorm_quant_kernel, norm_quant_settings, on_device, quantize_activations,
                               rmsnorm_quantize)
 from kernels import decode_mma as _decode_mma  # noqa: E402
 if _decode_mma.INTERPRETED != INTERPRETED:
@@ -382,7 +382,7 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
         raise ValueError(f"config: expected 'decode', 'decode-mma', 'prefill' or None, got {config!r}")
     if config == "decode-mma" and M > DECODE_MAX_M:
         raise ValueError(f"config='decode-mma' takes at most {DECODE_MAX_M} rows, got {M}")
-    _check_device(x_q, x_scale, w_packed, w_scale)
+    dev = _check_device(x_q, x_scale, w_packed, w_scale)
     res_dtype = torch.int32 if return_acc else out_dtype
     if out is None:
         out = torch.empty((*lead, N), dtype=res_dtype, device=x_q.device)
@@ -401,12 +401,13 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
     KW = (K + 15) // 16
     w = _weight_words(w_packed, K)  # (N, KW) int32: a view for K % 16 == 0
 
-    if config == "decode-mma":
-        launch_decode_mma(_x_words(x2, K, KW), xs, w, ws, y, M, N, KW, stride_ws, return_acc)
-    elif M <= DECODE_MAX_M if config is None else config == "decode":
-        launch_decode(_x_words(x2, K, KW), xs, w, ws, y, M, N, KW, stride_ws, return_acc)
-    else:
-        launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc)
+    with on_device(dev):
+        if config == "decode-mma":
+            launch_decode_mma(_x_words(x2, K, KW), xs, w, ws, y, M, N, KW, stride_ws, return_acc)
+        elif M <= DECODE_MAX_M if config is None else config == "decode":
+            launch_decode(_x_words(x2, K, KW), xs, w, ws, y, M, N, KW, stride_ws, return_acc)
+        else:
+            launch_prefill(x2, xs, w, ws, y, M, N, K, KW, stride_ws, return_acc)
     return out
 
 

@@ -145,6 +145,23 @@ def test_the_graph_modes_loop_captures_once_per_sampling_and_warms_up_in_place(m
     assert captures == [15, 9]
 
 
+def test_the_decoder_makes_the_models_device_current_for_its_loop(monkeypatch):
+    """The graph, its capture stream and the Triton kernels run on the current CUDA device, whatever device the
+    model is on: Decoder.generate runs its loop under kernels.quantize.on_device(the model's device), once per
+    call (a model on cuda:1 with cuda:0 current would otherwise capture nothing and replay stale tokens)."""
+    entered = []
+    real = decode.on_device
+
+    def recorded(dev):
+        entered.append(dev)
+        return real(dev)
+    monkeypatch.setattr(decode, "on_device", recorded)
+    model = make(**MODELS["packed"])
+    idx = torch.randint(0, 60, (1, 5), generator=torch.Generator().manual_seed(6))
+    decode.Decoder(model, "fixed").generate(idx, 4, top_k=1)
+    assert entered == [torch.device("cpu")]
+
+
 def test_no_op_runs_between_steps_and_none_reads_the_host_inside_one():
     """Per token the loop runs no aten op outside the step (GPT.decode_step: it samples, writes the
     token and advances the position on the device): what runs outside it (the argument check's one

@@ -333,6 +333,29 @@ def test_config_tables_fit_the_problem():
         assert -(-N // cfg["BLOCK_N"]) >= min(2 * tm.SMS, N // 2), (N, K)  # programs: 2 a SM, or 1 per 2 rows
 
 
+def test_the_kernels_launch_with_their_inputs_device_current(monkeypatch):
+    """Triton launches on the current CUDA device, not on the pointers' one: ternary_matmul, quantize_activations
+    and rmsnorm_quantize launch under on_device(the inputs' device), which makes a CUDA device current (cuda:1's
+    tensors with cuda:0 current ran on cuda:0's stream) and does nothing on the CPU (the interpreter)."""
+    import contextlib
+    assert isinstance(tm.on_device(torch.device("cpu")), contextlib.nullcontext)
+    guard = tm.on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    entered = []
+
+    def recorded(dev):
+        entered.append(dev)
+        return contextlib.nullcontext()
+    monkeypatch.setattr(tm, "on_device", recorded)
+    monkeypatch.setattr(tm._quantize, "on_device", recorded)
+    x = torch.randn(3, 64, device=DEVICE)
+    x_q, x_scale = tm.quantize_activations(x)
+    tm.rmsnorm_quantize(x, torch.ones(64, device=DEVICE))
+    w = quant.pack_ternary(torch.zeros(5, 64, dtype=torch.int8)).to(DEVICE)
+    tm.ternary_matmul(x_q, x_scale, w, torch.ones(1, device=DEVICE))
+    assert entered == [x.device] * 3
+
+
 def test_ternary_matmul_matches_bitlinear_forward():
     """quantize_activations + packed matmul computes what the fake-quantised BitLinear computes."""
     torch.manual_seed(0)

@@ -74,6 +74,26 @@ def test_device_cuda_without_cuda_is_one_line(capsys):
     assert all(f in err for f in ("--device=cuda", "no CUDA device", "--device=cpu")), err
 
 
+def test_a_cuda_device_is_made_current_before_the_checkpoint_loads(monkeypatch):
+    """--device=cuda:1: Triton kernels and CUDA graphs run on the current device, so sample.py makes cuda:1 current
+    (torch.cuda.set_device) before it loads anything (a two-GPU machine is faked: CUDA present, two devices)."""
+    made = []
+
+    class Made(Exception):
+        pass
+
+    def set_device(d):
+        made.append(d)
+        raise Made
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(sample, "load_model", lambda *a: pytest.fail("loaded before the device was made current"))
+    with pytest.raises(Made):
+        sample.main([f"--ckpt={MISSING}", "--device=cuda:1"])
+    assert made == ["cuda:1"]
+
+
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:0:1", "cuda:99"])
 def test_sample_and_train_refuse_a_device_in_the_same_line(device, capsys, tmp_path):
     """One device rule for both commands (tools/runtime.check_device): the same error line, naming the flag."""

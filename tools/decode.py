@@ -27,6 +27,7 @@ Run:  python -m lab.bench --decode (tokens/s)     Test:  python -m pytest tests/
 
 import torch
 
+from kernels.quantize import on_device
 from model import DecodeState
 
 MODES = ("eager", "fixed", "graph", "compile")
@@ -62,7 +63,9 @@ class Decoder:
                 self.graph, self.sampling = _captured(run, self.mode == "compile", s), sampling
             self.graph.replay()
         step = (lambda pos: run()) if self.mode == "fixed" else replay
-        return m.generate(idx, max_new_tokens, temperature, top_k, vocab, state=s, step=step)
+        # the graph, its stream and the Triton kernels run on the current CUDA device: the model's
+        with on_device(s.pos.device):
+            return m.generate(idx, max_new_tokens, temperature, top_k, vocab, state=s, step=step)
 
 
 def _captured(fn, compile, s):
