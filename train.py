@@ -122,7 +122,7 @@ def train_step(run, step, stop_requested):
         with grad_sync(run, last=micro == run.accum - 1), run.autocast:
             # plain CE, the distillation loss in stage 3, or a lesson's
             loss, parts = run.loss_fn(x, y)
-            (loss * (scale / run.accum)).backward()
+            (loss * scale / run.accum).backward()  # loss * 1.0 is loss: the same bits as unscaled
         loss_sum += loss.detach().float()
     clear_weight_quant(model)  # the weights are about to change
     grads = [p for p in model.parameters() if p.grad is not None]
