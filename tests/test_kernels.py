@@ -88,13 +88,13 @@ def test_ternary_matmul_integer_part_exact_and_scaled_within_1e6(M, K, N, config
     assert ((y16.float() - y_ref).abs() <= 2**-7 * y_ref.abs()).all()
 
 
-@pytest.mark.parametrize("rows_first", [True, False])
-def test_decode_is_exact_in_both_axis_orders_of_its_tile(rows_first, monkeypatch):
+def test_decode_is_exact_in_both_axis_orders_of_its_tile(monkeypatch):
     """The decode tile's axes go in the order the installed Triton wants (tm.DECODE_ROWS_FIRST: weight rows on
-    the axis its coalescing takes first); either order gives x_q @ W_q^T exactly and y within 1e-6, for one row,
-    a few, and more than one program holds (8 rows a program, as on a GPU), one gamma or one per row."""
+    the axis its coalescing takes first; every other test runs that order); the other order gives x_q @ W_q^T
+    exactly and y within 1e-6 too, for one row, a few, and more than one program holds (8 rows a program, as on
+    a GPU), one gamma or one per row."""
     assert tm.DECODE_ROWS_FIRST == (tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7))
-    monkeypatch.setattr(tm, "DECODE_ROWS_FIRST", rows_first)
+    monkeypatch.setattr(tm, "DECODE_ROWS_FIRST", not tm.DECODE_ROWS_FIRST)
     monkeypatch.setattr(tm, "decode_block_m", lambda M: min(triton.next_power_of_2(M), tm.DECODE_BLOCK_M))
     for M, K, N in ((1, 100, 37), (3, 60, 33), (12, 256, 20)):
         x_q, w_q, x_scale, w_scale = _case_data(M, K, N, seed=M + K + N)
@@ -102,7 +102,7 @@ def test_decode_is_exact_in_both_axis_orders_of_its_tile(rows_first, monkeypatch
         x_q, x_scale, w_scale, gammas = (t.to(DEVICE) for t in (x_q, x_scale, w_scale, gammas))
         w_packed = quant.pack_ternary(w_q).to(DEVICE)
         settings, grid = tm.decode_launch(N, K, M)
-        assert settings["ROWS_FIRST"] == rows_first and grid[1] == -(-M // 8)
+        assert settings["ROWS_FIRST"] == tm.DECODE_ROWS_FIRST and grid[1] == -(-M // 8)
         acc = tm.ternary_matmul(x_q, x_scale, w_packed, w_scale, config="decode", return_acc=True,
                                 out=torch.full((M, N), 2**31 - 1, dtype=torch.int32, device=DEVICE))
         assert torch.equal(acc.cpu(), (x_q.cpu().long() @ w_q.long().T).int()), (M, K, N)
