@@ -321,6 +321,8 @@ def build(run, resume, teachers):
     cfg, rt = run.cfg, run.rt
     earlier, dtype = assemble.starting_model(run, resume)  # data, weights; out_dir's earlier run
     run.loss_scale = LossScale(dtype == "float16")
+    if resume is not None and run.loss_scale.enabled and resume.get("loss_scale"):
+        run.loss_scale.scale, run.loss_scale.good = resume["loss_scale"]["scale"], resume["loss_scale"]["good"]
     if cfg.quant_start:
         q = quant_start_step(cfg)
         rt.log(f"continual QAT: full precision for steps 0..{q - 1}, then ternary, lambda reaching "

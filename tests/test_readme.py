@@ -25,7 +25,7 @@ SKIP = {
     "python -m lab muon": "a lab table trains 3 seeds x its rows; tests/test_lab.py runs the runner with tiny rows",
     "bash lab/check_llamacpp.sh --ckpt=out/stage2/ckpt.pt": "downloads and compiles llama-cpp-python",
     "bash lab/gpu_check.sh": "needs a GPU; tests/test_cross_compile.py runs it without one",
-    "python -m lab.against_nanogpt": "needs a clone of karpathy/nanoGPT (not on PyPI); tests/test_bench.py gives it a stand-in",
+    "python -m lab.against_nanogpt --nanogpt=PATH --rounds=3": "needs a clone of karpathy/nanoGPT (not on PyPI); tests/test_bench.py gives it a stand-in",
     "hf download HuggingFaceFW/fineweb-edu": "the download (the test writes a small parquet file where it would land)",
 }
 TRAIN = [*TINY, "--max_iters=4", "--eval_interval=4"]  # lambda reaches 1 at step 4 (TINY's warm-up)

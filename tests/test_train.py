@@ -719,6 +719,15 @@ def test_float16_scales_the_loss_so_that_small_gradients_survive(setup_run):
     assert scales[0] == (2.0**16, False) and scales[-1][1] and len(scales) <= 8, scales
     assert [s for s, _ in scales] == [2.0**16 / 2**i for i in range(len(scales))]
     assert run.loss_scale.scale == scales[-1][0] and run.loss_scale.good == 1
+    from tools import checkpoint
+    checkpoint.save_run(run, len(scales))  # a resume scales as the run that never stopped
+    run.unlock()
+    resumed = train.setup(["--stage=2", *TINY, "--max_iters=10", f"--out_dir={os.path.dirname(run.out_dir)}",
+                           "--resume=True", "--dtype=float16"])
+    try:
+        assert (resumed.loss_scale.scale, resumed.loss_scale.good) == (scales[-1][0], 1)
+    finally:
+        resumed.unlock()
     ls = train.LossScale(True, interval=3)
     for ok, want_scale in ((False, 2.0**15), (True, 2.0**15), (True, 2.0**15), (True, 2.0**16), (False, 2.0**15)):
         ls.update(ok)

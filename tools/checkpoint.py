@@ -335,6 +335,8 @@ def save_run(run, step, val_loss=None):
     config = {**dataclasses.asdict(run.cfg), "tokenizer_fingerprint": tok}
     state = training_state(step, config, dataclasses.asdict(run.model.config),
                            run.model, run.optimizer, run.clipper, run.train_loader, val_loss)
+    if run.loss_scale is not None and run.loss_scale.enabled:  # float16's: resumed as it was
+        state["loss_scale"] = {"scale": run.loss_scale.scale, "good": run.loss_scale.good}
     averaged = None
     if run.average is not None:
         state["average"] = run.average.state_dict()

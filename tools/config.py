@@ -99,7 +99,8 @@ class TrainConfig:
     tokenizer: str = "byte"      # byte (257 ids), gpt2 (50257 ids), or a pretrained model's
                                  # (default: --init_from's)
     data: str = ""               # shard dir or shipped corpus (shakespeare, python), or
-                                 # "dirA:0.7,python:0.3" to mix; "" = shakespeare
+                                 # "dirA:0.7,python:0.3" to mix; "" = shakespeare (with the GPT-2
+                                 # tokenizer: FineWeb-Edu where docs/gpu-node.md prepared it)
     data_order: str = "shuffle"  # shuffle | sequential | curriculum (easy-to-hard over this run's
                                  # rows); shuffle beats sequential by 0.17 val loss on the quick
                                  # start (python -m lab order)
@@ -214,7 +215,7 @@ def parse_args(argv):
 
 USAGE = """python train.py [--key=value ...]: train a ternary (BitNet b1.58) model; stage 1 fp,
 2 ternary, 3 distill.
-  python train.py --stage=2                the CPU quick start (byte tokenizer, Shakespeare, ~4 min)
+  python train.py --stage=2                the CPU quick start (byte tokenizer, Shakespeare, ~2.5 min)
   python train.py --stage=2 --resume=True  continue a stopped run exactly
   torchrun --standalone --nproc_per_node=8 train.py --stage=2     (DDP; --fsdp=True shards)
 Order of defaults: TrainConfig (shown below), then the device preset, the stage preset
