@@ -35,7 +35,9 @@ def runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_an_export_never_lands_on_a_checkpoint_or_an_average(runs, capsys):
-    s1, s2 = os.path.join(runs, "stage1", "ckpt.pt"), os.path.join(runs, "stage2", "ckpt.pt")
+    s2 = os.path.join(runs, "stage2", "ckpt.pt")
+    s1 = os.path.join(runs, "kept_stage1.pt")  # a checkpoint the stage-2 run does not read (its stage1/ckpt.pt,
+    shutil.copy(os.path.join(runs, "stage1", "ckpt.pt"), s1)  # which it does, is refused as its --init_from)
     avg = os.path.join(runs, "stage2", "avg.pt")  # an average as averaging writes it: {"averaged": ..., "model": ...}
     torch.save({"model": torch.load(s2, weights_only=True)["model"], "averaged": {"steps": [2, 4]}}, avg)
     before = {p: _sha(p) for p in (s1, avg)}
@@ -46,6 +48,7 @@ def test_an_export_never_lands_on_a_checkpoint_or_an_average(runs, capsys):
     assert {p: _sha(p) for p in (s1, avg)} == before  # nothing changed
     assert outputs.file_kind(s1)[0] == "checkpoint" and outputs.file_kind(avg)[0] == "average"
     os.remove(avg)
+    os.remove(s1)
 
 
 def test_a_re_export_replaces_its_own_export_but_not_another_checkpoints(runs, capsys, tmp_path):
@@ -189,9 +192,10 @@ def test_no_output_lands_on_or_in_what_the_run_reads(runs, capsys, tmp_path, ask
     assert {p: _sha(p) for p in files} == before and sorted(os.listdir(m)) == ["config.json", "tokenizer.json"]
 
 
-def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(runs, capsys, tmp_path):
-    """train.py --init_from=<a checkpoint of the run in out_dir> --overwrite=True: refused before anything is
-    loaded, and the earlier run's files are all still there; --out_dir inside a shard directory it reads too."""
+def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(runs, capsys, tmp_path, monkeypatch):
+    """train.py --init_from=<a checkpoint of the run in out_dir> --overwrite=True, given or by --init_from=auto:
+    refused before anything is loaded, and the earlier run's files are all still there; --out_dir inside a shard
+    directory it reads too, given or the default corpus's."""
     out = str(tmp_path)
     shutil.copytree(os.path.join(runs, "stage2"), os.path.join(out, "stage2"))
     numbered = os.path.join(out, "stage2", "ckpt_000002.pt")
@@ -204,6 +208,21 @@ def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(runs, capsys, 
     shutil.copytree(os.path.join(ROOT, "data", "shakespeare_byte"), shards)
     msg = fails(capsys, "--stage=1", f"--data={shards}", f"--out_dir={shards}/runs", *TINY, code=2)
     assert "is inside the run's --data shards" in msg, msg
+    # --init_from=auto names the previous stage's ckpt.pt: a stage-2 run into that stage-1 directory
+    # (--run_name=stage1) with --overwrite=True would delete the checkpoint it starts from
+    shutil.copytree(os.path.join(runs, "stage1"), os.path.join(out, "stage1"))
+    before = sorted(os.listdir(os.path.join(out, "stage1")))
+    msg = fails(capsys, "--stage=2", f"--out_dir={out}", "--run_name=stage1", "--overwrite=True", *TINY, code=2)
+    assert os.path.join(out, "stage1", "ckpt.pt") in msg and "--overwrite=True would delete" in msg, msg
+    assert sorted(os.listdir(os.path.join(out, "stage1"))) == before
+    # the default --data (the shipped corpus's shards, data/shakespeare_byte, here under a stand-in root) is an
+    # input too: no run writes into it
+    from tools import loaders
+    monkeypatch.setattr(loaders, "ROOT", out)
+    os.makedirs(os.path.join(out, "data", "shakespeare_byte"))
+    msg = fails(capsys, "--stage=1", f"--out_dir={out}/data", "--run_name=shakespeare_byte", "--max_iters=1", *TINY,
+                code=2)
+    assert "the run's --data shards" in msg and os.path.join(out, "data", "shakespeare_byte") in msg, msg
 
 
 def _gguf(path, source=None):

@@ -8,6 +8,7 @@ Test: python -m pytest tests/test_train.py tests/test_prepare.py
 """
 
 import os
+from types import SimpleNamespace
 
 import data
 from tokenizer import fingerprint, get_tokenizer
@@ -24,7 +25,7 @@ def shipped_dir(name, cfg):
     """data/<name>_<tokenizer>, the shards of a shipped corpus; tokenised (tools/prepare.py) the
     first time. A pretrained model's tokenizer is named by its source's last part
     (prepare.source_slug)."""
-    root = os.path.join(ROOT, "data", f"{name}_{source_slug(cfg.tokenizer)}")
+    root = shipped_root(name, cfg.tokenizer)
     scores = os.path.join(root, "train_000.difficulty.npy")  # the curriculum needs them
     if not os.path.exists(os.path.join(root, "meta.json")) or (cfg.data_order == "curriculum" and
                                                                 not os.path.exists(scores)):
@@ -48,6 +49,20 @@ def default_data(cfg):
     if cfg.tokenizer == "gpt2" and os.path.exists(os.path.join(FINEWEB_EDU, "meta.json")):
         return {FINEWEB_EDU: 1.0}
     return {"shakespeare": 1.0}
+
+
+def shipped_root(name, tokenizer):
+    """data/<name>_<tokenizer>: where a shipped corpus's shards are (shipped_dir makes them)."""
+    return os.path.join(ROOT, "data", f"{name}_{source_slug(tokenizer)}")
+
+
+def data_dirs(data_flag, tokenizer):
+    """The shard directories a --data value names, as resolve_data resolves them but nothing prepared
+    or checked (the output checks: a run never writes into what it reads); a shipped corpus's name is
+    resolved only with a tokenizer."""
+    names = parse_data(data_flag) or default_data(SimpleNamespace(tokenizer=tokenizer))
+    return [shipped_root(p, tokenizer) if p in SHIPPED and not os.path.isdir(p) and tokenizer else p
+            for p in names]
 
 
 def resolve_data(cfg):

@@ -27,6 +27,7 @@ import functools
 import json
 import os
 import struct
+from types import SimpleNamespace
 
 from tools.flags import die
 
@@ -218,17 +219,28 @@ def saved_tokenizer(obj):
     return obj.get("tokenizer") if "format" in obj else (obj.get("config") or {}).get("tokenizer")
 
 
+def auto_init_from(out_dir, stage):
+    """What --init_from=auto starts stage 2 or 3 from: the previous stage's <out_dir>/stage<N-1>/ckpt.pt."""
+    return os.path.join(out_dir, f"stage{stage - 1}", "ckpt.pt")
+
+
 def config_inputs(cfg, tokenizer):
     """[(what it is, path)] of the files and directories a run of config cfg (a dict of train.py's
-    flags) reads: its tokenizer's model, --init_from, each --teacher (stage 3) and its --data shard
-    directories, where they exist."""
+    flags) reads: its tokenizer's model, --init_from (auto: the previous stage's checkpoint), each
+    --teacher (stage 3) and its --data shard directories (a shipped corpus's data/<name>_<tokenizer>,
+    "" the default's), where they exist."""
+    from tools.checks import teacher_paths  # (both import what imports this module)
+    from tools.loaders import data_dirs
+    init_from, stage, out_dir = cfg.get("init_from") or "", cfg.get("stage"), cfg.get("out_dir") or "out"
+    if init_from == "auto" and stage in (2, 3):
+        init_from = auto_init_from(out_dir, stage)
     found = [("the run's tokenizer (the model it was trained from, which sample.py, "
               "tools/export.py and --resume read)", tokenizer or "")]
-    found += [("the run's --init_from model", cfg.get("init_from") or "")]
-    found += [("the run's "
-               "--teacher", t) for t in str(cfg.get("teacher") or "").split(",") if cfg.get("stage") == 3]
-    found += [("the run's --data "
-               "shards", d.rsplit(":", 1)[0]) for d in str(cfg.get("data") or "").split(",")]
+    found += [("the run's --init_from model", init_from)]
+    if stage == 3:
+        found += [("the run's --teacher", t)
+                  for t in teacher_paths(SimpleNamespace(teacher=str(cfg.get("teacher") or ""), out_dir=out_dir))]
+    found += [("the run's --data shards", d) for d in data_dirs(cfg.get("data") or "", tokenizer)]
     return [(what, str(p)) for what, p in found if p not in ("", "byte", "gpt2", "auto", "scratch") and
             os.path.exists(str(p))]
 

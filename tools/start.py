@@ -84,8 +84,7 @@ def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None,
         return Start(0, ckpt, path, note=note)
     if cfg.init_from == "scratch" or (cfg.stage == 1 and cfg.init_from == "auto"):
         return Start(note=f"stage {cfg.stage}: training from scratch")
-    path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", "ckpt.pt") if cfg.init_from == "auto" \
-        else cfg.init_from
+    path = outputs.auto_init_from(cfg.out_dir, cfg.stage) if cfg.init_from == "auto" else cfg.init_from
     # a hub id is no path: from_pretrained fetches it
     if not os.path.exists(path) and not is_model_source(path):
         if cfg.init_from == "auto" and cfg.stage == 2:
