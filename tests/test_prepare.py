@@ -1135,3 +1135,34 @@ def test_a_single_txt_like_nanogpts_input_txt_is_split_into_its_paragraphs(tmp_p
                     out_dir=str(tmp_path / "p"), val_every=2)
     meta = data.read_meta(str(tmp_path / "p"))
     assert meta["n_docs_train"] + meta["n_docs_val"] == 2
+
+
+def test_make_python_corpus_writes_its_corpus_and_replaces_nothing_else(tmp_path, capsys):
+    """tools.make_python_corpus (the shipped code corpus, rebuilt from CPython 3.11.7's Lib/*.py): the same bytes
+    as data/python.jsonl.gz (data/README.md's sha256) at a new path; a checkpoint, the other shipped corpus, a
+    directory, a missing directory or an empty --out is one error line and nothing is written; another gzip file
+    only with --overwrite=True."""
+    from tools import make_python_corpus
+    from conftest import fails
+    if sys.version_info[:3] != (3, 11, 7):  # the corpus is pinned to that release: then its refusal is the test
+        assert "needs CPython 3.11.7" in fails(capsys, f"--out={tmp_path}/p.gz", main=make_python_corpus.main)
+        return
+    out = tmp_path / "p.jsonl.gz"
+    make_python_corpus.main([f"--out={out}"])
+    assert hashlib.sha256(out.read_bytes()).digest() == hashlib.sha256(
+        open(os.path.join(ROOT, "data", "python.jsonl.gz"), "rb").read()).digest()
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save({"model": {}, "model_args": {}, "config": {}, "step": 0}, ckpt)
+    shipped = os.path.join(ROOT, "data", "shakespeare.jsonl.gz")
+    before = {p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in (ckpt, shipped)}
+    for out_flag, said, code in ((ckpt, "not a gzip file", 2), (shipped, "--overwrite=True", 2),
+                                 (tmp_path, "is a directory", 2), (tmp_path / "no" / "p.gz", "does not exist", 1),
+                                 ("", "--out is empty", 2)):
+        msg = fails(capsys, f"--out={out_flag}", code=code, main=make_python_corpus.main)
+        assert said in msg, msg
+    assert before == {p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in (ckpt, shipped)}
+    other = tmp_path / "other.gz"
+    other.write_bytes(gzip.compress(b"x"))
+    assert "--overwrite=True" in fails(capsys, f"--out={other}", code=2, main=make_python_corpus.main)
+    make_python_corpus.main([f"--out={other}", "--overwrite=True"])
+    assert other.read_bytes() == out.read_bytes()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from tools.atomic import ROOT, atomic_write
 from tools.flags import die, parse
+from tools.outputs import check_output
 
 OUT = os.path.join(ROOT, "data", "python.jsonl.gz")
 
@@ -29,10 +30,19 @@ OUT = os.path.join(ROOT, "data", "python.jsonl.gz")
 @dataclass
 class CorpusFlags:
     out: str = OUT               # where the corpus goes (the shipped file by default)
+    overwrite: bool = False      # replace another gzip file at --out (the shipped file is rebuilt
+                                 # without it: the same bytes)
 
 
 def main(argv):
-    out = CorpusFlags(**parse(argv, CorpusFlags, __doc__)).out
+    flags = CorpusFlags(**parse(argv, CorpusFlags, __doc__))
+    out = flags.out
+    if not out:
+        die("--out is empty; pass the corpus file to write, e.g. --out=python.jsonl.gz", 2)
+    # a file of another kind (a checkpoint, the other corpus) is never replaced; a missing or read-only
+    # directory is one line
+    check_output("--out", out, "gzip",
+                 overwrite=flags.overwrite or os.path.abspath(out) == os.path.abspath(OUT))
     if sys.version_info[:3] != (3, 11, 7):
         die(f"needs CPython 3.11.7 (this is {sys.version.split()[0]}); the corpus is "
                  f"pinned to that release")

@@ -39,7 +39,8 @@ KINDS = {  # file_kind's names, in the words an error line uses
                                                                              "export directory",
     "safetensors": "a safetensors weights file", "metrics": "a run's metrics "
                                                             "log", "png": "a PNG image",
-    "text": "a text file", "directory": "a directory", "other": "a file of another kind",
+    "text": "a text file", "gzip": "a gzip file", "directory": "a directory",
+    "other": "a file of another kind",
 }
 # in every HF export directory of ours: its format, source checkpoint and file names
 HF_MARKER = "nanobitnet.json"
@@ -75,6 +76,8 @@ def file_kind(path):
         return "other", None
     if head[:4] == b"GGUF":
         return "gguf", _gguf_source(path)
+    if head[:2] == b"\x1f\x8b":
+        return "gzip", None
     if head[:8] == b"\x89PNG\r\n\x1a\n":
         return "png", _png_source(head)
     if head[:4] == b"PK\x03\x04":  # torch.save's zip format
