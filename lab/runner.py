@@ -323,7 +323,7 @@ class Lab(Report):
         if step is None or step < self.max_iters(row.name):
             if row.prepare is not None:
                 row.prepare(self, seed)
-            if _drop_torn_line(os.path.join(d, "metrics.jsonl")):
+            if metrics.drop_torn_line(os.path.join(d, "metrics.jsonl")):
                 log(f"[lab] {row.name} seed {seed}: cut the torn last line off {d}/metrics.jsonl "
                     f"before resuming")
             log(f"[lab] {row.name} seed {seed}: {' '.join(cmd[1:])}")
@@ -482,20 +482,6 @@ def _records(path):
         return runtime.read_metrics(path)
     except ValueError as e:
         raise LabError(f"{e}, then run the same command again") from None
-
-
-def _drop_torn_line(path):
-    """Cut a torn last line off metrics.jsonl, so that train.py resuming does not glue its next
-    record onto it."""
-    if not os.path.exists(path):
-        return False
-    with open(path, "rb") as f:
-        text = f.read()
-    if not text or text.endswith(b"\n"):
-        return False
-    with open(path, "r+b") as f:
-        f.truncate(text.rfind(b"\n") + 1)
-    return True
 
 
 def _saved_step(d):

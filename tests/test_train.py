@@ -1,6 +1,7 @@
 """End-to-end tests of train.py on the shipped corpus (tiny models, CPU) and of its schedules and CLI."""
 
 import dataclasses
+import json
 import math
 import os
 
@@ -143,6 +144,23 @@ def test_resume_continues_from_the_saved_step(tmp_path):
     recs = [r for r in records(out, stage=1) if "loss" in r]
     assert [r["step"] for r in recs] == list(range(1, 15))
     assert torch.load(os.path.join(out, "stage1", "ckpt.pt"), weights_only=True)["step"] == 14
+
+
+def test_a_resume_cuts_a_torn_last_line_off_the_metrics_log(tmp_path):
+    """A run killed while writing a record leaves a torn last line in metrics.jsonl: the resumed run cuts it off,
+    says so, and appends its records as lines of their own (it once glued its first record onto the torn line, and
+    tools.plot then refused the log)."""
+    out = str(tmp_path)
+    run("--stage=1", "--max_iters=4", "--eval_interval=4", f"--out_dir={out}", *TINY)
+    path = os.path.join(out, "stage1", "metrics.jsonl")
+    whole = open(path).read()
+    with open(path, "a") as f:
+        f.write('{"step": 5, "loss": 5.1')
+    p = run("--stage=1", "--resume=True", "--max_iters=6", f"--out_dir={out}")
+    assert f"cut the torn last line (a killed run's) off {path}" in p.stdout
+    text = open(path).read()
+    assert text.startswith(whole) and [r["step"] for r in records(out, stage=1) if "loss" in r][-2:] == [5, 6]
+    assert all(isinstance(json.loads(line), dict) for line in text.splitlines())
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])

@@ -12,6 +12,7 @@ the same at every evaluation.
 Test: python -m pytest tests/test_train.py
 """
 
+import os
 import time
 
 import torch
@@ -172,11 +173,28 @@ def log_final(run, step, val_loss, skipped_steps, lam, ternary_from):
                f"checkpoint {run.ckpt_path}" + warn)
 
 
+def drop_torn_line(path):
+    """Cut a torn last line (a process killed mid-write leaves one) off a metrics.jsonl, so that the
+    next record appended is a line of its own; whether there was one."""
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb") as f:
+        text = f.read()
+    if not text or text.endswith(b"\n"):
+        return False
+    with open(path, "r+b") as f:
+        f.truncate(text.rfind(b"\n") + 1)
+    return True
+
+
 def log_record(run, rec):
     """Append rec to <out_dir>/metrics.jsonl (rank 0). The first record this process writes also
     names the commit of the code that wrote it (runtime.git_commit: git rev-parse HEAD, or
-    "unknown"), a resumed run's too."""
+    "unknown"), a resumed run's too; before it, a torn last line a killed run left is cut off."""
     if run.records == 0:
         rec = {**rec, "commit": run.commit}
+        path = os.path.join(run.out_dir, "metrics.jsonl")
+        if run.rt.master and drop_torn_line(path):
+            run.rt.log(f"cut the torn last line (a killed run's) off {path} before appending")
     run.records += 1
     run.rt.log_json(run.out_dir, rec)
