@@ -239,6 +239,7 @@ def test_resume_from_a_checkpoint_of_another_shape_or_vocabulary(saved, tmp_path
     (["--subln_gain=calibrated"], ("--subln_gain=calibrated", "unit")),
     (["--overwrite=True"], ("--overwrite=True", "--resume=True", "one of them")),
     (["--stage=2", "--run_name=stage1"], ("stage 1", "--stage=2", "--stage=1")),  # a stage-1 run continued as 2
+    (["--max_iters=0"], ("--max_iters=0", "below the step", "--max_iters=1")),  # would train nothing, save over it
 ])
 def test_resume_refuses_what_it_cannot_honour_and_keeps_the_checkpoint(saved, tmp_path, capsys, flags, facts):
     out, ck = copy_run(saved, tmp_path)

@@ -87,7 +87,7 @@ def read_config(argv):
         resume = checkpoint.load(path,
                                  ("model", "model_args", "config", "step", "optimizer", "loader"))
         saved = resume["config"]
-        notes.append(check_resume(given, overrides, saved, path))
+        notes.append(check_resume(given, overrides, saved, path, resume["step"]))
     # the stage before began from a pretrained model: its tokenizer
     elif "tokenizer" not in overrides:
         tok = start.previous_stage_tokenizer(given)

@@ -5,8 +5,8 @@ bad flag or file costs nothing already saved.
     build_config(overrides, base)        tools/config.py's defaults and presets, then the flags
                                          given; on resume, the saved config, then the flags given
     check_config(cfg)                    every value's range, and the flags against each other
-    check_resume(cfg, overrides, saved)  what a resumed run cannot change; a note for what it
-                                         changes on purpose
+    check_resume(cfg, overrides, ...)    what a resumed run cannot change (nor a --max_iters below
+                                         its step); a note for what it changes on purpose
     check_run(cfg, rt, out_dir, ...)     the batch split over the ranks, stage 3's teachers, an
                                          out_dir that can be written and that holds none of the
                                          run's inputs
@@ -251,13 +251,16 @@ NOT_SAID_ON_RESUME = ("resume", "out_dir", "run_name", "device", "compile", "log
                       "max_iters", "lambda_warmup_steps", "quant_start")
 
 
-def check_resume(cfg, overrides, saved, path):
+def check_resume(cfg, overrides, saved, path, step):
     """Refuse (one line) a resume that cannot be honoured; return a note for what it changes on
     purpose. cfg: the flags given on this command line alone (its stage names the directory it
-    resumes)."""
+    resumes); step: the checkpoint's."""
     if cfg.overwrite:
         die("--resume=True continues the run in its directory and --overwrite=True would delete "
             "it; pass one of them", 2)
+    if overrides.get("max_iters", step) < step:  # it would train nothing and save over ckpt.pt
+        die(f"--max_iters={overrides['max_iters']} is below the step of {path}, {step}: a resumed run "
+            f"only goes on; pass --max_iters={step} or more (or start a new run)", 2)
     if saved.get("stage") != cfg.stage:
         was, now = (("dlm" if st == DLM_STAGE else st) for st in (saved.get("stage"), cfg.stage))
         die(f"{path} is a checkpoint of stage {was}, but this is --stage={now}; resume it with "
