@@ -260,8 +260,10 @@ def training_loop(run):
                        f"saved {run.ckpt_path}; continue with --resume=True")
                 break
     if step > start and skipped_steps == step - start:
+        why = (f" (float16: the loss scale halves from {2.0 ** 16:g} at each overflow; a run this short may end "
+               "before it fits)") if run.loss_scale.enabled else ""
         die(f"all {skipped_steps} steps of this run were skipped as non-finite, so nothing was "
-            "learned; see the log above, lower --lr or check the data")
+            f"learned{why}; see the log above, lower --lr or check the data")
     if val_loss is not None and step >= cfg.max_iters:  # lambda short of 1: the line says so
         metrics.log_final(run, step, val_loss, skipped_steps,
                           lambda_at(step, cfg) if run.model.config.quant else 1.0,

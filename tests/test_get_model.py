@@ -155,6 +155,8 @@ def test_the_command_prints_the_path_and_how_to_train_from_it(fake, capsys):
         assert f"python train.py --stage=2 --init_from={path}" in said
     assert "got nomodel; available: smollm2: SmolLM2-135M" in fails(capsys, "nomodel", main=gm.main, code=2)
     assert "got none; available: smollm2" in fails(capsys, main=gm.main, code=2)
+    afile = os.path.join(out, "model.gguf")  # --out_dir a file: said so, not as a full disk
+    assert f"--out_dir={afile} is a file" in fails(capsys, "fake", f"--out_dir={afile}", main=gm.main, code=2)
 
 
 def test_the_real_smollm2_file_is_in_place(smollm2):

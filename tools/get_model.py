@@ -209,6 +209,8 @@ def main(argv):
     cfg = GetModelConfig(**flags)
     if len(names) != 1 or names[0] not in MODELS:
         die(f"expected one model name, got {' '.join(names) or 'none'}; available: {listing}", 2)
+    if os.path.exists(cfg.out_dir) and not os.path.isdir(cfg.out_dir):
+        die(f"--out_dir={cfg.out_dir} is a file; pass a directory (it is made if missing)", 2)
     path = model_path(names[0], cfg.out_dir)
     with stoppable("output", path):
         try:
