@@ -753,6 +753,13 @@ def test_float16_scales_the_loss_so_that_small_gradients_survive(setup_run):
     assert train.LossScale(False).scale == 1.0
 
 
+def test_a_float16_run_too_short_for_its_loss_scale_says_why_nothing_was_learned(tmp_path, capsys):
+    """The tiny model overflows at float16's first loss scales (65536, 32768, ...): a 3-step run skips them all,
+    and its error line says the loss scale backs off, not only that the data or the lr may be bad."""
+    msg = fails(capsys, "--stage=1", *TINY, "--dtype=float16", "--max_iters=3", f"--out_dir={tmp_path}")
+    assert "all 3 steps of this run were skipped" in msg and "float16: the loss scale halves from 65536" in msg, msg
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_a_finite_loss_with_a_non_finite_gradient_skips_the_update(setup_run, bad):
     """The step's one read decides on the loss AND the gradient norm: a finite loss whose gradient is inf or NaN
