@@ -25,6 +25,25 @@ def test_plot_draws_a_run_and_reads_what_it_logged(tmp_path, capsys):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_steps_a_resume_ran_again_are_read_as_the_resume_logged_them(tmp_path):
+    """A run killed at step 6 after its checkpoint at step 4 logged steps 5 and 6 (and the evaluation at 6); resumed,
+    it runs and logs 5 and 6 again. runtime.read_metrics (what tools.plot and lab read) keeps one record a step and
+    evaluation, the resumed run's; the file keeps them all."""
+    from tools import runtime
+    d = tmp_path / "stage2"
+    d.mkdir()
+    killed = [{"step": s, "loss": 10.0 - s} for s in range(1, 7)] + [{"step": 6, "val_loss": 9.0}]
+    resumed = [{"step": s, "loss": 20.0 - s} for s in range(5, 9)] + [{"step": 8, "val_loss": 8.0}]
+    lines = [json.dumps(r) for r in killed[:4] + [{"step": 4, "val_loss": 9.5}] + killed[4:] + resumed]
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    recs = runtime.read_metrics(str(d / "metrics.jsonl"))
+    assert [(r["step"], r.get("loss", r.get("val_loss"))) for r in recs] == [
+        (1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (4, 9.5), (5, 15.0), (6, 14.0), (7, 13.0), (8, 12.0), (8, 8.0)]
+    steps, evals = plot.read_metrics(str(d))
+    assert [r["step"] for r in steps] == list(range(1, 9)) and [r["val_loss"] for r in evals] == [9.5, 8.0]
+    assert len((d / "metrics.jsonl").read_text().splitlines()) == len(lines)
+
+
 def test_plot_refuses_a_missing_run_and_a_torn_middle_line_in_one_line(tmp_path, capsys):
     msg = fails(capsys, str(tmp_path / "nope"), main=plot.main)
     assert "metrics.jsonl" in msg and "out/stage2" in msg

@@ -290,10 +290,13 @@ class StepTimer:
 def read_metrics(path):
     """The records of a metrics.jsonl as log_json writes them. A torn last line (a run killed while
     writing it) is left out; an earlier line that is not a JSON object raises ValueError naming the
-    file and the line."""
+    file and the line. A step logged again replaces what was logged from that step on: a run killed
+    between checkpoints logged steps that its resume (from the last checkpoint) runs and logs again,
+    and only the resumed run's records of them describe the weights it went on with. The file itself
+    keeps them all."""
     with open(path, errors="replace") as f:
         lines = f.read().split("\n")  # a complete file ends with "\n": its last item is ""
-    recs = []
+    recs, last = [], None  # last: the step of the latest step record
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -302,6 +305,10 @@ def read_metrics(path):
         except ValueError as e:
             rec = e
         if isinstance(rec, dict):
+            if "step" in rec and "val_loss" not in rec:  # a step record: earlier ones from its step on go
+                if last is not None and rec["step"] <= last:
+                    recs = [r for r in recs if r.get("step", -1) < rec["step"]]
+                last = rec["step"]
             recs.append(rec)
         elif i < len(lines):
             raise ValueError(f"{path}, line {i}: not a JSON object ({rec}); repair or delete that "
