@@ -156,7 +156,9 @@ class LossScale:
     they overflowed: then the update is skipped (as any non-finite step) and the scale halves; after
     `interval` good steps in a row it doubles. bf16 and fp32 need none: scale 1, nothing changes."""
 
-    def __init__(self, enabled, scale=2.0 ** 16, interval=2000):
+    INIT = 2.0 ** 16  # the first scale
+
+    def __init__(self, enabled, scale=INIT, interval=2000):
         self.enabled, self.scale, self.interval, self.good = enabled, scale if enabled else 1.0, interval, 0
 
     def update(self, ok):
@@ -260,7 +262,7 @@ def training_loop(run):
                        f"saved {run.ckpt_path}; continue with --resume=True")
                 break
     if step > start and skipped_steps == step - start:
-        why = (f" (float16: the loss scale halves from {2.0 ** 16:g} at each overflow; a run this short may end "
+        why = (f" (float16: the loss scale halves from {LossScale.INIT:g} at each overflow; a run this short may end "
                "before it fits)") if run.loss_scale.enabled else ""
         die(f"all {skipped_steps} steps of this run were skipped as non-finite, so nothing was "
             f"learned{why}; see the log above, lower --lr or check the data")
