@@ -114,7 +114,7 @@ def train_step(run, step, stop_requested):
     # FSDP2: whole weights exist only in forward
     if model.config.quant and run.accum > 1 and not cfg.fsdp:
         cache_weight_quant(model)  # W_q * gamma once per step, reused by every micro-batch
-    loss_sum = torch.zeros((), device=run.device)
+    loss_sum, parts_sum = torch.zeros((), device=run.device), {}
     scale = run.loss_scale.scale  # 1 but in float16 (LossScale)
     for micro in range(run.accum):
         # (B, T) each
@@ -124,13 +124,16 @@ def train_step(run, step, stop_requested):
             loss, parts = run.loss_fn(x, y)
             (loss * scale / run.accum).backward()  # loss * 1.0 is loss: the same bits as unscaled
         loss_sum += loss.detach().float()
+        for k, v in (parts or {}).items():  # stage 3's terms, over the micro-batches as the loss
+            if k != "loss":
+                parts_sum[k] = parts_sum.get(k, 0) + v.detach().float()
     clear_weight_quant(model)  # the weights are about to change
     grads = [p for p in model.parameters() if p.grad is not None]
     if scale != 1.0:
         torch._foreach_mul_([p.grad for p in grads], 1.0 / scale)
     stats = clip_gradients(grads, run.clipper, cfg.grad_clip)
-    # stage 3: ce and the kd_* terms
-    stats.update({k: v for k, v in (parts or {}).items() if k != "loss"})
+    # stage 3: ce and the kd_* terms, each the mean over the micro-batches (as the loss)
+    stats.update({k: v / run.accum for k, v in parts_sum.items()})
     for cb in run.callbacks:
         stats.update(cb.watch())  # e.g. QK-clip's max attention logit
     out = read_step(loss_sum / run.accum, stop_requested, stats)  # the one host read of the step

@@ -308,6 +308,13 @@ def test_stage3_teacher_of_another_width_and_depth(tmp_path):
     assert all(r["kd_logits"] > 0 and r["kd_relation"] > 0 and r["kd_hidden"] > 0 for r in recs)
     r = recs[-1]
     assert r["loss"] == pytest.approx(r["ce"] + r["kd_logits"] + 10 * r["kd_relation"] + r["kd_hidden"], rel=1e-5)
+    # over 2 micro-batches each logged term is their mean, as the loss (it was the last micro-batch's)
+    run("--stage=3", "--max_iters=2", "--eval_interval=2", "--kd_relation=10", "--kd_hidden=1", "--grad_accum=2",
+        "--distill_relation_heads=2", f"--teacher={os.path.join(out, 'wide', 'ckpt.pt')}", f"--out_dir={out}",
+        "--run_name=accum", *TINY)
+    for r in [r for r in records(out, run_name="accum") if "loss" in r]:
+        assert r["loss"] == pytest.approx(r["ce"] + r["kd_logits"] + 10 * r["kd_relation"] + r["kd_hidden"],
+                                          rel=1e-5), r
 
 
 def test_quant_start_trains_in_full_precision_then_ramps_lambda_from_the_switch():
