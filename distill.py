@@ -114,8 +114,9 @@ def attention_relation_loss(student_qkv, teacher_qkv, n_relation_heads, temperat
     device = student_qkv[0].device
     # Departure from the authors' trainer (softmax over all T keys, as in bidirectional MiniLM-v2): by default
     # token i relates only to keys j <= i, because a decoder's attention at i never sees the future, so
-    # future-key relations train structure the student never uses (and cross into the next packed document);
-    # the masked entries are excluded from both softmaxes, so identical inputs still give exactly 0.
+    # future-key relations train structure the student never uses (and cross into the next packed document;
+    # keys of earlier documents in the row stay related, even where --doc_mask keeps the model's attention off
+    # them); the masked entries are excluded from both softmaxes, so identical inputs still give exactly 0.
     # causal=False reproduces the authors' relation exactly.
     allowed = torch.ones(T, T, dtype=torch.bool, device=device)
     if causal:

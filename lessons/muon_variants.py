@@ -10,6 +10,8 @@ imports quant.py, and adds only what differs.
        v = β2·v + (1 - β2)·mean_j(O_ij²)        (rows, 1), zeros at start, no bias correction
        Ô = O / (sqrt(v) + 1e-10);   Ô = Ô · ||O||_F / (||Ô||_F + 1e-10)
        p = p·(1 - lr·wd) - lr·sqrt(max(1, rows/cols))·Ô       (as Muon's "original" scale)
+   The lr scale is the group's adjust_lr_fn, as Muon's: "original" gives the line above; train.py's
+   default, match_rms_adamw, gives 0.2·sqrt(max(rows, cols)) instead (Moonlight's, as Muon's groups).
 2. 8-bit Muon (Gupta et al., arXiv 2509.23106): the momentum lives in 8 bits, quantised per block
    of B = 2048 values (bitsandbytes' blockwise scheme, arXiv 2110.02861), one fp32 absmax each:
        m = dequant(Z);  m = β·m + (1 - β)·g  (muon.muon_update);  O = NS5(u);  Z = quant(m)
@@ -20,7 +22,9 @@ imports quant.py, and adds only what differs.
 3. QK-clip (Kimi K2, arXiv 2507.20534, sec. 2.1). After the step, per attention head h whose largest
    pre-softmax logit S_max^h = max_ij q_i·k_j / sqrt(d) in the step exceeded tau (K2: 100):
        gamma_h = tau / S_max^h;   W_q[rows of h] *= sqrt(gamma_h);   W_k[rows of h] *= sqrt(gamma_h)
-   so that head's logits on the same inputs shrink by exactly gamma_h. With grouped-query attention
+   so that head's logits on the same inputs shrink by exactly gamma_h. K2 takes S_max over the step's
+   whole batch; ours over the first `rows` sequences of each micro-batch (1 by default, train.py's: a
+   sample, at one sequence's q·k a layer; rows = batch_size measures all of it). With grouped-query attention
    a K head serves a group g of query heads: W_k[g] *= sqrt(min_g gamma), W_q[h] *= gamma_h /
    sqrt(min_g gamma) (ours; the same rule for groups of one). QKClip records S_max per head through
    a forward pre-hook on each block's attn.attend, attached from outside: model.py knows nothing of

@@ -54,7 +54,8 @@ class TrainConfig:
     kd_hidden: float = 0.0       # weight of the hidden-state KD (0 = off)
     distill_tau: float = 5.0     # logits-KD temperature
     distill_layer: int = -1      # layer whose Q/K/V relations are distilled; negative counts from
-                                 # the end
+                                 # the end (in each model: a teacher of another depth at its own
+                                 # last layer); 0 or more is that index in both models
     distill_relation_heads: int = 4  # A_r; the paper's 32 needs H*d >= 32*d_r, too many for a
                                      # 128-wide model
     # model
@@ -82,7 +83,8 @@ class TrainConfig:
                                  # "moderate decay")
     warmup_steps: int = 50       # linear lr warmup steps
     decay_frac: float = 0.2      # wsd: decay over the last 20% of steps
-    min_lr_frac: float = 0.1     # final lr = min_lr_frac * lr
+    min_lr_frac: float = 0.1     # lr at step max_iters = min_lr_frac * lr (as nanoGPT's: the last
+                                 # trained step, max_iters - 1, is one decay step above it)
     two_phase: bool = False      # BitNet recipe: at mid-training, lr x two_phase_lr_drop and weight
                                  # decay -> 0
     two_phase_lr_drop: float = 0.5  # --two_phase: lr multiplier of the second half
