@@ -210,7 +210,8 @@ def _save_ckpt(path, **kw):
 @pytest.mark.parametrize("kw,fact", [
     (dict(quant=False), "full-precision"), (dict(causal=False, vocab_size=258), "masked-diffusion"), (dict(subln=False), "SubLN"),
     (dict(n_embd=34, n_head=1), "multiple of 4"), (dict(mlp_hidden=66), "multiple of 4"), (dict(lambda_=0.5), "lambda"),
-    (dict(n_kv_head=1, head_dim=6), "multiple of 4"), (dict(qk_norm=True), "qk_norm")])
+    (dict(n_head=16, n_kv_head=1, head_dim=2), "multiple of 4"), (dict(qk_norm=True), "qk_norm"),
+    (dict(n_kv_head=1, head_dim=24), "attn_sub_norm")])  # heads x head_dim = 48, not n_embd 32
 def test_what_the_format_cannot_hold_is_refused_in_one_line(tmp_path, capsys, kw, fact):
     ckpt = str(tmp_path / "ckpt.pt")
     lam = kw.pop("lambda_", None)

@@ -198,6 +198,29 @@ def test_each_unsupported_config_field_is_one_valueerror_naming_it(tmp_path, fie
     assert str(e.value).startswith(f"{field} = ") and "\n" not in str(e.value), str(e.value)
 
 
+def test_weights_the_config_has_no_place_for_are_refused_not_dropped(tmp_path):
+    """Tensors transformers would drop without a word (it lists them as unexpected): a Llama saved with attention
+    biases under a config that says it has none, a Qwen3's q/k norms under model_type llama, and a GGUF with an
+    attention bias (llama.cpp's llama files may carry them; transformers' GGUF reader drops them, unlisted). Each
+    is one ValueError naming a tensor; imported, each computed other logits than its weights' model."""
+    path, hf = tiny(tmp_path, "llama-gqa-untied")
+    state = hf.state_dict()
+    biased = {**state, "model.layers.0.self_attn.q_proj.bias": torch.ones(64)}
+    hf.save_pretrained(path, state_dict=biased)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.bias .*no place for"):
+        from_pretrained(path)
+    q3, _ = tiny(tmp_path, "qwen3-untied")
+    config = json.loads((q3 / "config.json").read_text())
+    (q3 / "config.json").write_text(json.dumps({**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"q_norm\.weight.*no place for"):
+        from_pretrained(q3)
+    _, hf = tiny(tmp_path, "llama-tied")
+    g = llama_gguf(tmp_path / "bias.gguf", hf,
+                   extra=lambda w: w.add_tensor("blk.0.attn_q.bias", np.full(64, 5.0, dtype=np.float32)))
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q\.bias .*would drop"):
+        from_pretrained(g)
+
+
 @pytest.mark.parametrize("case", ["untied-without-head", "tied-with-another-head"])
 def test_a_head_that_does_not_fit_tie_word_embeddings_is_refused(tmp_path, case):
     path, hf = tiny(tmp_path, "llama-gqa-untied")

@@ -77,7 +77,11 @@ def hf_refusal(model):
         return ("it has q/k norms (qk_norm, Qwen3's q_norm and k_norm before RoPE), which "
                 "transformers' bitnet does not have; export it as packed (python -m tools.export) "
                 "instead")
-    kv = c.kv_heads() * c.head_size()
+    q, kv = c.n_head * c.head_size(), c.kv_heads() * c.head_size()
+    if q != c.n_embd:
+        return (f"its attention is {c.n_head} heads x {c.head_size()} = {q} wide, not n_embd {c.n_embd}, and "
+                "transformers' bitnet makes its attention sub-norm (attn_sub_norm) n_embd wide, so it would refuse "
+                "the export; export it as packed (python -m tools.export) or GGUF instead")
     if c.n_embd % 4 or c.hidden_dim() % 4 or kv % 4:
         return ("transformers packs four rows of a hidden matrix into each byte, so every output "
                 f"width must be a multiple of 4; this model has n_embd {c.n_embd}, MLP hidden "

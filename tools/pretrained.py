@@ -22,6 +22,7 @@ Test: python -m pytest tests/test_pretrained.py
 
 import contextlib
 import os
+import re
 
 import torch
 
@@ -56,6 +57,11 @@ def from_pretrained(source, block_size=None, check=None):
     if info["missing_keys"]:  # transformers would have initialised them at random
         raise ValueError(f"tie_word_embeddings = {hf_config.tie_word_embeddings}: {source} lacks "
                          f"{sorted(info['missing_keys'])}, which transformers would fill at random")
+    if info.get("unexpected_keys"):  # transformers would have dropped them: another model's logits
+        extra = sorted(info["unexpected_keys"])
+        raise ValueError(f"{source}: its weights hold {', '.join(extra[:3])}{', ...' * (len(extra) > 3)} "
+                         f"({len(extra)} tensors), which its config ({hf_config.model_type}) has no place for "
+                         "(attention biases, q/k norms of another architecture?): a config of another model?")
     return from_transformers(hf, source, block_size)
 
 
@@ -118,7 +124,19 @@ def check_gguf(source):
         raise ValueError(f"rope_freqs in {source}: llama.cpp's per-frequency RoPE scaling (Llama "
                          "3.1/3.2's llama3 rope_scaling) is not implemented (from_pretrained takes "
                          "models with plain RoPE)")
+    # transformers' reader maps the tensors its architecture has and drops the rest without a word
+    # (a llama file's optional attention biases, say): refused, as a directory's unexpected weights
+    extra = sorted(t for t in tensors if not re.fullmatch(GGUF_TENSORS, t))
+    if extra:
+        raise ValueError(f"{source} holds {', '.join(extra[:3])}{', ...' * (len(extra) > 3)} ({len(extra)} "
+                         "tensors) that transformers' GGUF reader would drop (from_pretrained takes llama, mistral "
+                         "and qwen3 models without biases)")
     return keys[0] if keys else None
+
+
+# the tensors of a llama, mistral or qwen3 GGUF (llama.cpp's names) that the import maps
+GGUF_TENSORS = (r"token_embd\.weight|output_norm\.weight|output\.weight|blk\.\d+\.(attn_norm|attn_q|attn_k|"
+                r"attn_v|attn_output|attn_q_norm|attn_k_norm|ffn_norm|ffn_gate|ffn_up|ffn_down)\.weight")
 
 
 def from_transformers(hf, source, block_size=None):
