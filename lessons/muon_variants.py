@@ -1,7 +1,6 @@
 """
-Three additions to Muon: NorMuon, 8-bit momentum, and QK-clip (MuonClip). muon.py is the optimizer
-they build on (NS5, the momentum update, the lr adjustment); this file imports it, as model.py
-imports quant.py, and adds only what differs.
+Three additions to Muon: NorMuon, 8-bit momentum, and QK-clip (MuonClip). muon.py is the optimizer they build
+on (NS5, the momentum update, the lr adjustment); this file imports it and adds only what differs.
 
 1. NorMuon (Li et al., arXiv 2510.05491, Algorithm 1; reference code zichongli5/NorMuon). Muon's
    orthogonalised update O = NS5(u) has very uneven row norms. NorMuon keeps, per row (output
@@ -9,9 +8,8 @@ imports quant.py, and adds only what differs.
    root, then rescales the whole update back to its Frobenius norm (defaults β2 = 0.95):
        v = β2·v + (1 - β2)·mean_j(O_ij²)        (rows, 1), zeros at start, no bias correction
        Ô = O / (sqrt(v) + 1e-10);   Ô = Ô · ||O||_F / (||Ô||_F + 1e-10)
-       p = p·(1 - lr·wd) - lr·sqrt(max(1, rows/cols))·Ô       (as Muon's "original" scale)
-   The lr scale is the group's adjust_lr_fn, as Muon's: "original" gives the line above; train.py's
-   default, match_rms_adamw, gives 0.2·sqrt(max(rows, cols)) instead (Moonlight's, as Muon's groups).
+       p = p·(1 - lr·wd) - lr·s·Ô    s: the group's adjust_lr_fn, sqrt(max(1, rows/cols)) for Muon's
+   "original" (the paper's), 0.2·sqrt(max(rows, cols)) for train.py's default match_rms_adamw
 2. 8-bit Muon (Gupta et al., arXiv 2509.23106): the momentum lives in 8 bits, quantised per block
    of B = 2048 values (bitsandbytes' blockwise scheme, arXiv 2110.02861), one fp32 absmax each:
        m = dequant(Z);  m = β·m + (1 - β)·g  (muon.muon_update);  O = NS5(u);  Z = quant(m)
@@ -22,13 +20,12 @@ imports quant.py, and adds only what differs.
 3. QK-clip (Kimi K2, arXiv 2507.20534, sec. 2.1). After the step, per attention head h whose largest
    pre-softmax logit S_max^h = max_ij q_i·k_j / sqrt(d) in the step exceeded tau (K2: 100):
        gamma_h = tau / S_max^h;   W_q[rows of h] *= sqrt(gamma_h);   W_k[rows of h] *= sqrt(gamma_h)
-   so that head's logits on the same inputs shrink by exactly gamma_h. K2 takes S_max over the step's
-   whole batch; ours over the first `rows` sequences of each micro-batch (1 by default, train.py's: a
-   sample, at one sequence's q·k a layer; rows = batch_size measures all of it). With grouped-query attention
-   a K head serves a group g of query heads: W_k[g] *= sqrt(min_g gamma), W_q[h] *= gamma_h /
-   sqrt(min_g gamma) (ours; the same rule for groups of one). QKClip records S_max per head through
-   a forward pre-hook on each block's attn.attend, attached from outside: model.py knows nothing of
-   it. Exact for the latent weights, approximate for the ternary forward pass: see qk_clip.
+   so that head's logits on the same inputs shrink by exactly gamma_h. S_max: K2's over the whole
+   batch, ours over each micro-batch's first `rows` sequences (1 by default, a sample; rows = batch_size
+   takes all). With GQA a K head serves a group g of query heads: W_k[g] *= sqrt(min_g gamma), W_q[h]
+   *= gamma_h / sqrt(min_g gamma) (ours; the same rule for groups of one). QKClip records S_max per
+   head by a forward pre-hook on each block's attn.attend, attached from outside: model.py knows
+   nothing of it. Exact for the latent weights, approximate for the ternary forward: see qk_clip.
 1 and 2 are MuonVariant, a muon.Muon with its own muon_step for the groups configure_muon builds.
 
 Run:  python -m pytest tests/test_muon_variants.py
