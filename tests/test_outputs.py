@@ -215,6 +215,10 @@ def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(runs, capsys, 
     msg = fails(capsys, "--stage=2", f"--out_dir={out}", "--run_name=stage1", "--overwrite=True", *TINY, code=2)
     assert os.path.join(out, "stage1", "ckpt.pt") in msg and "--overwrite=True would delete" in msg, msg
     assert sorted(os.listdir(os.path.join(out, "stage1"))) == before
+    # stage 3's default --teacher (stage1/ckpt.pt) likewise
+    msg = fails(capsys, "--stage=3", f"--out_dir={out}", "--run_name=stage1", "--overwrite=True", *TINY, code=2)
+    assert "--teacher" in msg and "--overwrite=True would delete" in msg, msg
+    assert sorted(os.listdir(os.path.join(out, "stage1"))) == before
     # the default --data (the shipped corpus's shards, data/shakespeare_byte, here under a stand-in root) is an
     # input too: no run writes into it
     from tools import loaders

@@ -178,7 +178,7 @@ def check_run(cfg, rt, out_dir, teachers):
                 "train.py --stage=1")
     if cfg.stage == 3:
         parse_teacher_weights(cfg, len(teachers))
-    check_inputs_kept(cfg, out_dir, teachers)
+    check_inputs_kept(cfg, out_dir)
     try:
         if rt.master:
             checkpoint.check_writable(out_dir)
@@ -200,13 +200,11 @@ def parse_teacher_weights(cfg, n):
     return w
 
 
-def check_inputs_kept(cfg, out_dir, teachers):
+def check_inputs_kept(cfg, out_dir):
     """A run writes nothing into what it reads (its pretrained model, shards, teachers), and
     --overwrite=True never deletes one of its inputs (a checkpoint of the earlier run in out_dir
     given as --init_from or --teacher)."""
-    inputs = outputs.config_inputs(dataclasses.asdict(cfg), cfg.tokenizer)
-    inputs += [("this run's --teacher",
-                t) for t in teachers if os.path.exists(t) and cfg.stage == 3]
+    inputs = outputs.config_inputs(dataclasses.asdict(cfg), cfg.tokenizer)  # stage 3's teachers too
     outputs.check_not_input("--out_dir", out_dir, inputs)
     for name in checkpoint.existing_run(out_dir) if cfg.overwrite and not cfg.resume else []:
         path = os.path.join(out_dir, name)
