@@ -224,8 +224,8 @@ class RMSNormCPU(torch.autograd.Function):
     """F.rms_norm over the last dim, for fp32 CPU tensors in eager mode, with a hand-written
     backward, and with lambda_ given QuantRMSNorm's whole forward (the STE's lerp to
     activation_fake_quant of the norm's output), whose backward is the norm's (the STE passes the
-    gradient unchanged). On the CPU torch has no fused RMSNorm: F.rms_norm runs the six ops below, and autograd differentiates
-    them in about 23 more. The forward here is the same six ops in the same order (the same bits as
+    gradient unchanged). On the CPU torch has no fused RMSNorm: F.rms_norm runs the six ops below,
+    and autograd differentiates them in about 23 more. The forward here is the same six ops in the same order (the same bits as
     F.rms_norm, then as ste(y, activation_fake_quant(y), lambda_)); the backward is 7 passes over
     (..., dim), within fp32 rounding of autograd's, with t = g x_hat:
         y = x_hat * w,  x_hat = x * r,  r = 1 / sqrt(mean(x^2) + eps)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 import data
-from tools import atomic, checkpoint, prepare, pretrained
+from tools import atomic, checkpoint, loaders, prepare, pretrained
 from tools.atomic import ROOT
 from tools.flags import die
 
@@ -419,7 +419,7 @@ TABLES = {"distill": _distill_table, "switch": _switch_table, "curriculum": _cur
 def _shipped_dir(name, tokenizer="byte"):
     """data/<name>_<tokenizer>, the shards of a shipped corpus, prepared if missing (as train.py
     does)."""
-    d = os.path.join(ROOT, "data", f"{name}_{prepare.source_slug(tokenizer)}")
+    d = loaders.shipped_root(name, tokenizer)
     if not os.path.exists(os.path.join(d, "meta.json")):
         prepare.prepare(tokenizer=tokenizer, out_dir=d, corpus=name)
     try:
