@@ -8,7 +8,8 @@
 # get under 20 s is skipped and reported as such, so the script ends within 6 minutes whatever a step does.
 #   kernels       tests/test_kernels.py, test_packed.py and gpu_decode.py compiled on CUDA (not the interpreter), on
 #                 12 pytest-xdist workers sharing one TRITON_CACHE_DIR (each kernel config and shape JIT-compiles
-#                 once, ~1-2 s: measured 96 s on an H100 for the three files)
+#                 once, ~1-2 s: measured 96 s on an H100 for the three files), test by test (--dist load:
+#                 pytest.ini's loadfile would give each file, and so all of test_kernels.py's compiles, one worker)
 #   bench         python -m lab.bench: the ternary kernel vs bf16 F.linear at M = 1, 16, 2048 (GPU
 #                 time in one CUDA graph, do_bench's median, host us per call); then --decode:
 #                 batch-1 greedy decoding of the CUDA preset, fp bf16 and packed (tok/s, loop and
@@ -58,7 +59,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under min(SECONDS, what is left
 # kernels 96 s (12 workers, one Triton cache) -> 100; bench (kernel table and --decode, 100 s
 # before the graph column) -> 85; decode_1b (two models, no compile) -> 35; train (~45 s
 # compiling + 40 steps of ~0.25 s) -> 65; bench_train (one nanoGPT-shape compile + 13 steps) -> 45
-step kernels 100 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n 12 tests/test_kernels.py \
+step kernels 100 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n 12 --dist load tests/test_kernels.py \
   tests/test_packed.py tests/gpu_decode.py
 step bench 85 bash -c "\"$PYTHON\" -m lab.bench && \"$PYTHON\" -m lab.bench --decode"
 step decode_1b 35 "$PYTHON" -m lab.bench --decode --shape=1b

@@ -247,3 +247,28 @@ def test_gpu_check_fits_one_6_minute_window_with_every_step_under_its_own_time_l
     ratio = json.load(open(os.path.join(out, "summary.json")))["train_vs_nanogpt"]
     assert ratio == dict(ours_ms=200, nanogpt_ms=160.0, ratio=1.25, target=1.25), ratio
     assert "200.0 / 160.0 ms = 1.25x (target <= 1.25)" in p.stdout, p.stdout
+
+
+def test_gpu_check_spreads_the_kernel_tests_over_its_workers_test_by_test():
+    """pytest.ini's addopts hand out tests a file at a time (--dist loadfile): given to gpu_check.sh's
+    kernels step as they are, all of test_kernels.py (most of the Triton compiles) would run on one of
+    its 12 workers. The step's own pytest options, run from the repository root (so with pytest.ini)
+    on one file of 4 tests with 2 workers, must put that file's tests on both workers."""
+    import re
+    import shutil
+    script = open(os.path.join(ROOT, "lab", "gpu_check.sh")).read()
+    opts = re.search(r'^step kernels \d+ "\$PYTHON" -m pytest (.*?) tests/', script, flags=re.M)[1].split()
+    opts[opts.index("-n") + 1] = "2"
+    where = os.path.join(ROOT, "out", "dist_check")
+    shutil.rmtree(where, ignore_errors=True)
+    os.makedirs(where)
+    with open(os.path.join(where, "test_four.py"), "w") as f:
+        f.write("import os, time\nimport pytest\n\n@pytest.mark.parametrize('i', range(4))\ndef test_one(i):\n"
+                "    time.sleep(0.5)\n"
+                "    open(os.path.join(os.path.dirname(__file__), f'ran_{i}'), 'w').write(os.environ['PYTEST_XDIST_WORKER'])\n")
+    p = subprocess.run([sys.executable, "-m", "pytest", *opts, os.path.join("out", "dist_check", "test_four.py")],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.count("PASSED ") == 4, p.stdout[-2000:] + p.stderr[-2000:]  # -rA
+    workers = {open(os.path.join(where, f"ran_{i}")).read() for i in range(4)}
+    shutil.rmtree(where, ignore_errors=True)
+    assert len(workers) == 2, workers
