@@ -48,7 +48,7 @@ def decode_config(shape, cuda, quant):
     """The GPTConfig of a shape: on CUDA the real one; on CPU a tiny model of the same kind (GQA for
     1b)."""
     from model import GPTConfig
-    from tools import checks
+    from tools import checks, config
     if shape == "1b":
         if cuda:
             return GPTConfig(vocab_size=128256, block_size=512, n_layer=16, n_head=32, n_kv_head=8,

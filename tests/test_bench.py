@@ -284,6 +284,18 @@ def test_decode_1b_shape_is_a_1b_llama_on_cuda_and_its_tiny_twin_runs_on_cpu(cap
     assert "4/2 heads" in capsys.readouterr().out
 
 
+def test_decode_preset_shape_on_cuda_is_the_cuda_presets_model_fp_and_ternary(monkeypatch):
+    """--decode's default shape on CUDA (its config built here, with the device check told that CUDA
+    is there): the CUDA preset's model, 12 x 768, 12 heads, 1024 positions, GPT-2's vocabulary padded
+    to 50,304, SubLN; quant only for the packed one."""
+    from tools import checks
+    monkeypatch.setattr(checks, "check_device", lambda device: None)
+    for quant in (False, True):
+        c = bench_decode.decode_config("preset", True, quant)
+        assert (c.n_layer, c.n_embd, c.n_head, c.block_size, c.vocab_size) == (12, 768, 12, 1024, 50304)
+        assert (c.quant, c.subln) == (quant, True)
+
+
 def test_kernel_table_on_cpu_rotates_past_the_budget_and_leaves_graph_columns_empty(capsys,
                                                                                     one_thread):
     """bench_kernels with the plain-torch stand-ins on CPU: one row per shape (decode at M <= 16,

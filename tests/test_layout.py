@@ -180,3 +180,31 @@ def test_train_py_reads_schedules_step_loop_loss_set_up_checks_with_the_step_on_
              "configure_optimizer", "check_quant_start", "check_lambda_on_resume", "main"]
     assert [line[n] for n in order] == sorted(line[n] for n in order), {n: line[n] for n in order}
     assert line["train_step"] - tree.body[0].end_lineno <= 100, (line["train_step"], tree.body[0].end_lineno)
+
+
+def test_no_function_reads_a_name_its_module_never_binds():
+    """Code that only a GPU runs (lab.bench's CUDA rows, the decode benchmark's preset model) never runs
+    in this suite, so a name it reads that its module never binds (an import left out) would first
+    fail on a GPU, in the one short window a session gets there. Python's own symbol tables find
+    every such read: a name a function takes from its module's globals must be bound there (assigned,
+    imported, a def or class) or be a builtin."""
+    import builtins
+    import subprocess
+    import symtable
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert len(files) > 50, files
+    unbound = []
+    for path in files:
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            top = symtable.symtable(f.read(), path, "exec")
+        known = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()
+                 or s.is_namespace()} | set(dir(builtins)) | {"__file__", "__name__", "__doc__", "__spec__"}
+        tables = top.get_children()
+        while tables:
+            t = tables.pop()
+            tables += t.get_children()
+            unbound += [f"{path}: {t.get_name()}() reads {s.get_name()}" for s in t.get_symbols()
+                        if s.is_referenced() and s.is_global() and not s.is_declared_global()
+                        and s.get_name() not in known]
+    assert unbound == [], unbound
