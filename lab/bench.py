@@ -19,7 +19,8 @@ Benchmarks. Every speed number in the results pages comes from one of these comm
                                  faster BLAS (lab/bench_profile.py)
   python -m lab.bench --decode   batch-1 greedy decoding, fp bf16 vs packed ternary
                                  (lab/bench_decode.py); with --shape=1b a 1B-class model
-                                 (16 x 2048, GQA 32/8, vocab 128,256), random weights
+                                 (16 x 2048, GQA 32/8, vocab 128,256), random weights; --modes=
+                                 picks modes and their order (gpu_check: graph,compile,eager)
   python -m lab.bench --quality  time to quality: our quick start vs a nanoGPT-shaped fp baseline to
                                  the same val loss, as a ratio from one run (lab/bench_quality.py)
 
@@ -337,10 +338,12 @@ class BenchFlags:
     shape: str = "preset"        # --decode: preset (the device preset's model) or 1b (16 x 2048,
                                  # GQA 32/8 heads, FFN 8192, vocab 128,256, random weights: the
                                  # weights set the decode time)
+    modes: str = ""              # --decode: some of the shape's modes, comma-separated, run in that
+                                 # order (default all): generate, eager; on CUDA graph, compile
 
 
 OPTIONS = {"target": "quality", "train_args": "quality", "model": "train", "runs": "train",
-           "keep_memory": "train", "shape": "decode"}  # option: the benchmark it belongs to
+           "keep_memory": "train", "shape": "decode", "modes": "decode"}  # option: the benchmark it belongs to
 
 
 def main(argv):
@@ -375,7 +378,9 @@ def run(which, opts):
     if which == "decode":
         from lab import bench_decode
         shape = bench_decode.check_shape(opts.get("shape", "preset"))
-        return bench_decode.bench_decode(shape=shape)
+        picked = opts.get("modes", "")
+        bench_decode.pick_modes(shape, torch.cuda.is_available(), picked)  # a wrong mode: before any model
+        return bench_decode.bench_decode(shape=shape, picked=picked)
     if which == "quality":
         from lab import bench_quality
         return bench_quality.bench_quality(**opts)

@@ -1,5 +1,5 @@
 """
-python -m lab.bench --decode [--shape=1b]: batch-1 greedy decoding, fp vs packed ternary, measured
+python -m lab.bench --decode [--shape=1b] [--modes=graph,compile]: batch-1 greedy decoding, fp vs packed ternary, measured
 in parts.
 
 Two models of one shape, random weights: fp (bf16 on CUDA) and packed ternary
@@ -190,10 +190,24 @@ def line(label, r, new_tokens):
             f"{r['ops']:9.1f} {f(r['syncs'], '.2f'):>6s} {same:>9s}")
 
 
-def bench_decode(shape="preset", new_tokens=128, prompt_len=16):
-    """Batch-1 greedy decoding of new_tokens after a prompt_len-token prompt, each model by each
-    mode of the shape (this file's docstring). Returns {(model, mode): row dict}."""
+def pick_modes(shape, cuda, picked=""):
+    """{mode: label} of the shape's modes, all (picked empty) or those picked (comma-separated), in
+    the order given; one not run at this shape is refused in one line."""
+    have = modes(shape, cuda)
+    names = [m for m in picked.split(",") if m] or list(have)
+    for m in names:
+        if m not in have:
+            die(f"--modes={picked}: {m} is not a mode of --shape={shape} here; expected some of "
+                f"{', '.join(have)}", 2)
+    return {m: have[m] for m in names}
+
+
+def bench_decode(shape="preset", new_tokens=128, prompt_len=16, picked=""):
+    """Batch-1 greedy decoding of new_tokens after a prompt_len-token prompt, each mode of the shape
+    (or those picked, in their order) by both models, fp then packed, so each pair's rows come
+    together (this file's docstring). Returns {(model, mode): row dict}."""
     cuda = torch.cuda.is_available()
+    mode_names = pick_modes(shape, cuda, picked)
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     dname = str(dtype).removeprefix("torch.")
     models = make_models(shape, dev, dtype)
@@ -214,18 +228,18 @@ def bench_decode(shape="preset", new_tokens=128, prompt_len=16):
     print(f"{'run':58s} {'tok/s':>9s} {'loop us':>9s} {'replay us':>9s} {'ops/tok':>9s} "
           f"{'syncs':>6s} {'same':>9s}")
     rows = {}
-    for name, model in models.items():
-        want = model.generate(prompt, new_tokens, top_k=1)
-        for mode, label in modes(shape, cuda).items():
-            label = f"{name} {'ternary' if name == 'packed' else dname}: {label}"
+    want = {name: model.generate(prompt, new_tokens, top_k=1) for name, model in models.items()}
+    for mode, label in mode_names.items():
+        for name, model in models.items():
+            row_label = f"{name} {'ternary' if name == 'packed' else dname}: {label}"
             try:
-                rows[name, mode] = measure(model, mode, prompt, new_tokens, want, cuda, sync)
+                rows[name, mode] = measure(model, mode, prompt, new_tokens, want[name], cuda, sync)
             except Exception as e:  # a step that cannot be captured or compiled: say why, go on
                 why = (str(e).strip().splitlines() or [""])[0][:200]
-                print(f"{label:58s} failed: {type(e).__name__}: {why}")
+                print(f"{row_label:58s} failed: {type(e).__name__}: {why}", flush=True)
                 continue
-            print(line(label, rows[name, mode], new_tokens), flush=True)
-    print_ratios(rows, modes(shape, cuda), models)
+            print(line(row_label, rows[name, mode], new_tokens), flush=True)
+    print_ratios(rows, mode_names, models)
     return rows
 
 

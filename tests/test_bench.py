@@ -284,6 +284,24 @@ def test_decode_1b_shape_is_a_1b_llama_on_cuda_and_its_tiny_twin_runs_on_cpu(cap
     assert "4/2 heads" in capsys.readouterr().out
 
 
+def test_decode_modes_picked_run_in_their_order_each_mode_for_both_models(capsys, one_thread):
+    """--modes: gpu_check runs the graphed rows first (its targets), so a window that runs out loses
+    the eager ones; each mode's fp and packed rows come together. A mode not run at the shape here
+    (graph without CUDA) is refused in one line, exit 2, before any model is built."""
+    assert list(bench_decode.pick_modes("preset", True, "graph,compile,eager")) == ["graph", "compile", "eager"]
+    assert list(bench_decode.pick_modes("1b", True)) == ["eager", "graph"]
+    bench_decode.bench_decode(new_tokens=4, prompt_len=4, picked="eager,generate")
+    out = capsys.readouterr().out
+    assert re.findall(r"^(fp|packed) \w+: (model\.generate|static KV cache, eager)", out, re.M) == [
+        ("fp", "static KV cache, eager"), ("packed", "static KV cache, eager"),
+        ("fp", "model.generate"), ("packed", "model.generate")], out
+    p = subprocess.run([sys.executable, "-m", "lab.bench", "--decode", "--modes=eager,graph"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: --modes=eager,graph: graph is not a mode of --shape=preset here; expected some of generate, eager"]
+    assert "tok/s" not in p.stdout, p.stdout
+
+
 def test_decode_preset_shape_on_cuda_is_the_cuda_presets_model_fp_and_ternary(monkeypatch):
     """--decode's default shape on CUDA (its config built here, with the device check told that CUDA
     is there): the CUDA preset's model, 12 x 768, 12 heads, 1024 positions, GPT-2's vocabulary padded
