@@ -233,6 +233,22 @@ def test_train_with_a_pretrained_model_times_ours_against_transformers_and_gener
     assert f"--model={gpt2}" in msg and "gpt2" in msg, msg
 
 
+def test_kernel_table_goes_on_past_a_shape_that_fails(capsys, monkeypatch, one_thread):
+    """A shape whose kernel cannot run on the GPU at hand (a config it refuses) prints one failed line and
+    the table goes on: the other shapes' rows are what a short GPU window is for."""
+    real = bench.kernel_row
+
+    def row(M, N, K, dev, budget):
+        if M == 20:
+            raise RuntimeError("out of resource: shared memory\nmore detail")
+        return real(M, N, K, dev, budget)
+    monkeypatch.setattr(bench, "kernel_row", row)
+    rows = bench.bench_kernels(shapes=[(20, 48, 64), (1, 64, 64)], dev="cpu", budget=64 * 1024)
+    out = capsys.readouterr().out
+    assert [(r["M"], r["N"]) for r in rows] == [(1, 64)]
+    assert "   20     48     64 failed: RuntimeError: out of resource: shared memory\n" in out, out
+
+
 def test_decode_rows_on_cpu_each_ratio_the_quotient_and_the_prefill_cancelled(capsys, one_thread):
     """bench_decode on CPU: a tiny fp32 model and its packed twin, model.generate and the static
     cache, eager (CUDA adds the graphed rows and the replay/sync columns, '-' here). Every row's
