@@ -203,16 +203,19 @@ def test_gpu_check_fits_one_6_minute_window_with_every_step_under_its_own_time_l
     """Every step of lab/gpu_check.sh runs through step(), which wraps it in `timeout` and gives
     it at most what is left of the window (330 s; the summary 20 more, each kill 5): a hang costs
     one step, not the check, and the script ends within 6 minutes. Run with a stand-in python that
-    says CUDA is there: in a 22 s window, with a pytest of 3 s, the kernels step runs and the four
-    after it are skipped (under 20 s left); in the whole window every step runs, exit 0, and the
-    summary divides our train step's median ms (metrics.jsonl, the steps after the first fifth:
-    100 ms then 200 ms each) by the compiled nanoGPT-shaped step's (bench_train.log)."""
+    says CUDA is there: in a 22 s window, with a pytest of 3 s, the kernels step runs and the five
+    after it are skipped (under 20 s left); in the whole window every step runs, exit 0, the bench
+    step may use what the kernels step left of its budget, the results come back in COPY_TO's 8
+    files (nothing is written to OUT, a lent machine's return folder), and the summary divides our
+    train step's median ms (metrics.jsonl, the steps after the first fifth: 100 ms then 200 ms
+    each) by the compiled nanoGPT-shaped step's (bench_train.log)."""
     import json
     import re
+    import shutil
     script = open(os.path.join(ROOT, "lab", "gpu_check.sh")).read()
     assert re.search(r'timeout --signal=TERM --kill-after=5 "\$limit" "\$@"', script)
     steps = re.findall(r"^step (\S+) (\d+) ", script, flags=re.M)
-    assert [n for n, _ in steps] == ["kernels", "bench", "decode_1b", "train", "bench_train"], steps
+    assert [n for n, _ in steps] == ["kernels", "bench", "decode", "decode_1b", "train", "bench_train"], steps
     assert sum(int(t) for _, t in steps) <= 330, steps  # the budgets themselves fit the window
     assert "WINDOW=${WINDOW:-330}" in script and "timeout 20 \"$PYTHON\" - \"$OUT\" <<'PY'" in script
     bare = [l for l in script.splitlines() if re.match(r'\s*("\$PYTHON"|python) ', l)]
@@ -232,10 +235,13 @@ def test_gpu_check_fits_one_6_minute_window_with_every_step_under_its_own_time_l
                 f'  "train.py --stage=2") mkdir -p "$OUT/run/stage2"; printf \'{records}\' > '
                 f'"$OUT/run/stage2/metrics.jsonl";;\nesac\nexit 0\n')
     os.chmod(stand_in, 0o755)
-    for window, sleep, want in (("22", "3", ["0", "skipped", "skipped", "skipped", "skipped"]),
-                                ("330", "0", ["0"] * 5)):
+    shutil.rmtree(os.path.join(fake, "not_here"), ignore_errors=True)
+    for window, sleep, want in (("22", "3", ["0"] + ["skipped"] * 5), ("330", "0", ["0"] * 6)):
         out = os.path.join(fake, f"run{window}")
-        env = dict(ENV, PYTHON=stand_in, OUT=out, WINDOW=window, PYTEST_S=sleep)
+        shutil.rmtree(out, ignore_errors=True)
+        # OUT is what a lent GPU machine's tooling sends back (8 small files): the script must not write there
+        env = dict(ENV, PYTHON=stand_in, GPU_CHECK_OUT=out, WINDOW=window, PYTEST_S=sleep,
+                   OUT=os.path.join(fake, "not_here"), COPY_TO=os.path.join(out, "back"))
         if window == "22":
             env["NO_SUMMARY"] = "1"  # this run checks the status file: no second torch import
         p = subprocess.run(["bash", os.path.join(ROOT, "lab", "gpu_check.sh")], env=env,
@@ -244,6 +250,13 @@ def test_gpu_check_fits_one_6_minute_window_with_every_step_under_its_own_time_l
         want = [list(s) for s in zip([n for n, _ in steps], want)]
         assert status == want, (status, p.stdout, p.stderr)
     assert "skipped" not in p.stdout and p.returncode == 0, (p.stdout, p.stderr)
+    assert not os.path.exists(os.path.join(fake, "not_here"))
+    assert sorted(os.listdir(os.path.join(out, "back"))) == sorted(
+        ["summary.json", "train_metrics.jsonl"] + [f"{n}.log" for n, _ in steps]), p.stdout
+    # the kernels step took ~0 s of its budget: the bench step may use the rest of it too
+    limits = dict(re.findall(r"^== (\S+) \(at most (\d+)s\)", p.stdout, flags=re.M))
+    budgets = {n: int(t) for n, t in steps}
+    assert budgets["kernels"] + budgets["bench"] - 2 <= int(limits["bench"]) <= budgets["kernels"] + budgets["bench"], limits
     ratio = json.load(open(os.path.join(out, "summary.json")))["train_vs_nanogpt"]
     assert ratio == dict(ours_ms=200, nanogpt_ms=160.0, ratio=1.25, target=1.25), ratio
     assert "200.0 / 160.0 ms = 1.25x (target <= 1.25)" in p.stdout, p.stdout
