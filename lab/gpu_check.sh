@@ -11,7 +11,8 @@
 #   kernels       tests/test_kernels.py, test_packed.py and gpu_decode.py compiled on CUDA (not the interpreter), on
 #                 12 pytest-xdist workers sharing one TRITON_CACHE_DIR (each kernel config and shape JIT-compiles
 #                 once, ~1-2 s), test by test (--dist load: pytest.ini's loadfile would give each file, and so all
-#                 of test_kernels.py's compiles, one worker)
+#                 of test_kernels.py's compiles, one worker); not the slow ones (CPU-only: training runs and
+#                 exports through sample.py --device=cpu, each worker's own copy)
 #   bench         python -m lab.bench: the ternary kernel vs bf16 F.linear at M = 1, 16, 2048 (GPU
 #                 time in one CUDA graph, do_bench's median, host us per call)
 #   decode        python -m lab.bench --decode --modes=graph,compile,eager: batch-1 greedy decoding of
@@ -68,7 +69,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under min(SECONDS + BANK, what 
 # and 3 graphs a shape) -> 45; decode (two compiles of the preset's decode step) -> 70; decode_1b (no compile,
 # the kernels cached) -> 25; train (~5 s start, 40-50 s compile, 39 steps of ~0.25 s, an evaluation, a 1.1 GB
 # checkpoint) -> 70; bench_train (a nanoGPT-shape compile, 12 steps, 2 profiled) -> 35
-step kernels 85 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n 12 --dist load tests/test_kernels.py \
+step kernels 85 "$PYTHON" -m pytest -q -rA -p no:cacheprovider -n 12 --dist load -m "not slow" tests/test_kernels.py \
   tests/test_packed.py tests/gpu_decode.py
 step bench 45 "$PYTHON" -m lab.bench
 step decode 70 "$PYTHON" -m lab.bench --decode --modes=graph,compile,eager

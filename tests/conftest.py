@@ -229,8 +229,9 @@ def imported_model(tmp_path_factory):
 # The files that take longest (seconds of one worker each), sent to the workers first: pytest.ini hands out whole
 # files (--dist loadfile) in this order (--no-loadscope-reorder: xdist would otherwise order them by their number of
 # tests), so a long file collected last would run alone at the end while the other worker idles.
-# Measured with cold Triton and inductor caches (a new machine), longest first.
-LONGEST_FIRST = ["test_cross_compile.py", "test_lab.py", "test_model.py", "test_hf.py", "test_convert.py",
+# Measured with cold Triton and inductor caches (a new machine), longest first. gpu_decode.py (GPU only) leads
+# lab/gpu_check.sh's kernel tests, which go out test by test: its two inductor compiles start first.
+LONGEST_FIRST = ["gpu_decode.py", "test_cross_compile.py", "test_lab.py", "test_model.py", "test_hf.py", "test_convert.py",
                  "test_packed.py", "test_scale.py", "test_bench.py", "test_pretrained.py", "test_gguf.py",
                  "test_prepare.py", "test_decode.py", "test_readme.py"]
 

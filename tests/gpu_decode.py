@@ -10,8 +10,9 @@ from test_decode import MODELS, make
 from tools import decode
 
 
-@pytest.mark.parametrize("name", ["fp", "packed"])
+# mode varies fastest: xdist hands out tests two at a time, so each worker starts with one inductor compile, not two
 @pytest.mark.parametrize("mode", ["graph", "compile"])
+@pytest.mark.parametrize("name", ["fp", "packed"])
 def test_the_captured_step_decodes_the_fixed_steps_tokens_on_cuda(name, mode):
     model = make(**MODELS[name]).cuda()
     idx = torch.randint(0, 60, (3, 5), device="cuda", generator=torch.Generator("cuda").manual_seed(1))

@@ -268,9 +268,10 @@ def test_gpu_check_spreads_the_kernel_tests_over_its_workers_test_by_test():
     its 12 workers. The step's own pytest options, run from the repository root (so with pytest.ini)
     on one file of 4 tests with 2 workers, must put that file's tests on both workers."""
     import re
+    import shlex
     import shutil
     script = open(os.path.join(ROOT, "lab", "gpu_check.sh")).read()
-    opts = re.search(r'^step kernels \d+ "\$PYTHON" -m pytest (.*?) tests/', script, flags=re.M)[1].split()
+    opts = shlex.split(re.search(r'^step kernels \d+ "\$PYTHON" -m pytest (.*?) tests/', script, flags=re.M)[1])
     opts[opts.index("-n") + 1] = "2"
     where = os.path.join(ROOT, "out", "dist_check")
     shutil.rmtree(where, ignore_errors=True)

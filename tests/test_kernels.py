@@ -124,7 +124,7 @@ def test_every_gpu_table_entry_computes_exactly(kind, key):
     program, every PREFILL_CONFIGS entry, DECODE_MMA_CONFIG, UNPACK_CONFIG) run here on the interpreter, which
     otherwise runs its own small tiles: the int32 accumulator equals x_q @ W_q^T exactly, on a shape that leaves
     every tile partly masked (N = 37, K = 600: 38 words, past one 32-word step, inside one of 64 or 256). On a GPU
-    the same launches run compiled (the decode kernel with its pure-Triton dp4a)."""
+    the same launches run compiled, the decode kernel with the PTX dp4a it runs with there."""
     K, N, KW = 600, 37, 38
     g = torch.Generator().manual_seed(600)
     w_q = (torch.randint(0, 3, (N, K), generator=g) - 1).to(torch.int8)
@@ -147,7 +147,7 @@ def test_every_gpu_table_entry_computes_exactly(kind, key):
             cfg, bm = tm.DECODE_CONFIGS[key], min(triton.next_power_of_2(M), tm.DECODE_BLOCK_M)
             grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, bm))
             tm._decode_kernel[grid](tm._x_words(x_q, K, KW), xs, w, ws, acc, M, N, KW, 4 * KW, KW, N, 0,
-                                    BLOCK_M=bm, DP4A=False, WRITE_ACC=True, ROWS_FIRST=tm.DECODE_ROWS_FIRST, **cfg)
+                                    BLOCK_M=bm, DP4A=not tm.INTERPRETED, WRITE_ACC=True, ROWS_FIRST=tm.DECODE_ROWS_FIRST, **cfg)
         elif kind == "prefill":
             tm.launch_prefill(x_q, xs, w, ws, acc, M, N, K, KW, 0, return_acc=True, cfg=tm.PREFILL_CONFIGS[key])
         else:

@@ -617,10 +617,11 @@ def test_a_packed_linear_call_is_a_few_python_calls_and_aten_ops(monkeypatch):
 
 
 def test_the_triton_packed_model_compiles_whole_through_the_registered_op():
-    """torch.compile(fullgraph=True) traces a packed model on the Triton path (the interpreter here, through
-    aot_eager: dynamo and the fake, not inductor's code generation): the kernels are one registered op
-    (op.ternary_linear) whose fake gives the shape, so the launch code is never traced; the compiled logits equal
-    the eager ones bit for bit. torch.library.opcheck checks the op against its fake."""
+    """torch.compile(fullgraph=True) traces a packed model on the Triton path (through aot_eager: dynamo and the
+    fake, not inductor's code generation, whose fused kernels round RoPE's products otherwise: on a GPU with FMA):
+    the kernels are one registered op (op.ternary_linear) whose fake gives the shape, so the launch code is never
+    traced; the compiled logits equal the eager ones bit for bit. torch.library.opcheck checks the op against its
+    fake. Inductor's compile of the packed decode step runs on a GPU in tests/gpu_decode.py (the same tokens)."""
     torch.manual_seed(0)
     x, w_q = torch.randn(3, 64, device=DEVICE), torch.randint(-1, 2, (40, 64), dtype=torch.int8)
     torch.library.opcheck(op.ternary_linear, (x, tm.pack_planes(w_q).to(DEVICE), torch.tensor(0.3, device=DEVICE)))
@@ -628,9 +629,8 @@ def test_the_triton_packed_model_compiles_whole_through_the_registered_op():
                            use_triton=True).to(DEVICE)
     idx = torch.randint(0, 64, (1, 2), device=DEVICE)  # two positions: the interpreter pays per row
     torch._dynamo.reset()
-    backend = "inductor" if ON_GPU else "aot_eager"  # CPU: dynamo's trace and the fake, without inductor's minutes
     with torch.no_grad():
-        assert torch.equal(torch.compile(model, fullgraph=True, backend=backend)(idx)[0], model(idx)[0])
+        assert torch.equal(torch.compile(model, fullgraph=True, backend="aot_eager")(idx)[0], model(idx)[0])
 
 
 # -----------------------------------------------------------------------------
