@@ -23,6 +23,9 @@ included). Columns, per (model, mode):
              difference
   same       tokens equal to model.generate's (random weights: near-ties, so float rounding can
              differ)
+Each row prints once timed ('-' under ops/token and syncs), and again in a second table once every row
+is timed and then counted: the profiler never runs before a timed call, and if it fails or hangs on a
+GPU, the timed rows are already out.
 Every measurement runs on CPU too (tests), where the CUDA-only ones print "-"; each torch.cuda call
 sits in a small function named cuda_*. Test: python -m pytest tests/test_bench.py -k decode
 """
@@ -158,8 +161,8 @@ def timed(gen, n, sync):
 
 
 def measure(model, mode, prompt, new_tokens, want, cuda, sync):
-    """One row's numbers (this file's docstring): tok/s, loop us, replay us, ops/token, syncs,
-    same."""
+    """One row's timed numbers (this file's docstring): tok/s, loop us, replay us, same; ops/token and
+    syncs come later (count), after every row is timed. Returns (row, gen: n -> gen's n tokens)."""
     from tools import decode
     decoder = None if mode == "generate" else decode.Decoder(model, mode)
     gen = (lambda n: model.generate(prompt, n, top_k=1)) if decoder is None else (
@@ -169,16 +172,20 @@ def measure(model, mode, prompt, new_tokens, want, cuda, sync):
     half = new_tokens // 2
     t_half = timed(gen, half, sync)[0]
     room = model.config.block_size - prompt.size(1) - new_tokens - 1
-    k = 2
     loop_us = 1e6 * max(t_full - t_half, 0.0) / (new_tokens - half)
-    row = dict(tps=new_tokens / t_full, loop_us=loop_us,
-               replay_us=None, ops=per_token(cuda_gpu_ops if cuda else count_aten_ops, gen, k),
-               syncs=per_token(cuda_syncs, gen, k) if cuda else None,
+    row = dict(tps=new_tokens / t_full, loop_us=loop_us, replay_us=None, ops=None, syncs=None,
                same=int((out[0, prompt.size(1):] == want[0, prompt.size(1):]).cumprod(0).sum()))
     if cuda and decoder is not None and mode in ("graph", "compile"):
         gen(new_tokens)  # the graph's position back where a full call leaves it
         row["replay_us"] = cuda_replay_us(decoder, min(64, room))
-    return row
+    return row, gen
+
+
+def count(row, gen, cuda, k=2):
+    """A timed row's ops/token (CUDA: GPU activities in torch.profiler; CPU: aten ops) and host syncs
+    per token (CUDA), from gen's calls."""
+    row["ops"] = per_token(cuda_gpu_ops if cuda else count_aten_ops, gen, k)
+    row["syncs"] = per_token(cuda_syncs, gen, k) if cuda else None
 
 
 def line(label, r, new_tokens):
@@ -187,7 +194,7 @@ def line(label, r, new_tokens):
         return format(v, fmt) if v is not None else "-"
     same = f"{r['same']}/{new_tokens}"
     return (f"{label:58s} {r['tps']:9.1f} {r['loop_us']:9.1f} {f(r['replay_us'], '.1f'):>9s} "
-            f"{r['ops']:9.1f} {f(r['syncs'], '.2f'):>6s} {same:>9s}")
+            f"{f(r['ops'], '9.1f'):>9s} {f(r['syncs'], '.2f'):>6s} {same:>9s}")
 
 
 def pick_modes(shape, cuda, picked=""):
@@ -225,20 +232,28 @@ def bench_decode(shape="preset", new_tokens=128, prompt_len=16, picked=""):
     g = torch.Generator(dev).manual_seed(0)
     prompt = torch.randint(0, c.vocab_size, (1, prompt_len), device=dev, generator=g)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    print(f"{'run':58s} {'tok/s':>9s} {'loop us':>9s} {'replay us':>9s} {'ops/tok':>9s} "
-          f"{'syncs':>6s} {'same':>9s}")
-    rows = {}
+    header = (f"{'run':58s} {'tok/s':>9s} {'loop us':>9s} {'replay us':>9s} {'ops/tok':>9s} "
+              f"{'syncs':>6s} {'same':>9s}")
+    print(header)
+    rows, gens, labels = {}, {}, {}
     want = {name: model.generate(prompt, new_tokens, top_k=1) for name, model in models.items()}
     for mode, label in mode_names.items():
         for name, model in models.items():
-            row_label = f"{name} {'ternary' if name == 'packed' else dname}: {label}"
+            labels[name, mode] = f"{name} {'ternary' if name == 'packed' else dname}: {label}"
             try:
-                rows[name, mode] = measure(model, mode, prompt, new_tokens, want[name], cuda, sync)
+                rows[name, mode], gens[name, mode] = measure(model, mode, prompt, new_tokens, want[name],
+                                                             cuda, sync)
             except Exception as e:  # a step that cannot be captured or compiled: say why, go on
                 why = (str(e).strip().splitlines() or [""])[0][:200]
-                print(f"{row_label:58s} failed: {type(e).__name__}: {why}", flush=True)
+                print(f"{labels[name, mode]:58s} failed: {type(e).__name__}: {why}", flush=True)
                 continue
-            print(line(row_label, rows[name, mode], new_tokens), flush=True)
+            print(line(labels[name, mode], rows[name, mode], new_tokens), flush=True)
+    # the counts after every timing: the profiler (CUDA) never runs before a timed call, and if it fails or
+    # hangs, the timed rows above are already out
+    print("ops and syncs per token, counted after the timings:\n" + header, flush=True)
+    for key, row in rows.items():
+        count(row, gens[key], cuda)
+        print(line(labels[key], row, new_tokens), flush=True)
     print_ratios(rows, mode_names, models)
     return rows
 

@@ -302,15 +302,19 @@ def test_decode_1b_shape_is_a_1b_llama_on_cuda_and_its_tiny_twin_runs_on_cpu(cap
 
 def test_decode_modes_picked_run_in_their_order_each_mode_for_both_models(capsys, one_thread):
     """--modes: gpu_check runs the graphed rows first (its targets), so a window that runs out loses
-    the eager ones; each mode's fp and packed rows come together. A mode not run at the shape here
-    (graph without CUDA) is refused in one line, exit 2, before any model is built."""
+    the eager ones; each mode's fp and packed rows come together, printed as timed and again once
+    counted, after every timing (the profiler never runs before a timed call). A mode not run at the
+    shape here (graph without CUDA) is refused in one line, exit 2, before any model is built."""
     assert list(bench_decode.pick_modes("preset", True, "graph,compile,eager")) == ["graph", "compile", "eager"]
     assert list(bench_decode.pick_modes("1b", True)) == ["eager", "graph"]
     bench_decode.bench_decode(new_tokens=4, prompt_len=4, picked="eager,generate")
     out = capsys.readouterr().out
-    assert re.findall(r"^(fp|packed) \w+: (model\.generate|static KV cache, eager)", out, re.M) == [
-        ("fp", "static KV cache, eager"), ("packed", "static KV cache, eager"),
-        ("fp", "model.generate"), ("packed", "model.generate")], out
+    timed, counted = out.split("counted after the timings")
+    for table in (timed, counted):  # the rows as timed ('-' for the counts), then counted
+        assert re.findall(r"^(fp|packed) \w+: (model\.generate|static KV cache, eager)", table, re.M) == [
+            ("fp", "static KV cache, eager"), ("packed", "static KV cache, eager"),
+            ("fp", "model.generate"), ("packed", "model.generate")], out
+    assert len(re.findall(r" +- +- +4/4$", timed, re.M)) == 4 and len(re.findall(r" +[\d.]+ +- +4/4$", counted, re.M)) == 4
     p = subprocess.run([sys.executable, "-m", "lab.bench", "--decode", "--modes=eager,graph"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
