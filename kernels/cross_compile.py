@@ -135,14 +135,16 @@ def jobs(target):
                         kernel=tm._quantize_activations_kernel, signature=sig,
                         constexprs=dict(BLOCK_K=block, ONE_PASS=one_pass),
                         options=dict(num_warps=4 if block <= 2048 else 8, enable_fp_fusion=False)))
-    for dt, K in (("fp32", 576), ("bf16", 4096), ("bf16", 11008)):
+    # K = 1: a GPU launch passes an int argument equal to 1 as a constant (Triton's specialisation), which the
+    # interpreter never does: the kernel must compile with K a plain int too
+    for dt, K in (("fp32", 576), ("bf16", 4096), ("bf16", 11008), ("fp32", 1)):
         st = tm.norm_quant_settings(K)
         sig = dict(
             x_ptr=f"*{dt}",
             g_ptr=f"*{dt}",
             xq_ptr="*i8",
             xs_ptr="*fp32",
-            K="i32",
+            K="constexpr" if K == 1 else "i32",
             stride_x="i32",
             eps="fp32",
             BLOCK_K="constexpr",
@@ -155,7 +157,8 @@ def jobs(target):
                 kind="quantize",
                 kernel=tm._rmsnorm_quant_kernel,
                 signature=sig,
-                constexprs=dict(BLOCK_K=st["BLOCK_K"], ONE_PASS=st["ONE_PASS"], BF16=dt == "bf16"),
+                constexprs=dict(BLOCK_K=st["BLOCK_K"], ONE_PASS=st["ONE_PASS"], BF16=dt == "bf16",
+                                **({"K": 1} if K == 1 else {})),
                 options=dict(num_warps=st["num_warps"], enable_fp_fusion=False),
             )
         )

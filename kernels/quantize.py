@@ -142,7 +142,7 @@ def _rmsnorm_quant_kernel(x_ptr, g_ptr, xq_ptr, xs_ptr, K, stride_x, eps,
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         ss = tl.reduce(x * x, 0, _SUM)
-        r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, K.to(tl.float32)) + eps))
+        r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, K * 1.0) + eps))
         y = _normed(x, r, tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32), BF16)
         s = _scale_from_absmax(tl.reduce(tl.abs(y), 0, _MAX))
         tl.store(q_row + offs, _quantize_row(y, s), mask=mask)
@@ -152,7 +152,7 @@ def _rmsnorm_quant_kernel(x_ptr, g_ptr, xq_ptr, xs_ptr, K, stride_x, eps,
             x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             acc += x * x
         ss = tl.reduce(acc, 0, _SUM)
-        r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, K.to(tl.float32)) + eps))
+        r = tl.math.div_rn(1.0, tl.math.sqrt_rn(tl.math.div_rn(ss, K * 1.0) + eps))
         amax = tl.full((BLOCK_K,), 0.0, dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
