@@ -304,7 +304,8 @@ def report(job, k):
     r["instructions"] = len(sass_instructions(sass))
     r["ptx_fp"] = {
         op: len(re.findall(rf"\b{re.escape(op)}\b", ptx))
-        for op in ("sqrt.rn.f32", "div.rn.f32", "rsqrt.approx.f32", "sqrt.approx.f32", "fma.rn.f32")
+        for op in ("sqrt.rn.f32", "div.rn.f32", "rsqrt.approx.f32", "sqrt.approx.f32", "fma.rn.f32", "max.f32",
+                   "min.f32", "max.NaN.f32")
     }
     if job["kind"] == "unpack":  # no loop: the whole kernel, per word a thread unpacks
         r["instr_per_word"] = round(r["instructions"] / (r["tile_bytes"] / 4 / r["threads"]), 2)

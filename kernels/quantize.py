@@ -23,9 +23,17 @@ import triton.language as tl
 
 # triton.jit reads TRITON_INTERPRET when it decorates, i.e. when this module is imported
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# the combine functions of tl.sum and tl.max: interpreted, reduced with NumPy in one call
+# the combine function of tl.sum: interpreted, reduced with NumPy in one call
 _SUM = tl.standard._sum_combine
-_MAX = tl.standard._elementwise_max
+
+
+@triton.jit
+def _MAX(a, b):
+    """max that keeps NaN, as torch's amax does: a row holding a NaN gets a NaN scale, so its output is NaN
+    as torch's (a compiled tl.maximum is max.f32, which drops a NaN: the row would come out finite)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
 def _check_device(*tensors):
     """The inputs' one device, refused in one line unless it is CUDA (or the interpreter runs); then
     launch under on_device(it)."""
@@ -69,7 +77,7 @@ def _scale_from_absmax(absmax):
     they differ from one IEEE division for some absmax. tl.math.div_rn is the IEEE division; plain `/`
     on fp32 is div.full.f32 on NVIDIA, up to 2 ulp off.
     """
-    return tl.math.div_rn(1.0, tl.maximum(absmax, 1e-5)) * 127.0
+    return tl.math.div_rn(1.0, _MAX(absmax, 1e-5)) * 127.0
 
 
 @triton.jit
@@ -100,7 +108,7 @@ def _quantize_activations_kernel(x_ptr, xq_ptr, xs_ptr, K, stride_x, BLOCK_K: tl
         amax = tl.full((BLOCK_K,), 0.0, dtype=tl.float32)  # running elementwise max of |x|
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
+            amax = _MAX(amax, tl.abs(x))
         s = _scale_from_absmax(tl.reduce(amax, 0, _MAX))
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
@@ -158,7 +166,7 @@ def _rmsnorm_quant_kernel(x_ptr, g_ptr, xq_ptr, xs_ptr, K, stride_x, eps,
             mask = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(_normed(x, r, g, BF16)))
+            amax = _MAX(amax, tl.abs(_normed(x, r, g, BF16)))
         s = _scale_from_absmax(tl.reduce(amax, 0, _MAX))
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K

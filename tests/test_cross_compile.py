@@ -86,7 +86,8 @@ def test_compiled_k_loops_instructions_per_weight_word_and_bytes_in_flight(compi
       75-122), the unpack kernel at most 32 a word (30);
     - the quantisers (rmsnorm+quantise included) round as torch does: IEEE div.rn and sqrt.rn, no
       approximate (r)sqrt, no FMA (the interpreter computes 1 / sqrt exactly whatever the kernel
-      asks for: only here does tl.math.rsqrt's rsqrt.approx show);
+      asks for: only here does tl.math.rsqrt's rsqrt.approx show), and their absmax keeps a NaN as
+      torch's does (max.NaN.f32; the interpreter's NumPy keeps it whatever the kernel asks for);
     - M = 1 on an H100 (sm_90) for lab.bench's six shapes: weight bytes in flight per SM >= the
       smaller of 15.5 KiB (Little's law at the H100's copy bandwidth) and the whole matrix over 132
       SMs."""
@@ -120,9 +121,11 @@ def test_compiled_k_loops_instructions_per_weight_word_and_bytes_in_flight(compi
             assert c["mma"] > 0 and r["sts_u8"] == 0 and r["instr_per_word"] <= 64, (where, r["instr_per_word"])
     norms = [r for r in reports if r["name"].startswith("rmsnorm+quantize")]
     assert len(norms) == 8  # 4 shapes (K = 1 among them: a constant on a GPU), 2 targets
-    # torch's IEEE roundings, no FMA
+    # torch's IEEE roundings, no FMA; the absmax keeps a NaN (max.NaN.f32), as torch's amax, so a NaN row's scale
+    # is NaN: the only plain max.f32 (which drops a NaN) is the clamp's, one for each of its min.f32
     for r in norms + [r for r in reports if r["name"].startswith("quantize")]:
         f = r["ptx_fp"]
+        assert f["max.NaN.f32"] >= 1 and f["max.f32"] == f["min.f32"], (r["name"], f)
         assert (
             f["div.rn.f32"] >= 1
             and f["fma.rn.f32"] == f["rsqrt.approx.f32"] == f["sqrt.approx.f32"] == 0
