@@ -104,7 +104,7 @@ def main(argv):
     _check_args(args)
     device = args["device"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    if device.startswith("cuda"):  # Triton kernels and CUDA graphs run on the current device
+    if device.startswith("cuda:"):  # Triton kernels and CUDA graphs run on the current device ("cuda" is it)
         torch.cuda.set_device(device)
     torch.manual_seed(args["seed"])
     if args["dlm"] and args["ckpt"] == SampleConfig.ckpt:

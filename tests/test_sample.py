@@ -74,24 +74,27 @@ def test_device_cuda_without_cuda_is_one_line(capsys):
     assert all(f in err for f in ("--device=cuda", "no CUDA device", "--device=cpu")), err
 
 
-def test_a_cuda_device_is_made_current_before_the_checkpoint_loads(monkeypatch):
+@pytest.mark.parametrize("device,current", [("cuda:1", [1]), ("cuda", []), ("auto", [])])
+def test_a_cuda_device_is_made_current_before_the_checkpoint_loads(monkeypatch, device, current):
     """--device=cuda:1: Triton kernels and CUDA graphs run on the current device, so sample.py makes cuda:1 current
-    (torch.cuda.set_device) before it loads anything (a two-GPU machine is faked: CUDA present, two devices)."""
+    (torch.cuda.set_device, run as it is down to the driver call) before it loads anything; --device=cuda and auto
+    (the default on a GPU) use the current device as it is (torch.cuda.set_device("cuda") raises: no index). A
+    two-GPU machine is faked: CUDA present, two devices."""
     made = []
 
-    class Made(Exception):
+    class Loaded(Exception):
         pass
 
-    def set_device(d):
-        made.append(d)
-        raise Made
+    def load_model(ckpt, dev, packed):
+        assert dev == ("cuda" if device == "auto" else device)
+        raise Loaded
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(torch.cuda, "set_device", set_device)
-    monkeypatch.setattr(sample, "load_model", lambda *a: pytest.fail("loaded before the device was made current"))
-    with pytest.raises(Made):
-        sample.main([f"--ckpt={MISSING}", "--device=cuda:1"])
-    assert made == ["cuda:1"]
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", made.append, raising=False)
+    monkeypatch.setattr(sample, "load_model", load_model)
+    with pytest.raises(Loaded):
+        sample.main([f"--ckpt={MISSING}", f"--device={device}"])
+    assert made == current
 
 
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:0:1", "cuda:99"])
