@@ -142,6 +142,8 @@ def train_step(run, step, stop_requested):
         opt.step()
     if run.loss_scale.enabled:
         out["loss_scale"] = scale
+        # gradients overflowed at a finite loss: the scale's back-off, not a bad step (while halving can help)
+        out["backoff"] = not out["ok"] and math.isfinite(out["loss"]) and scale > 1
         run.loss_scale.update(out["ok"])
     for cb in run.callbacks:
         # e.g. QK-clip rescales W_q, W_k; averaging takes a snapshot
@@ -245,7 +247,7 @@ def training_loop(run):
             step += 1
             timer.steps += 1
             skipped_steps, skipped_in_a_row = ((skipped_steps, 0) if out["ok"] else
-                                               (skipped_steps + 1, skipped_in_a_row + 1))
+                                               (skipped_steps + 1, skipped_in_a_row + (not out.get("backoff"))))
             if not out["ok"] or step % cfg.log_interval == 0:
                 metrics.log_step(run, step, out, skipped_steps, skipped_in_a_row, timer)
             # skipping cannot mend broken weights

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -758,6 +759,25 @@ def test_float16_scales_the_loss_so_that_small_gradients_survive(setup_run):
         ls.update(ok)
         assert ls.scale == want_scale
     assert train.LossScale(False).scale == 1.0
+
+
+def test_a_float16_runs_loss_scale_backing_off_is_not_a_run_of_bad_steps(tmp_path, capsys, setup_run):
+    """The tiny model's float16 gradients overflow at the first loss scales (65536, 32768, ...) while its loss is
+    finite: the scale backs off, which GradScaler does for as many steps as it takes. Those skips are logged but not
+    counted toward --max_bad_steps, so a run allowed 2 bad steps in a row gets past its back-offs and trains; a
+    non-finite loss under float16 is no back-off and still counts."""
+    train.main(["--stage=1", *TINY, "--dtype=float16", "--max_iters=10", "--max_bad_steps=2",
+                f"--out_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    backoffs = re.findall(r"^step \d+ \| skipped: .*float16 loss scale (\d+) halved \(overflow at a finite loss",
+                          out, re.M)
+    assert len(backoffs) > 2 and [int(s) for s in backoffs[:3]] == [65536, 32768, 16384], out
+    assert "final val loss" in out and "(stage1, 10 steps," in out, out
+    run = setup_run("--dtype=float16")
+    real = run.loss_fn
+    run.loss_fn = lambda x, y: (lambda loss, parts: (loss * float("nan"), parts))(*real(x, y))
+    out = train.train_step(run, 0, False)
+    assert not out["ok"] and out["backoff"] is False and out["loss_scale"] == 2.0**16
 
 
 def test_a_float16_run_too_short_for_its_loss_scale_says_why_nothing_was_learned(tmp_path, capsys):

@@ -125,7 +125,8 @@ class TrainConfig:
     checkpoint_interval: int = 0  # also checkpoint every N steps; 0 = at evals and at the end only
     keep_last: int = 1           # numbered checkpoints ckpt_<step>.pt kept; ckpt.pt always names
                                  # the newest
-    max_bad_steps: int = 10      # this many non-finite steps in a row: save and stop
+    max_bad_steps: int = 10      # this many non-finite steps in a row: save and stop (float16: the
+                                 # loss scale's back-offs, a finite loss, are not counted)
     device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset
                                  # below
     dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32,

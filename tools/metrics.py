@@ -136,6 +136,8 @@ def log_step(run, step, out, skipped_steps, skipped_in_a_row, timer):
     lam = out["lam"]
     if not out["ok"]:
         scaled = f", float16 loss scale {out['loss_scale']:g} halved" if "loss_scale" in out else ""
+        if out.get("backoff"):
+            scaled += " (overflow at a finite loss: the scale backing off, not counted in a row)"
         run.rt.log(f"step {step} | skipped: loss {out['loss']} grad norm {out['raw_norm']} not "
                    f"finite, no update{scaled} ({skipped_in_a_row} in a row, {skipped_steps} in all; "
                    f"max_bad_steps={run.cfg.max_bad_steps})")
@@ -145,7 +147,7 @@ def log_step(run, step, out, skipped_steps, skipped_in_a_row, timer):
         return
     dt = timer.lap()
     tokens = run.cfg.batch_size * run.cfg.block_size * run.cfg.grad_accum
-    extra = {k: v for k, v in out.items() if k not in ("loss", "stop", "ok", "lam", "lr")}
+    extra = {k: v for k, v in out.items() if k not in ("loss", "stop", "ok", "lam", "lr", "backoff")}
     rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "lambda": lam, **extra,
            "ms": 1000 * dt, "tok_per_s": tokens / dt, "bad_steps": skipped_steps}
     clip = {"raw_norm", "clipped_norm", "was_clipped", "z_score"}
