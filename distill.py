@@ -83,6 +83,14 @@ def _check_relation_sizes(sizes, n_relation_heads):
                          f"<= {n_relation_heads})")
 
 
+def _gram(x):
+    """x x^T over the last two dims, in fp32: autocast (bf16 on a GPU) would run the matmul in bf16, rounding
+    relation scores in [-1, 1] to steps of ~0.004 before the softmax."""
+    with torch.autocast(x.device.type, enabled=False):
+        x = x.float()
+        return x @ x.transpose(-2, -1)
+
+
 def _relation_heads(x, n_relation_heads):
     """(B, H, T, d) -> concat heads -> re-split -> L2-normalise: (B, A_r, T, d_r), fp32."""
     B, H, T, d = x.shape
@@ -92,7 +100,7 @@ def _relation_heads(x, n_relation_heads):
 
 def _log_relation(x_hat, allowed, temperature):
     """log R = log_softmax(x_hat x_hat^T / t) over allowed keys; disallowed entries are set to 0."""
-    scores = x_hat @ x_hat.transpose(-2, -1) / temperature  # (B, A_r, T, T)
+    scores = _gram(x_hat) / temperature  # (B, A_r, T, T)
     return scores.masked_fill(~allowed, float("-inf")).log_softmax(-1).masked_fill(~allowed, 0.0)
 
 
@@ -170,7 +178,7 @@ def hidden_state_loss(student_hiddens, teacher_hiddens, layer_weights=None):
                              f"(B, T, C) with equal B and T required")
         hs_n, ht_n = F.normalize(hs.float(), dim=-1), F.normalize(ht.detach().float(), dim=-1)
         if hs.shape[-1] != ht.shape[-1]:  # another width: compare how tokens relate, not the vectors
-            hs_n, ht_n = hs_n @ hs_n.transpose(1, 2), ht_n @ ht_n.transpose(1, 2)  # (B, T, T) each
+            hs_n, ht_n = _gram(hs_n), _gram(ht_n)  # (B, T, T) each
         loss = loss + wl / sum(w) * F.mse_loss(hs_n, ht_n)
     return loss
 

@@ -164,6 +164,19 @@ def test_relation_loss_teacher_with_different_head_count():
                                                                          rel=1e-5)
 
 
+def test_relation_and_other_width_hidden_losses_compute_in_fp32_under_autocast():
+    """Stage 3 calls the losses inside the step's autocast (bf16 on a GPU; --dtype=bfloat16 on a CPU), which runs
+    a matmul in bf16 whatever its inputs: the relation scores and the token similarities would be rounded to bf16
+    before the softmax and the MSE. Under autocast each loss equals its value without it, bit for bit."""
+    s, t = _qkv(2, 4, 16, 8, 11), _qkv(2, 4, 16, 8, 12)
+    g = torch.Generator().manual_seed(13)
+    hs, ht = torch.randn(2, 16, 8, generator=g), torch.randn(2, 16, 12, generator=g)
+    want = attention_relation_loss(s, t, 4), hidden_state_loss([hs], [ht])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = attention_relation_loss(s, t, 4), hidden_state_loss([hs], [ht])
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+
+
 def test_relation_loss_non_divisible_raises_with_sizes_and_suggestion():
     s, t = _qkv(1, 3, 4, 4, 13), _qkv(1, 4, 4, 8, 14)  # student H*d = 12, teacher 32
     with pytest.raises(ValueError) as e:
