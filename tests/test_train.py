@@ -295,6 +295,41 @@ def test_stage3_two_identical_teachers_train_exactly_like_one(tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
 
 
+def test_stage3_teacher_sees_each_document_alone_as_the_student_and_is_cast_before_it_moves(tmp_path, monkeypatch):
+    """--doc_mask=True: the student attends within documents only, and so must the teacher whose predictions it
+    matches (an imported config, or a stage-1 run without the flag, has doc_mask off: its targets would use context
+    the student cannot see). The teacher takes the student's doc_mask and eot: on a row of two documents its logits
+    at the second equal its logits on that document alone. On CUDA it is cast to bf16 before it moves there (the
+    GPU never holds the fp32 copy): the moves are recorded with the device taken out."""
+    from model import GPTConfig
+    out = str(tmp_path)
+    run("--stage=1", "--max_iters=2", "--eval_interval=2", f"--out_dir={out}", *TINY)
+    path = os.path.join(out, "stage1", "ckpt.pt")
+    cfg = checks.build_config({"stage": 3, "device": "cpu", "kd_relation": 0, "block_size": 32})
+    student = GPTConfig(vocab_size=257, block_size=64, n_layer=2, n_head=2, n_embd=32, doc_mask=True, eot=256)
+    (teacher,), _ = start.make_teachers(cfg, [path], student, "cpu")
+    assert (teacher.config.doc_mask, teacher.config.eot) == (True, 256)
+    second = torch.tensor([[256, 5, 6, 7]])
+    row = torch.cat([torch.tensor([[256, 1, 2]]), second], dim=1)
+    with torch.no_grad():
+        assert torch.allclose(teacher(row)[0][0, 3:], teacher(second)[0][0], atol=1e-5)
+    moves = []
+    real_to = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda m, *a, **k: moves.append(a) or real_to(
+        m, *[x for x in a if not isinstance(x, str)], **k))
+
+    class Table:  # the fp32 RoPE tables, moved on their own: kept on the CPU (no CUDA here)
+        def __init__(self, t):
+            self.t = t
+
+        def to(self, device):
+            return self.t
+    rope = start.precompute_rope
+    monkeypatch.setattr(start, "precompute_rope", lambda *a: tuple(Table(t) for t in rope(*a)))
+    start._frozen(teacher, student, "cuda:0")
+    assert moves[:2] == [(torch.bfloat16,), ("cuda:0",)], moves
+
+
 @pytest.mark.slow
 def test_stage3_teacher_of_another_width_and_depth(tmp_path):
     # relations are re-split into relation heads and hidden states compared as token similarities, so a

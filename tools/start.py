@@ -404,7 +404,7 @@ def _load_teacher(cfg, crit, path, student_conf, device, first):
         check_same_tokenizer("--tokenizer", cfg.tokenizer, "the tokenizer of the --teacher", path)
         teacher = import_model(path, cfg.block_size, "--teacher")
         check_teacher(cfg, crit, student_conf, teacher.config, path, first)
-        return _frozen(teacher, device)
+        return _frozen(teacher, student_conf, device)
     outputs.check_input("--teacher", path)  # an HF export of ours: named as such
     if not checkpoint.load(path, ("model_args",), mmap=True)["model_args"].get("causal", True):
         die(f"{path}: a masked-diffusion model (--stage=dlm) cannot be a teacher: stage 3 distils "
@@ -418,14 +418,19 @@ def _load_teacher(cfg, crit, path, student_conf, device, first):
     tconf = teacher.config
     # shapes that would only fail at the first step
     check_teacher(cfg, crit, student_conf, tconf, path, first)
-    return _frozen(teacher, device)
+    return _frozen(teacher, student_conf, device)
 
 
-def _frozen(teacher, device):
+def _frozen(teacher, student_conf, device):
+    """The teacher as stage 3 runs it: frozen, seeing each token's context as the student does (its
+    --doc_mask, documents starting at the run's eot: an imported config has neither), bf16 on CUDA."""
+    teacher.config = dataclasses.replace(teacher.config, doc_mask=student_conf.doc_mask, eot=student_conf.eot)
     tconf = teacher.config
-    teacher.requires_grad_(False).eval().to(device)
-    if device.startswith("cuda"):
-        teacher.to(torch.bfloat16)  # weights in bf16; RoPE tables stay fp32
+    teacher.requires_grad_(False).eval()
+    if device.startswith("cuda"):  # weights in bf16, cast before the move: the GPU never holds the fp32 copy
+        teacher.to(torch.bfloat16)
+    teacher.to(device)
+    if device.startswith("cuda"):  # RoPE tables stay fp32
         cos, sin = precompute_rope(tconf.head_size(), tconf.block_size, tconf.rope_theta)
         teacher.rope_cos, teacher.rope_sin = cos.to(device), sin.to(device)
     return teacher
