@@ -69,8 +69,11 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
 
 
 def ns_dtype_for(device_type):
-    """NS5's precision on a device: bf16, the paper's, wherever matmuls have bf16 units (a GPU; a CPU with
-    AVX512-BF16 or AMX); float32 on other CPUs, where torch emulates bf16 matmuls and NS5 runs ~18x slower."""
+    """NS5's precision on a device: bf16, the paper's, wherever matmuls have bf16 units (a GPU from Ampere on;
+    a CPU with AVX512-BF16 or AMX); float32 elsewhere (older GPUs, other CPUs), where torch emulates bf16
+    matmuls and NS5 runs ~18x slower (measured on a CPU)."""
+    if device_type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
     if device_type != "cpu":
         return torch.bfloat16
     units = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # torch.cpu's checks (torch >= 2.3)

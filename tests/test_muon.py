@@ -562,7 +562,8 @@ def test_batched_step_one_ns5_per_shape_equals_the_per_matrix_step_exactly(ns_dt
                                                  (False, False, torch.float32), (None, None, torch.float32)])
 def test_ns_dtype_is_the_papers_bf16_where_matmuls_have_bf16_units_else_float32(avx512_bf16, amx, want, monkeypatch):
     """A CPU with AVX512-BF16 or AMX runs NS5 in bf16, any other CPU (or a torch without the checks: None) in
-    float32; a GPU in bf16. train.py builds its Muon with it."""
+    float32; a GPU with bf16 units (Ampere on) in bf16, an older one (a T4: bf16 emulated) in float32. train.py
+    builds its Muon with it."""
     import train
     from muon import ns_dtype_for
     from tools import config
@@ -571,6 +572,10 @@ def test_ns_dtype_is_the_papers_bf16_where_matmuls_have_bf16_units_else_float32(
             monkeypatch.delattr(torch.cpu, name, raising=False)
         else:
             monkeypatch.setattr(torch.cpu, name, lambda has=has: has)
-    assert ns_dtype_for("cpu") == want and ns_dtype_for("cuda") == torch.bfloat16
+    assert ns_dtype_for("cpu") == want
+    for native, gpu_want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n or (
+            including_emulation and pytest.fail("asked whether bf16 is emulated")))
+        assert ns_dtype_for("cuda") == gpu_want
     model = nn.Sequential(nn.Linear(8, 8))
     assert train.configure_optimizer(model, config.TrainConfig(device="cpu"), "cpu").ns_dtype == want

@@ -796,6 +796,17 @@ def test_float16_scales_the_loss_so_that_small_gradients_survive(setup_run):
     assert train.LossScale(False).scale == 1.0
 
 
+def test_dtype_auto_is_bf16_on_a_gpu_with_bf16_units_float16_on_an_older_one_float32_on_a_cpu(monkeypatch):
+    """--dtype=auto: on a T4 or V100 bf16 is emulated (slow) and inductor skips compiling it, so float16, whose
+    loss is scaled (train.LossScale); bf16 from Ampere on; float32 on a CPU."""
+    from tools import assemble
+    for native, want in ((True, "bfloat16"), (False, "float16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n or (
+            including_emulation and pytest.fail("asked whether bf16 is emulated")))
+        assert assemble.auto_dtype(True) == want
+    assert assemble.auto_dtype(False) == "float32"
+
+
 def test_a_float16_runs_loss_scale_backing_off_is_not_a_run_of_bad_steps(tmp_path, capsys, setup_run):
     """The tiny model's float16 gradients overflow at the first loss scales (65536, 32768, ...) while its loss is
     finite: the scale backs off, which GradScaler does for as many steps as it takes. Those skips are logged but not

@@ -143,7 +143,7 @@ def starting_model(run, resume):
     checkpoint.seed_all(cfg.seed)  # the same on every rank: identical initial weights
     cuda = rt.device_type == "cuda"
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cuda
-    dtype = ("bfloat16" if cuda else "float32") if cfg.dtype == "auto" else cfg.dtype
+    dtype = auto_dtype(cuda) if cfg.dtype == "auto" else cfg.dtype
     run.autocast = torch.autocast(rt.device_type, dtype=getattr(torch, dtype),
                                   enabled=dtype != "float32")
     run.train_loader, run.val_loaders = loaders.make_loaders(cfg, rt, resume)
@@ -151,6 +151,15 @@ def starting_model(run, resume):
     run.model = start.starting_model(run, model_conf)  # its weights; a pretrained model converted
     rt.log(run.start.note)
     return earlier, dtype
+
+
+def auto_dtype(cuda):
+    """--dtype=auto: bfloat16 autocast on a GPU with bf16 units (Ampere and later), float16 on older ones
+    (a T4, a V100: bf16 there is emulated and inductor does not compile it; float16 scales its loss,
+    train.LossScale), float32 on a CPU."""
+    if not cuda:
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
 
 
 def finish(run, earlier, use_compile, dtype):

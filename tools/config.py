@@ -129,9 +129,9 @@ class TrainConfig:
                                  # loss scale's back-offs, a finite loss, are not counted)
     device: str = "auto"         # auto = cuda if available, else cpu; also picks the device preset
                                  # below
-    dtype: str = "auto"          # auto = bfloat16 autocast on cuda, float32 on cpu; or float32,
-                                 # bfloat16, float16 (GPUs without bf16: the loss scaled,
-                                 # train.LossScale)
+    dtype: str = "auto"          # auto = bfloat16 autocast on cuda (float16 on a GPU without bf16
+                                 # units: T4, V100), float32 on cpu; or float32, bfloat16, float16
+                                 # (its loss scaled, train.LossScale)
     compile: str = "auto"        # auto = on for cuda only; true / false (also 1/0, yes/no, on/off);
                                  # true on a CPU: the same bits every run, ~20 s to compile
     fsdp: bool = False           # under torchrun: FSDP2 shards params, grads and optimizer state
