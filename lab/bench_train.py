@@ -354,14 +354,24 @@ def profile_ops(step, cuda, n, top=12):
     if cuda:
         def self_time(e):
             return getattr(e, "self_device_time_total", 0)
+        events = gpu_work(prof.key_averages())
     else:
         def self_time(e):
             return e.self_cpu_time_total
-    events = [e for e in prof.key_averages() if self_time(e) > 0]
+        events = prof.key_averages()
+    events = [e for e in events if self_time(e) > 0]
     total = sum(self_time(e) for e in events) / 1e3 / n
     events = sorted(events, key=lambda e: -self_time(e))[:top]
     ops = [(e.key, e.count / n, self_time(e) / 1e3 / n) for e in events]
     return ("GPU" if cuda else "CPU"), total, ops
+
+
+def gpu_work(events):
+    """The profiler's events that are GPU work, each once: kernels, copies, memsets (device CUDA). Not the CPU ops
+    that launched them, whose self device time repeats their kernels', nor the GPU spans of user annotations
+    (inductor's "## Call CompiledFxGraph ##"), which repeat the kernels inside them."""
+    from torch.autograd import DeviceType
+    return [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
 
 
 # -----------------------------------------------------------------------------

@@ -249,6 +249,20 @@ def test_kernel_table_goes_on_past_a_shape_that_fails(capsys, monkeypatch, one_t
     assert "   20     48     64 failed: RuntimeError: out of resource: shared memory\n" in out, out
 
 
+def test_gpu_time_counts_each_kernel_once():
+    """torch.profiler's averaged events on CUDA hold each kernel's time three ways: the kernel itself, the CPU op
+    that launched it (its self device time) and a user annotation's GPU span around compiled code. --train's GPU
+    profile sums only the kernels (here 100 of the 300 us the three events say)."""
+    from types import SimpleNamespace
+    from torch.autograd import DeviceType
+    events = [SimpleNamespace(key="aten::mm", device_type=DeviceType.CPU, self_device_time_total=100.0),
+              SimpleNamespace(key="sm90_xmma_gemm", device_type=DeviceType.CUDA, self_device_time_total=100.0,
+                              is_user_annotation=False),
+              SimpleNamespace(key="## Call CompiledFxGraph ##", device_type=DeviceType.CUDA,
+                              self_device_time_total=100.0, is_user_annotation=True)]
+    assert [e.key for e in bench_train.gpu_work(events)] == ["sm90_xmma_gemm"]
+
+
 def test_decode_rows_on_cpu_each_ratio_the_quotient_and_the_prefill_cancelled(capsys, one_thread):
     """bench_decode on CPU: a tiny fp32 model and its packed twin, model.generate and the static
     cache, eager (CUDA adds the graphed rows and the replay/sync columns, '-' here). Every row's
