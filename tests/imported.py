@@ -13,8 +13,10 @@ CONVERT = ["--stage=2", "--max_iters=4", "--eval_interval=4", "--lambda_warmup_s
            "--batch_size=4", "--block_size=64", "--eval_iters=2", "--eval_whole=False", "--device=cpu"]
 
 
-def tiny_llama(d):
-    """Save the tiny Llama and its tokenizer in the directory d (made if missing); returns d."""
+def tiny_llama(d, config_vocab=None):
+    """Save the tiny Llama and its tokenizer in the directory d (made if missing); returns d. config_vocab: a
+    vocabulary in the config (and embedding) larger than the tokenizer's, as Qwen3's 151,936 rows for 151,669
+    ids."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -27,7 +29,7 @@ def tiny_llama(d):
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     torch.manual_seed(0)
-    conf = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    conf = LlamaConfig(vocab_size=config_vocab or len(fast), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                        tie_word_embeddings=False, eos_token_id=0, bos_token_id=0, rope_theta=50000.0,
                        rms_norm_eps=1e-5)

@@ -100,6 +100,19 @@ def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama
     assert steps and all(r["kd_logits"] > 0 for r in steps)
 
 
+def test_a_model_with_more_embedding_rows_than_tokens_converts_resumes_and_distils(tmp_path):
+    """Qwen3's config has 151,936 vocabulary rows for 151,669 token ids: the converted run keeps the model's rows,
+    and its resume and stage 3 (whose flags alone would build the tokenizer's size) build them too."""
+    from imported import tiny_llama
+    src = tiny_llama(str(tmp_path / "wide_vocab"), config_vocab=448)  # 384 ids
+    out = f"--out_dir={tmp_path / 'run'}"
+    run("--stage=2", f"--init_from={src}", "--max_iters=2", "--eval_interval=2", *FLAGS, out)
+    assert torch.load(tmp_path / "run" / "stage2" / "ckpt.pt", weights_only=True)["model_args"]["vocab_size"] == 448
+    run("--stage=2", f"--init_from={src}", "--max_iters=3", "--eval_interval=3", "--resume=True", *FLAGS, out)
+    run("--stage=3", f"--teacher={src}", "--max_iters=1", "--eval_interval=1", *FLAGS, out)
+    assert [r["step"] for r in records(str(tmp_path / "run"), stage=3) if "kd_logits" in r] == [1]
+
+
 def test_stage3_from_a_student_of_another_vocabulary_names_the_converted_student(tiny_llama, tmp_path, capsys):
     """README's stage 3 (--teacher=<the model>) run where out/stage2 holds the byte quick start: the line says
     to start from a student converted from that model (--init_from), not to pass --tokenizer."""

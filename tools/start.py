@@ -47,8 +47,10 @@ class Start:
                                # no SubLN)
 
 
+# what a pretrained model fixes and no flag sets; vocab_size: its embedding's rows, which can be more than its
+# tokenizer's ids (Qwen3: 151,936 for 151,669)
 ARCHITECTURE = ("n_layer", "n_head", "n_embd", "n_kv_head", "head_dim", "qk_norm", "mlp_hidden", "rope_theta",
-                "norm_eps", "tie_embeddings")  # what a pretrained model fixes and no flag sets
+                "norm_eps", "tie_embeddings", "vocab_size")
 
 
 def starting_weights(cfg, model_conf, resume_ckpt, resume_path, run_lesson=None, given=None):
