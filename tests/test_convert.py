@@ -77,6 +77,22 @@ def test_calibrated_gains_are_the_mean_rms_of_each_input_in_the_model_as_publish
         calibrate_subln(model, [])
 
 
+def test_calibration_runs_on_the_runs_device(monkeypatch):
+    """--subln_gain=calibrated measures the converted model on the run's device (a GPU's forward, not the CPU's in
+    fp32 before the model moves): model and batches are there when calibrate_subln runs (a device of its own here,
+    "meta", stands in for the GPU)."""
+    import dataclasses
+    from model import GPT, GPTConfig
+    from tools import seams, start
+    seen = []
+    monkeypatch.setattr(seams, "calibrate_subln", lambda model, batches: seen.append(
+        (next(model.parameters()).device.type, {x.device.type for x, _ in batches})))
+    fp = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32, quant=False, subln=False))
+    batches = [(torch.randint(0, 64, (2, 16)), None)]
+    start.convert_pretrained(fp, dataclasses.replace(fp.config, quant=True, subln=True), batches, "meta")
+    assert seen == [("meta", {"meta"})]
+
+
 def test_stage2_from_a_pretrained_model_then_stage3_from_the_original(tiny_llama, tmp_path):
     """Stage 2 keeps the model's architecture (GQA, MLP width, untied head) and tokenizer, trains ternary and
     resumes; stage 3 distils the student from the original model as published (--teacher=<the same directory>)."""

@@ -318,19 +318,22 @@ def import_model(source, block_size, flag, check=None):
     return model
 
 
-def convert_pretrained(fp, conf=None, batches=None):
+def convert_pretrained(fp, conf=None, batches=None, device=None):
     """BitDistill's stage-1 conversion: a pretrained model as published (fp: GPT, full precision, no
     SubLN) -> a new GPT of conf (default: fp's config with quant=True, subln=True) holding fp's
     weights; every hidden linear a BitLinear when conf.quant (lambda_ as built, 1: set_lambda before
     use); with conf.subln an RMSNorm in front of o_proj and down_proj, unit gain (the paper), or
     given batches [(x, y), ...] each gain the mean rms of its input over them in the model as
-    published (lessons/subln.py: measured at lambda 0, lambda_ left as built). fp is left as it
-    was."""
+    published (lessons/subln.py: measured at lambda 0, lambda_ left as built), on device if given (the
+    run's GPU: the model moves there first). fp is left as it was."""
     conf = conf or dataclasses.replace(fp.config, quant=True, subln=True)
     model = GPT(conf)
     checkpoint.load_weights(model, fp.state_dict(), getattr(fp, "source", "the pretrained "
                                                                           "model"), conf.subln)
     if batches is not None and conf.subln:
+        if device is not None:
+            model.to(device)
+            batches = [(x.to(device), y if y is None else y.to(device)) for x, y in batches]
         seams.calibrate_subln(model, batches)
     return model
 
@@ -344,7 +347,7 @@ def starting_model(run, model_conf):
     if st.pretrained is not None:
         calibrate = conf.subln and cfg.subln_gain == "calibrated"
         batches = calibration_batches(cfg, run.train_loader) if calibrate else None
-        return convert_pretrained(st.pretrained, conf, batches)
+        return convert_pretrained(st.pretrained, conf, batches, run.rt.device)
     model = GPT(conf)
     if st.ckpt is not None:
         checkpoint.load_weights(model, st.ckpt["model"], st.path, st.insert_subln)
