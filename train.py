@@ -338,6 +338,10 @@ def build(run, resume, teachers):
                f"1 at step {q + cfg.lambda_warmup_steps}; the optimizer state carries over")
     run.model.to(rt.device)
     use_compile = cfg.compile == "true" or (cfg.compile == "auto" and rt.device_type == "cuda")
+    if use_compile and run.lesson is not None and not run.lesson.compiles:  # its loss calls run.model itself
+        use_compile = False
+        rt.log(f"{run.lesson.flag} runs eagerly: its loss calls the model with hooks (--compile={cfg.compile} "
+               "applies to the other stages)")
     # compiled, DDP or FSDP2 as asked
     run.train_model = rt.wrap(run.model, cfg.fsdp, use_compile)
     run.loss_fn = make_loss_fn(run, teachers)

@@ -257,6 +257,15 @@ def test_stage_dlm_converts_logs_its_diagnostics_and_resumes_bit_exactly(stage2,
     assert p.returncode == 0 and stdout.count("---------------") == 1, stderr
 
 
+@pytest.mark.slow
+def test_stage_dlm_says_it_runs_eagerly_under_compile(stage2, tmp_path):
+    """Its loss calls the model itself (with the outlier-ratio hooks), never the compiled one: a run asked to
+    compile says it runs eagerly and reports compile off, where it said compile on and ran eager."""
+    p = run(f"--out_dir={tmp_path}", "--stage=dlm", f"--init_from={os.path.join(stage2, 'stage2', 'ckpt.pt')}",
+            *TINY, "--max_iters=1", "--eval_interval=1", "--compile=true")
+    assert "--stage=dlm runs eagerly" in p.stdout and "compile off" in p.stdout, p.stdout
+
+
 def test_stage_dlm_refuses_a_missing_source_and_torchrun(tmp_path, capsys, monkeypatch):
     line = fails(capsys, "--stage=dlm", f"--out_dir={tmp_path}", *TINY)
     assert "converts a trained ternary model" in line and "--stage=2" in line

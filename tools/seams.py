@@ -90,6 +90,8 @@ class DlmStage:
     (lessons/dlm.py)."""
 
     EVAL_SEED = 1234  # the masks of every evaluation
+    flag = "--stage=dlm"
+    compiles = False  # its loss calls run.model with diagnostic hooks (the outlier ratios), never the compiled one
 
     def __init__(self, cfg):
         self.cfg = cfg
