@@ -314,12 +314,13 @@ _STACKED = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
 def weight_bytes(model):
-    """Measured bytes: {"hidden": the hidden matrices as stored (packed codes, or BitLinear latent weights),
-    "hidden_numel": how many weights they hold, "other": every other state-dict tensor (embedding, head,
-    norms, scales), a tied tensor counted once}."""
+    """Measured bytes: {"hidden": the blocks' hidden matrices as stored (packed codes, BitLinear latent weights,
+    or an fp model's nn.Linear weights), "hidden_numel": how many weights they hold, "other": every other
+    state-dict tensor (embedding, head, norms, scales), a tied tensor counted once}."""
     hidden, numel, seen = 0, 0, set()
-    for m in model.modules():
-        t = m.w_packed if isinstance(m, PackedBitLinear) else m.weight if isinstance(m, quant.BitLinear) else None
+    for m in (model.h.modules() if hasattr(model, "h") else model.modules()):  # the head is not a hidden matrix
+        t = m.w_packed if isinstance(m, PackedBitLinear) else m.weight if isinstance(m, (nn.Linear, StackedLinear)) \
+            else None
         if t is not None:
             hidden += t.numel() * t.element_size()
             numel += m.in_features * m.out_features

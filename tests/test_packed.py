@@ -13,6 +13,7 @@ import contextlib
 import copy
 import errno
 import importlib
+import dataclasses
 import os
 import re
 import shutil
@@ -216,6 +217,11 @@ def test_weight_bytes_measures_latent_and_packed_hidden_matrices():
     shared = 4 * (TINY.vocab_size * C + L * (3 * C + TINY.hidden_dim()) + C)
     assert before["other"] == shared + 4 * 11 * L
     assert after["other"] == shared + 4 * 7 * L
+    # the fp twin with its q/k/v and gate/up stacks kept (lab.bench --decode's fp model): the same hidden
+    # matrices in fp32, its kept stacks read instead of the weights, nothing counted twice, no lambda
+    from kernels.packed_linear import freeze_fp
+    fp = weight_bytes(freeze_fp(GPT(dataclasses.replace(TINY, quant=False))))
+    assert (fp["hidden"], fp["hidden_numel"], fp["other"]) == (4 * numel, numel, shared)
 
 
 # -----------------------------------------------------------------------------
