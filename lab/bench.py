@@ -39,7 +39,9 @@ Columns:
   host us      wall time per call of 50 calls issued back to back without a sync: the Python and
                launch cost
 Bandwidth (GB/s, % copy) is from the graph time, against a measured device-to-device copy (read +
-write bytes). On CPU (tests) the same functions run with plain-torch stand-ins of the kernels and no
+write bytes): the bytes a call must move, the packed weights, x, y and the scales, and at M > 16 also the
+int8 copy of W that the prefill path's unpack kernel writes and its GEMM reads (at least once). speedup is
+bf16 over the matmul alone (x already int8); the linear column adds the quantiser's launch. On CPU (tests) the same functions run with plain-torch stand-ins of the kernels and no
 graph column.
 """
 
@@ -192,7 +194,7 @@ def cuda_copy_bandwidth():
     return 2 * buf.numel() / (cuda_do_bench_us(lambda: out.copy_(buf)) / 1e6)
 
 
-def kernel_row(M, N, K, dev, budget=L2_BUDGET):
+def kernel_row(M, N, K, dev, budget=L2_BUDGET, decode_max_m=16):
     """One shape's timings (us per call) of bf16 F.linear, the ternary matmul alone and the whole
     packed linear (quantise + matmul from the bf16 input), each over its rotated weight copies:
     graph (CUDA), do_bench (CUDA; CPU: a wall-clock median), host; the copies' count and the bytes a
@@ -213,9 +215,11 @@ def kernel_row(M, N, K, dev, budget=L2_BUDGET):
              "ternary": [lambda w=w: matmul(x_q, x_scale, w, gamma, out_dtype=bf16) for w in wp],
              "linear": [lambda w=w: matmul(*quantize(x), w, gamma, out_dtype=bf16) for w in wp]}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    # moved: the packed weights, int8 x, bf16 y and the scales
+    # moved: the packed weights, int8 x, bf16 y and the scales; prefill (M > 16) also writes W's int8 codes
+    # (the unpack kernel: 16 a packed word) and reads them at least once
+    unpacked = 2 * N * 16 * ((K + 15) // 16) if M > decode_max_m else 0
     row = dict(M=M, N=N, K=K, copies=(len(ws), len(wp)),
-               moved=N * ((K + 3) // 4) + M * K + M * N * 2 + M * 4)
+               moved=N * ((K + 3) // 4) + M * K + M * N * 2 + M * 4 + unpacked)
     for name, fns in calls.items():
         rotate = _rotation(fns)
         graph = per_call_median_us(cuda_graph_replays_ms(fns), len(fns)) if cuda else None

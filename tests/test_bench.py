@@ -357,6 +357,8 @@ def test_kernel_table_on_cpu_rotates_past_the_budget_and_leaves_graph_columns_em
     out = capsys.readouterr().out
     # ceil(65536 / (N K 2)), ceil(65536 / (N K / 4))
     assert [r["copies"] for r in rows] == [(8, 64), (11, 86)]
+    # bytes a call moves: packed W, int8 x, bf16 y, x's scales; prefill also W's int8 codes, written then read
+    assert [r["moved"] for r in rows] == [64 * 16 + 64 + 64 * 2 + 4, 48 * 16 + 20 * 64 + 20 * 48 * 2 + 20 * 4 + 2 * 48 * 64]
     lines = re.findall(r"^ +(\d+) +(\d+) +(\d+) +(decode|prefill) \| +- +- +- +- \| +- +- \|(.*)$",
                        out, re.M)
     assert [(m, k) for m, _, _, k, _ in lines] == [("1", "decode"), ("20", "prefill")], out
