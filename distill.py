@@ -245,7 +245,7 @@ class BitDistillLoss:
 
 def teacher_student_loss(student, teachers, crit, n_student_layers):
     """loss(x, y) -> (loss, parts): crit (a BitDistillLoss) of the student against frozen teachers.
-    student(x, y, **kw) and the first teacher's forward_with_states(x, y, **kw) return (logits,
+    student(x, y, **kw) and the first teacher's forward_with_states(x, all_logits=True, **kw) return (logits,
     loss, states); the first teacher also gives the relations (crit.distill_layer) and hidden states
     (student block -> teacher block by match_layers) as crit weighs them, the others their logits;
     no teacher is differentiated."""
@@ -256,9 +256,9 @@ def teacher_student_loss(student, teachers, crit, n_student_layers):
 
     def loss(x, y):
         s_logits, _, s = student(x, y, **kw)
-        with torch.no_grad():
-            t_logits, _, t = first.forward_with_states(x, y, **kw)
-            t_logits = [t_logits] + [m(x, y)[0] for m in others]
+        with torch.no_grad():  # every position's logits, no cross-entropy: a teacher's loss is never used
+            t_logits, _, t = first.forward_with_states(x, all_logits=True, **kw)
+            t_logits = [t_logits] + [m.forward_with_states(x, all_logits=True)[0] for m in others]
         t_hiddens = [t["hiddens"][i] for i in layers] if t["hiddens"] else None
         parts = crit(s_logits, t_logits, y, s["qkv"], t["qkv"], s["hiddens"] or None, t_hiddens)
         return parts["loss"], parts

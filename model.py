@@ -317,11 +317,12 @@ class GPT(nn.Module):
         return logits, loss
 
     def forward_with_states(self, idx, targets=None, qkv_layer=None, hiddens=False, cache=None,
-                            pos=0):
+                            pos=0, all_logits=False):
         """forward, plus the states distillation reads: returns (logits, loss, states) with states["qkv"] the
         (q, k, v) of block `qkv_layer` (may be negative; q, k after the q/k norms and RoPE; q (B, nh, T, hd), k and v
         (B, nkv, T, hd): the K/V heads, not repeated) or None, and
-        states["hiddens"] every block's output (B, T, C) if `hiddens`, else [].
+        states["hiddens"] every block's output (B, T, C) if `hiddens`, else []. all_logits: every position's
+        logits without targets (a teacher's: no loss computed over (B, T, V)).
         generate passes cache (a KVCache per block) and pos: the first token's position (an int) or
         each token's (a (T,) tensor), as KVCache.update takes them."""
         B, T = idx.size()
@@ -346,7 +347,7 @@ class GPT(nn.Module):
             if hiddens:
                 states["hiddens"].append(x)
         x = self.norm_f(x)
-        if targets is None and want_layer is None and not hiddens:
+        if targets is None and want_layer is None and not hiddens and not all_logits:
             return self.lm_head(x[:, -1:, :]), None, states  # (B, 1, V): generation needs the last one only
         logits = self.lm_head(x)  # (B, T, V)
         loss = None

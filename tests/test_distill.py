@@ -1,5 +1,6 @@
 """Tests for distill.py: closed forms, independent loop implementations, masking, gradients.
 Run: python -m pytest tests/test_distill.py -q"""
+import dataclasses
 import math
 
 import pytest
@@ -354,3 +355,25 @@ def test_gradients_reach_student_only():
     for s in (zs, *qs, *hs):
         assert s.grad is not None and s.grad.abs().sum().item() > 0
         assert torch.isfinite(s.grad).all()
+
+
+def test_teachers_run_without_targets_and_give_every_positions_logits():
+    """A teacher's cross-entropy is never used, and over (B, T, V) in fp32 it is a large transient (~5 GB at Qwen3's
+    vocabulary and 8 x 1024 tokens): teacher_student_loss calls each teacher without targets, asking for every
+    position's logits, which equal those of a forward with targets; the loss is what it was."""
+    from distill import teacher_student_loss
+    from model import GPT, GPTConfig
+
+    class Teacher(GPT):
+        def forward_with_states(self, idx, targets=None, **kw):
+            assert targets is None, "a teacher was given targets: its cross-entropy computed for nothing"
+            return super().forward_with_states(idx, targets, **kw)
+    conf = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    student, teachers = GPT(conf), [Teacher(dataclasses.replace(conf, quant=False)) for _ in range(2)]
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    crit = BitDistillLoss("summarization", n_relation_heads=2, kd_hidden=1.0)
+    loss, parts = teacher_student_loss(student, teachers, crit, conf.n_layer)(x, y)
+    logits, loss_none, _ = teachers[0].forward_with_states(x, all_logits=True)
+    assert loss_none is None and torch.equal(logits, GPT.forward_with_states(teachers[0], x, y)[0])
+    assert torch.isfinite(loss) and parts["kd_relation"] > 0
