@@ -761,6 +761,27 @@ def test_a_model_tokenizer_names_its_default_directory_by_its_last_part_and_wher
         prepare.default_out_dir(None, [prepare.SHAKESPEARE], str(b))
 
 
+def test_adopted_shards_that_are_symlinks_are_linked_to_the_files_they_name(tmp_path, capsys):
+    """A source directory of symlinked shards (a download cache: relative links into ../blobs): the adopted
+    directory holds the files themselves, not links that dangle at another depth or vanish with the source."""
+    blobs, src = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir(), src.mkdir()
+    tok = get_tokenizer("gpt2")
+    ids = np.array(([tok.eot] + tok.encode("to be or not to be")) * 200, dtype=np.uint16)
+    for name, part in (("fineweb_val_000000.bin", ids[:600]), ("fineweb_train_000001.bin", ids[600:])):
+        data.write_shard(str(blobs / name), part)
+        os.symlink(os.path.join("..", "blobs", name), src / name)
+    out = tmp_path / "deeper" / "adopted"
+    assert prepare.main(["--tokenizer=gpt2", f"--adopt={src}", f"--out_dir={out}"]) == 0
+    capsys.readouterr()
+    for name in ("val_000.bin", "train_000.bin"):
+        assert not os.path.islink(out / name) and os.path.getsize(out / name) > 1024
+    import shutil
+    shutil.rmtree(blobs)  # the source gone: the adopted dataset still reads
+    assert data.read_meta(str(out))["train_tokens"] == len(ids) - 600
+    assert open(out / "train_000.bin", "rb").read()[1024:] == ids[600:].tobytes()
+
+
 def test_adopting_shards_of_another_tokenizer_is_refused_in_one_line(tmp_path, capsys):
     corpus = _write_corpus(tmp_path)
     made = prepare.prepare([str(corpus / "*")], tokenizer="byte", out_dir=str(tmp_path / "byte"),

@@ -100,8 +100,8 @@ def adopt(src, out_dir, tokenizer, overwrite=False):
             for split, shards in found.items():
                 for k, (_, path) in enumerate(sorted(shards)):
                     dst = os.path.join(tmp_dir, f"{split}_{k:03d}.bin")
-                    try:
-                        os.link(path, dst)
+                    try:  # the file a symlinked shard names (link(2) would link the symlink itself)
+                        os.link(os.path.realpath(path), dst)
                     except OSError:  # another file system (or no hard links there): a copy
                         shutil.copyfile(path, dst)
             with open(os.path.join(tmp_dir, "meta.json"), "w") as f:
