@@ -199,13 +199,17 @@ def test_prepare_names_missing_sources_and_bad_lines(tmp_path):
 
 
 def test_cli_bad_flag_exits_2_with_one_line(capsys):
-    for argv in (["--bogus=1"], ["--tokenizer=sentencepiece"], ["--val_every=x"]):
+    # a shard's token count is an int32 in its header: 2^31 is refused before any tokenising, not at the first
+    # flush hours and ~2^31 buffered tokens later
+    for argv in (["--bogus=1"], ["--tokenizer=sentencepiece"], ["--val_every=x"], ["--shard_tokens=2147483648"],
+                 ["--shard_tokens=0"]):
         with pytest.raises(SystemExit) as e:
             prepare.main(argv)
         assert e.value.code == 2
     err = capsys.readouterr().err.strip().split("\n")
-    assert len(err) == 3 and all(e.startswith("error: ") for e in err), err
+    assert len(err) == 5 and all(e.startswith("error: ") for e in err), err
     assert "--bogus=1" in err[0] and "byte, gpt2" in err[1] and "--val_every=x" in err[2]
+    assert all("from 1 to 2147483647" in e for e in err[3:]), err
 
 
 def test_cli_prepares_a_corpus_and_reports_errors_in_one_line(tmp_path, capsys):

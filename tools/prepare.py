@@ -122,6 +122,10 @@ class _ShardWriter:
         return self.nshards
 
 
+# a shard's header holds its token count as an int32 (data.py), so a shard holds fewer than 2^31 tokens
+SHARD_TOKENS_RULE = "expected an integer from 1 to 2147483647 (a shard header's int32 count)"
+
+
 def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_tokens=100_000_000,
             corpus="shakespeare", clean_as=None, overwrite=False):
     """Tokenise sources (None: the shipped corpus named `corpus`) into out_dir/{train,val}_NNN.bin
@@ -138,8 +142,8 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     tok = get_tokenizer(tokenizer)
     if val_every < 2:  # 1 would put every document in val and none in train
         raise ValueError(f"val_every={val_every}: {VAL_EVERY_RULE}")
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens={shard_tokens}: expected an integer >= 1")
+    if not 1 <= shard_tokens < 2**31:
+        raise ValueError(f"shard_tokens={shard_tokens}: {SHARD_TOKENS_RULE}")
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; shipped: {', '.join(CORPORA)}")
     paths = [CORPORA[corpus][0]] if sources is None else expand(sources)
@@ -418,8 +422,8 @@ def main(argv):
     opts["out_dir"], opts["clean"] = opts["out_dir"] or None, opts["clean"] or None
     if opts["val_every"] < 2:
         die(f"--val_every={opts['val_every']}: {VAL_EVERY_RULE}", 2)
-    if opts["shard_tokens"] < 1:
-        die(f"--shard_tokens={opts['shard_tokens']}: expected an integer >= 1", 2)
+    if not 1 <= opts["shard_tokens"] < 2**31:
+        die(f"--shard_tokens={opts['shard_tokens']}: {SHARD_TOKENS_RULE}", 2)
     for key, valid in (("corpus", CORPORA), ("clean", CLEAN)):
         if opts[key] is not None and opts[key] not in valid:
             die(f"--{key}={opts[key]}: expected one of {', '.join(valid)}", 2)
