@@ -37,6 +37,10 @@ VERSION_DTYPE = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # header[1] -> the typ
 HEADER_BYTES = 256 * 4                                    # header[2] = n_tokens, header[3:] = 0
 
 
+# a shard header holds its token count as an int32
+MAX_SHARD_TOKENS = 2**31 - 1
+
+
 def write_shard(path, tokens, dtype=None):
     """Write a 1-D array of token ids as one shard. dtype None: uint16 when every id fits, else uint32.
     A write cut short leaves a file that read_shard refuses (its size disagrees with its header); tools/prepare.py
@@ -278,7 +282,7 @@ def _check_tokens(path, tokens, dtype):
     dtype = np.dtype(dtype if dtype is not None else np.uint16 if top < 2**16 else np.uint32).newbyteorder("<")
     if dtype.kind != "u" or dtype.itemsize not in (2, 4) or top >= 2 ** (8 * dtype.itemsize):
         raise ValueError(f"{path}: token id {top} cannot be stored as {dtype.name}; use uint16 or uint32")
-    if tokens.size >= 2**31:
+    if tokens.size > MAX_SHARD_TOKENS:
         raise ValueError(f"{path}: {tokens.size} tokens overflow the int32 header; use a smaller shard_tokens")
     return dtype
 

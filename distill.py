@@ -84,8 +84,8 @@ def _check_relation_sizes(sizes, n_relation_heads):
 
 
 def _gram(x):
-    """x x^T over the last two dims, in fp32: autocast (bf16 on a GPU) would run the matmul in bf16, rounding
-    relation scores in [-1, 1] to steps of ~0.004 before the softmax."""
+    """x x^T over the last two dims, in fp32: autocast (bf16, or fp16 on an older GPU) would run the matmul in 16
+    bits, rounding relation scores in [-1, 1] to steps of ~0.004 (bf16) before the softmax."""
     with torch.autocast(x.device.type, enabled=False):
         x = x.float()
         return x @ x.transpose(-2, -1)
@@ -245,8 +245,8 @@ class BitDistillLoss:
 
 def teacher_student_loss(student, teachers, crit, n_student_layers):
     """loss(x, y) -> (loss, parts): crit (a BitDistillLoss) of the student against frozen teachers.
-    student(x, y, **kw) and the first teacher's forward_with_states(x, all_logits=True, **kw) return (logits,
-    loss, states); the first teacher also gives the relations (crit.distill_layer) and hidden states
+    student(x, y, **kw) returns (logits, loss, states) and the first teacher's forward_with_states(x,
+    all_logits=True, **kw) (logits, None, states); the first teacher also gives the relations (crit.distill_layer) and hidden states
     (student block -> teacher block by match_layers) as crit weighs them, the others their logits;
     no teacher is differentiated."""
     kw = dict(qkv_layer=crit.distill_layer if crit.kd_relation != 0 else None,

@@ -41,8 +41,8 @@ def zeropower_via_newtonschulz5(G, steps=5, eps=1e-7, dtype=torch.bfloat16):
     """
     Approximate U Vᵀ, the orthogonal factor of G = U S Vᵀ, for G of shape (rows, cols) or (..., rows, cols).
     The coefficients maximise the slope at zero, so the result is U S' Vᵀ with S' roughly in [0.5, 1.5], which
-    trains as well as U Vᵀ. dtype: bf16 as in the paper; ns_dtype_for(device) picks float32 on a CPU without
-    bf16 matrix units, where bf16 runs ~18x slower (`python -m lab.bench --muon`). Returns G's shape in dtype.
+    trains as well as U Vᵀ. dtype: bf16 as in the paper; ns_dtype_for(device) picks float32 on a device without
+    bf16 matrix units (a GPU before Ampere; a CPU without AVX512-BF16 or AMX), where bf16 runs ~18x slower (`python -m lab.bench --muon`). Returns G's shape in dtype.
     """
     if G.ndim < 2:
         raise ValueError("zeropower_via_newtonschulz5 expects (..., rows, cols), "

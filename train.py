@@ -367,7 +367,7 @@ def configure_optimizer(model, cfg, device_type, process_group=None, sharded=Fal
     (DDP; FSDP2 params bring their own), tools/sharded_muon.py."""
     # fused AdamW over DTensor shards: not tried, so not used
     fused = device_type == "cuda" and not cfg.fsdp
-    # NS5 in bf16 (the paper) wherever matmuls have bf16 units; fp32 on other CPUs (ns_dtype_for)
+    # NS5 in bf16 (the paper) wherever matmuls have bf16 units; fp32 elsewhere (ns_dtype_for)
     if cfg.optimizer == "muon":
         opt = configure_muon(model, muon_lr=cfg.muon_lr, adamw_lr=cfg.lr,
                              muon_weight_decay=cfg.weight_decay,

@@ -11,7 +11,7 @@ Read as little-endian int32 words, word g of a row holds k = 4g..4g+3 of each pl
 which pair with the activations' int32 word iQ/4 + g: one shift, one mask and one dp4a do four multiply-adds
 (after the GPU kernel of BitNet b1.58 2B4T, arXiv 2504.12285, whose weights are permuted offline for the same
 reason). Bytes in k order (k in bits 2*(k % 4) of byte k // 4, the layout of format v1 exports, which the loader
-now refuses): planes_from_packed converts them, packed_from_planes back, both exactly (docs/packed-format.md).
+refuses): planes_from_packed converts them, packed_from_planes back, both exactly (docs/packed-format.md).
 
 The contract every implementation meets (BitNet b1.58, arXiv 2402.17764, section 2):
     acc[m, n] = sum_k x_q[m, k] * W_q[n, k]                 int32, exact (|acc| <= 128 K < 2**31)

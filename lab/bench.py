@@ -347,7 +347,8 @@ class BenchFlags:
                                  # GQA 32/8 heads, FFN 8192, vocab 128,256, random weights: the
                                  # weights set the decode time)
     modes: str = ""              # --decode: some of the shape's modes, comma-separated, run in that
-                                 # order (default all): generate, eager; on CUDA graph, compile
+                                 # order (default all: generate, eager; on CUDA graph, compile; at 1b on
+                                 # CUDA eager, graph)
 
 
 OPTIONS = {"target": "quality", "train_args": "quality", "model": "train", "runs": "train",
@@ -386,9 +387,7 @@ def run(which, opts):
     if which == "decode":
         from lab import bench_decode
         shape = bench_decode.check_shape(opts.get("shape", "preset"))
-        picked = opts.get("modes", "")
-        bench_decode.pick_modes(shape, torch.cuda.is_available(), picked)  # a wrong mode: before any model
-        return bench_decode.bench_decode(shape=shape, picked=picked)
+        return bench_decode.bench_decode(shape=shape, picked=opts.get("modes", ""))  # checks the modes first
     if which == "quality":
         from lab import bench_quality
         return bench_quality.bench_quality(**opts)

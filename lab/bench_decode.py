@@ -84,7 +84,7 @@ def modes(shape, cuda):
     if cuda:
         out |= {"graph": "static KV cache, CUDA graph",
                 "compile": "static KV cache, torch.compile + CUDA graph"}
-        if shape == "1b":  # two 1B compiles do not fit gpu_check's window; generate is the slowest
+        if shape == "1b":  # two 1B compiles do not fit gpu_check's window; generate is eager's loop
             out = {k: v for k, v in out.items() if k in ("eager", "graph")}
     return out
 

@@ -65,7 +65,8 @@ class TrainConfig:
     block_size: int = 256        # context length in tokens
     subln: bool = True           # SubLN: an RMSNorm before each attention output and FFN down
                                  # projection (BitDistill)
-    doc_mask: bool = False       # attend within documents only (model.document_mask)
+    doc_mask: bool = False       # attend within documents only (model.document_mask); stage 3's
+                                 # teachers attend as the student does
     pad_vocab: bool = False      # round the vocabulary up to a multiple of 64 (faster matmuls on
                                  # GPU)
     # optimizer: lr schedule, weight decay, clipping

@@ -122,8 +122,7 @@ class _ShardWriter:
         return self.nshards
 
 
-# a shard's header holds its token count as an int32 (data.py), so a shard holds fewer than 2^31 tokens
-SHARD_TOKENS_RULE = "expected an integer from 1 to 2147483647 (a shard header's int32 count)"
+SHARD_TOKENS_RULE = f"expected an integer from 1 to {data.MAX_SHARD_TOKENS} (a shard header's int32 count)"
 
 
 def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_tokens=100_000_000,
@@ -142,7 +141,7 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
     tok = get_tokenizer(tokenizer)
     if val_every < 2:  # 1 would put every document in val and none in train
         raise ValueError(f"val_every={val_every}: {VAL_EVERY_RULE}")
-    if not 1 <= shard_tokens < 2**31:
+    if not 1 <= shard_tokens <= data.MAX_SHARD_TOKENS:
         raise ValueError(f"shard_tokens={shard_tokens}: {SHARD_TOKENS_RULE}")
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; shipped: {', '.join(CORPORA)}")
@@ -422,7 +421,7 @@ def main(argv):
     opts["out_dir"], opts["clean"] = opts["out_dir"] or None, opts["clean"] or None
     if opts["val_every"] < 2:
         die(f"--val_every={opts['val_every']}: {VAL_EVERY_RULE}", 2)
-    if not 1 <= opts["shard_tokens"] < 2**31:
+    if not 1 <= opts["shard_tokens"] <= data.MAX_SHARD_TOKENS:
         die(f"--shard_tokens={opts['shard_tokens']}: {SHARD_TOKENS_RULE}", 2)
     for key, valid in (("corpus", CORPORA), ("clean", CLEAN)):
         if opts[key] is not None and opts[key] not in valid:
