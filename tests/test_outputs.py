@@ -193,8 +193,8 @@ def test_no_output_lands_on_or_in_what_the_run_reads(runs, capsys, tmp_path, ask
 
 
 def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(runs, capsys, tmp_path, monkeypatch):
-    """train.py --init_from=<a checkpoint of the run in out_dir> --overwrite=True, given or by --init_from=auto:
-    refused before anything is loaded, and the earlier run's files are all still there; --out_dir inside a shard
+    """train.py --init_from=<a checkpoint of the run in out_dir> --overwrite=True, given or by --init_from=auto
+    (stages 2, 3 and dlm): refused before anything is loaded, and the earlier run's files are all still there; --out_dir inside a shard
     directory it reads too, given or the default corpus's."""
     out = str(tmp_path)
     shutil.copytree(os.path.join(runs, "stage2"), os.path.join(out, "stage2"))
@@ -219,6 +219,11 @@ def test_overwrite_never_deletes_the_checkpoint_a_run_starts_from(runs, capsys, 
     msg = fails(capsys, "--stage=3", f"--out_dir={out}", "--run_name=stage1", "--overwrite=True", *TINY, code=2)
     assert "--teacher" in msg and "--overwrite=True would delete" in msg, msg
     assert sorted(os.listdir(os.path.join(out, "stage1"))) == before
+    # and --stage=dlm's, the stage-2 checkpoint it converts (--run_name=stage2)
+    before = sorted(os.listdir(os.path.join(out, "stage2")))
+    msg = fails(capsys, "--stage=dlm", f"--out_dir={out}", "--run_name=stage2", "--overwrite=True", *TINY, code=2)
+    assert os.path.join(out, "stage2", "ckpt.pt") in msg and "--overwrite=True would delete" in msg, msg
+    assert sorted(os.listdir(os.path.join(out, "stage2"))) == before
     # the default --data (the shipped corpus's shards, data/shakespeare_byte, here under a stand-in root) is an
     # input too: no run writes into it
     from tools import loaders

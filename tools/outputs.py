@@ -223,8 +223,10 @@ def saved_tokenizer(obj):
 
 
 def auto_init_from(out_dir, stage):
-    """What --init_from=auto starts stage 2 or 3 from: the previous stage's <out_dir>/stage<N-1>/ckpt.pt."""
-    return os.path.join(out_dir, f"stage{stage - 1}", "ckpt.pt")
+    """What --init_from=auto starts stage 2 or 3 from: the previous stage's <out_dir>/stage<N-1>/ckpt.pt;
+    --stage=dlm (which converts the stage-2 model): <out_dir>/stage2/ckpt.pt."""
+    from tools.config import DLM_STAGE
+    return os.path.join(out_dir, "stage2" if stage == DLM_STAGE else f"stage{stage - 1}", "ckpt.pt")
 
 
 def config_inputs(cfg, tokenizer):
@@ -233,9 +235,10 @@ def config_inputs(cfg, tokenizer):
     --teacher (stage 3) and its --data shard directories (a shipped corpus's data/<name>_<tokenizer>,
     "" the default's), where they exist."""
     from tools.checks import teacher_paths  # (both import what imports this module)
+    from tools.config import DLM_STAGE
     from tools.loaders import data_dirs
     init_from, stage, out_dir = cfg.get("init_from") or "", cfg.get("stage"), cfg.get("out_dir") or "out"
-    if init_from == "auto" and stage in (2, 3):
+    if init_from == "auto" and stage in (2, 3, DLM_STAGE):
         init_from = auto_init_from(out_dir, stage)
     found = [("the run's tokenizer (the model it was trained from, which sample.py, "
               "tools/export.py and --resume read)", tokenizer or "")]

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from tools import checkpoint
+from tools import checkpoint, outputs
 from tools.load import load_gpt
 from tools.config import DLM_STAGE
 from tools.flags import die
@@ -107,8 +107,7 @@ class DlmStage:
         the run's Start."""
         from lessons import dlm
         cfg = self.cfg
-        path = os.path.join(cfg.out_dir, "stage2",
-                            "ckpt.pt") if cfg.init_from == "auto" else cfg.init_from
+        path = outputs.auto_init_from(cfg.out_dir, cfg.stage) if cfg.init_from == "auto" else cfg.init_from
         if cfg.init_from == "scratch" or not os.path.exists(path):
             die(f"--stage=dlm converts a trained ternary model; no checkpoint at {path}; make one "
                 "with: python train.py --stage=2, or pass --init_from=<its ckpt.pt>")
