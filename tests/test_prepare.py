@@ -1178,7 +1178,9 @@ def test_make_python_corpus_writes_its_corpus_and_replaces_nothing_else(tmp_path
         open(os.path.join(ROOT, "data", "python.jsonl.gz"), "rb").read()).digest()
     ckpt = tmp_path / "ckpt.pt"
     torch.save({"model": {}, "model_args": {}, "config": {}, "step": 0}, ckpt)
-    shipped = os.path.join(ROOT, "data", "shakespeare.jsonl.gz")
+    # the other corpus's gzip file, copied: a regression here would replace the copy, not the checkout's data
+    shipped = tmp_path / "shakespeare.jsonl.gz"
+    shutil.copyfile(os.path.join(ROOT, "data", "shakespeare.jsonl.gz"), shipped)
     before = {p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in (ckpt, shipped)}
     for out_flag, said, code in ((ckpt, "not a gzip file", 2), (shipped, "--overwrite=True", 2),
                                  (tmp_path, "is a directory", 2), (tmp_path / "no" / "p.gz", "does not exist", 1),

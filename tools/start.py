@@ -230,8 +230,10 @@ def check_given(given, conf, what):
 def previous_stage_tokenizer(cfg):
     """--init_from=auto in stage 2 or 3: the tokenizer the previous stage's checkpoint was trained
     with when it began from a pretrained model (that model's own), else None."""
-    path = os.path.join(cfg.out_dir, f"stage{cfg.stage - 1}", checkpoint.LATEST)
-    if cfg.init_from != "auto" or cfg.stage not in (2, 3) or not os.path.exists(path):
+    if cfg.init_from != "auto" or cfg.stage not in (2, 3):
+        return None
+    path = outputs.auto_init_from(cfg.out_dir, cfg.stage)
+    if not os.path.exists(path):
         return None
     try:
         tok = (checkpoint.load(path, ("config",), mmap=True).get("config") or {}).get("tokenizer")
