@@ -166,6 +166,12 @@ class LossScale:
     def __init__(self, enabled, scale=INIT, interval=2000):
         self.enabled, self.scale, self.interval, self.good = enabled, scale if enabled else 1.0, interval, 0
 
+    def state_dict(self):  # what a checkpoint keeps, so a resume scales as the run that never stopped
+        return {"scale": self.scale, "good": self.good}
+
+    def load_state_dict(self, state):
+        self.scale, self.good = state["scale"], state["good"]
+
     def update(self, ok):
         self.good = self.good + 1 if ok else 0
         if not ok:
@@ -331,7 +337,7 @@ def build(run, resume, teachers):
     earlier, dtype = assemble.starting_model(run, resume)  # data, weights; out_dir's earlier run
     run.loss_scale = LossScale(dtype == "float16")
     if resume is not None and run.loss_scale.enabled and resume.get("loss_scale"):
-        run.loss_scale.scale, run.loss_scale.good = resume["loss_scale"]["scale"], resume["loss_scale"]["good"]
+        run.loss_scale.load_state_dict(resume["loss_scale"])
     if cfg.quant_start:
         q = quant_start_step(cfg)
         rt.log(f"continual QAT: full precision for steps 0..{q - 1}, then ternary, lambda reaching "

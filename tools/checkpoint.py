@@ -336,7 +336,7 @@ def save_run(run, step, val_loss=None):
     state = training_state(step, config, dataclasses.asdict(run.model.config),
                            run.model, run.optimizer, run.clipper, run.train_loader, val_loss)
     if run.loss_scale is not None and run.loss_scale.enabled:  # float16's: resumed as it was
-        state["loss_scale"] = {"scale": run.loss_scale.scale, "good": run.loss_scale.good}
+        state["loss_scale"] = run.loss_scale.state_dict()
     averaged = None
     if run.average is not None:
         state["average"] = run.average.state_dict()
