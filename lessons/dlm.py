@@ -109,7 +109,7 @@ def masked_diffusion_loss(model, x, mask_id, shift=False, generator=None, t=None
 def predictions(model, idx, mask_id, shift=False):
     """Logits for every position of idx (B, L), the mask id excluded; with shift, position i reads i
     - 1."""
-    logits = model.forward_with_states(idx, hiddens=True)[0]            # (B, L, V), bidirectional
+    logits = model.forward_with_states(idx, all_logits=True)[0]         # (B, L, V), bidirectional
     is_mask = torch.arange(logits.size(-1), device=idx.device) == mask_id
     logits = logits.masked_fill(is_mask, float("-inf"))
     if shift:  # position 0 keeps its own (it is never masked); i >= 1 takes i - 1's
@@ -181,7 +181,7 @@ def outlier_ratio(model, idx, mask_id):
     over mask tokens, mean over the others). A large ratio means the per-token int8 scale 127 /
     max|y| leaves the token's typical channel only a few levels, or rounds it to zero."""
     with _recording(model) as ratios:
-        model.forward_with_states(idx, hiddens=True)
+        model.forward_with_states(idx, all_logits=True)
     r = torch.stack(ratios).mean(dim=0)                                  # (B, L)
     is_mask = idx == mask_id
     return (r[is_mask].mean().item() if is_mask.any() else float("nan"),

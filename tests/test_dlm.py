@@ -64,7 +64,7 @@ class _Fixed(torch.nn.Module):
         super().__init__()
         self.logits = logits
 
-    def forward_with_states(self, idx, hiddens=False):
+    def forward_with_states(self, idx, all_logits=False):
         return self.logits, None, {}
 
 
@@ -126,9 +126,9 @@ class _Recording(_Fixed):
         super().__init__(logits)
         self.seen, self.config = [], type("C", (), {"block_size": 8})()
 
-    def forward_with_states(self, idx, hiddens=False):
+    def forward_with_states(self, idx, all_logits=False):
         self.seen.append(idx[0].tolist())
-        return super().forward_with_states(idx, hiddens)
+        return super().forward_with_states(idx, all_logits)
 
 
 def _two_unequally_sure():
