@@ -3,6 +3,7 @@ tiny model, a few steps, a few tokens). Commands that cannot run here are listed
 command README gains that is neither run nor skipped fails the test.
 Run: python -m pytest tests/test_readme.py"""
 
+import importlib.metadata
 import os
 import re
 import shlex
@@ -105,3 +106,23 @@ def test_every_command_found_is_run_or_skipped_for_a_reason():
     assert "python train.py --stage=2" in cmds and "python -m pytest" in cmds
     for s in SKIP:
         assert any(c == s or c.startswith(s) for c in cmds), f"SKIP names {s!r}, which README no longer shows"
+
+
+def test_requirements_are_pinned_and_are_the_test_environment():
+    """README's install gives every user the versions the suite passed with: each requirement is name==version
+    and that version is the one installed here (so CI, which runs that install first, tested it). The one range,
+    triton, is the version a CUDA build of torch pins itself; it is installed, at a version in the range."""
+    lines = [l.split("#")[0].strip() for l in open(os.path.join(ROOT, "requirements.txt"), encoding="utf-8")]
+    reqs = [l for l in lines if l]
+    assert len(reqs) == len({re.split("[=<>]", r)[0].lower() for r in reqs}), "a requirement listed twice"
+    for req in reqs:
+        pin = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*(==|>=)\s*([0-9][\w.]*)", req)
+        assert pin, f"{req}: pin it (name==version)"
+        name, version = pin.group(1, 3)
+        installed = importlib.metadata.version(name)
+        if req.startswith("triton"):
+            assert tuple(map(int, installed.split(".")[:2])) >= tuple(map(int, version.split(".")[:2])), req
+            continue
+        assert "==" in req, f"{req}: pin it (name==version)"
+        # torch's local label (+cpu, +cu130) is not part of the pin
+        assert installed.split("+")[0] == version, f"{req}: {installed} is installed"
