@@ -12,7 +12,8 @@ The tokenisers a corpus is cut into ids with: UTF-8 bytes, GPT-2's byte-level BP
         encodes as AutoTokenizer does without special tokens (no BOS), special-token strings in a text as plain
         text; eot is the document separator it was pre-trained with, <|endoftext|> or <|end_of_text|> when its
         vocabulary has one (a chat model's eos ends a turn: SmolLM2-Instruct's is <|im_end|>), else its eos;
-        vocab_size is len(tokenizer), added tokens included (SmolLM2: eot 0, vocab 49152). A hub id is read
+        vocab_size is len(tokenizer), added tokens included (SmolLM2: eot 0, vocab 49152), or the largest id + 1 when the
+        ids have gaps. A hub id is read
         from the local cache alone when the hub does not answer within 3 s (hub_unreachable): one error at once.
 All give name (as given to get_tokenizer: what meta.json records), eot, vocab_size, encode, encode_batch, decode (bad
 bytes replaced), decode_bytes and pieces (each id's token). fingerprint(tok) names the vocabulary itself: a hash
@@ -134,7 +135,8 @@ class HFTokenizer:
         eot = next((vocab[t] for t in ("<|endoftext|>", "<|end_of_text|>") if t in vocab), self.hf.eos_token_id)
         if eot is None:
             raise ValueError(f"tokenizer {name!r}: no end-of-text token (no <|endoftext|>, no eos_token)")
-        self.name, self.eot, self.vocab_size = name, int(eot), len(self.hf)
+        # ids run to the largest one: a vocabulary with gaps between its ids has more ids than tokens
+        self.name, self.eot, self.vocab_size = name, int(eot), max(len(self.hf), max(vocab.values()) + 1)
 
     def encode(self, text):
         return self.encode_batch([text])[0]

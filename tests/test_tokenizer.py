@@ -123,3 +123,21 @@ def test_a_fingerprint_names_the_vocabulary_not_the_path_or_the_size(tmp_path):
     assert tokenizer.fingerprint(a) == tokenizer.fingerprint(b) != tokenizer.fingerprint(c)
     byte, gpt2 = get_tokenizer("byte"), get_tokenizer("gpt2")
     assert (tokenizer.fingerprint(byte), tokenizer.fingerprint(gpt2)) == ("f169d05676eb8a17", "8b695ae4574e9983")
+
+
+def test_a_vocabulary_with_gaps_between_its_ids_sizes_the_model_by_its_largest_id(tmp_path):
+    """A tokenizer.json whose ids skip some numbers (10 words, then <|endoftext|> = 20, <unk> = 21) has 12 tokens
+    and ids up to 21: vocab_size is 22, so the embedding has a row for every id encode can give (with 12 rows the
+    first step stopped on an IndexError), and the shards' dtype is chosen by the largest id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {f"w{i}": i for i in range(10)}
+    vocab.update({"<|endoftext|>": 20, "<unk>": 21})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", unk_token="<unk>")
+    hf.save_pretrained(str(tmp_path / "gaps"))
+    tok = get_tokenizer(str(tmp_path / "gaps"))
+    assert len(hf) == 12 and tok.eot == 20 and tok.encode("w1 w9 zz") == [1, 9, 21]
+    assert tok.vocab_size == 22
+    assert tok.pieces()[20] == "<|endoftext|>" and tok.pieces()[15] == ""  # a gap has no token
