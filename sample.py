@@ -43,9 +43,8 @@ import torch
 from tools import atomic, checkpoint, decode, outputs
 from tokenizer import get_tokenizer
 from lessons import dlm
-from tools.load import PACKED, load_gpt
+from tools.load import PACKED, load_gpt, packed_kernels
 from tools.outputs import saved_tokenizer
-from kernels.packed_linear import bytes_line, freeze_ternary, weight_bytes
 from tools.flags import die, parse
 from tools.runtime import check_device
 
@@ -87,15 +86,17 @@ def load_model(path, device, packed=False):
         die(f"{path}: no tokenizer in its config; sample a checkpoint that train.py or "
             "tools/export.py wrote")
     tok = get_tokenizer(saved_tokenizer(obj))  # load_gpt checked that it fits the vocabulary
-    if str(obj.get("format", "")).startswith(PACKED):
-        print(bytes_line(weight_bytes(model)) + " (packed export)")
+    if str(obj.get("format", "")).startswith(PACKED):  # load_gpt imported the kernels for it
+        pk = packed_kernels()
+        print(pk.bytes_line(pk.weight_bytes(model)) + " (packed export)")
     elif packed:
-        latent = weight_bytes(model)
         try:
-            freeze_ternary(model)
+            pk = packed_kernels()
+            latent = pk.weight_bytes(model)
+            pk.freeze_ternary(model)
         except ValueError as e:
             die(f"{path}: --packed=True: {e}")
-        print(bytes_line(weight_bytes(model), latent))
+        print(pk.bytes_line(pk.weight_bytes(model), latent))
     return model.to(device).eval(), tok
 
 

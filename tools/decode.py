@@ -25,9 +25,10 @@ Use:  Decoder(model).generate(idx, max_new_tokens, temperature, top_k, vocab), a
 Run:  python -m lab.bench --decode (tokens/s)     Test:  python -m pytest tests/test_decode.py
 """
 
+import contextlib
+
 import torch
 
-from kernels.quantize import on_device
 from model import DecodeState
 
 MODES = ("eager", "fixed", "graph", "compile")
@@ -66,6 +67,15 @@ class Decoder:
         # the graph, its stream and the Triton kernels run on the current CUDA device: the model's
         with on_device(s.pos.device):
             return m.generate(idx, max_new_tokens, temperature, top_k, vocab, state=s, step=step)
+
+
+def on_device(dev):
+    """kernels.quantize.on_device(dev): dev made the current CUDA device; on the CPU nothing, without importing the
+    kernels (Triton, which has wheels for Linux only)."""
+    if dev.type != "cuda":
+        return contextlib.nullcontext()
+    from kernels.quantize import on_device as kernels_on_device
+    return kernels_on_device(dev)
 
 
 def _captured(fn, compile, s):

@@ -43,8 +43,7 @@ import numpy as np
 from quant import weight_quant
 from tools import atomic, checkpoint, outputs
 from tools.flags import die, parse
-from kernels.packed_linear import PackedBitLinear, freeze_ternary
-from tools.load import FORMAT, PACKED, load_gpt
+from tools.load import FORMAT, PACKED, load_gpt, packed_kernels
 from tools.outputs import saved_tokenizer
 # the HF format's names, also importable from here (tests/test_hf.py)
 from tools.hf_format import (HF_FORMAT, HF_HIDDEN, HF_NORMS, _split, hf_config, hf_refusal,
@@ -65,6 +64,7 @@ class ExportConfig:
 
 def packed_state(model, tokenizer):
     """The export dict of a frozen model (every hidden projection a PackedBitLinear)."""
+    PackedBitLinear = packed_kernels().PackedBitLinear
     packed = {name: {"w_packed": m.w_packed, "w_scale": m.w_scale, "in_features": m.in_features,
                      "out_features": m.out_features}
               for name, m in model.named_modules() if isinstance(m, PackedBitLinear)}
@@ -102,7 +102,7 @@ def export(ckpt_path, out_path):
     """Load a training checkpoint, freeze it to packed weights, write the export; returns it."""
     model, tokenizer = load_training_checkpoint(ckpt_path)
     try:
-        obj = packed_state(freeze_ternary(model.eval()), tokenizer)
+        obj = packed_state(packed_kernels().freeze_ternary(model.eval()), tokenizer)
     except ValueError as e:
         die(f"{ckpt_path}: {e}")
     # which checkpoint it came from: a re-export may replace it

@@ -5,6 +5,8 @@ A GPT from any file we write: a training checkpoint, a checkpoint average, a pac
                                                  (avg.pt), a packed export
     model_from_packed(obj)                       a packed export's dict (tools/export.py writes it)
                                                  as a GPT
+    packed_kernels()                             kernels.packed_linear, or one ValueError where Triton
+                                                 is not installed
     gpt_config(model_args)                       the model's shape
 
 A GGUF or an HF export of ours passed where a checkpoint is read is named as such
@@ -97,11 +99,26 @@ def load_gpt(path, device="cpu"):
     return model.to(device).eval(), obj
 
 
+def packed_kernels():
+    """kernels.packed_linear (PackedBitLinear, freeze_ternary), imported here, when packed weights are asked for: it
+    imports Triton, which takes seconds and has wheels for Linux only (requirements.txt installs it there). Without
+    Triton a ValueError naming the fix; training and sampling unpacked checkpoints never need it."""
+    try:
+        import kernels.packed_linear as packed_linear
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        raise ValueError("packed 2-bit weights need Triton, which is not installed here (it has wheels for Linux "
+                         "only: pip install triton there); training and sampling unpacked checkpoints need none") \
+            from None
+    return packed_linear
+
+
 def model_from_packed(obj, source="export"):
     """Rebuild a GPT whose hidden projections are PackedBitLinear from an export dict; ValueError if
     it does not fit."""
-    # here: it imports Triton, which takes seconds
-    from kernels.packed_linear import PackedBitLinear, freeze_ternary
+    packed_linear = packed_kernels()
+    PackedBitLinear, freeze_ternary = packed_linear.PackedBitLinear, packed_linear.freeze_ternary
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         found = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
         raise ValueError(f"{source}: not a packed export (format {found!r}, expected {FORMAT!r}); "
