@@ -41,7 +41,8 @@ Columns:
 Bandwidth (GB/s, % copy) is from the graph time, against a measured device-to-device copy (read +
 write bytes): the bytes a call must move, the packed weights, x, y and the scales, and at M > 16 also the
 int8 copy of W that the prefill path's unpack kernel writes and its GEMM reads (at least once). speedup is
-bf16 over the matmul alone (x already int8); the linear column adds the quantiser's launch. On CPU (tests) the same functions run with plain-torch stand-ins of the kernels and no
+bf16 over the matmul alone (x already int8); the linear column is the whole packed linear as a model runs it
+(kernels.op.BoundLinear: the quantiser's launch, then the matmul's). On CPU (tests) the same functions run with plain-torch stand-ins of the kernels and no
 graph column.
 """
 
@@ -121,6 +122,17 @@ def kernel_ops(cuda):
     import quant
     from kernels.planes import ternary_matmul_reference
     return quant.activation_quant, ternary_matmul_reference
+
+
+def layer_calls(x, wp, gamma, K, bound):
+    """The whole packed linear of x for each packed weight of wp, as functions of no argument. bound: as a
+    PackedBitLinear runs it eagerly on a GPU, kernels.op.BoundLinear (its checks, word view and launch settings
+    made once per weight: the host cost a model pays); else kernel_ops(False)'s stand-ins, quantise then matmul."""
+    if bound:
+        from kernels.op import BoundLinear
+        return [lambda b=BoundLinear(w, gamma, K): b(x) for w in wp]
+    quantize, matmul = kernel_ops(False)
+    return [lambda w=w: matmul(*quantize(x), w, gamma, out_dtype=x.dtype) for w in wp]
 
 
 def host_us(fn, n=50, sync=lambda: None):
@@ -213,7 +225,7 @@ def kernel_row(M, N, K, dev, budget=L2_BUDGET, decode_max_m=16):
     bf16 = torch.bfloat16
     calls = {"bf16": [lambda w=w: F.linear(x, w) for w in ws],
              "ternary": [lambda w=w: matmul(x_q, x_scale, w, gamma, out_dtype=bf16) for w in wp],
-             "linear": [lambda w=w: matmul(*quantize(x), w, gamma, out_dtype=bf16) for w in wp]}
+             "linear": layer_calls(x, wp, gamma, K, cuda)}
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # moved: the packed weights, int8 x, bf16 y and the scales; prefill (M > 16) also writes W's int8 codes
     # (the unpack kernel: 16 a packed word) and reads them at least once

@@ -622,6 +622,28 @@ def test_a_packed_linear_call_is_a_few_python_calls_and_aten_ops(monkeypatch):
     assert len(calls) <= 14 and len(ops) <= 7, (calls, ops)
 
 
+def test_the_kernel_benchmarks_linear_column_runs_what_a_packed_layer_runs():
+    """lab.bench's linear column on a GPU times op.BoundLinear, the call PackedBitLinear makes eagerly (its host
+    cost is the model's), one bound weight per rotated copy; the numbers are op.linear's bit for bit (here
+    through the interpreter). Off the GPU the column keeps its plain-torch stand-ins."""
+    from kernels import op
+    from lab import bench
+    g = torch.Generator().manual_seed(0)
+    K, N = 64, 48
+    wp = [torch.randint(0, 256, (N, K // 4), dtype=torch.uint8, generator=g).to(DEVICE) for _ in range(3)]
+    x = torch.randn(1, K, generator=g).to(DEVICE, torch.bfloat16)
+    gamma = torch.tensor(0.02, device=DEVICE)
+    bound = bench.layer_calls(x, wp, gamma, K, bound=True)
+    assert [type(f.__defaults__[0]) for f in bound] == [op.BoundLinear] * 3
+    assert [f.__defaults__[0].w_packed for f in bound] == wp
+    for f, w in zip(bound, wp):
+        y = f()
+        assert y.dtype == torch.bfloat16 and torch.equal(y, op.linear(x, w, gamma))
+    plain = bench.layer_calls(x, wp, gamma, K, bound=False)
+    quantize, matmul = bench.kernel_ops(False)
+    assert torch.equal(plain[1](), matmul(*quantize(x), wp[1], gamma, out_dtype=torch.bfloat16))
+
+
 def test_the_triton_packed_model_compiles_whole_through_the_registered_op():
     """torch.compile(fullgraph=True) traces a packed model on the Triton path (through aot_eager: dynamo and the
     fake, not inductor's code generation, whose fused kernels round RoPE's products otherwise: on a GPU with FMA):
