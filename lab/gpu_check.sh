@@ -36,14 +36,21 @@ COPY_TO=${COPY_TO:-}  # a folder for the results that fit a small return: summar
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 STEPS=${STEPS:-40}
 WINDOW=${WINDOW:-330}  # seconds for all steps; the summary gets 20 more: 6 minutes with a kill-after
-if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False); run it on a machine with one" >&2
+END=$((SECONDS + WINDOW))  # the probe below counts in the window
+# a CUDA driver that hangs at its first call stops the probe, not the script
+timeout --signal=TERM --kill-after=5 30 "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
+probe=$?
+if (( probe != 0 )); then
+  if (( probe == 1 )); then
+    echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False); run it on a machine with one" >&2
+  else
+    echo "gpu_check.sh: asking torch for a CUDA GPU failed (exit status $probe; 124: no answer in 30 s)" >&2
+  fi
   exit 2
 fi
 mkdir -p "$OUT"
 : > "$OUT/status"
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$OUT/triton_cache}  # shared by the workers and the later steps
-END=$((SECONDS + WINDOW))
 BANK=0  # seconds the steps so far left unused of their budgets: the next step may use them
 step() {  # step NAME SECONDS COMMAND...: run it under min(SECONDS + BANK, what is left), keep its output and status
   local name=$1 limit=$(($2 + BANK)); shift 2

@@ -221,8 +221,11 @@ def test_gpu_check_fits_one_6_minute_window_with_every_step_under_its_own_time_l
     assert [n for n, _ in steps] == ["kernels", "bench", "decode", "decode_1b", "train", "bench_train"], steps
     assert sum(int(t) for _, t in steps) <= 330, steps  # the budgets themselves fit the window
     assert "WINDOW=${WINDOW:-330}" in script and "timeout 20 \"$PYTHON\" - \"$OUT\" <<'PY'" in script
-    bare = [l for l in script.splitlines() if re.match(r'\s*("\$PYTHON"|python) ', l)]
-    assert bare == [], bare  # every command inside step() or its own timeout
+    # every command inside step() or its own timeout, the CUDA probe (`if !`, `... ; then`) included
+    runs = [l for l in script.splitlines()
+            if re.search(r'"\$PYTHON"|(^|[\s(!])python3? ', l) and not re.match(r"\s*(#|PYTHON=)", l)]
+    bare = [l for l in runs if not re.match(r"\s*step \S+ \d+ ", l) and "timeout" not in l]
+    assert len(runs) >= 8 and bare == [], (runs, bare)
     fake = os.path.join(ROOT, "out", "fake_cuda_python")
     os.makedirs(fake, exist_ok=True)
     stand_in = os.path.join(fake, "python")
