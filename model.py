@@ -427,8 +427,12 @@ def sample_next(logits, temperature=1.0, top_k=None, vocab=None):
     """The next token (B, 1) drawn from the last position's logits (B, V) at temperature, among the top_k, and
     among the first `vocab` ids when given (a --pad_vocab model's rows past its tokenizer's never win).
     The draw is argmax(p / E) with E ~ Exponential(1) per token (the exponential race: token i wins with
-    probability p_i), fixed shapes and no host sync, so a captured CUDA graph can sample; top_k=1 is the argmax."""
-    logits = (logits if vocab is None else logits[:, :vocab]) / max(temperature, 1e-6)
+    probability p_i), fixed shapes and no host sync, so a captured CUDA graph can sample. top_k=1 (greedy) is the
+    argmax of the logits alone: no draw, and among equal logits the lowest id."""
+    logits = logits if vocab is None else logits[:, :vocab]
+    if top_k == 1:
+        return torch.argmax(logits, dim=-1, keepdim=True)
+    logits = logits / max(temperature, 1e-6)
     if top_k is not None:
         v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
         logits = logits.masked_fill(logits < v[:, -1:], -float("inf"))

@@ -215,6 +215,22 @@ def test_generate_greedy_matches_argmax_loop():
     assert torch.equal(out, ref)
 
 
+
+def test_greedy_sampling_is_the_argmax_with_no_draw_and_the_lowest_id_among_equals():
+    """sample_next with top_k=1: the argmax of the logits (among the first vocab ids), whatever the temperature;
+    it draws nothing (the generator's state is unchanged: greedy decoding leaves a later sampled run's draws as
+    they were) and of equal logits takes the lowest id every time (the exponential race took one of them at
+    random)."""
+    from model import sample_next
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 5.0], [2.0, 2.0, 2.0, -1.0, 0.0]])
+    state = torch.get_rng_state()
+    for temperature in (1.0, 0.1, 7.0):
+        for _ in range(20):
+            assert sample_next(logits, temperature, top_k=1).tolist() == [[4], [0]]
+            assert sample_next(logits, temperature, top_k=1, vocab=4).tolist() == [[1], [0]]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert sample_next(logits, top_k=2).shape == (2, 1) and not torch.equal(torch.get_rng_state(), state)
+
 GQA = dict(n_kv_head=1, head_dim=24, qk_norm=True)  # Qwen3's attention: 2 query heads share one K/V head
 
 
