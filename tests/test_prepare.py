@@ -1120,6 +1120,39 @@ def test_preparing_over_a_dataset_of_other_sources_or_another_tokenizer_needs_ov
     assert data.read_meta(str(out))["sources"] == [str(other)]
 
 
+
+def test_a_gone_source_is_the_new_one_of_its_name_only_at_its_recorded_size(tmp_path, capsys):
+    """A dataset whose recorded source was deleted (the shards were its only copy) is replaced without
+    --overwrite=True only by a source of the same name AND size (the checkout moved); a second download's file
+    of the same name (every dataset's train-00000-of-00001.jsonl) with other text is refused and the shards
+    stay. The same for adopted shard directories of one name. (Before: any namesake replaced it.)"""
+    def corpus(d, word):
+        d.mkdir(parents=True)
+        f = d / "train-00000-of-00001.jsonl"
+        f.write_text("".join(json.dumps({"text": f"{word} number {k}."}) + "\n" for k in range(6)))
+        return f
+    a, b = corpus(tmp_path / "dl" / "a", "First"), corpus(tmp_path / "dl" / "b", "Second text")
+    out = tmp_path / "mine"
+    assert prepare.main([f"--out_dir={out}", "--val_every=3", str(a)]) == 0
+    assert data.read_meta(str(out))["source_bytes"] == [a.stat().st_size]
+    moved = corpus(tmp_path / "moved", "First")  # the same bytes elsewhere
+    a.unlink()
+    before = _files(out)
+    line = _refused(capsys, [f"--out_dir={out}", "--val_every=3", str(b)])
+    assert f"holds a dataset of {a} in byte ids, not {b}" in line and "--overwrite=True" in line, line
+    assert _files(out) == before
+    assert prepare.main([f"--out_dir={out}", "--val_every=3", str(moved)]) == 0  # the checkout moved
+    # adopted shards: a directory named shards, deleted after adopting, and another one of that name
+    src = prepare.prepare([str(moved)], out_dir=str(tmp_path / "x" / "shards"), val_every=3)
+    other = prepare.prepare([str(b)], out_dir=str(tmp_path / "y" / "shards"), val_every=3)
+    adopted = tmp_path / "adopted"
+    assert prepare.main([f"--out_dir={adopted}", f"--adopt={src}"]) == 0
+    shutil.rmtree(src)
+    before = _files(adopted)
+    line = _refused(capsys, [f"--out_dir={adopted}", f"--adopt={other}"])
+    assert f"holds a dataset of shards adopted from {src}" in line, line
+    assert _files(adopted) == before
+
 def test_ctrl_c_while_a_models_tokenizer_loads_is_one_line(tmp_path, capsys, monkeypatch):
     """A GGUF's vocabulary takes seconds to read, before any signal handler of the writing is set:
     Ctrl-C there is one line and exit 130, not a KeyboardInterrupt traceback."""

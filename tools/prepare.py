@@ -195,6 +195,7 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
                         vocab_size=tok.vocab_size, eot=tok.eot, dtype=np.dtype(dtype).name,
                         n_docs_train=train.ndocs, n_docs_val=val.ndocs, train_tokens=train.ntok,
                         val_tokens=val.ntok, train_shards=n_train, val_shards=n_val, sources=paths,
+                        source_bytes=[source_bytes(p) for p in paths],  # _check_replacing knows a moved source by them
                         val_every=val_every, cleaning=cleaner.summary() if cleaner else None,
                         difficulty=f"zlib compression ratio per {data.DIFFICULTY_CHUNK} tokens, "
                                    f"<shard>.difficulty.npy")
@@ -271,22 +272,27 @@ def _check_replacing(out_dir, tokenizer, paths, adopted_from, overwrite):
     (adopted_from for --adopt: another shard directory, or adopted shards replaced by tokenised
     sources, or the other way round). The same sources, or some added or dropped, in the same
     tokenizer (another --val_every, --shard_tokens or --clean) are replaced as before. A meta.json
-    that cannot be read is no dataset to keep (data.py says to re-create it)."""
+    that cannot be read is no dataset to keep (data.py says to re-create it). A recorded source that
+    is gone is the new one of its name only when it has the recorded size (the checkout moved); a
+    namesake of another size is other data (a second download's 000_00000.parquet)."""
     if overwrite or not os.path.exists(os.path.join(out_dir, "meta.json")):
         return
     try:
         meta = data.read_meta(out_dir)
     except ValueError:
         return
-    def same(a, b):  # or a recorded path gone and b of its name: the checkout moved
-        moved = not os.path.exists(a) and os.path.basename(a) == os.path.basename(b)
+    def same(a, b, size):  # or a recorded path gone and b of its name and size: the checkout moved
+        moved = (not os.path.exists(a) and os.path.basename(a) == os.path.basename(b)
+                 and size is not None and size == source_bytes(b))
         return same_source(a, b) or moved
     was = meta.get("adopted_from")
-    if was is not None or adopted_from is not None:
-        same_data = was is not None and adopted_from is not None and same(str(was), adopted_from)
+    if was is not None or adopted_from is not None:  # the shards here are the adopted ones
+        same_data = (was is not None and adopted_from is not None
+                     and same(str(was), adopted_from, source_bytes(out_dir)))
     else:
         had = [str(p) for p in meta.get("sources") or []]
-        same_data = any(same(a, b) for a in had for b in paths)
+        sizes = meta.get("source_bytes") or [None] * len(had)  # a meta.json without them: no move recognised
+        same_data = any(same(a, b, n) for a, n in zip(had, sizes) for b in paths)
     made_by = str(meta["tokenizer"])
     if same_data and same_source(made_by, tokenizer):
         return
@@ -312,6 +318,15 @@ def source_slug(name):
     where = os.path.realpath(name) if os.path.exists(name) else name
     digest = hashlib.sha1(where.encode()).hexdigest()[:8]
     return (re.sub(r"[^A-Za-z0-9._-]+", "-", base) or "model") + "-" + digest
+
+
+def source_bytes(path):
+    """A source's size: a file's bytes, or the train/val shards' of a shard directory (what --adopt
+    links); None if it is not there."""
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+                   if re.fullmatch(r"(train|val)_\d+\.bin", n))
+    return os.path.getsize(path) if os.path.isfile(path) else None
 
 
 def same_source(a, b):
