@@ -58,16 +58,22 @@ def time_to(points, target):
 
 def check_quality(train_args, target):
     """--quality's options, checked before either run starts: --target must be a val loss a run can
-    reach (finite, > 0; 0 = the baseline's final), and --train_args must split as a shell would.
-    Returns the split flags."""
+    reach (finite, > 0; 0 = the baseline's final), and --train_args must split as a shell would and
+    leave --out_dir to it. Returns the split flags."""
     if not math.isfinite(target) or target < 0:
         die(f"--target={target:g}: expected a val loss > 0 to reach (a cross-entropy is never "
             f"below 0), or 0 for the baseline's final val loss", 2)
     try:
-        return shlex.split(train_args)
+        flags = shlex.split(train_args)
     except ValueError as e:  # an unclosed quote or a trailing backslash
         die(f"--train_args={train_args}: cannot split it into flags ({e}); close each quote, e.g. "
             f"--train_args='--lr=3e-3 --max_iters=100'", 2)
+    # our run writes into a temporary directory: another --out_dir (with --overwrite) would replace a saved run
+    clash = [a for a in flags if a.split("=")[0] == "--out_dir"]
+    if clash:
+        die(f"--train_args: {clash[0]} is set by this benchmark (its run goes to a temporary directory, deleted "
+            f"after); leave it out", 2)
+    return flags
 
 
 def baseline(cfg, vocab_size, loader):

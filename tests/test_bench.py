@@ -60,7 +60,10 @@ def test_quality_prints_the_ratio_of_the_two_times_to_the_same_target():
 
 @pytest.mark.parametrize("flag, facts", [("--target=nan", ["--target=nan", "> 0"]), ("--target=-1", ["--target=-1", "> 0"]),
                                          ("--target=inf", ["--target=inf"]),
-                                         ('--train_args="x', ['--train_args="x', "No closing quotation"])])
+                                         ('--train_args="x', ['--train_args="x', "No closing quotation"]),
+                                         # with --overwrite=True it replaced that run, and saved nothing there
+                                         ("--train_args=--out_dir=out --run_name=r --overwrite=True",
+                                          ["--out_dir=out is set by this benchmark", "leave it out"])])
 def test_quality_refuses_an_impossible_target_or_unsplittable_train_args_before_training(flag, facts, capsys,
                                                                                           monkeypatch):
     """--target=nan (or -1) and --train_args='"x' (shlex cannot split it) are one line, exit 2,
