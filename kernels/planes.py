@@ -118,5 +118,8 @@ def ternary_matmul_codes(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32, re
     tensors: the int32 accumulator by torch._int_mm, int8 x int8 products summed in int32 (exact: |sum| <= 128 K
     < 2**31 for K <= K_MAX), so acc and y equal ternary_matmul_reference's bit for bit. Any M, K, N on CPU."""
     K = x_q.shape[-1]
-    acc = torch._int_mm(x_q.reshape(-1, K), w_q.T).reshape(*x_q.shape[:-1], w_q.shape[0])  # (..., N) int32
+    if K == 1:  # an outer product; torch._int_mm (torch 2.13, CPU) gets it wrong for N > 1
+        acc = x_q.to(torch.int32) * w_q.reshape(-1).to(torch.int32)  # (..., 1) * (N,): (..., N) int32
+    else:
+        acc = torch._int_mm(x_q.reshape(-1, K), w_q.T).reshape(*x_q.shape[:-1], w_q.shape[0])  # (..., N) int32
     return acc if return_acc else _scaled(acc, x_scale, w_scale, out_dtype)
