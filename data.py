@@ -92,7 +92,9 @@ class DataLoader:
                   evaluation on val reads with next_batch() (sweep() reads every window in shard order anyway)
       curriculum  the shuffled windows, each consecutive block of `span` of them sorted easy-to-hard by the
                   difficulty scores tools/prepare.py wrote (prepare.difficulty); span = the rows a run draws, so a
-                  curriculum run reads exactly the windows a shuffled run reads, only in another order
+                  one-source curriculum run reads exactly the windows a shuffled run reads, only in another order
+                  (mixed sources: a source's block is its weight's share of the rows, and the draws it gets
+                  differ from that share by chance, so the last few windows differ)
     """
 
     def __init__(self, sources, split, B, T, rank=0, world_size=1, seed=1337, order="shuffle", span=0):
