@@ -77,6 +77,29 @@ def test_two_atomic_writes_of_one_path_never_share_a_temporary_file(tmp_path, ca
         live.wait()
 
 
+
+def test_a_symlinked_output_is_written_through_and_stays_a_link(tmp_path):
+    """An output path that is a symlink (out/stage2/hf -> a bigger disk; a link to the file kept elsewhere):
+    the file or directory it names gets the new content and the link stays a link. (Before: the link was
+    replaced by a plain file or directory beside it, and what it named kept the old output.) The error line of a
+    failed write names the free space of the disk the link leads to."""
+    keep, links = tmp_path / "keep", tmp_path / "links"
+    keep.mkdir(), links.mkdir()
+    (keep / "out.txt").write_text("old")
+    (links / "out.txt").symlink_to(keep / "out.txt")
+    with atomic.atomic_write(str(links / "out.txt")) as tmp:
+        open(tmp, "w").write("new")
+    assert (links / "out.txt").is_symlink() and (keep / "out.txt").read_text() == "new"
+    (keep / "hf").mkdir()
+    (keep / "hf" / "a").write_text("old")
+    (links / "hf").symlink_to(keep / "hf", target_is_directory=True)
+    with atomic.atomic_dir(str(links / "hf")) as tmp:
+        open(os.path.join(tmp, "b"), "w").write("new")
+    assert (links / "hf").is_symlink() and sorted(os.listdir(keep / "hf")) == ["b"]
+    assert sorted(os.listdir(links)) == ["hf", "out.txt"]  # nothing left beside the links
+    why, disk, fix = atomic.write_failed(OSError(errno.ENOSPC, "No space left on device"), str(links / "out.txt"))
+    assert f"the disk holding {keep} has" in disk and fix == "free disk space"
+
 def test_atomic_dir_swaps_in_the_whole_directory_or_nothing(tmp_path):
     path = str(tmp_path / "d")
     with atomic.atomic_dir(path) as tmp:

@@ -59,7 +59,9 @@ def atomic_write(path):
     Ctrl-C; SystemExit) tmp is removed and path is left as it was. tmp is path +
     ".<owner>_<random>.tmp", this writer's own (two writers of one path never share it), in the same
     directory (a rename cannot cross filesystems); what a writer that is gone left (stale_tmps) is
-    removed first."""
+    removed first. A symlink at path is written through: the file it names is replaced, the link
+    stays."""
+    path = os.path.realpath(path)
     clear_stale(path)
     tmp = f"{path}.{_owner()}_{os.urandom(4).hex()}.tmp"
     with _installing(tmp, path):
@@ -113,8 +115,9 @@ def atomic_dir(path):
     .<name>.tmp_<owner>_<random> beside path with path's permissions (or, for a new path, the
     umask's). When the block completes, tmp takes path's place by the swap and the old directory is
     deleted; on any exception tmp is deleted and path is left as it was. What writers that are gone
-    left beside path is cleared first (_recover)."""
-    path = os.path.abspath(path)
+    left beside path is cleared first (_recover). A symlink at path is written through, as by
+    atomic_write."""
+    path = os.path.realpath(path)
     # checked before anything is written: the swap's rename of it would fail (EBUSY)
     if os.path.ismount(path):
         raise OSError(errno.EBUSY, f"{path} is a mount point, which a new directory cannot replace")
@@ -326,7 +329,7 @@ def write_failed(e, path):
     if getattr(e, "errno", None) == errno.EBUSY:
         return why, "a whole directory is swapped in by renames, which cannot move a mount point", \
             f"pass a directory inside it (e.g. {os.path.join(path, 'out')})"
-    where = os.path.dirname(os.path.abspath(path))
+    where = os.path.dirname(os.path.realpath(path))  # a symlink's target's disk: where the write went
     try:
         disk = f"the disk holding {where} has {_bytes(shutil.disk_usage(where).free)} free"
     except OSError:
