@@ -288,6 +288,44 @@ def test_a_full_disk_while_writing_the_average_says_the_checkpoint_was_saved(tmp
     assert checkpoint.load(str(tmp_path / "stage2" / "ckpt.pt"))["step"] == 4
 
 
+
+def test_a_full_disk_at_the_lock_or_the_metrics_is_one_line_and_leaves_nothing_empty(tmp_path, capsys, monkeypatch):
+    """A disk that fills before the lock file's few bytes are written, or at an append to metrics.jsonl: one
+    error line naming the file and the disk, exit 1, no traceback; no empty .lock and no empty metrics.jsonl left
+    behind (it made the next run ask for --overwrite=True over a run that saved nothing), the checkpoint of a
+    run that fills the disk later kept."""
+    from tools import runtime
+    argv = ["--stage=2", "--init_from=scratch", *TINY, "--max_iters=4", "--eval_interval=2", f"--out_dir={tmp_path}"]
+    real_write = os.write
+
+    def no_space_for_the_lock(fd, b):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".lock"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, b)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.os, "write", no_space_for_the_lock)
+        msg = fails(capsys, *argv)
+    assert ".lock" in msg and "No space left" in msg and "free disk space" in msg, msg
+    assert os.listdir(tmp_path / "stage2") == []
+    real_log = runtime.Runtime.log_json
+
+    def fills_at_step(step):
+        def log_json(self, out_dir, rec):
+            if rec.get("step") == step:
+                open(os.path.join(out_dir, "metrics.jsonl"), "a").close()  # what open(..., "a") leaves
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_log(self, out_dir, rec)
+        return log_json
+    monkeypatch.setattr(runtime.Runtime, "log_json", fills_at_step(1))
+    msg = fails(capsys, *argv)
+    assert "cannot append to" in msg and "metrics.jsonl" in msg and "No space left" in msg, msg
+    assert not os.path.exists(tmp_path / "stage2" / "metrics.jsonl")
+    assert not os.path.exists(tmp_path / "stage2" / ".lock")
+    monkeypatch.setattr(runtime.Runtime, "log_json", fills_at_step(3))  # after the step-2 checkpoint
+    msg = fails(capsys, *argv)
+    assert "--resume=True" in msg, msg
+    assert checkpoint.load(str(tmp_path / "stage2" / "ckpt.pt"))["step"] == 2
+
 @pytest.mark.slow
 def test_resume_with_a_new_max_iters_says_the_schedule_changed(saved, tmp_path):
     out, ck = copy_run(saved, tmp_path)

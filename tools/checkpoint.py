@@ -259,7 +259,14 @@ def lock(d):
                                   "writing here; wait for it, stop it, or pass another --out_dir "
                                   "or --run_name") from None
         start = atomic._start_time(os.getpid())
-        os.write(fd, f"{os.getpid()}{'' if start is None else f' {start}'}".encode())
+        try:
+            os.write(fd, f"{os.getpid()}{'' if start is None else f' {start}'}".encode())
+        except OSError as e:  # a full disk: no lock left behind, one line
+            os.close(fd)
+            os.remove(path)
+            why, cause, fix = atomic.write_failed(e, path)
+            raise CheckpointError(f"{d}: cannot write the lock file {path} ({why}; {cause}); {fix}, or "
+                                  "pass another --out_dir") from None
         os.close(fd)
         return lambda: os.path.exists(path) and os.remove(path)
     raise CheckpointError(f"{d}: cannot take the lock file {path}; remove it if no run is using "

@@ -12,13 +12,16 @@ the same at every evaluation.
 Test: python -m pytest tests/test_train.py
 """
 
+import contextlib
 import os
 import time
 
 import torch
 
 import data
+from tools import atomic
 from tools.config import stage_dir
+from tools.flags import die
 
 EVAL_PROGRESS_S = 10.0  # a whole-split evaluation prints a progress line this often
 
@@ -192,11 +195,21 @@ def drop_torn_line(path):
 def log_record(run, rec):
     """Append rec to <out_dir>/metrics.jsonl (rank 0). The first record this process writes also
     names the commit of the code that wrote it (runtime.git_commit: git rev-parse HEAD, or
-    "unknown"), a resumed run's too; before it, a torn last line a killed run left is cut off."""
+    "unknown"), a resumed run's too; before it, a torn last line a killed run left is cut off. An
+    append that fails (a full disk) stops the run in one line; a metrics.jsonl it left empty is
+    removed (it would hold nothing, yet make the next run ask for --overwrite=True)."""
+    path = os.path.join(run.out_dir, "metrics.jsonl")
     if run.records == 0:
         rec = {**rec, "commit": run.commit}
-        path = os.path.join(run.out_dir, "metrics.jsonl")
         if run.rt.master and drop_torn_line(path):
             run.rt.log(f"cut the torn last line (a killed run's) off {path} before appending")
     run.records += 1
-    run.rt.log_json(run.out_dir, rec)
+    try:
+        run.rt.log_json(run.out_dir, rec)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == 0:
+                os.remove(path)
+        why, cause, fix = atomic.write_failed(e, path)
+        die(f"cannot append to {path}: {why}; {cause}; the checkpoints written so far are kept; {fix}, "
+            f"then continue with --resume=True (or start again if none was written)")
