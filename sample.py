@@ -118,9 +118,14 @@ def main(argv):
     if args["dlm"]:
         return sample_dlm(model, tok, args, device)
     if args["jsonl"]:
-        with atomic.stoppable("--jsonl", args["jsonl"]):
-            n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"],
-                             args["temperature"], args["top_k"], args["start"], mode=args["decode"])
+        try:
+            with atomic.stoppable("--jsonl", args["jsonl"]):
+                n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"],
+                                 args["temperature"], args["top_k"], args["start"], mode=args["decode"])
+        except OSError as e:  # a full disk: atomic_write removed its temporary file, the old one is whole
+            why, cause, fix = atomic.write_failed(e, args["jsonl"])
+            die(f"--jsonl={args['jsonl']}: cannot write it ({why}; {cause}); {fix}; a file there before is "
+                "unchanged")
         print(f"wrote {args['num_samples']} samples, {n} characters, to {args['jsonl']}")
         return
     ids = [tok.eot] + tok.encode(args["start"])  # documents start with end-of-text in the shards

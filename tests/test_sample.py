@@ -8,6 +8,7 @@ Sampling itself (a training checkpoint, --packed=True, an export) is tested end 
 """
 
 import dataclasses
+import errno
 import glob
 import json
 import os
@@ -174,6 +175,25 @@ def test_teacher_written_corpus_shards_and_mixes_into_the_loader(files, tmp_path
     teacher_rows = (rows != 7).any(1).float().mean().item()
     assert 0.3 < teacher_rows < 0.7  # about half the rows come from the teacher's text
 
+
+
+def test_a_full_disk_while_writing_jsonl_is_one_line_and_keeps_the_old_file(files, tmp_path, capsys, monkeypatch):
+    """--jsonl on a disk that fills mid-write: one error line naming the flag and the disk, exit 1, no traceback;
+    the file there before is unchanged and no temporary file is left."""
+    from conftest import fails
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"text": "kept"}\n')
+    real = json.dumps
+
+    def dumps_then_fill(obj, *a, **k):
+        if isinstance(obj, dict) and "text" in obj:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, *a, **k)
+    monkeypatch.setattr(sample.json, "dumps", dumps_then_fill)
+    msg = fails(capsys, f"--ckpt={files / 'ckpt.pt'}", "--device=cpu", "--num_samples=2", "--max_new_tokens=4",
+                f"--jsonl={path}", "--overwrite=True", main=sample.main)
+    assert msg.startswith(f"error: --jsonl={path}: cannot write it (No space left on device;"), msg
+    assert path.read_text() == '{"text": "kept"}\n' and os.listdir(tmp_path) == ["t.jsonl"]
 
 def _greedy(model, ids, n):
     """n tokens of greedy decoding, computed here with full forwards (no KV cache): ids + continuation, a list."""
