@@ -245,6 +245,8 @@ def test_file_kind_tells_every_output_apart(saved, tmp_path):
     assert outputs.file_kind(str(d / "packed.pt")) == ("packed", str(d / "ckpt.pt"))
     export.write_gguf(model, "byte", str(tmp_path / "m.gguf"), source="/runs/a/ckpt.pt")
     assert outputs.file_kind(str(tmp_path / "m.gguf")) == ("gguf", "/runs/a/ckpt.pt")
+    export.write_gguf(model, "byte", str(tmp_path / "published.gguf"))  # no checkpoint recorded: not an export
+    assert outputs.file_kind(str(tmp_path / "published.gguf")) == ("gguf-model", None)
     hf = str(tmp_path / "hf")
     export.write_hf(model, "byte", hf, source="/runs/a/ckpt.pt")
     assert outputs.file_kind(hf) == ("hf", "/runs/a/ckpt.pt")
@@ -260,7 +262,7 @@ def test_file_kind_tells_every_output_apart(saved, tmp_path):
 
 
 def test_check_output_refuses_the_input_another_kind_and_another_source(saved, tmp_path, capsys):
-    d, _ = saved
+    d, model = saved
     ckpt, numbered, packed = str(d / "ckpt.pt"), str(d / "ckpt_000000.pt"), str(d / "packed.pt")
     src = os.path.abspath(ckpt)
 
@@ -279,6 +281,12 @@ def test_check_output_refuses_the_input_another_kind_and_another_source(saved, t
     assert "does not exist" in msg and "mkdir -p" in msg
     assert "is a directory" in refusal(str(tmp_path), "packed")
     outputs.check_output("--out", str(tmp_path / "new.pt"), "packed", src)  # nothing there: fine
+    # a published GGUF model (no checkpoint of ours recorded in it; with --overwrite=True it was replaced)
+    from tools import export
+    export.write_gguf(model, "byte", str(tmp_path / "smol.gguf"))
+    for overwrite in (False, True):
+        msg = refusal(str(tmp_path / "smol.gguf"), "gguf", overwrite=overwrite)
+        assert "a GGUF model as published" in msg and "not even with --overwrite=True" in msg, msg
     run = tmp_path / "run"
     run.mkdir()
     (run / "ckpt.pt").write_bytes(open(ckpt, "rb").read())

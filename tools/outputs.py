@@ -17,8 +17,8 @@ The output rules: an output never replaces what its command reads, nor what the 
 checkpoint reads again (its pretrained model, tokenizer, teachers, shards), nor lands inside such a
 directory, not even with
 --overwrite=True (ckpt.pt is a hard link to ckpt_<step>.pt, so files are compared, not names); never
-a file of another kind (a training checkpoint, a packed export, a GGUF, an HF export directory, a
-metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
+a file of another kind (a training checkpoint, a packed export, a GGUF export, a published GGUF model,
+an HF export directory, a metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
 --overwrite=True. A file of its own kind made from the same source (a re-export) is replaced.
 Test: python -m pytest tests/test_atomic.py tests/test_outputs.py
 """
@@ -35,6 +35,7 @@ KINDS = {  # file_kind's names, in the words an error line uses
     "checkpoint": "a training checkpoint", "average": "a checkpoint average (avg.pt)",
     "packed": "a packed export (tools/export.py)", "gguf": "a GGUF file (tools/export.py "
                                                            "--format=gguf)",
+    "gguf-model": "a GGUF model as published (no export of ours)",
     "hf": "an HF export directory (tools/export.py --format=hf)", "hf-file": "a file of an HF "
                                                                              "export directory",
     "safetensors": "a safetensors weights file", "metrics": "a run's metrics "
@@ -74,8 +75,9 @@ def file_kind(path):
             head = f.read(1 << 16)
     except OSError:
         return "other", None
-    if head[:4] == b"GGUF":
-        return "gguf", _gguf_source(path)
+    if head[:4] == b"GGUF":  # ours records its checkpoint; a published model (llama.cpp's, the hub's) does not
+        source = _gguf_source(path)
+        return ("gguf", source) if source else ("gguf-model", None)
     if head[:2] == b"\x1f\x8b":
         return "gzip", None
     if head[:8] == b"\x89PNG\r\n\x1a\n":
@@ -169,9 +171,9 @@ def why_not_a_checkpoint(path):
     pretrained model as published, a GGUF or an HF export of ours or one of its files) and which
     program reads it."""
     kind, source = file_kind(path) if os.path.exists(path) else (None, None)
-    if (kind == "gguf" and not source) or (kind == "directory" and any(
+    if kind == "gguf-model" or (kind == "directory" and any(
             os.path.exists(os.path.join(path, f)) for f in ("config.json", "tokenizer.json"))):
-        what = "a GGUF file" if kind == "gguf" else "a Hugging Face model directory"
+        what = "a GGUF file" if kind == "gguf-model" else "a Hugging Face model directory"
         return (f"is a pretrained model as published ({what}, not an export of ours), not a "
                 "training checkpoint: train.py converts it (python train.py --stage=2 "
                 f"--init_from={path}; stage 3 distils from it as --teacher={path}); pass the "
