@@ -216,8 +216,13 @@ def _directory(path):
     path.mkdir()
 
 
+def _string_step(path):  # hand-edited: a step that is not a number (it was a TypeError traceback)
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": "x", "loss": 1.0}\n{"step": 3, "loss": 1.0}\n')
+
+
 @pytest.mark.parametrize("spoil, facts", [(_binary, ["binary data"]), (_binary_one_line, ["binary data"]),
-                                          (_directory, ["is a directory", "out/stage2"]), (None, ["Permission denied"])])
+                                          (_directory, ["is a directory", "out/stage2"]), (None, ["Permission denied"]),
+                                          (_string_step, ["line 2", "step 'x' is not an integer"])])
 def test_an_unreadable_metrics_file_is_blamed_not_the_out_png(spoil, facts, tmp_path, capsys, monkeypatch):
     """An unreadable metrics.jsonl (no permission, a directory, binary) is one line naming it, never "cannot write
     --out" or a traceback. Tests run as root here, where chmod 000 still reads: permission is denied by open."""

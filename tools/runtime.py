@@ -289,8 +289,8 @@ class StepTimer:
 
 def read_metrics(path):
     """The records of a metrics.jsonl as log_json writes them. A torn last line (a run killed while
-    writing it) is left out; an earlier line that is not a JSON object raises ValueError naming the
-    file and the line. A step logged again replaces what was logged from that step on: a run killed
+    writing it) is left out; an earlier line that is not a JSON object, or whose step is not an
+    integer, raises ValueError naming the file and the line. A step logged again replaces what was logged from that step on: a run killed
     between checkpoints logged steps that its resume (from the last checkpoint) runs and logs again,
     and only the resumed run's records of them describe the weights it went on with. The file itself
     keeps them all."""
@@ -304,6 +304,10 @@ def read_metrics(path):
             rec = json.loads(line)
         except ValueError as e:
             rec = e
+        if isinstance(rec, dict) and "step" in rec and (isinstance(rec["step"], bool)
+                                                       or not isinstance(rec["step"], int)):
+            raise ValueError(f"{path}, line {i}: step {rec['step']!r} is not an integer; repair or delete that "
+                             "line")
         if isinstance(rec, dict):
             if "step" in rec and "val_loss" not in rec:  # a step record: earlier ones from its step on go
                 if last is not None and rec["step"] <= last:
