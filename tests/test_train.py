@@ -43,6 +43,8 @@ def test_wrong_type_and_bad_stage_fail_clearly(capsys, flag, facts):
     ("--device=cuda:99", ("cuda",)), ("--device=tpu", ("cpu",)),
     ("--data=a:inf", ("a:inf", "weight")), ("--data=a:abc", ("a:abc", "weight")),
     ("--data=a:0.5,b", ("every source a weight",)),
+    # a path, not a name: it wrote the run (and --overwrite's removal) outside --out_dir
+    ("--run_name=a/b/../../..", ("one directory inside --out_dir",)), ("--run_name=..", ("not . or ..",)),
 ])
 def test_nonsense_values_stop_with_one_line_before_any_data_or_model(tmp_path, capsys, monkeypatch, flag, facts):
     def too_late(*args, **kwargs):

@@ -138,6 +138,10 @@ def check_config(cfg):
             "drop --subln_gain", 2)
     if (cfg.normuon or cfg.muon_state != "fp32") and cfg.optimizer != "muon":
         die(f"--normuon / --muon_state change Muon; --optimizer={cfg.optimizer} has no Muon", 2)
+    # one directory inside --out_dir: a path (a/b/../../..) would put the run, and its --overwrite, elsewhere
+    if cfg.run_name and (cfg.run_name in (".", "..") or any(s in cfg.run_name for s in ("/", os.sep, "\0"))):
+        die(f"--run_name={cfg.run_name}: expected a name, one directory inside --out_dir (no '/', not . or ..); "
+            "to write elsewhere, pass --out_dir", 2)
     if cfg.n_embd % cfg.n_head or (cfg.n_embd // cfg.n_head) % 2:
         die(f"--n_embd={cfg.n_embd} must split into --n_head={cfg.n_head} heads of even size (RoPE "
             "rotates pairs)", 2)
