@@ -87,6 +87,38 @@ def test_a_gguf_export_replaces_its_own_gguf_but_not_another_checkpoints(runs, c
     assert outputs.file_kind(gguf) == ("gguf", os.path.abspath(other))
 
 
+
+def test_a_re_export_after_the_run_was_replaced_needs_overwrite(capsys, tmp_path):
+    """Exports record the id of the run that wrote their checkpoint (checkpoint.RUN_ID, kept by --resume). A run
+    continued with --resume re-exports over its own exports as before; after train.py --overwrite=True replaced
+    the run at the same path, its packed, GGUF and HF exports are the earlier run's last remnant: a re-export
+    needs --overwrite=True (one line, the export unchanged). (Before: replaced, matched by path alone.)"""
+    out = str(tmp_path / "o")
+    ckpt = os.path.join(out, "stage2", "ckpt.pt")
+    flags = ["--stage=2", "--eval_interval=2", f"--out_dir={out}", *TINY]
+    run(*flags, "--max_iters=4")
+    first = outputs.checkpoint_run(ckpt)
+    assert first and len(first) == 16
+    paths = {"packed": os.path.join(out, "stage2", "packed.pt"), "gguf": os.path.join(out, "stage2", "model.gguf"),
+             "hf": os.path.join(out, "stage2", "hf")}
+    for fmt in paths:
+        export.main([f"--ckpt={ckpt}", f"--format={fmt}"])
+        assert outputs.export_run(paths[fmt], fmt) == first
+    run(*flags, "--max_iters=6", "--resume=True")  # the same run, further on: its id kept
+    assert outputs.checkpoint_run(ckpt) == first
+    for fmt in paths:
+        export.main([f"--ckpt={ckpt}", f"--format={fmt}"])  # replaces its own export, as before
+    run(*flags, "--max_iters=4", "--overwrite=True")  # another run in its place
+    second = outputs.checkpoint_run(ckpt)
+    assert second not in (None, first)
+    for fmt, path in paths.items():
+        before = _sha(os.path.join(path, "model.safetensors") if fmt == "hf" else path)
+        msg = fails(capsys, f"--ckpt={ckpt}", f"--format={fmt}", code=2, main=export.main)
+        assert "an earlier run's checkpoint" in msg and "--overwrite=True" in msg, msg
+        assert _sha(os.path.join(path, "model.safetensors") if fmt == "hf" else path) == before
+        export.main([f"--ckpt={ckpt}", f"--format={fmt}", "--overwrite=True"])  # asked for: replaced
+        assert outputs.export_run(path, fmt) == second
+
 def test_sample_jsonl_refuses_a_checkpoint_an_existing_file_and_a_missing_directory(runs, capsys, tmp_path):
     numbered = os.path.join(runs, "stage2", "ckpt_000002.pt")
     before = _sha(numbered)

@@ -62,6 +62,8 @@ class Run:
     commit: str = dataclasses.field(default_factory=git_commit)  # the code's (log_record writes it
                                                                  # once)
     records: int = 0             # metrics.jsonl records this process has written
+    run_id: str = dataclasses.field(default_factory=lambda: os.urandom(8).hex())  # this run's, kept by a
+                                 # resume: an export made from an earlier run at the same path is told apart
 
     @property
     def ckpt_path(self):
@@ -136,6 +138,8 @@ def starting_model(run, resume):
         run.eval_loss = run.lesson.eval_loss
     run.start = start.starting_weights(cfg, model_conf, resume, run.ckpt_path, run.lesson,
                                        run.given)
+    if resume is not None and resume["config"].get(checkpoint.RUN_ID):
+        run.run_id = resume["config"][checkpoint.RUN_ID]
 
     rt.start()
     rt.start_wandb(cfg.wandb_project, os.path.relpath(run.out_dir),

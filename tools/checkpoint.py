@@ -7,7 +7,8 @@ bit as a run that never stopped (nanochat stores the loader position beside the 
 reason). So a checkpoint holds the weights AND every piece of state the next step reads:
 
     step        int: the LR-schedule position and lambda (both are functions of the step)
-    config      dict: the TrainConfig of the run (resume takes it, command-line overrides on top)
+    config      dict: the TrainConfig of the run (resume takes it, command-line overrides on top), the
+                tokenizer's fingerprint and the run's id (run_id: random at a fresh start, kept by a resume)
     model_args  dict: the GPTConfig (shape and vocabulary; checked before any weight is loaded)
     model       state dict, plain tensors, no "module." / "_orig_mod." prefixes (also under
                 DDP/FSDP)
@@ -60,6 +61,7 @@ from tools.flags import die
 
 LATEST = "ckpt.pt"
 AVERAGED = "avg.pt"  # the checkpoint average (lessons/averaging.py), when a run keeps one
+RUN_ID = "run_id"  # config's key for the run's id (random at its start, kept by a resume); exports record it
 NUMBERED = re.compile(r"ckpt_(\d+)\.pt")
 
 
@@ -339,7 +341,7 @@ def save_run(run, step, val_loss=None):
         die(f"step {step}: the weights are not finite, so they were not saved; {run.ckpt_path} is kept; lower "
             f"--lr or --muon_lr and continue from it with --resume=True")
     tok = fingerprint(get_tokenizer(run.cfg.tokenizer))
-    config = {**dataclasses.asdict(run.cfg), "tokenizer_fingerprint": tok}
+    config = {**dataclasses.asdict(run.cfg), "tokenizer_fingerprint": tok, RUN_ID: run.run_id}
     state = training_state(step, config, dataclasses.asdict(run.model.config),
                            run.model, run.optimizer, run.clipper, run.train_loader, val_loss)
     if run.loss_scale is not None and run.loss_scale.enabled:  # float16's: resumed as it was

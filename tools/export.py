@@ -107,6 +107,7 @@ def export(ckpt_path, out_path):
         die(f"{ckpt_path}: {e}")
     # which checkpoint it came from: a re-export may replace it
     obj["source"] = os.path.abspath(ckpt_path)
+    obj[outputs.SOURCE_RUN] = outputs.checkpoint_run(ckpt_path)  # which run wrote it (check_output)
     if not model.config.causal:
         # how --stage=dlm trained it; sample.py --dlm=True needs it
         obj["dlm_shift"] = model.dlm_shift
@@ -163,7 +164,8 @@ def export_gguf(ckpt_path, out_path, flag="--out"):
     try:
         # only a verified file lands under the final name
         with atomic.atomic_write(out_path) as tmp:
-            counts = write_gguf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
+            counts = write_gguf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path),
+                                outputs.checkpoint_run(ckpt_path))
             bad = verify_gguf(tmp, model)
             if bad:
                 raise ValueError(f"the file read back differs from the model: {'; '.join(bad[:3])}")
@@ -220,10 +222,10 @@ def gguf_tensors(model):
     return out
 
 
-def write_gguf(model, tokenizer, path, source=None):
+def write_gguf(model, tokenizer, path, source=None, source_run=None):
     """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") as a GGUF file for
-    llama.cpp's bitnet architecture; source: the checkpoint it came from, kept as metadata
-    (outputs.file_kind reads it). Returns {GGML type name: number of tensors}. ValueError if
+    llama.cpp's bitnet architecture; source: the checkpoint it came from, and source_run the id of
+    the run that wrote it, kept as metadata (outputs.file_kind and check_output read them). Returns {GGML type name: number of tensors}. ValueError if
     llama.cpp cannot hold it."""
     import gguf  # here: only this export needs the package
     c = model.config
@@ -264,6 +266,8 @@ def write_gguf(model, tokenizer, path, source=None):
     _add_vocab(w, tokenizer, c.vocab_size)
     if source:
         w.add_string(outputs.GGUF_SOURCE, source)  # llama.cpp ignores keys it does not know
+    if source_run:
+        w.add_string(outputs.GGUF_SOURCE_RUN, source_run)
     counts = {}
     for name, arr, kind in gguf_tensors(model):
         t = getattr(gguf.GGMLQuantizationType, kind)
@@ -419,7 +423,8 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
     with atomic.stoppable("--out", out_dir):
         try:
             with atomic.atomic_dir(out_dir) as tmp:
-                names = write_hf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path))
+                names = write_hf(model.eval(), tokenizer, tmp, os.path.abspath(ckpt_path),
+                                 outputs.checkpoint_run(ckpt_path))
                 # an earlier export's names that this one drops go
                 ours = set(names) | set(earlier.get("files", ()))
                 for n in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else ():

@@ -179,7 +179,7 @@ def hf_tokenizer(tokenizer, block_size):
     return {"tokenizer.json": bpe.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
-def write_hf(model, tokenizer, out_dir, source=None):
+def write_hf(model, tokenizer, out_dir, source=None, source_run=None):
     """Write model (a GPT of model.py) and its tokenizer ("byte" | "gpt2") into the directory
     out_dir (made if missing), replacing the files of those names; returns their names. ValueError
     if the format cannot hold it."""
@@ -193,7 +193,7 @@ def write_hf(model, tokenizer, out_dir, source=None):
     # an imported model's own files
     saved = _save_model_tokenizer(tokenizer, model.config.block_size, out_dir)
     names = ["model.safetensors", *texts, *saved, "nanobitnet.json"]
-    marker = {"format": HF_FORMAT, "source": source, "tokenizer": tokenizer,
+    marker = {"format": HF_FORMAT, "source": source, "source_run": source_run, "tokenizer": tokenizer,
               "model_args": dataclasses.asdict(model.config), "files": names}
     texts["nanobitnet.json"] = json.dumps(marker, indent=2) + "\n"
     path = os.path.join(out_dir, "model.safetensors")

@@ -47,6 +47,9 @@ KINDS = {  # file_kind's names, in the words an error line uses
 HF_MARKER = "nanobitnet.json"
 # the GGUF metadata key holding the checkpoint it was exported from
 GGUF_SOURCE = "nanobitnet.source"
+# and the id of the run that wrote that checkpoint (checkpoint.RUN_ID): another run at the same path is told apart
+GGUF_SOURCE_RUN = "nanobitnet.source_run"
+SOURCE_RUN = "source_run"  # the same in a packed export's dict and an HF export's marker
 PNG_SOURCE = "Source"  # the PNG text chunk holding the metrics.jsonl a plot was drawn from
 
 
@@ -219,6 +222,44 @@ def run_inputs(ckpt_path):
     return config_inputs(obj.get("config") or {}, saved_tokenizer(obj)) if isinstance(obj, dict) else []
 
 
+def checkpoint_run(ckpt_path):
+    """The id of the run that wrote the training checkpoint (or average) at ckpt_path (its config's
+    checkpoint.RUN_ID), or None: an older checkpoint, or not one."""
+    import torch
+    from tools.checkpoint import RUN_ID
+    try:
+        obj = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    return (obj.get("config") or {}).get(RUN_ID) if isinstance(obj, dict) else None
+
+
+def export_run(path, kind):
+    """The run id an export of ours at path (file_kind's kind: packed, gguf, hf) records for the
+    checkpoint it was made from, or None (another kind, or an export made before they recorded it)."""
+    if kind == "hf":
+        return (hf_marker(path) or {}).get(SOURCE_RUN)
+    try:
+        if kind == "packed":
+            import torch
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return obj.get(SOURCE_RUN) if isinstance(obj, dict) else None
+        if kind == "gguf":
+            import gguf
+            field = gguf.GGUFReader(path).fields.get(GGUF_SOURCE_RUN)
+            return field.contents() if field is not None else None
+    except Exception:  # unreadable: nothing recorded
+        return None
+    return None
+
+
+def _same_run(path, kind, source):
+    """Whether the export at path came from the run whose checkpoint is now at source (unknown on
+    either side counts as the same: what was replaced without asking before run ids were kept)."""
+    made, now = export_run(path, kind), checkpoint_run(source)
+    return made is None or now is None or made == now
+
+
 def saved_tokenizer(obj):
     """The tokenizer name ("byte", "gpt2") a checkpoint's config or an export names, or None."""
     return obj.get("tokenizer") if "format" in obj else (obj.get("config") or {}).get("tokenizer")
@@ -310,9 +351,12 @@ def check_output(flag, path, kind, source=None, overwrite=False, inputs=(), ckpt
         die(f"{flag}={path} is {KINDS[have]}, not {KINDS[kind]}: an output never replaces a file "
             f"of another kind, not even with --overwrite=True; pass another {flag}, or move that "
             "file away first", 2)
-    if overwrite or (source and have_source and os.path.abspath(have_source) == os.path.abspath(source)):
+    same_path = bool(source and have_source and os.path.abspath(have_source) == os.path.abspath(source))
+    if overwrite or (same_path and _same_run(path, have, source)):
         return
     made = f" made from another {'run' if kind == 'png' else 'checkpoint'} ({have_source})" if have_source else ""
+    if same_path:  # a run replaced since (train.py --overwrite=True): this may be all that is left of it
+        made = f" made from an earlier run's checkpoint at {have_source}, a run replaced since"
     die(f"{flag}={path} already exists ({KINDS[have]}{made}); pass another {flag}, or "
         "--overwrite=True to replace it",
         2)
