@@ -19,8 +19,8 @@ average, whatever k. A ternary model averages its latent (full-precision) weight
 then quantises the average, as it quantises any weights (absmean per tensor), so the averaged model
 is ternary too.
 
-train.py: --avg_checkpoints=6 --avg_alpha=0.2 (--avg_interval=0: the last decay_frac of the steps,
-the window a WSD decay would use); it evaluates the average beside the raw weights and saves it as
+train.py: --avg_checkpoints=6 --avg_alpha=0.2 (--avg_interval=0: a snapshot every decay_frac *
+max_iters / k steps, the k of them within the window a WSD decay would use); it evaluates the average beside the raw weights and saves it as
 <run>/avg.pt, which sample.py and tools/export.py load like any checkpoint
 (--ckpt=out/stage2/avg.pt).
 Test: python -m pytest tests/test_averaging.py

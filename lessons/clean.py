@@ -5,7 +5,7 @@ first one it fails drops it:
 
 1. quality filters, a few cheap rules per document (the first rule failed is the reason reported)
    prose (Gopher, Rae et al., arXiv 2112.11446, App. A.1.1): 50..100,000 words; mean word length
-   3..10; '#' and '...' per word <= 0.1; >= 80% of words contain a letter; lines that repeat an
+   3..10; '#' per word and '...' per word each <= 0.1; >= 80% of words contain a letter; lines that repeat an
    earlier line <= 30% of the lines and <= 20% of the characters;
    code (Codex, arXiv 2107.03374 sec. 3.1; StarCoder, arXiv 2305.06161 sec. 4): >= 50 words; mean
    line length <= 100; longest line <= 1000; alphanumeric characters >= 25% of the text.
@@ -64,7 +64,8 @@ def quality_reason(text, kind="prose"):
         return "too many words"
     if not p["min_mean_word"] <= sum(map(len, words)) / len(words) <= p["max_mean_word"]:
         return "odd mean word length"
-    if (text.count("#") + text.count("...") + text.count("\u2026")) / len(words) > p["max_symbols"]:
+    # each symbol on its own, as Gopher's "for either the hash symbol or the ellipsis"
+    if max(text.count("#"), text.count("...") + text.count("\u2026")) / len(words) > p["max_symbols"]:
         return "symbols"
     if sum(bool(LETTER.search(w)) for w in words) / len(words) < p["min_alpha_words"]:
         return "few words with letters"

@@ -159,8 +159,10 @@ def generate(model, prompt, gen_len, steps, mask_id, shift=False, temperature=0.
             probs = F.softmax(logits, dim=-1)
             pred = probs.argmax(dim=-1)                                 # (1, L)
         if remasking == "low_confidence":
-            # (1, L): the chosen token's probability
-            score = probs.gather(-1, pred.unsqueeze(-1)).squeeze(-1)
+            # (1, L): the chosen token's probability under the logits themselves (LLaDA's generate.py: the
+            # temperature only draws the token)
+            conf = probs if temperature == 0 else F.softmax(logits, dim=-1)
+            score = conf.gather(-1, pred.unsqueeze(-1)).squeeze(-1)
         else:
             where = generator.device if generator else None
             score = torch.rand(x.shape, generator=generator, device=where)

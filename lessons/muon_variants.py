@@ -9,7 +9,7 @@ on (NS5, the momentum update, the lr adjustment); this file imports it and adds 
        v = β2·v + (1 - β2)·mean_j(O_ij²)        (rows, 1), zeros at start, no bias correction
        Ô = O / (sqrt(v) + 1e-10);   Ô = Ô · ||O||_F / (||Ô||_F + 1e-10)
        p = p·(1 - lr·wd) - lr·s·Ô    s: the group's adjust_lr_fn, sqrt(max(1, rows/cols)) for Muon's
-   "original" (the paper's), 0.2·sqrt(max(rows, cols)) for train.py's default match_rms_adamw
+   "original" (the reference code's; Algorithm 1 scales Ô to RMS 0.2), 0.2·sqrt(max(rows, cols)) for match_rms_adamw
 2. 8-bit Muon (Gupta et al., arXiv 2509.23106): the momentum lives in 8 bits, quantised per block
    of B = 2048 values (bitsandbytes' blockwise scheme, arXiv 2110.02861), one fp32 absmax each:
        m = dequant(Z);  m = β·m + (1 - β)·g  (muon.muon_update);  O = NS5(u);  Z = quant(m)

@@ -139,6 +139,18 @@ def test_quality_filters_remove_planted_junk_for_the_stated_reason(kind, junk):
         assert clean.quality_reason(text, kind) == reason, reason
 
 
+
+def test_gophers_symbol_rule_counts_the_hash_and_the_ellipsis_each_on_its_own():
+    """Gopher drops a document whose symbol-to-word ratio is above 0.1 "for either the hash symbol or the
+    ellipsis": one at 0.08 and the other at 0.08 passes (their sum, 0.16, dropped it), either at 0.12 fails."""
+    words = ["plain"] * 92
+
+    def doc(hashes, dots):
+        return " ".join(words + ["#tag"] * hashes + ["wait..."] * dots)
+    assert clean.quality_reason(doc(8, 8), "prose") is None  # 108 words, 8 of each: 0.074 each
+    assert clean.quality_reason(doc(13, 0), "prose") == "symbols"  # 13 / 105
+    assert clean.quality_reason(doc(0, 13), "prose") == "symbols"
+
 def _shipped(path):
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f]

@@ -145,6 +145,31 @@ def test_low_confidence_remasking_commits_the_most_confident_position_first():
     assert fake.seen == [[1, 4, 4], [1, 4, 3]] and out.tolist() == [[1, 2, 3]]
 
 
+
+def test_low_confidence_ranks_by_the_untempered_probability_at_any_temperature():
+    """LLaDA scores a drawn token by softmax(logits), the temperature only drawing it. Position 1 holds two equal
+    logits (either token: probability 0.5, tempered or not), position 2 logits [1.504, 0, 0, 0] (token 0: 0.6, at
+    temperature 2 0.414). The first step's draws (replayed from the same generator: softmax(logits / 2), one
+    multinomial over the rows) decide which position is committed first: the one whose drawn token has the
+    larger untempered probability, so position 2 whenever it drew token 0, which the tempered probabilities
+    ranked below position 1 (0.414 < 0.5)."""
+    logits = torch.full((1, 3, 5), -30.0)
+    logits[0, 1, :2] = 0.0
+    logits[0, 2, :4] = torch.tensor([1.504, 0.0, 0.0, 0.0])
+    masked = logits.masked_fill(torch.arange(5) == 4, float("-inf"))
+    p = torch.softmax(masked, -1)[0]
+    tempered = torch.softmax((masked - masked.amax(-1, keepdim=True)) / 2.0, -1)[0]
+    second_first = 0
+    for seed in range(60):
+        fake = _Recording(logits)
+        dlm.generate(fake, torch.tensor([[1]]), gen_len=2, steps=2, mask_id=4, temperature=2.0,
+                     generator=torch.Generator().manual_seed(seed))
+        draws = torch.multinomial(tempered, 1, generator=torch.Generator().manual_seed(seed))[:, 0]
+        first = 1 if fake.seen[1][1] != 4 else 2
+        assert first == (1 if p[1, draws[1]] > p[2, draws[2]] else 2), (seed, draws.tolist(), fake.seen)
+        second_first += first == 2
+    assert second_first > 10  # token 0 drawn at position 2 (p 0.414 a seed): the case the two rules order apart
+
 def test_random_remasking_commits_positions_in_an_order_blind_to_confidence():
     """Over 100 generator seeds the surer position goes first about half the time (binomial: 50 ± 5), where
     low-confidence remasking puts it first every time."""
