@@ -335,6 +335,13 @@ def run(targets=TARGETS):
 
 
 def main(argv=()):
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__[__doc__.index("    python -m kernels.cross_compile "):__doc__.index("Test:")].rstrip())
+        return 0
+    wrong = [a for a in argv if not a.startswith("--json=")]
+    if wrong:
+        print(f"error: {wrong[0]}: expected --json=PATH (or --help)", file=sys.stderr)
+        return 2
     results = run()
     failed = sum("error" in r for r in results)
     for a in argv:

@@ -58,7 +58,7 @@ kernels/quantize.py (re-exported here); each equals quant.py's torch form bit fo
 Test (CPU, interpreter):  python -m pytest tests/test_kernels.py
 Compiled code (no GPU):   python -m kernels.cross_compile
 Benchmark (GPU):          python -m lab.bench
-Demo:                     python kernels/ternary_matmul.py    (CPU: TRITON_INTERPRET=1 python ...)
+Demo:                     python -m kernels.ternary_matmul    (CPU: TRITON_INTERPRET=1 python -m ...)
 """
 
 import importlib
@@ -414,7 +414,7 @@ def ternary_matmul(x_q, x_scale, w_packed, w_scale, out_dtype=torch.float32, *, 
 if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
     if device == "cpu" and not INTERPRETED:
-        raise SystemExit("no CUDA device: run the demo with TRITON_INTERPRET=1 python kernels/ternary_matmul.py")
+        raise SystemExit("no CUDA device: run the demo with TRITON_INTERPRET=1 python -m kernels.ternary_matmul")
     torch.manual_seed(0)
     M, K, N = 3, 100, 37
     x = torch.randn(M, K, device=device)

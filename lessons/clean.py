@@ -19,7 +19,7 @@ first one it fails drops it:
    a candidate pair is confirmed with the exact Jaccard of the shingle sets, J >= threshold (0.8,
    the source notes' example); the later document of a confirmed pair is dropped, the first kept.
 Everything is numpy and the standard library; hashes are fixed (no Python hash() salt), so the same
-corpus always gives the same result. tools/prepare.py runs it (--clean=prose|code|none).
+corpus always gives the same result. tools/prepare.py runs it (--clean=prose|code|dedup|none).
 
 Run (the report only, nothing written; --help for the flags):
     python -m lessons.clean                                         # the shipped code corpus

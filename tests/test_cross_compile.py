@@ -292,3 +292,17 @@ def test_gpu_check_spreads_the_kernel_tests_over_its_workers_test_by_test():
     workers = {open(os.path.join(where, f"ran_{i}")).read() for i in range(4)}
     shutil.rmtree(where, ignore_errors=True)
     assert len(workers) == 2, workers
+
+
+def test_cross_compile_help_prints_its_usage_and_an_unknown_flag_is_refused_before_compiling(capsys, monkeypatch):
+    """README: every tool takes --help. Here --help ran the whole sm_80/sm_90 compile and printed no usage, and a
+    mistyped --json was ignored (no file written, no word said)."""
+    from kernels import cross_compile
+
+    def no_compile():
+        raise AssertionError("compiled")
+    monkeypatch.setattr(cross_compile, "run", no_compile)
+    assert cross_compile.main(["--help"]) == 0
+    assert "--json=PATH" in capsys.readouterr().out
+    assert cross_compile.main(["--jsn=out.json"]) == 2
+    assert capsys.readouterr().err.startswith("error: --jsn=out.json: expected --json=PATH")

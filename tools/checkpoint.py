@@ -14,7 +14,8 @@ reason). So a checkpoint holds the weights AND every piece of state the next ste
                 DDP/FSDP)
     optimizer   state dict (Muon momentum buffers, AdamW moments and step counts), whole tensors
     zclip       ZClip statistics (or None)
-    loader      (shard, offset) per source and the mixing RNG (data.DataLoader.state_dict)
+    loader      data.DataLoader.state_dict: its sources, split, windows and order, and per source the
+                windows read (cursor), with the mixing RNG
     rng         torch (CPU and CUDA), numpy and python RNG states of rank 0
     val_loss    float: the val loss evaluated at this step, or None (a checkpoint saved between
                 evaluations)

@@ -13,7 +13,10 @@ inference needs only W_q in {-1, 0, +1}, packed four to a byte, and gamma
 (kernels/packed_linear.py). The export is a plain dict that loads with
 torch.load(weights_only=True):
 
-    {"format": "nanobitnet-packed-v2", "model_args": asdict(GPTConfig), "tokenizer": "byte" | "gpt2",
+    {"format": "nanobitnet-packed-v2", "model_args": asdict(GPTConfig),
+     "tokenizer": "byte" | "gpt2" | a pretrained model's source,
+     "source": the checkpoint's path, "source_run": its run's id (None from an older checkpoint),
+     "dlm_shift": a masked-diffusion model's only,
      "packed": {module name: {"w_packed": (N, ceil(K/4)) uint8 (quant.pack_ternary's bytes, which the kernels read),
                               "w_scale": 0-d fp32 gamma,
                               "in_features": K, "out_features": N}},

@@ -19,7 +19,8 @@ directory, not even with
 --overwrite=True (ckpt.pt is a hard link to ckpt_<step>.pt, so files are compared, not names); never
 a file of another kind (a training checkpoint, a packed export, a GGUF export, a published GGUF model,
 an HF export directory, a metrics log, a PNG, ...), and another run's or checkpoint's file of its own kind only with
---overwrite=True. A file of its own kind made from the same source (a re-export) is replaced.
+--overwrite=True. A file of its own kind made from the same source by the same run (a re-export; an export
+records its checkpoint's run id) is replaced.
 Test: python -m pytest tests/test_atomic.py tests/test_outputs.py
 """
 
