@@ -118,14 +118,9 @@ def main(argv):
     if args["dlm"]:
         return sample_dlm(model, tok, args, device)
     if args["jsonl"]:
-        try:
-            with atomic.stoppable("--jsonl", args["jsonl"]):
-                n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"],
-                                 args["temperature"], args["top_k"], args["start"], mode=args["decode"])
-        except OSError as e:  # a full disk: atomic_write removed its temporary file, the old one is whole
-            why, cause, fix = atomic.write_failed(e, args["jsonl"])
-            die(f"--jsonl={args['jsonl']}: cannot write it ({why}; {cause}); {fix}; a file there before is "
-                "unchanged")
+        with atomic.stoppable("--jsonl", args["jsonl"]):
+            n = write_corpus(model, tok, args["jsonl"], args["num_samples"], args["max_new_tokens"],
+                             args["temperature"], args["top_k"], args["start"], mode=args["decode"])
         print(f"wrote {args['num_samples']} samples, {n} characters, to {args['jsonl']}")
         return
     ids = [tok.eot] + tok.encode(args["start"])  # documents start with end-of-text in the shards
@@ -167,15 +162,16 @@ def sample_dlm(model, tok, args, device):
 
 
 def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0, top_k=None,
-                 start="", batch_size=64, mode="auto"):
+                 start="", batch_size=64, mode="auto", flag="--jsonl"):
     """Teacher-generated data: num_samples documents sampled from the model, each cut at its first
     end-of-text, written as jsonl ({"text": ...} per line, tools/prepare.py's input), all or nothing
-    (atomic.atomic_write). mode: tools/decode.py's. Returns the number of characters written."""
+    (atomic.written: a full disk is one error line naming flag). mode: tools/decode.py's. Returns the
+    number of characters written."""
     # a document starts after end-of-text
     ids = torch.tensor([tok.eot] + tok.encode(start), dtype=torch.long)
     device = next(model.parameters()).device
     chars, decoder = 0, decode.Decoder(model, mode)
-    with atomic.atomic_write(path) as tmp, open(tmp, "w") as f:
+    with atomic.written(path, flag) as tmp, open(tmp, "w") as f:
         for i in range(0, num_samples, batch_size):
             x = ids.to(device).expand(min(batch_size, num_samples - i), -1)
             y = decoder.generate(x, max_new_tokens, temperature=temperature, top_k=top_k,

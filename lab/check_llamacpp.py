@@ -111,7 +111,7 @@ def main(argv):
         result["samples"].append(out["choices"][0]["text"])
         print(f"--- llama.cpp sample {s}\n{result['samples'][-1]}")
     if args["out"]:
-        with atomic.atomic_write(args["out"]) as tmp, open(tmp, "w") as f:
+        with atomic.written(args["out"], "--out") as tmp, open(tmp, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args['out']}")
     return 0 if math.isfinite(theirs_l) else 1

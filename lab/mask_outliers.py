@@ -97,7 +97,7 @@ def main(argv):
     for name, (m, o) in res.items():
         print(f"  mask row {name}: mask tokens {m:.2f}, other tokens {o:.2f} ({m / o:.2f}x)")
     if args.out:
-        with atomic.atomic_write(args.out) as tmp, open(tmp, "w") as f:
+        with atomic.written(args.out, "--out") as tmp, open(tmp, "w") as f:
             json.dump(
                 {
                     "model": args.model,

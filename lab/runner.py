@@ -504,7 +504,7 @@ def _last_line(path):
 
 
 def _write_json(path, obj):
-    with atomic.atomic_write(path) as tmp, open(tmp, "w") as f:
+    with atomic.written(path) as tmp, open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
 
 

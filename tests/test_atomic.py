@@ -100,6 +100,25 @@ def test_a_symlinked_output_is_written_through_and_stays_a_link(tmp_path):
     why, disk, fix = atomic.write_failed(OSError(errno.ENOSPC, "No space left on device"), str(links / "out.txt"))
     assert f"the disk holding {keep} has" in disk and fix == "free disk space"
 
+
+def test_written_turns_a_failed_write_into_one_line_and_keeps_the_old_file(tmp_path, capsys):
+    """atomic.written (the outputs of sample.py --jsonl, lab.mask_outliers, lab.check_llamacpp, the lab's results):
+    the disk filling mid-write ends the command with one error line naming the flag and path and the free space,
+    exit 1, the old file whole, no temporary file left."""
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    with pytest.raises(SystemExit) as e:
+        with atomic.written(str(path), "--out") as tmp, open(tmp, "w") as f:
+            f.write("half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --out={path}: cannot write it (No space left on device; the disk holding"), err
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
+    with atomic.written(str(path)) as tmp:
+        open(tmp, "w").write("new")
+    assert path.read_text() == "new"
+
 def test_atomic_dir_swaps_in_the_whole_directory_or_nothing(tmp_path):
     path = str(tmp_path / "d")
     with atomic.atomic_dir(path) as tmp:

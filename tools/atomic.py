@@ -8,6 +8,7 @@ and the repository root.
                                           path's place if the block completes
     atomic_dir(path) -> tmp               the same for a whole directory (an HF export, a prepared
                                           dataset)
+    written(path, flag) -> tmp            atomic_write, and a failed write (a full disk) one error line
     swapped_out(path)                     where path's previous directory is, if a writer was killed
                                           mid-swap
     link_or_copy(src, dst)                a hard link, or a copy where the filesystem has none
@@ -66,6 +67,20 @@ def atomic_write(path):
     tmp = f"{path}.{_owner()}_{os.urandom(4).hex()}.tmp"
     with _installing(tmp, path):
         yield tmp
+
+
+@contextlib.contextmanager
+def written(path, flag=None):
+    """with written(path, "--out") as tmp: atomic_write(path), for a command's output: an OSError in the block
+    (the disk filled, a permission) ends the command with one error line naming flag=path (or path), the
+    reason, the disk's free space and the fix; the file there before is unchanged."""
+    try:
+        with atomic_write(path) as tmp:
+            yield tmp
+    except OSError as e:
+        why, cause, fix = write_failed(e, path)
+        die(f"{f'{flag}={path}' if flag else path}: cannot write it ({why}; {cause}); {fix}; a file there before "
+            "is unchanged")
 
 
 def stale_tmps(path):
