@@ -51,8 +51,8 @@ class Report:
         for name, s in summ.items():
             vals = {k: [r.get(k) for r in runs.get(name, [])] for k in measures}
             lines.append(
-                f"| {s['label']} | {fmt(s)} | {versus(s, base)} | "
-                + "".join(f"{fmt(s[c])} | {versus(s[c], base.get(c, {}))} | " for c in extra)
+                f"| {s['label']} | {fmt(s, n_seeds)} | {versus(s, base)} | "
+                + "".join(f"{fmt(s[c], n_seeds)} | {versus(s[c], base.get(c, {}))} | " for c in extra)
                 + "".join(f"{_mean_of(vals[k])} | " for k in measures)
                 + (f"{closed(s, base, ref)} |" if self.table.reference else "")
             )
@@ -233,26 +233,31 @@ def _mean_of(vals):
     )
 
 
-def fmt(s):
+def fmt(s, seeds=None):
+    """mean ± std; a row with fewer runs than the page's seeds says how many it has."""
     if s["mean"] is None:
         return "not run"
     if s.get("once"):
         return f"{s['mean']:.4f} (one run: no seed involved)"
     if s["std"] is None:
         return f"{s['mean']:.4f} (1 seed)"
-    return f"{s['mean']:.4f} ± {s['std']:.4f}"
+    short = f" ({s['n']} of {seeds} seeds)" if seeds and s.get("n", seeds) < seeds else ""
+    return f"{s['mean']:.4f} ± {s['std']:.4f}{short}"
+
+
+MIN_SEEDS = 3  # runs a seeded row needs for a verdict
 
 
 def versus(s, base):
     """Mean difference to the baseline row, and whether it is more than 2 std of the noisier of the
-    two rows."""
+    two rows; no verdict from a row of fewer than MIN_SEEDS runs."""
     if s["mean"] is None or not base or base.get("mean") is None or s is base:
         return ""
     d = s["mean"] - base["mean"]
     if s.get("once") and base.get("once"):  # two runs that no seed changes: the difference is exact
         return f"{d:+.4f} ({'better' if d < 0 else 'worse'}, exact: no seed involved)"
     seeded = [x for x in (s, base) if not x.get("once")]
-    if any(x.get("std") is None or x.get("n", 2) < 2 for x in seeded):
+    if any(x.get("std") is None or x.get("n", MIN_SEEDS) < MIN_SEEDS for x in seeded):
         return f"{d:+.4f} (too few seeds for a verdict)"
     noise = 2 * max(x["std"] for x in seeded)
     verdict = ("better" if d < 0 else "worse") if abs(d) > noise else "no measurable difference"

@@ -52,7 +52,7 @@ import data
 from lab import tables
 from lab.report import Report, _committed_runs, _current_keys
 from lab.tables import LabError, _shipped_dir
-from tools import atomic, checkpoint, load, metrics, prepare, runtime
+from tools import atomic, checkpoint, load, metrics, outputs, prepare, runtime
 from tools.atomic import ROOT
 from tools.flags import parse
 
@@ -174,14 +174,36 @@ class Lab(Report):
                                f"{err.getvalue().strip().removeprefix('error: ')}") from None
         return self._max_iters[name]
 
+    def flags_now(self, name, seed):
+        """The train.py flags this row's run of seed is made with now ([] for a row scored as built)."""
+        return [] if self.rows[name].build is not None else _flags(self.argv(self.rows[name], seed, resume=False)[1:])
+
+    def made_with(self, name, seed):
+        """The train.py flags the run in its directory was made with: its result.json's, else those lab
+        recorded when it started training it (argv.json); None when neither says."""
+        d = self.run_dir(name, seed)
+        for f in ("result.json", "argv.json"):
+            try:
+                with open(os.path.join(d, f)) as fh:
+                    argv = json.load(fh)
+                argv = argv.get("argv") if isinstance(argv, dict) else argv
+                if isinstance(argv, list):
+                    return _flags(argv)
+            except (OSError, ValueError):
+                continue
+        return None
+
     def result(self, row, seed):
-        """The run's result.json; None while it has none, or when it scored a run stopped short of
-        max_iters (an older lab did that after a preemption): that run is resumed, not counted."""
+        """The run's result.json; None while it has none, when it scored a run stopped short of
+        max_iters (an older lab did that after a preemption: that run is resumed, not counted), or
+        when it was made with other train.py flags than the row's now (trained again, run_one)."""
         path = os.path.join(self.run_dir(row, seed), "result.json")
         if not os.path.exists(path):
             return None
         res = _read_result(path, row, seed)
         if res["steps"] < self.max_iters(row) or (self.rerun and res.get("adopted")):
+            return None
+        if _flags(res.get("argv") or [None]) != self.flags_now(row, seed):
             return None
         # scored before the start columns existed
         if "ratio_mask" in res and "ratio_mask_start" not in res:
@@ -258,9 +280,7 @@ class Lab(Report):
         under root, marked "adopted". Returns the pairs adopted."""
         committed = {(r["row"], r.get("seed")): r for rs in _committed_runs(
             os.path.join(self.results, self.table.name + ".json")).values() for r in rs}
-        flags = lambda argv: [
-            a for a in argv[1:] if not a.startswith(("--resume=", "--overwrite="))
-        ]
+        flags = _flags
         done, adopted = {p for p in todo if self.result(*p) is not None}, []
         for name, seed in reversed(todo):  # the rows that start from a run are decided before it
             res = committed.get((name, seed))
@@ -280,17 +300,16 @@ class Lab(Report):
                 if (name in r.needs and s == seed)
                 or (name in r.needs_next and self.next_seed(s) == seed)
             ]
+            now = self.flags_now(name, seed)
+            if res is not None and (name, seed) not in done and flags(res["argv"]) != now:
+                log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken (its train.py "
+                    f"flags differ from the row's now: {_flag_difference(flags(res['argv']), now)}); it is "
+                    "trained again")
+                res = None
             if (
                 (name, seed) in done
                 or res is None
                 or res["steps"] < self.max_iters(name)
-                or flags(res["argv"])
-                != (
-                    flags(self.argv(self.rows[name], seed, resume=False)[1:])
-                    # built: no train.py
-                    if self.rows[name].build is None
-                    else []
-                )
                 or any(u in todo and u not in done for u in users)
             ):
                 continue
@@ -318,7 +337,16 @@ class Lab(Report):
         os.makedirs(d, exist_ok=True)
         if row.build is not None:
             return self.score_built(row, seed, d, log)
-        step, t0, commit = _saved_step(d), time.time(), _commit()
+        was, now = self.made_with(row.name, seed), self.flags_now(row.name, seed)
+        fresh = was is not None and was != now  # its row's flags changed: the run starts over
+        if fresh:
+            log(f"[lab] {row.name} seed {seed}: the run in {d} was made with other flags "
+                f"({_flag_difference(was, now)}); trained again from the start")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(d, "result.json"))
+        step, t0, commit = None if fresh else _saved_step(d), time.time(), _commit()
+        # the earlier run's id: a checkpoint still of that run after training is none of the new run's
+        old_run = outputs.checkpoint_run(os.path.join(d, checkpoint.LATEST)) if fresh else None
         cmd = self.argv(row, seed, resume=step is not None)
         if step is None or step < self.max_iters(row.name):
             if row.prepare is not None:
@@ -327,7 +355,10 @@ class Lab(Report):
                 log(f"[lab] {row.name} seed {seed}: cut the torn last line off {d}/metrics.jsonl "
                     f"before resuming")
             log(f"[lab] {row.name} seed {seed}: {' '.join(cmd[1:])}")
+            _write_json(os.path.join(d, "argv.json"), cmd[1:])  # what its checkpoints are made with
             code, step, where = self._train(cmd, d), _saved_step(d), f"{row.name} seed {seed}"
+            if fresh and step is not None and outputs.checkpoint_run(os.path.join(d, checkpoint.LATEST)) == old_run:
+                step = None
             if code != 0 and not self.stop:
                 raise LabError(f"{where} failed (exit {code}): "
                                f"{_last_line(os.path.join(d, 'train.log'))} (its log: "
@@ -435,6 +466,20 @@ def _ratios(steps, start=10):
     first = [r for r in steps if r["step"] <= start]
     return {f"ratio_{k}{suffix}": statistics.mean(r[f"ratio_{k}"] for r in rs)
             for suffix, rs in (("", steps), ("_start", first)) for k in ("mask", "other")}
+
+
+def _flags(argv):
+    """train.py's flags of a recorded command (train.py's path, then its flags), without --resume and --overwrite
+    (a run's first command and its resumptions differ only there)."""
+    return [a for a in argv[1:] if not a.startswith(("--resume=", "--overwrite="))]
+
+
+def _flag_difference(was, now):
+    """The first flags that differ between two train.py argument lists, as one phrase."""
+    gone, new = [a for a in was if a not in now], [a for a in now if a not in was]
+    parts = ([f"it had {' '.join(gone[:2])}{' ...' * (len(gone) > 2)}"] if gone else []) + \
+        ([f"the row has {' '.join(new[:2])}{' ...' * (len(new) > 2)}"] if new else [])
+    return "; ".join(parts) or "the same flags in another order"
 
 
 def _not_adoptable(res):

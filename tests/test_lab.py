@@ -163,6 +163,10 @@ def test_versus_and_gap_closed_follow_their_definitions():
     ref = {"mean": 0.80, "std": 0.01}
     assert report.closed({"mean": 0.90, "std": 0.0}, base, ref) == "50%"
     assert report.fmt({"mean": 1.23456, "std": 0.00123}) == "1.2346 ± 0.0012"
+    # two runs of a three-seed table (one lost, or --seeds=2): said on the page, and no verdict from them
+    two = {"mean": 0.90, "std": 0.001, "n": 2}
+    assert report.versus(two, {**base, "n": 3}) == "-0.1000 (too few seeds for a verdict)"
+    assert report.fmt(two, 3) == "0.9000 ± 0.0010 (2 of 3 seeds)" and report.fmt({**two, "n": 3}, 3) == "0.9000 ± 0.0010"
 
 
 def test_unknown_table_row_or_option_is_one_line_exit_2(capsys):
@@ -212,8 +216,11 @@ def test_dlm_ratios_average_all_steps_and_the_first_ten():
 def _fake_result(t, row, seed, val_loss, steps=3):
     """A result.json as lab writes it, without training (the rows of _table() run 3 steps)."""
     os.makedirs(t.run_dir(row, seed), exist_ok=True)
+    # the row's command, as t would run it (a seed t does not run: as a 3-seed lab would)
+    lab = t if seed in t.seeds else runner.Lab(t.table, seeds=(0, 1, 2), root=t.root)
+    argv = lab.argv(lab.rows[row], seed, resume=False)[1:] if t.rows[row].build is None else []
     res = {"row": row, "seed": seed, "val_loss": val_loss, "val_tokens": 992, "scored": "ckpt.pt",
-           "argv": [], "extra_val_loss": {}, "steps": steps, "ms_per_step_median": 1.0,
+           "argv": argv, "extra_val_loss": {}, "steps": steps, "ms_per_step_median": 1.0,
            "max_logit": None, "optimizer_bytes": 0, "wall_s": 0.0, "curve": [[steps, val_loss]],
            "logit_curve": []}
     with open(os.path.join(t.run_dir(row, seed), "result.json"), "w") as f:
@@ -431,6 +438,29 @@ def test_a_run_that_stopped_before_max_iters_is_not_scored_and_is_resumed(tmp_pa
         "--resume=True" in line for line in logs
     )
 
+
+
+def test_a_finished_run_whose_row_changed_is_not_counted_and_trains_again_from_the_start(tmp_path):
+    """A result counts only for the flags its row has now: after a row's flags change (another --lr, a
+    lowered --max_iters, a --seeds=1 look that gave a seed other teachers), its finished runs are not in the
+    table, and the next run trains them again from the start (--overwrite=True, not --resume), with a line
+    saying which flags differ. (Before: "done, skipped", and the page described runs that never happened.)"""
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python=shutil.which("true"))  # "train.py" exits at once: the command is what is checked
+    _finished_ckpt(t, "a", 0, step=3)
+    _fake_result(t, "a", 0, 1.0)
+    assert t.result("a", 0) is not None
+    t.table.rows[0] = tables.Row("a", "row a", t.rows["a"].args + " --lr=5e-3")
+    t.rows["a"] = t.table.rows[0]
+    assert t.result("a", 0) is None and t.found()["a"] == []
+    logs = []
+    with pytest.raises(tables.LabError):  # the stand-in trains nothing: no checkpoint of the new run
+        t.run(["a"], log=logs.append)
+    assert any("made with other flags (the row has --lr=5e-3); trained again from the start" in line
+               for line in logs), logs
+    started = [line for line in logs if "--stage=1" in line]
+    assert started and "--overwrite=True" in started[0] and "--resume=True" not in started[0], started
+    assert not os.path.exists(os.path.join(t.run_dir("a", 0), "result.json"))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
@@ -851,3 +881,18 @@ def test_rerun_takes_nothing_from_the_committed_table_and_trains_again_what_was_
     monkeypatch.setattr(runner.Lab, "check_writable", lambda self: None)
     assert runner.main(["t", "--rerun=True", f"--root={root}"]) == 0 and runner.main(["t"]) == 0
     assert seen == [True, False]
+
+
+def test_a_committed_run_of_other_flags_is_not_taken_and_the_line_says_which(tmp_path):
+    """A fresh machine re-trains a committed run whose recorded flags are not the row's now (the pinned --lr of
+    a table whose runs predate the pin): one line names the flags that differ, where nothing was said."""
+    results, root, t = _committed_table(tmp_path)
+    table = json.load(open(os.path.join(results, "t.json")))
+    for r in table["runs"]:
+        if r["row"] == "a":
+            r["argv"] = [a for a in r["argv"] if not a.startswith("--max_iters=")] + ["--lr=3e-3"]
+    _write(os.path.join(results, "t.json"), json.dumps(table))
+    logs = []
+    assert t.adopt(t.order(["a"]), log=logs.append) == []
+    said = [line for line in logs if "a seed 0: its run in t.json is not taken" in line]
+    assert len(said) == 1 and "it had --lr=3e-3; the row has --max_iters=3" in said[0], logs
