@@ -116,7 +116,7 @@ class Report:
                             f"\n\nCommand: `python -m lab {name}`; val loss over the whole val "
                             "split of the shipped corpus. \"vs\": mean difference, and whether it "
                             "exceeds 2 std of the noisier of that row and "
-                            f"{self.table.baseline}.\n\n{self.markdown(runs)}\n")
+                            f"{self.table.baseline}. {code_line(runs)}\n\n{self.markdown(runs)}\n")
                 with open(place(name + ".json"), "w") as f:
                     json.dump(
                         {
@@ -216,6 +216,23 @@ class Report:
             ax.legend()
             fig.savefig(place(f"{self.table.name}_logits.png"), dpi=100, format="png")
         plt.close(fig)
+
+
+def code_line(runs):
+    """The sentence naming the code the runs come from: the commits that trained them (each run's
+    trained_at, else the commit that scored it), with how many runs each, and the runs that record none."""
+    counts, unknown = {}, 0
+    for rs in runs.values():
+        for r in rs:
+            commits = r.get("trained_at") or ([r["commit"]] if r.get("commit") else [])
+            unknown += not commits
+            for c in commits:
+                counts[c] = counts.get(c, 0) + 1
+    named = ", ".join(f"{c[:7]}{c[40:]} ({n} run{'s' * (n > 1)})" for c, n in counts.items())
+    if not counts:
+        return "Code: no run records its commit."
+    return (f"Code: {'one commit' if len(counts) == 1 else f'{len(counts)} commits'}, {named}" +
+            (f"; {unknown} run{'s record' if unknown > 1 else ' records'} none" if unknown else "") + ".")
 
 
 def _stats(vals):

@@ -389,8 +389,10 @@ class Lab(Report):
         extra_val_loss = {name: full_val_loss(os.path.join(d, row.score), self.corpus_dir(name))[0]
                           for name in self.table.extra_corpora}
         opt = checkpoint.load(os.path.join(d, checkpoint.LATEST))["optimizer"]
+        # every commit whose code trained it (each train.py process's first record names its own)
+        trained = list(dict.fromkeys(r["commit"] for r in recs if "commit" in r))
         res = {**extra, "row": row.name, "seed": seed, "val_loss": loss, "val_tokens": n,
-               "scored": row.score, "argv": cmd[1:], "commit": commit,
+               "scored": row.score, "argv": cmd[1:], "commit": commit, "trained_at": trained,
                "extra_val_loss": extra_val_loss, "steps": step,
                "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
                "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
@@ -512,13 +514,9 @@ def _read_result(path, row, seed):
 
 
 def _commit():
-    """The commit of the checkout lab runs from (git rev-parse HEAD); "unknown" outside a git
-    checkout or without git."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The commit of the checkout lab runs from (runtime.git_commit: -dirty when a tracked file
+    differs from it; "unknown" outside a git checkout or without git)."""
+    return runtime.git_commit(ROOT)
 
 
 def _records(path):

@@ -549,9 +549,13 @@ def test_every_result_records_the_commit_lab_ran_at(tmp_path, monkeypatch):
     t.run(["a"], log=lambda line: None)
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=runner.ROOT, capture_output=True,
                           text=True).stdout.strip()
-    assert len(head) == 40 and t.result("a", 0)["commit"] == head
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=runner.ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    head += "-dirty" if changed else ""  # a tracked file differs from the commit: not the commit's code
+    assert len(head) >= 40 and t.result("a", 0)["commit"] == head
     t.report(log=lambda line: None)
     assert [r["commit"] for r in json.load(open(tmp_path / "results" / "t.json"))["runs"]] == [head]
+    assert f"Code: one commit, {head[:7]}{head[40:]} (1 run)." in open(tmp_path / "results" / "t.md").read()
     with monkeypatch.context() as m:
         m.setattr(runner, "ROOT", str(tmp_path))  # not a git checkout
         assert runner._commit() == "unknown"
@@ -882,6 +886,23 @@ def test_rerun_takes_nothing_from_the_committed_table_and_trains_again_what_was_
     assert runner.main(["t", "--rerun=True", f"--root={root}"]) == 0 and runner.main(["t"]) == 0
     assert seen == [True, False]
 
+
+
+def test_a_run_trained_over_two_commits_records_both_and_the_page_says_so(tmp_path):
+    """A run stopped and resumed after a commit was trained by two codes: result.json's trained_at lists both
+    (each train.py process's first metrics record names its commit), the JSON keeps them, and the page's Code
+    sentence counts the runs of each. (Before: only the commit that scored it, and the page named none.)"""
+    _shards(str(tmp_path / "shards"), 1000)
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), results=str(tmp_path / "results"),
+                   python=shutil.which("false"))
+    t.shipped = str(tmp_path / "shards")
+    a, b = "a" * 40, "b" * 40 + "-dirty"
+    recs = [{"step": 1, "ms": 1.0, "commit": a}, {"step": 2, "ms": 1.0}, {"step": 3, "ms": 1.0, "commit": b}]
+    _finished_ckpt(t, "a", 0, step=3, records=[json.dumps(r) + "\n" for r in recs])
+    t.run(["a"], log=lambda line: None)
+    assert t.result("a", 0)["trained_at"] == [a, b]
+    t.report(log=lambda line: None)
+    assert "Code: 2 commits, aaaaaaa (1 run), bbbbbbb-dirty (1 run)." in open(tmp_path / "results" / "t.md").read()
 
 def test_a_committed_run_of_other_flags_is_not_taken_and_the_line_says_which(tmp_path):
     """A fresh machine re-trains a committed run whose recorded flags are not the row's now (the pinned --lr of

@@ -518,7 +518,9 @@ def test_metrics_jsonl_names_the_commit_of_the_code_that_wrote_each_run_and_each
     import subprocess
     from tools import runtime
     p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    want = p.stdout.strip() if p.returncode == 0 else "unknown"
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                             capture_output=True, text=True).stdout.strip()
+    want = p.stdout.strip() + ("-dirty" if changed else "") if p.returncode == 0 else "unknown"
     flags = ["--stage=2", *TINY, "--eval_interval=2", f"--out_dir={tmp_path}"]
     train.main([*flags, "--max_iters=2"])
     train.main([*flags, "--max_iters=3", "--resume=True"])

@@ -221,14 +221,19 @@ def keep_freed_memory():
 
 
 def git_commit(d=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
-    """`git rev-parse HEAD` of the checkout holding d (by default this code's), or "unknown" where
-    there is none (a copy outside git, or no git installed)."""
+    """`git rev-parse HEAD` of the checkout holding d (by default this code's), with "-dirty" after it
+    when a tracked file differs from that commit (the code that ran is not the commit's), or
+    "unknown" where there is no checkout (a copy outside git, or no git installed)."""
     try:
         p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=d, capture_output=True, text=True,
                            timeout=30)
+        if p.returncode != 0 or not p.stdout.strip():
+            return "unknown"
+        s = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=d,
+                           capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return p.stdout.strip() if p.returncode == 0 and p.stdout.strip() else "unknown"
+    return p.stdout.strip() + ("-dirty" if s.returncode == 0 and s.stdout.strip() else "")
 
 
 # -----------------------------------------------------------------------------
