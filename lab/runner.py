@@ -133,6 +133,7 @@ class Lab(Report):
                                     f"shakespeare_{prepare.source_slug(table.tokenizer)}")
         # the train.py running now; the signals lab receives (run())
         self.child, self.signals = None, None
+        self.log_start = 0  # where the running attempt's lines begin in its train.log (_train)
         self._max_iters = {}
 
     def seed_dir(self, seed):
@@ -361,7 +362,7 @@ class Lab(Report):
                 step = None
             if code != 0 and not self.stop:
                 raise LabError(f"{where} failed (exit {code}): "
-                               f"{_last_line(os.path.join(d, 'train.log'))} (its log: "
+                               f"{_last_line(os.path.join(d, 'train.log'), self.log_start)} (its log: "
                                f"{d}/train.log)")
             want = self.max_iters(row.name)
             if self.stop:
@@ -428,11 +429,15 @@ class Lab(Report):
 
     def _train(self, cmd, d):
         """train.py in a process group of its own: a Ctrl-C in the terminal reaches lab only, which
-        passes it on once (twice would stop train.py without a checkpoint). Returns its exit
-        code."""
-        with open(os.path.join(d, "train.log"), "a") as f:
+        passes it on once (twice would stop train.py without a checkpoint). On Linux it is sent
+        SIGTERM (it saves at the end of its step) if lab dies (SIGKILL, a closed terminal), so no
+        train.py outlives lab to hold the run's lock. Returns its exit code; self.log_start is where
+        this attempt's lines begin in train.log."""
+        log = os.path.join(d, "train.log")
+        self.log_start = os.path.getsize(log) if os.path.exists(log) else 0
+        with open(log, "a") as f:
             self.child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                          process_group=0)
+                                          process_group=0, preexec_fn=_with_parent(os.getpid()))
         try:
             if self.stop:  # the signal came between the last check and the start
                 self.child.send_signal(signal.Signals[self.stop])
@@ -538,12 +543,29 @@ def _saved_step(d):
         raise LabError(str(e)) from None
 
 
-def _last_line(path):
-    """The last line train.py wrote (its `error: ...` line when it refused to run), without the
-    prefix."""
-    with open(path, errors="replace") as f:
-        lines = [line.strip() for line in f if line.strip()]
-    return (lines or ["(an empty log)"])[-1].removeprefix("error: ")
+def _last_line(path, start=0):
+    """The line that says why train.py stopped, of those written from byte `start` on (this attempt's): its last
+    `error: ...` line without the prefix, else its last line (another process's lines may follow it)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        lines = [line.strip() for line in f.read().decode(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    return (errors or lines or ["(an empty log)"])[-1].removeprefix("error: ")
+
+
+def _with_parent(parent):
+    """A preexec_fn for a child that gets SIGTERM when its parent (pid parent) dies: Linux's
+    PR_SET_PDEATHSIG; elsewhere None (nothing is set up)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
+
+    def set_up():
+        prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before it was set
+            os.kill(os.getpid(), signal.SIGTERM)
+    return set_up
 
 
 def _write_json(path, obj):

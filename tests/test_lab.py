@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -917,3 +918,47 @@ def test_a_committed_run_of_other_flags_is_not_taken_and_the_line_says_which(tmp
     assert t.adopt(t.order(["a"]), log=logs.append) == []
     said = [line for line in logs if "a seed 0: its run in t.json is not taken" in line]
     assert len(said) == 1 and "it had --lr=3e-3; the row has --max_iters=3" in said[0], logs
+
+
+def _stand_in(path, body):
+    with open(path, "w") as f:
+        f.write("#!/bin/sh\n" + body)
+    os.chmod(path, 0o755)
+    return str(path)
+
+
+def test_a_failed_run_is_named_by_this_attempts_error_line_not_the_logs_last_line(tmp_path):
+    """train.py refusing to start (another run holds the lock) prints its error line, and a stray train.py of an
+    earlier sitting may go on appending step lines to the same log: the failure names this attempt's error line.
+    (Before: the log's last line, a stray step line.)"""
+    python = _stand_in(tmp_path / "python", 'echo "error: another run (pid 5032) is writing here"\n'
+                                            'echo "step 5143 | loss 3.6144"\nexit 1\n')
+    t = runner.Lab(_table(), seeds=(0,), root=str(tmp_path / "runs"), python=python)
+    os.makedirs(t.run_dir("a", 0))
+    _write(os.path.join(t.run_dir("a", 0), "train.log"), "error: an older attempt's refusal\n")
+    with pytest.raises(tables.LabError) as e:
+        t.run(["a"], log=lambda line: None)
+    assert "a seed 0 failed (exit 1): another run (pid 5032) is writing here" in str(e.value), str(e.value)
+
+
+def test_train_py_gets_sigterm_when_lab_is_killed(tmp_path):
+    """(Linux: PR_SET_PDEATHSIG.) lab killed with SIGKILL (or its terminal closed) while train.py runs: train.py is sent SIGTERM (on which
+    it saves and exits) instead of training on alone, holding the run's lock for the next sitting."""
+    import signal
+    import subprocess
+    mark = tmp_path / "got_term"
+    python = _stand_in(tmp_path / "python", f'trap \'echo term > "{mark}"; exit 0\' TERM\n'
+                                            f'touch "{tmp_path / "started"}"\nwhile true; do sleep 0.05; done\n')
+    lab = subprocess.Popen([sys.executable, "-c",
+                            "import sys; sys.path.insert(0, 'tests'); import test_lab, lab.runner as r; "
+                            f"r.Lab(test_lab._table(), seeds=(0,), root={str(tmp_path / 'runs')!r}, "
+                            f"python={python!r}).run(['a'], log=lambda line: None)"], cwd=runner.ROOT)
+    deadline = time.time() + 60
+    while not (tmp_path / "started").exists():
+        assert time.time() < deadline and lab.poll() is None, "the stand-in train.py never started"
+        time.sleep(0.05)
+    lab.send_signal(signal.SIGKILL)
+    lab.wait()
+    while not mark.exists():
+        assert time.time() < deadline, "train.py kept running after lab was killed"
+        time.sleep(0.05)
