@@ -483,11 +483,21 @@ def test_a_lock_whose_pid_now_belongs_to_another_process_is_taken_over(tmp_path)
         for holder in (f"{os.getpid()} {started(os.getpid()) - 1}", f"{other.pid} {started(other.pid) + 3}", ""):
             (tmp_path / ".lock").write_text(holder)
             release = checkpoint.lock(str(tmp_path))
-            assert (tmp_path / ".lock").read_text() == f"{os.getpid()} {started(os.getpid())}", holder
+            ns = os.stat("/proc/self/ns/pid").st_ino
+            assert (tmp_path / ".lock").read_text() == \
+                f"{os.getpid()} {started(os.getpid())} {atomic._host()} {ns}", holder
             release()
         for holder in (f"{other.pid} {started(other.pid)}", str(other.pid)):
             (tmp_path / ".lock").write_text(holder)
             with pytest.raises(checkpoint.CheckpointError, match=f"pid {other.pid}"):
+                checkpoint.lock(str(tmp_path))
+            assert (tmp_path / ".lock").read_text() == holder
+        # another host's or another PID namespace's (a container) run: its pid means nothing here, so its lock
+        # is never taken over (it was when that pid ran nothing here, and the live run lost its checkpoints)
+        ns = os.stat("/proc/self/ns/pid").st_ino
+        for holder in (f"999999 5 node7 {ns}", f"999999 5 {atomic._host()} {ns + 1}"):
+            (tmp_path / ".lock").write_text(holder)
+            with pytest.raises(checkpoint.CheckpointError, match="in another host or container"):
                 checkpoint.lock(str(tmp_path))
             assert (tmp_path / ".lock").read_text() == holder
     finally:

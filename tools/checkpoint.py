@@ -238,23 +238,40 @@ def remove_run(d):
         os.remove(os.path.join(d, n))
 
 
+def _where():
+    """This process's host and PID namespace (its inode; 0 without /proc): where its pids mean something."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return f"{atomic._host()} {ns}"
+
+
 def lock(d):
-    """Claim d for this process: d/.lock holds our pid and when this process started
-    (atomic._start_time). Another live process's lock raises CheckpointError; a dead one's (a killed
-    run, also when its pid now belongs to another process, this one included) is taken over. Returns
-    a function that releases the lock."""
+    """Claim d for this process: d/.lock holds our pid, when this process started
+    (atomic._start_time; 0 unknown), our host and PID namespace. Another live process's lock raises
+    CheckpointError; a dead one's (a killed run, also when its pid now belongs to another process,
+    this one included) is taken over. A lock written on another host, or in another PID namespace (a
+    container), cannot be checked from here: it is refused, naming the file to remove if that run is
+    gone. Returns a function that releases the lock."""
     path = os.path.join(d, ".lock")
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             try:
-                # "<pid> <start>", or "<pid>"
-                pid, *start = (int(v) for v in open(path).read().split())
+                # "<pid> <start> <host> <namespace>"; older locks "<pid> <start>" or "<pid>"
+                pid, *rest = open(path).read().split()
+                pid, start, where = int(pid), int(rest[0]) if rest else 0, " ".join(rest[1:3])
             except (ValueError, FileNotFoundError):
-                pid, start = 0, []
+                pid, start, where = 0, 0, ""
+            if pid > 0 and where and where != _where():
+                raise CheckpointError(f"{d}: a run on {where.split()[0]} (pid {pid}, in another host or "
+                                      f"container: its lock file {path}) is writing here; wait for it, or "
+                                      "pass another --out_dir or --run_name (if that run is gone, remove the "
+                                      "lock file)") from None
             # stale: its run is gone
-            if pid <= 0 or not atomic._running(pid, start[0] if start else None):
+            if pid <= 0 or not atomic._running(pid, start or None):
                 if os.path.exists(path):
                     os.remove(path)
                 continue
@@ -263,7 +280,7 @@ def lock(d):
                                   "or --run_name") from None
         start = atomic._start_time(os.getpid())
         try:
-            os.write(fd, f"{os.getpid()}{'' if start is None else f' {start}'}".encode())
+            os.write(fd, f"{os.getpid()} {start or 0} {_where()}".encode())
         except OSError as e:  # a full disk: no lock left behind, one line
             os.close(fd)
             os.remove(path)
