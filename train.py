@@ -132,11 +132,11 @@ def train_step(run, step, stop_requested):
     if scale != 1.0:
         torch._foreach_mul_([p.grad for p in grads], 1.0 / scale)
     stats = clip_gradients(grads, run.clipper, cfg.grad_clip)
-    # stage 3: ce and the kd_* terms, each the mean over the micro-batches (as the loss)
-    stats.update({k: v / run.accum for k, v in parts_sum.items()})
     for cb in run.callbacks:
         stats.update(cb.watch())  # e.g. QK-clip's max attention logit
-    out = read_step(loss_sum / run.accum, stop_requested, stats)  # the one host read of the step
+    # stage 3: ce and the kd_* terms, each the mean over the micro-batches and the ranks (as the loss)
+    parts = {k: v / run.accum for k, v in parts_sum.items()}
+    out = read_step(loss_sum / run.accum, stop_requested, stats, parts)  # the one host read of the step
     out["ok"] = math.isfinite(out["loss"]) and math.isfinite(out["raw_norm"])
     if out["ok"]:
         opt.step()
@@ -210,16 +210,20 @@ def clip_gradients(params, clipper, grad_clip):
     return {"raw_norm": raw, "clipped_norm": raw.clamp(max=grad_clip) if grad_clip > 0 else raw}
 
 
-def read_step(loss, stop_requested, stats):
-    """The one host read per step: the loss averaged over ranks, whether any rank got a stop signal,
-    and the step's statistics, in one tensor. Every rank gets the same loss and stop, so all take
-    the same branch."""
-    head = torch.stack([loss, torch.tensor(float(stop_requested), device=loss.device)])
+def read_step(loss, stop_requested, stats, parts=None):
+    """The one host read per step: the loss and its parts averaged over ranks, whether any rank got a
+    stop signal, and the step's statistics, in one tensor. Every rank gets the same loss and stop, so
+    all take the same branch."""
+    parts = parts or {}
+    head = torch.stack([loss, *(v.detach().float() for v in parts.values()),
+                        torch.tensor(float(stop_requested), device=loss.device)])
     if dist.is_initialized():
         dist.all_reduce(head)
-        head = head / torch.tensor([dist.get_world_size(), 1.0], device=loss.device)
+        head[:-1] /= dist.get_world_size()
     values = torch.cat([head] + [v.detach().float().reshape(1) for v in stats.values()]).tolist()
-    return {"loss": values[0], "stop": values[1] > 0, **dict(zip(stats, values[2:]))}
+    n = len(parts)
+    return {"loss": values[0], **dict(zip(parts, values[1:n + 1])), "stop": values[n + 1] > 0,
+            **dict(zip(stats, values[n + 2:]))}
 
 
 # -----------------------------------------------------------------------------

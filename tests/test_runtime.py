@@ -212,3 +212,16 @@ def test_a_cpu_run_keeps_freed_memory_for_its_next_step():
     assert run("env", seed, GLIBC_TUNABLES=GLIBC_TUNABLES)[0] < before / 20
     _, before, took, after = measured("runtime")
     assert after < before / 20, (before, took, after)
+
+
+def test_a_rank_lost_before_the_first_checkpoint_says_to_start_again_with_overwrite(tmp_path, capsys):
+    """The run's directory then holds a run that ended before its first checkpoint (its metrics.jsonl), which the
+    same command refuses without --overwrite=True: the lost-rank line says so. (Before: "start again", which the
+    same command then refused.)"""
+    from types import SimpleNamespace
+    from tools import runtime
+    run = SimpleNamespace(ckpt_path=str(tmp_path / "ckpt.pt"), rt=SimpleNamespace(world=2))
+    with pytest.raises(SystemExit):
+        runtime.lost_rank(run, RuntimeError("[gloo] Connection closed by peer"))
+    err = capsys.readouterr().err
+    assert "no checkpoint was written yet" in err and "the same torchrun command with --overwrite=True" in err, err

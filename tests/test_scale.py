@@ -121,6 +121,9 @@ def test_grad_accum_that_does_not_divide_the_world_size_is_refused(monkeypatch, 
     assert "--batch_size=24 --grad_accum=2 for the same 48 sequences a step" in msg  # the step's size kept
     msg = fails(capsys, f"--out_dir={tmp_path}", "--device=cpu", code=2)  # the CPU preset under torchrun
     assert "--batch_size=8 --grad_accum=2 for the same 16 sequences a step" in msg, msg
+    # each rank would log its own maximum (rank 0's was logged as the run's), as with --qk_clip_tau
+    msg = fails(capsys, "--log_max_logit=True", "--grad_accum=2", f"--out_dir={tmp_path}", "--device=cpu", code=2)
+    assert "--log_max_logit run in one process here" in msg, msg
 
 # -----------------------------------------------------------------------------
 # distributed Muon and sharded ZClip, 2 spawned gloo processes against the single-process result

@@ -851,3 +851,28 @@ def test_a_finite_loss_with_a_non_finite_gradient_skips_the_update(setup_run, ba
     assert out["ok"] is False
     for n, q in run.model.named_parameters():
         assert torch.equal(q.detach(), before[n]), n
+
+
+def test_the_step_read_averages_the_loss_and_its_parts_over_the_ranks(monkeypatch):
+    """Under torchrun each rank sums its own micro-batches: read_step averages the loss and stage 3's parts (ce,
+    kd_*) over the ranks in its one all-reduce, and ORs the stop flag; the other statistics (grad norms,
+    already global) pass as they are. Here a stand-in all_reduce adds the other rank's values. (Before: the parts
+    were rank 0's alone, so the logged ce and kd terms did not add up to the logged loss.)"""
+    other = torch.tensor([3.0, 4.0, 10.0, 1.0])  # rank 1: loss, ce, kd_logits, its stop flag
+
+    class TwoRanks:
+        @staticmethod
+        def is_initialized():
+            return True
+
+        @staticmethod
+        def get_world_size():
+            return 2
+
+        @staticmethod
+        def all_reduce(t):
+            t.add_(other)
+    monkeypatch.setattr(train, "dist", TwoRanks)
+    out = train.read_step(torch.tensor(1.0), False, {"raw_norm": torch.tensor(7.0)},
+                          {"ce": torch.tensor(2.0), "kd_logits": torch.tensor(6.0)})
+    assert out == {"loss": 2.0, "ce": 3.0, "kd_logits": 8.0, "stop": True, "raw_norm": 7.0}

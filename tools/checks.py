@@ -171,10 +171,10 @@ def check_run(cfg, rt, out_dir, teachers):
     if world > 1 and cfg.stage == DLM_STAGE:
         die("--stage=dlm runs in one process here (its loss calls the model directly, not the DDP "
             "wrapper)", 2)
-    if world > 1 and (cfg.normuon or cfg.muon_state != "fp32" or cfg.qk_clip_tau > 0):
-        die("--normuon, --muon_state and --qk_clip_tau run in one process here (each rank would "
-            "record its own max logits, and the variants' step is not shared out); use plain Muon "
-            "with torchrun",
+    if world > 1 and (cfg.normuon or cfg.muon_state != "fp32" or cfg.qk_clip_tau > 0 or cfg.log_max_logit):
+        die("--normuon, --muon_state, --qk_clip_tau and --log_max_logit run in one process here (each "
+            "rank would record its own max logits, and the variants' step is not shared out); use plain "
+            "Muon with torchrun",
             2)
     for path in teachers if cfg.stage == 3 else []:
         if not os.path.exists(path) and not is_model_source(path):

@@ -270,7 +270,7 @@ def lost_rank(run, e):
                            ("step",))["step"] if os.path.exists(run.ckpt_path) else None
     resume = (f"restart all {run.rt.world} ranks with the same torchrun command and --resume=True "
               f"to continue from {run.ckpt_path} (step {step})") if step is not None else \
-        "no checkpoint was written yet; start again"
+        "no checkpoint was written yet; start again: the same torchrun command with --overwrite=True"
     die(f"lost contact with another rank of this {run.rt.world}-process run ({why}); torchrun's "
         f"summary names the rank that stopped; {resume}")
 
