@@ -121,6 +121,12 @@ def test_grad_accum_that_does_not_divide_the_world_size_is_refused(monkeypatch, 
     assert "--batch_size=24 --grad_accum=2 for the same 48 sequences a step" in msg  # the step's size kept
     msg = fails(capsys, f"--out_dir={tmp_path}", "--device=cpu", code=2)  # the CPU preset under torchrun
     assert "--batch_size=8 --grad_accum=2 for the same 16 sequences a step" in msg, msg
+    # resuming a one-process run of the CPU preset (16 x 1) on 2 ranks: no batch split to suggest, since a resumed
+    # run keeps its own (the suggestion --batch_size=8 --grad_accum=2 was then refused by the resume)
+    from tools import checks, config
+    cfg = config.TrainConfig(resume=True, batch_size=16, grad_accum=1)
+    msg = fails(capsys, code=2, main=lambda argv: checks.check_run(cfg, type("Rt", (), {"world": 2})(), str(tmp_path), []))
+    assert "resume it on a number of processes that divides 1" in msg and "--batch_size=" not in msg, msg
     # each rank would log its own maximum (rank 0's was logged as the run's), as with --qk_clip_tau
     msg = fails(capsys, "--log_max_logit=True", "--grad_accum=2", f"--out_dir={tmp_path}", "--device=cpu", code=2)
     assert "--log_max_logit run in one process here" in msg, msg

@@ -160,6 +160,10 @@ def check_run(cfg, rt, out_dir, teachers):
     """Refuse, before anything is loaded or written, a batch split that does not divide, a stage 3
     without its teachers, or an out_dir that cannot be written."""
     world = rt.world
+    if cfg.grad_accum % world and cfg.resume:  # the checkpoint's batch split: another would be refused
+        die(f"--grad_accum={cfg.grad_accum} (the resumed run's) counts the micro-batches of one step over "
+            f"all ranks, and {world} ranks do not divide it; a resumed run keeps its --batch_size and "
+            f"--grad_accum, so resume it on a number of processes that divides {cfg.grad_accum} (1 does)", 2)
     if cfg.grad_accum % world:
         seqs = cfg.batch_size * cfg.grad_accum  # a step's sequences, kept by a smaller micro-batch
         k = next((k for k in range(world, seqs + 1, world) if seqs % k == 0), None)
