@@ -439,6 +439,11 @@ def main(argv):
     # missing, corrupt, not fitting this model, locked: one line
     except checkpoint.CheckpointError as e:
         die(str(e))
+    # under torchrun: another rank stopped during set-up (a bad input it checked alone): its own line says why
+    except RuntimeError as e:
+        if not lost_rank_error(Runtime.from_env("cpu"), e):
+            raise
+        die("another rank of this run stopped during set-up; its own error line says why")
     try:
         return training_loop(run)
     # tools/prepare.py re-ran under us: stop; the last checkpoint resumes exactly

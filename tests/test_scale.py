@@ -289,6 +289,23 @@ def test_the_cuda_preset_global_batch_runs_unchanged_on_1_2_4_and_8_gpus(tmp_pat
             assert e.value.code == 2 and f"multiple of {world}" in err and "--grad_accum=" in err
 
 
+
+@pytest.mark.slow
+def test_a_bad_input_only_rank_0_checks_is_one_line_on_each_rank(tmp_path):
+    """Rank 0 alone checks a shard directory's tokenizer and stops with its error line; rank 1, waiting for it at
+    a barrier, says in one line that another rank stopped during set-up. (Before: rank 1's gloo traceback.)"""
+    import json
+    d = tmp_path / "gpt2_shards"
+    small_corpus(d)
+    (d / "meta.json").write_text(json.dumps({"tokenizer": "gpt2", "vocab_size": 50257, "eot": 50256}))
+    p = run_train(f"--out_dir={tmp_path / 'out'}", "--stage=2", *TINY, "--max_iters=2", "--grad_accum=2",
+                  f"--data={d}", launch=[*TORCHRUN, "--nproc_per_node=2"], rc=None)
+    assert p.returncode != 0
+    ours = [line for line in p.stderr.splitlines() if line.startswith(("error", "[rank0]", "[rank1]"))]
+    assert len(ours) == 2, p.stderr[-3000:]
+    assert any("was tokenised with gpt2" in line for line in ours), ours
+    assert any("another rank of this run stopped during set-up" in line for line in ours), ours
+
 @pytest.mark.slow
 def test_a_lost_rank_is_one_line_on_rank_0_naming_the_checkpoint_to_resume(tmp_path):
     """Rank 1 exits at once at step 3 (tests/faults.py die_rank), as a lost node would: rank 0's collective fails,
