@@ -50,6 +50,7 @@ import math
 import os
 import random
 import re
+import time
 import zipfile
 
 import numpy as np
@@ -247,13 +248,25 @@ def _where():
     return f"{atomic._host()} {ns}"
 
 
+def _quiet_for(d):
+    """Seconds since anything in d last changed (its newest entry's mtime)."""
+    newest = 0.0
+    for n in os.listdir(d):
+        try:
+            newest = max(newest, os.stat(os.path.join(d, n)).st_mtime)
+        except OSError:  # removed meanwhile
+            pass
+    return time.time() - newest
+
+
 def lock(d):
     """Claim d for this process: d/.lock holds our pid, when this process started
     (atomic._start_time; 0 unknown), our host and PID namespace. Another live process's lock raises
     CheckpointError; a dead one's (a killed run, also when its pid now belongs to another process,
     this one included) is taken over. A lock written on another host, or in another PID namespace (a
     container), cannot be checked from here: it is refused, naming the file to remove if that run is
-    gone. Returns a function that releases the lock."""
+    gone, until nothing in d has changed for atomic.STALE_AFTER_S (a day: a live run logs far more
+    often), as atomic treats another host's leftovers. Returns a function that releases the lock."""
     path = os.path.join(d, ".lock")
     for _ in range(2):
         try:
@@ -265,7 +278,7 @@ def lock(d):
                 pid, start, where = int(pid), int(rest[0]) if rest else 0, " ".join(rest[1:3])
             except (ValueError, FileNotFoundError):
                 pid, start, where = 0, 0, ""
-            if pid > 0 and where and where != _where():
+            if pid > 0 and where and where != _where() and _quiet_for(d) <= atomic.STALE_AFTER_S:
                 raise CheckpointError(f"{d}: a run on {where.split()[0]} (pid {pid}, in another host or "
                                       f"container: its lock file {path}) is writing here; wait for it, or "
                                       "pass another --out_dir or --run_name (if that run is gone, remove the "
