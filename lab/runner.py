@@ -4,10 +4,10 @@ each run scored the same way, then the table (lab/report.py).
 
 Rows may start from other rows' checkpoints (a teacher, a student), so each seed's runs go in order,
 and the rows of seed k only ever read runs of seed k (the multi-teacher row also reads the next
-seed's teacher). Every run is then scored the same way, whatever it logged itself: the loss of its
-final checkpoint over the WHOLE validation split of the shipped corpus (every window of T+1 tokens
-once, no sampling), so all rows of a table compare the same tokens, and a row trained on a mix of
-sources is still scored on the real text.
+seed's teacher). Every run is then scored the same way, whatever it logged itself (lab/score.py):
+the loss of its final checkpoint over the WHOLE validation split of the shipped corpus (every window
+of T+1 tokens once, no sampling), so all rows of a table compare the same tokens, and a row trained on
+a mix of sources is still scored on the real text.
 
     python -m lab distill                  every row x 3 seeds, then lab/results/distill.md
     python -m lab distill --seeds=1        one seed of each row (a quick look; not for README)
@@ -17,10 +17,12 @@ sources is still scored on the real text.
     python -m lab list                     the tables and their rows
 
 Runs go to out/lab/<table>/seed<k>/<row>/ (train.py's own out_dir layout). A run counts once its
-checkpoint reaches the row's max_iters: then it is scored (result.json beside the checkpoint, with
-the commit it was run at: git rev-parse HEAD, or "unknown") and skipped next time; a stopped one is
-resumed (--resume=True), so a long table can be finished over several sittings; on another machine
-(no out/), a run the committed <table>.json holds with the same flags is taken from it (Lab.adopt),
+checkpoint reaches the row's max_iters with the train.py flags the row has now: then it is scored
+(result.json beside the checkpoint, with the commit that scored it and every commit whose code
+trained it, runtime.git_commit: -dirty for uncommitted changes) and skipped next time; a stopped one
+is resumed (--resume=True), so a long table can be finished over several sittings; a run made with
+other flags than its row's now is trained again from the start, with a line saying which differ. On
+another machine (no out/), a run the committed <table>.json holds with the same flags is taken from it (Lab.adopt),
 unless --rerun=True: then every run is trained here, those taken earlier too (a run trained here
 keeps its result: delete its directory under out/lab/<table>/ to train it again). SIGTERM or Ctrl-C
 to lab goes on to the running train.py, which saves at the end of its step; lab then writes no table
@@ -44,15 +46,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-
-import data
 from lab import tables
 from lab.report import Report, _committed_runs, _current_keys
+from lab.score import dlm_val_loss, full_val_loss, ratios, state_bytes
 from lab.tables import LabError, _shipped_dir
-from tools import atomic, checkpoint, load, metrics, outputs, prepare, runtime
+from tools import atomic, checkpoint, metrics, outputs, prepare, runtime
 from tools.atomic import ROOT
 from tools.flags import parse
 
@@ -62,54 +60,6 @@ SEEDS = (0, 1, 2)
 class Stopped(LabError):
     """A run ended before its max_iters (a signal to lab, or to train.py): its checkpoint is kept
     for resume."""
-
-
-# -----------------------------------------------------------------------------
-# scoring: the whole val split
-
-
-def full_val_loss(ckpt_path, shard_dir, batch_size=16, device="cpu"):
-    """Mean next-token loss of a checkpoint over every val window of shard_dir once
-    (metrics.whole_val_loss, the number train.py's final evaluation prints). Returns (loss,
-    n_tokens)."""
-    try:
-        return metrics.whole_val_loss(_load(ckpt_path, device), shard_dir, batch_size, device)
-    except ValueError as e:
-        raise LabError(str(e)) from None
-
-
-@torch.no_grad()
-def dlm_val_loss(ckpt_path, shard_dir, t, batch_size=16, seed=0):
-    """A masked-diffusion checkpoint's mean CE over the masked tokens of every val window of T
-    tokens, each token masked with probability t (position 0 never, with Dream's shift), the masks
-    drawn from a generator seeded the same for every checkpoint. Returns (loss, masked tokens)."""
-    from lessons import dlm
-    model = _load(ckpt_path)
-    mask_id, shift, T = model.config.vocab_size - 1, model.dlm_shift, model.config.block_size
-    gen = torch.Generator().manual_seed(seed)
-    total, count = 0.0, 0
-    for path in data.find_shards(shard_dir, "val"):
-        tokens = data.read_shard(path)
-        n = len(tokens) // T
-        for i in range(0, n, batch_size):
-            x = torch.from_numpy(np.stack([np.asarray(tokens[j * T:(j + 1) * T], dtype=np.int64)
-                                           for j in range(i, min(i + batch_size, n))]))  # (b, T)
-            masked = torch.rand(x.shape, generator=gen) < t
-            if shift:
-                masked[:, 0] = False
-            logits = dlm.predictions(model, torch.where(masked, mask_id, x), mask_id, shift)
-            ce = F.cross_entropy(logits.float().flatten(0, 1), x.flatten(),
-                                 reduction="none").view(x.shape)
-            total, count = total + ce[masked].sum().item(), count + int(masked.sum())
-    return total / count, count
-
-
-def _load(path, device="cpu"):
-    """The GPT of a run's checkpoint (load.load_gpt); its one-line error as a LabError."""
-    try:
-        return load.load_gpt(path, device)[0]
-    except checkpoint.CheckpointError as e:
-        raise LabError(str(e)) from None
 
 
 # -----------------------------------------------------------------------------
@@ -209,7 +159,7 @@ class Lab(Report):
         # scored before the start columns existed
         if "ratio_mask" in res and "ratio_mask_start" not in res:
             metrics = os.path.join(self.run_dir(row, seed), "metrics.jsonl")
-            res.update(_ratios([r for r in _records(metrics) if "ms" in r]))
+            res.update(ratios([r for r in _records(metrics) if "ms" in r]))
         return res
 
     def order(self, wanted):
@@ -384,7 +334,7 @@ class Lab(Report):
             loss, n = statistics.mean(extra.values()), sum(v[1] for v in scored.values())
             # zclip.py's names
             extra.update(clipped_frac=statistics.mean(r["was_clipped"] for r in steps),
-                         spikes=sum(r["z_score"] > 2.5 for r in steps), **_ratios(steps))
+                         spikes=sum(r["z_score"] > 2.5 for r in steps), **ratios(steps))
         else:
             loss, n = full_val_loss(os.path.join(d, row.score), self.shipped)
         extra_val_loss = {name: full_val_loss(os.path.join(d, row.score), self.corpus_dir(name))[0]
@@ -397,7 +347,7 @@ class Lab(Report):
                "extra_val_loss": extra_val_loss, "steps": step,
                "ms_per_step_median": statistics.median(r["ms"] for r in steps) if steps else None,
                "max_logit": max((r["max_logit"] for r in steps if "max_logit" in r), default=None),
-               "optimizer_bytes": _state_bytes(opt), "wall_s": time.time() - t0,
+               "optimizer_bytes": state_bytes(opt), "wall_s": time.time() - t0,
                "curve": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r],
                "logit_curve": [[r["step"], r["max_logit"]] for r in steps if "max_logit" in r]}
         _write_json(os.path.join(d, "result.json"), res)
@@ -454,25 +404,6 @@ class Lab(Report):
             ]
             for r in self.table.rows
         }
-
-
-def _state_bytes(obj):
-    """Bytes of every tensor in a (nested) optimizer state dict, as saved."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_state_bytes(v) for v in obj)
-    return 0
-
-
-def _ratios(steps, start=10):
-    """A DLM run's outlier ratios (mask tokens, the others): mean over all steps and over the first
-    `start`."""
-    first = [r for r in steps if r["step"] <= start]
-    return {f"ratio_{k}{suffix}": statistics.mean(r[f"ratio_{k}"] for r in rs)
-            for suffix, rs in (("", steps), ("_start", first)) for k in ("mask", "other")}
 
 
 def _flags(argv):

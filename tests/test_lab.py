@@ -207,7 +207,7 @@ def test_a_dlm_table_scores_masked_val_losses_and_the_conversion_diagnostics(tmp
 
 def test_dlm_ratios_average_all_steps_and_the_first_ten():
     steps = [{"step": s, "ratio_mask": float(s), "ratio_other": 2.0 * s} for s in range(1, 13)]
-    assert runner._ratios(steps) == {"ratio_mask": 6.5, "ratio_other": 13.0,
+    assert runner.ratios(steps) == {"ratio_mask": 6.5, "ratio_other": 13.0,
                                      "ratio_mask_start": 5.5, "ratio_other_start": 11.0}
 
 # -----------------------------------------------------------------------------
@@ -839,7 +839,7 @@ def test_every_committed_table_holds_its_runs_as_run_never_marked_adopted_and_ea
 
 
 def test_the_dlm_score_averages_the_masked_tokens_only(monkeypatch):
-    """runner.dlm_val_loss against a closed form: predictions uniform on every masked token (CE = ln
+    """score.dlm_val_loss against a closed form: predictions uniform on every masked token (CE = ln
     V) and confidently wrong on every unmasked one (CE ~100) score exactly ln V: only the masked
     tokens count, in the sum and in the mean."""
     import math
@@ -849,14 +849,15 @@ def test_the_dlm_score_averages_the_masked_tokens_only(monkeypatch):
     from lessons import dlm
     V, T = 258, 64  # the byte vocabulary and the mask token
     stub = SimpleNamespace(config=SimpleNamespace(vocab_size=V, block_size=T), dlm_shift=False)
-    monkeypatch.setattr(runner, "_load", lambda path, device="cpu": stub)
+    from lab import score
+    monkeypatch.setattr(score, "_load", lambda path, device="cpu": stub)
 
     def wrong_unless_masked(model, x, mask_id, shift):
         # certain of the next id, never the token itself
         wrong = 100.0 * F.one_hot((x + 1) % (V - 1), V).float()
         return torch.where((x == mask_id)[..., None], torch.zeros_like(wrong), wrong)
     monkeypatch.setattr(dlm, "predictions", wrong_unless_masked)
-    loss, count = runner.dlm_val_loss("unused.pt", os.path.join(ROOT, "data", "shakespeare_byte"),
+    loss, count = score.dlm_val_loss("unused.pt", os.path.join(ROOT, "data", "shakespeare_byte"),
                                       0.15)
     assert abs(loss - math.log(V)) < 1e-5 and count > 0, (loss, math.log(V))
 
