@@ -45,7 +45,7 @@ from quant import cache_weight_quant, clear_weight_quant, set_lambda
 from tools import assemble, atomic, checkpoint, metrics, seams, start
 from tools.assemble import Run
 from tools.flags import die
-from tools.runtime import Runtime, StepTimer, leave_after_torchrun, lost_rank, lost_rank_error
+from tools.runtime import Runtime, StepTimer, leave_after_torchrun, lost_rank
 from tools.sharded_muon import ShardedMuon
 from zclip import ZClip
 
@@ -439,11 +439,9 @@ def main(argv):
     # missing, corrupt, not fitting this model, locked: one line
     except checkpoint.CheckpointError as e:
         die(str(e))
-    # under torchrun: another rank stopped during set-up (a bad input it checked alone): its own line says why
+    # under torchrun: another rank stopped during set-up (a bad input it checked alone)
     except RuntimeError as e:
-        if not lost_rank_error(Runtime.from_env("cpu"), e):
-            raise
-        die("another rank of this run stopped during set-up; its own error line says why")
+        lost_rank(None, e)
     try:
         return training_loop(run)
     # tools/prepare.py re-ran under us: stop; the last checkpoint resumes exactly
@@ -451,8 +449,6 @@ def main(argv):
         die(str(e))
     # under torchrun: another rank died (a lost node), so a collective failed here
     except RuntimeError as e:
-        if not lost_rank_error(run.rt, e):
-            raise
         lost_rank(run, e)
     finally:
         if run.unlock:

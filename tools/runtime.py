@@ -261,9 +261,14 @@ def lost_rank_error(rt, e):
 
 
 def lost_rank(run, e):
-    """A collective failed because another rank stopped: one line per rank instead of a traceback,
-    naming the checkpoint the whole job resumes from (torchrun's own summary names the rank that
-    exited first)."""
+    """e, a RuntimeError of train.py's set-up (run None) or loop: re-raised unless a collective failed
+    because another rank stopped (lost_rank_error); then one line per rank instead of a traceback:
+    in set-up, that another rank stopped there (its own line says why); in the loop, the checkpoint
+    the whole job resumes from (torchrun's own summary names the rank that exited first)."""
+    if not lost_rank_error(run.rt if run is not None else Runtime.from_env("cpu"), e):
+        raise e
+    if run is None:
+        die("another rank of this run stopped during set-up; its own error line says why")
     why = next((line.strip() for line in str(e).splitlines() if line.strip()),
                type(e).__name__)[:160]
     step = checkpoint.load(run.ckpt_path,
