@@ -225,3 +225,26 @@ def test_a_rank_lost_before_the_first_checkpoint_says_to_start_again_with_overwr
         runtime.lost_rank(run, RuntimeError("[gloo] Connection closed by peer"))
     err = capsys.readouterr().err
     assert "no checkpoint was written yet" in err and "the same torchrun command with --overwrite=True" in err, err
+
+
+def test_git_commit_marks_a_checkout_whose_tracked_files_differ_from_its_commit(tmp_path):
+    """runtime.git_commit (metrics.jsonl's and the lab's commit): HEAD in a clean checkout, HEAD-dirty once a
+    tracked file is changed (the code that ran is not the commit's), clean again when it is committed; a file
+    git does not track changes nothing."""
+    import subprocess
+    from tools import runtime
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "one")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "notes.txt").write_text("untracked\n")
+    assert runtime.git_commit(str(tmp_path)) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert runtime.git_commit(str(tmp_path)) == head + "-dirty"
+    git("commit", "-qam", "two")
+    assert runtime.git_commit(str(tmp_path)) == git("rev-parse", "HEAD")
