@@ -1152,6 +1152,13 @@ def test_a_gone_source_is_the_new_one_of_its_name_only_at_its_recorded_size(tmp_
     line = _refused(capsys, [f"--out_dir={adopted}", f"--adopt={other}"])
     assert f"holds a dataset of shards adopted from {src}" in line, line
     assert _files(adopted) == before
+    # llm.c's shard names count too (what --adopt takes: fineweb_train_000001.bin)
+    llmc = tmp_path / "llmc"
+    llmc.mkdir()
+    (llmc / "fineweb_train_000001.bin").write_bytes(b"x" * 10)
+    (llmc / "fineweb_val_000000.bin").write_bytes(b"y" * 3)
+    (llmc / "notes.txt").write_text("not a shard")
+    assert prepare.source_bytes(str(llmc)) == 13
 
 def test_ctrl_c_while_a_models_tokenizer_loads_is_one_line(tmp_path, capsys, monkeypatch):
     """A GGUF's vocabulary takes seconds to read, before any signal handler of the writing is set:

@@ -322,10 +322,10 @@ def source_slug(name):
 
 def source_bytes(path):
     """A source's size: a file's bytes, or the train/val shards' of a shard directory (what --adopt
-    links); None if it is not there."""
+    links, llm.c's names too); None if it is not there."""
     if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-                   if re.fullmatch(r"(train|val)_\d+\.bin", n))
+        from tools.adopt import LLMC_SHARD  # (tools/adopt.py imports this module)
+        return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if LLMC_SHARD.fullmatch(n))
     return os.path.getsize(path) if os.path.isfile(path) else None
 
 
