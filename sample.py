@@ -165,7 +165,7 @@ def write_corpus(model, tok, path, num_samples, max_new_tokens, temperature=1.0,
                  start="", batch_size=64, mode="auto", flag="--jsonl"):
     """Teacher-generated data: num_samples documents sampled from the model, each cut at its first
     end-of-text, written as jsonl ({"text": ...} per line, tools/prepare.py's input), all or nothing
-    (atomic.written: a full disk is one error line naming flag). mode: tools/decode.py's. Returns the
+    (atomic.written: a full disk is one error line naming flag, or the path alone with flag=None). mode: tools/decode.py's. Returns the
     number of characters written."""
     # a document starts after end-of-text
     ids = torch.tensor([tok.eot] + tok.encode(start), dtype=torch.long)

@@ -139,7 +139,7 @@ def _write_teacher_data(lab, seed):
     torch.manual_seed(seed)
     model, tok = sample.load_model(os.path.join(lab.seed_dir(seed), "teacher", checkpoint.LATEST), "cpu")
     # the teacher's own distribution (temperature 1, no top-k); 256 documents of up to 256 bytes
-    sample.write_corpus(model, tok, jsonl, num_samples=256, max_new_tokens=256, temperature=1.0)
+    sample.write_corpus(model, tok, jsonl, num_samples=256, max_new_tokens=256, temperature=1.0, flag=None)
     prepare.prepare([jsonl], tokenizer="byte", out_dir=out)
 
 

@@ -113,7 +113,8 @@ def test_written_turns_a_failed_write_into_one_line_and_keeps_the_old_file(tmp_p
             raise OSError(errno.ENOSPC, "No space left on device")
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.count("\n") == 1, err
-    assert err.startswith(f"error: --out={path}: cannot write it (No space left on device; the disk holding"), err
+    assert err.startswith(f"error: --out={path}: cannot write it (No space left on device); the disk holding"), err
+    assert "the file there, if any, is unchanged; free disk space or pass another --out" in err, err
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.json"]
     with atomic.written(str(path)) as tmp:
         open(tmp, "w").write("new")

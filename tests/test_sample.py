@@ -192,7 +192,7 @@ def test_a_full_disk_while_writing_jsonl_is_one_line_and_keeps_the_old_file(file
     monkeypatch.setattr(sample.json, "dumps", dumps_then_fill)
     msg = fails(capsys, f"--ckpt={files / 'ckpt.pt'}", "--device=cpu", "--num_samples=2", "--max_new_tokens=4",
                 f"--jsonl={path}", "--overwrite=True", main=sample.main)
-    assert msg.startswith(f"error: --jsonl={path}: cannot write it (No space left on device;"), msg
+    assert msg.startswith(f"error: --jsonl={path}: cannot write it (No space left on device); the disk holding"), msg
     assert path.read_text() == '{"text": "kept"}\n' and os.listdir(tmp_path) == ["t.jsonl"]
 
 def _greedy(model, ids, n):

@@ -9,6 +9,7 @@ and the repository root.
     atomic_dir(path) -> tmp               the same for a whole directory (an HF export, a prepared
                                           dataset)
     written(path, flag) -> tmp            atomic_write, and a failed write (a full disk) one error line
+                                          (cannot_write, which the exports use too)
     swapped_out(path)                     where path's previous directory is, if a writer was killed
                                           mid-swap
     link_or_copy(src, dst)                a hard link, or a copy where the filesystem has none
@@ -70,17 +71,24 @@ def atomic_write(path):
 
 
 @contextlib.contextmanager
-def written(path, flag=None):
+def written(path, flag=None, what="it"):
     """with written(path, "--out") as tmp: atomic_write(path), for a command's output: an OSError in the block
-    (the disk filled, a permission) ends the command with one error line naming flag=path (or path), the
-    reason, the disk's free space and the fix; the file there before is unchanged."""
+    (the disk filled, a permission) ends the command with cannot_write's one line; the file there before is
+    unchanged."""
     try:
         with atomic_write(path) as tmp:
             yield tmp
     except OSError as e:
-        why, cause, fix = write_failed(e, path)
-        die(f"{f'{flag}={path}' if flag else path}: cannot write it ({why}; {cause}); {fix}; a file there before "
-            "is unchanged")
+        cannot_write(flag, path, what, e)
+
+
+def cannot_write(flag, path, what, e, kept="the file there, if any, is unchanged"):
+    """The one error line of an output that could not be written: flag=path (or the path), the cause (a full
+    disk with what it has free, or the file-size limit: write_failed), what became of the earlier output, and
+    the fix. Never blames the input: it was read."""
+    why, cause, fix = write_failed(e, path)
+    die(f"{f'{flag}={path}' if flag else path}: cannot write {what} ({why}); {cause}; {kept}; {fix}" +
+        (f" or pass another {flag}" if flag else ""))
 
 
 def stale_tmps(path):

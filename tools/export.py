@@ -117,17 +117,8 @@ def export(ckpt_path, out_path):
     try:
         checkpoint.atomic_save(obj, out_path)  # never a half-written export under the final name
     except OSError as e:  # a full disk (torch.save's RuntimeError arrives as OSError)
-        _cannot_write("--out", out_path, "the export", e)
+        atomic.cannot_write("--out", out_path, "the export", e)
     return obj
-
-
-def _cannot_write(flag, path, what, e, kept="the file there, if any, is unchanged"):
-    """The one error line of an output that could not be written: the flag and the path, the cause
-    (a full disk with what it has free, or the file-size limit: atomic.write_failed), what became of
-    the earlier output, and the fix. Never blames the input: the checkpoint was read."""
-    why, cause, fix = atomic.write_failed(e, path)
-    die(f"{flag}={path}: cannot write {what} ({why}); {cause}; {kept}; {fix} or pass another "
-        f"{flag}")
 
 
 def main(argv):
@@ -175,7 +166,7 @@ def export_gguf(ckpt_path, out_path, flag="--out"):
     except ValueError as e:
         die(f"{ckpt_path}: cannot export as GGUF: {e}; {flag}={out_path} is unchanged")
     except OSError as e:  # a full disk is the disk's fault, not the checkpoint's
-        _cannot_write(flag, out_path, "the GGUF", e)
+        atomic.cannot_write(flag, out_path, "the GGUF", e)
     types = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
     if not model.config.quant:  # a full-precision (stage-1) model: every tensor as it is, no gamma
         hidden = "F32 (a full-precision model: no ternary codes, no gamma)"
@@ -436,7 +427,7 @@ def export_hf(ckpt_path, out_dir, overwrite=False):
                         _carry(os.path.join(out_dir, n), os.path.join(tmp, n))
         # a full disk: safetensors says so with its own error
         except (OSError, SafetensorError) as e:
-            _cannot_write("--out", out_dir, "the export", e, kept="it is unchanged")
+            atomic.cannot_write("--out", out_dir, "the export", e, kept="it is unchanged")
     c = model.config
     size = os.path.getsize(os.path.join(out_dir, "model.safetensors"))
     print(f"wrote {out_dir}/ ({', '.join(names)}; model.safetensors {size / 1e6:.2f} MB): "
