@@ -14,12 +14,13 @@ and re-exports them (the tests switch both modules to the interpreter by reloadi
 Test (CPU, interpreter):  python -m pytest tests/test_kernels.py
 """
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from kernels import on_device
 
 # triton.jit reads TRITON_INTERPRET when it decorates, i.e. when this module is imported
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -45,13 +46,6 @@ def _check_device(*tensors):
         raise ValueError(f"inputs are on {dev}; the Triton kernels need CUDA tensors "
                          "(or set TRITON_INTERPRET=1 before importing this module to run them on CPU)")
     return dev
-
-
-def on_device(dev):
-    """Triton launches on the current CUDA device, whatever device the pointers are on: this makes the
-    inputs' device current for the launch (tensors on cuda:1 while cuda:0 is current would otherwise
-    run on cuda:0's stream); on the CPU (the interpreter) nothing."""
-    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit

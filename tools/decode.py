@@ -25,10 +25,9 @@ Use:  Decoder(model).generate(idx, max_new_tokens, temperature, top_k, vocab), a
 Run:  python -m lab.bench --decode (tokens/s)     Test:  python -m pytest tests/test_decode.py
 """
 
-import contextlib
-
 import torch
 
+from kernels import on_device  # no Triton: kernels/__init__.py
 from model import DecodeState
 
 MODES = ("eager", "fixed", "graph", "compile")
@@ -68,14 +67,6 @@ class Decoder:
         with on_device(s.pos.device):
             return m.generate(idx, max_new_tokens, temperature, top_k, vocab, state=s, step=step)
 
-
-def on_device(dev):
-    """kernels.quantize.on_device(dev): dev made the current CUDA device; on the CPU nothing, without importing the
-    kernels (Triton, which has wheels for Linux only)."""
-    if dev.type != "cuda":
-        return contextlib.nullcontext()
-    from kernels.quantize import on_device as kernels_on_device
-    return kernels_on_device(dev)
 
 
 def _captured(fn, compile, s):
