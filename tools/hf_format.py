@@ -21,6 +21,7 @@ import os
 import torch
 
 from quant import weight_quant
+from tools.outputs import SOURCE_RUN
 
 
 # Hugging Face transformers' bitnet architecture: a directory that
@@ -193,7 +194,7 @@ def write_hf(model, tokenizer, out_dir, source=None, source_run=None):
     # an imported model's own files
     saved = _save_model_tokenizer(tokenizer, model.config.block_size, out_dir)
     names = ["model.safetensors", *texts, *saved, "nanobitnet.json"]
-    marker = {"format": HF_FORMAT, "source": source, "source_run": source_run, "tokenizer": tokenizer,
+    marker = {"format": HF_FORMAT, "source": source, SOURCE_RUN: source_run, "tokenizer": tokenizer,
               "model_args": dataclasses.asdict(model.config), "files": names}
     texts["nanobitnet.json"] = json.dumps(marker, indent=2) + "\n"
     path = os.path.join(out_dir, "model.safetensors")

@@ -215,24 +215,26 @@ def run_inputs(ckpt_path):
     (sample.py, the exports and --resume read its tokenizer from the model it started from):
     config_inputs of its saved config. [] for a file that is not a training checkpoint (its reader
     says why)."""
+    obj = _peek(ckpt_path)
+    return config_inputs(obj.get("config") or {}, saved_tokenizer(obj)) if obj else []
+
+
+def _peek(path):
+    """The dict a torch.save file at path holds, memory-mapped (its tensors are not read), or {}: not
+    one, or not readable."""
     import torch
     try:
-        obj = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
-        return []
-    return config_inputs(obj.get("config") or {}, saved_tokenizer(obj)) if isinstance(obj, dict) else []
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def checkpoint_run(ckpt_path):
     """The id of the run that wrote the training checkpoint (or average) at ckpt_path (its config's
     checkpoint.RUN_ID), or None: an older checkpoint, or not one."""
-    import torch
     from tools.checkpoint import RUN_ID
-    try:
-        obj = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return None
-    return (obj.get("config") or {}).get(RUN_ID) if isinstance(obj, dict) else None
+    return (_peek(ckpt_path).get("config") or {}).get(RUN_ID)
 
 
 def export_run(path, kind):
@@ -240,11 +242,9 @@ def export_run(path, kind):
     checkpoint it was made from, or None (another kind, or an export made before they recorded it)."""
     if kind == "hf":
         return (hf_marker(path) or {}).get(SOURCE_RUN)
+    if kind == "packed":
+        return _peek(path).get(SOURCE_RUN)
     try:
-        if kind == "packed":
-            import torch
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            return obj.get(SOURCE_RUN) if isinstance(obj, dict) else None
         if kind == "gguf":
             import gguf
             field = gguf.GGUFReader(path).fields.get(GGUF_SOURCE_RUN)
@@ -256,7 +256,7 @@ def export_run(path, kind):
 
 def _same_run(path, kind, source):
     """Whether the export at path came from the run whose checkpoint is now at source (unknown on
-    either side counts as the same: what was replaced without asking before run ids were kept)."""
+    either side, a file written without run ids, counts as the same)."""
     made, now = export_run(path, kind), checkpoint_run(source)
     return made is None or now is None or made == now
 
