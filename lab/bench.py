@@ -101,6 +101,9 @@ def bench_muon():
 # -----------------------------------------------------------------------------
 # kernels: M x K activations times an N x K weight
 
+# kernels.ternary_matmul.DECODE_MAX_M, the most rows the decode kernel takes (tests/test_packed.py checks the
+# two agree); not imported: importing the kernels fixes TRITON_INTERPRET before a test can set it
+DECODE_MAX_M = 16
 SHAPES = [(m, n, k) for m in (1, 16, 2048) for n, k in ((4096, 4096), (11008, 4096), (4096, 11008))]
 # SmolLM2-135M's layers; a batch of 4
 SHAPES += [(1, 576, 576), (1, 1536, 576), (1, 576, 1536), (4, 4096, 4096)]
@@ -206,7 +209,7 @@ def cuda_copy_bandwidth():
     return 2 * buf.numel() / (cuda_do_bench_us(lambda: out.copy_(buf)) / 1e6)
 
 
-def kernel_row(M, N, K, dev, budget=L2_BUDGET, decode_max_m=16):
+def kernel_row(M, N, K, dev, budget=L2_BUDGET):
     """One shape's timings (us per call) of bf16 F.linear, the ternary matmul alone and the whole
     packed linear (quantise + matmul from the bf16 input), each over its rotated weight copies:
     graph (CUDA), do_bench (CUDA; CPU: a wall-clock median), host; the copies' count and the bytes a
@@ -229,7 +232,7 @@ def kernel_row(M, N, K, dev, budget=L2_BUDGET, decode_max_m=16):
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     # moved: the packed weights, int8 x, bf16 y and the scales; prefill (M > 16) also writes W's int8 codes
     # (the unpack kernel: 16 a packed word) and reads them at least once
-    unpacked = 2 * N * 16 * ((K + 15) // 16) if M > decode_max_m else 0
+    unpacked = 2 * N * 16 * ((K + 15) // 16) if M > DECODE_MAX_M else 0
     row = dict(M=M, N=N, K=K, copies=(len(ws), len(wp)),
                moved=N * ((K + 3) // 4) + M * K + M * N * 2 + M * 4 + unpacked)
     for name, fns in calls.items():
@@ -265,7 +268,7 @@ def _rotation(fns):
     return call
 
 
-def kernel_line(r, copy_bw=None, decode_max_m=16):
+def kernel_line(r, copy_bw=None):
     """A row of the kernel table from kernel_row's dict; '-' where a column was not measured (no
     graph on CPU)."""
     def us(v):
@@ -274,7 +277,7 @@ def kernel_line(r, copy_bw=None, decode_max_m=16):
     gbs = r["moved"] / (t["graph"] / 1e6) / 1e9 if t["graph"] else None
     speedup = f"{b['graph'] / t['graph']:7.2f}" if t["graph"] else f"{'-':>7s}"
     pct = f"{100 * gbs * 1e9 / copy_bw:6.1f}" if gbs and copy_bw else f"{'-':>6s}"
-    kind = "decode" if r["M"] <= decode_max_m else "prefill"
+    kind = "decode" if r["M"] <= DECODE_MAX_M else "prefill"
     bw = f"{gbs:8.0f}" if gbs else f"{'-':>8s}"
     return (f"{r['M']:5d} {r['N']:6d} {r['K']:6d} {kind:>7} | {us(b['graph'])} {us(t['graph'])} "
             f"{speedup} {us(lin['graph'])} | {bw} {pct} | {us(b['do_bench'])} "

@@ -231,7 +231,6 @@ class Lab(Report):
         under root, marked "adopted". Returns the pairs adopted."""
         committed = {(r["row"], r.get("seed")): r for rs in _committed_runs(
             os.path.join(self.results, self.table.name + ".json")).values() for r in rs}
-        flags = _flags
         done, adopted = {p for p in todo if self.result(*p) is not None}, []
         for name, seed in reversed(todo):  # the rows that start from a run are decided before it
             res = committed.get((name, seed))
@@ -252,9 +251,9 @@ class Lab(Report):
                 or (name in r.needs_next and self.next_seed(s) == seed)
             ]
             now = self.flags_now(name, seed)
-            if res is not None and (name, seed) not in done and flags(res["argv"]) != now:
+            if res is not None and (name, seed) not in done and _flags(res["argv"]) != now:
                 log(f"[lab] {name} seed {seed}: its run in {self.table.name}.json is not taken (its train.py "
-                    f"flags differ from the row's now: {_flag_difference(flags(res['argv']), now)}); it is "
+                    f"flags differ from the row's now: {_flag_difference(_flags(res['argv']), now)}); it is "
                     "trained again")
                 res = None
             if (

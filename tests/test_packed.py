@@ -639,6 +639,7 @@ def test_the_kernel_benchmarks_linear_column_runs_what_a_packed_layer_runs():
     for f, w in zip(bound, wp):
         y = f()
         assert y.dtype == torch.bfloat16 and torch.equal(y, op.linear(x, w, gamma))
+    assert bench.DECODE_MAX_M == tm.DECODE_MAX_M  # the bench's decode/prefill split is the kernels'
     plain = bench.layer_calls(x, wp, gamma, K, bound=False)
     quantize, matmul = bench.kernel_ops(False)
     assert torch.equal(plain[1](), matmul(*quantize(x), wp[1], gamma, out_dtype=torch.bfloat16))
