@@ -539,7 +539,8 @@ def test_a_torn_last_metrics_line_is_tolerated_and_a_corrupt_one_is_named(tmp_pa
 
 def test_every_result_records_the_commit_lab_ran_at(tmp_path, monkeypatch):
     """result.json, and each run in the table's JSON, hold `git rev-parse HEAD` of the checkout lab
-    runs from; "unknown" outside a git checkout, or without git."""
+    runs from (-dirty after it when a tracked file differs), and the page names it; "unknown" outside a git
+    checkout, or without git."""
     import subprocess
     _shards(str(tmp_path / "shards"), 1000)
     # the run is finished: scored without starting train.py

@@ -514,7 +514,7 @@ def test_teacher_weights_apply_to_the_teachers_in_the_order_given(setup_run, tmp
 
 def test_metrics_jsonl_names_the_commit_of_the_code_that_wrote_each_run_and_each_resume(tmp_path):
     """The first record a train.py process writes into metrics.jsonl names the commit of the code (git rev-parse HEAD
-    of this checkout, or "unknown" outside a git checkout); a resumed run's first record names its own."""
+    of this checkout, -dirty after it when a tracked file differs, or "unknown" outside a git checkout); a resumed run's first record names its own."""
     import subprocess
     from tools import runtime
     p = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)

@@ -194,8 +194,8 @@ def drop_torn_line(path):
 
 def log_record(run, rec):
     """Append rec to <out_dir>/metrics.jsonl (rank 0). The first record this process writes also
-    names the commit of the code that wrote it (runtime.git_commit: git rev-parse HEAD, or
-    "unknown"), a resumed run's too; before it, a torn last line a killed run left is cut off. An
+    names the commit of the code that wrote it (runtime.git_commit: git rev-parse HEAD, -dirty
+    after it when a tracked file differs, or "unknown"), a resumed run's too; before it, a torn last line a killed run left is cut off. An
     append that fails (a full disk) stops the run in one line; a metrics.jsonl it left empty is
     removed (it would hold nothing, yet make the next run ask for --overwrite=True)."""
     path = os.path.join(run.out_dir, "metrics.jsonl")
