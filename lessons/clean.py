@@ -106,9 +106,10 @@ def shingles(text, n=5):
 
 
 def jaccard(a, b):
-    """|a & b| / |a | b| of two sorted unique arrays."""
+    """|a & b| / |a | b| of two sorted unique arrays; 0 for two empty ones (texts without a word share
+    no shingle: only the exact-duplicate gate compares them)."""
     inter = len(np.intersect1d(a, b, assume_unique=True))
-    return inter / (len(a) + len(b) - inter) if len(a) + len(b) else 1.0
+    return inter / (len(a) + len(b) - inter) if len(a) + len(b) else 0.0
 
 
 class MinHash:
@@ -231,8 +232,9 @@ def main(argv):
             with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else \
                     open(path, encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
-                    if line.strip():
-                        cleaner.keep(json.loads(line)["text"])
+                    text = json.loads(line)["text"] if line.strip() else ""
+                    if text:  # as tools.prepare: an empty text is no document
+                        cleaner.keep(text)
         except (OSError, EOFError, ValueError, KeyError, TypeError) as e:
             why = getattr(e, "strerror", None) or \
                 f"not a {{\"text\": ...}} JSON line ({type(e).__name__})"

@@ -47,6 +47,12 @@ def test_shingles_and_jaccard_match_an_independent_set_implementation():
     assert len(clean.shingles(" ".join(base))) == 396
     # fewer than 5 words: the whole text is one shingle
     assert len(clean.shingles("Too short")) == 1
+    # a text without a word has no shingle, and shares none with another such text: J = 0, so distinct
+    # wordless documents are all kept; an exact repeat is still an exact duplicate
+    assert len(clean.shingles("👍👍 🎉")) == 0 and clean.jaccard(clean.shingles("👍👍 🎉"), clean.shingles("∑ ≈ ∞")) == 0
+    c = clean.Cleaner(None)
+    assert [c.keep(t) for t in ("👍👍 🎉", "?!?! ... ---", "∑ ≈ ∞", "🚀✨ ☕", "∑ ≈ ∞")] == [True] * 4 + [False]
+    assert dict(c.removed) == {"exact duplicate": 1}
 
 
 def test_minhash_agreement_estimates_jaccard():
@@ -221,9 +227,10 @@ def test_clean_command_line_takes_help_a_kind_and_files_and_refuses_bad_input_in
     words = " ".join(_words(60, 0))
     src = tmp_path / "mine.jsonl"
     src.write_text(
-        "".join(json.dumps({"text": t}) + "\n" for t in (words, words.upper(), "too short"))
+        "".join(json.dumps({"text": t}) + "\n" for t in (words, "", words.upper(), "", "too short"))
     )
-    assert clean.main(["--kind=dedup", str(src)]) == 0  # the upper-cased copy is an exact duplicate
+    # the upper-cased copy is an exact duplicate; an empty text is no document (as tools.prepare)
+    assert clean.main(["--kind=dedup", str(src)]) == 0
     assert "3 documents in, 1 removed (1 exact duplicate), 2 kept" in capsys.readouterr().out
     # and Gopher's 50-word minimum drops the third
     assert clean.main(["--kind=prose", str(src)]) == 0

@@ -220,6 +220,18 @@ def test_cli_prepares_a_corpus_and_reports_errors_in_one_line(tmp_path, capsys):
     assert os.path.exists(tmp_path / "o" / "val_000.bin")
     assert prepare.main([str(tmp_path / "missing.txt")]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+    # a lone surrogate escape is not text: gpt2 would write U+FFFD for it, byte ids cannot encode it
+    (tmp_path / "s.jsonl").write_text('{"text": "first"}\n{"text": "lone \\ud800 here"}\n'
+                                      '{"text": "pair \\ud83d\\ude00 ok"}\n')
+    for tokenizer in ("gpt2", "byte"):
+        line = _refused(capsys, [f"--tokenizer={tokenizer}", f"--out_dir={tmp_path / 's'}",
+                                 str(tmp_path / "s.jsonl")])
+        assert f"{tmp_path / 's.jsonl'}:2:" in line and "surrogate" in line, line
+    assert not os.path.exists(tmp_path / "s")
+    (tmp_path / "s.jsonl").write_text('{"text": "first"}\n{"text": "pair \\ud83d\\ude00 ok"}\n')
+    assert prepare.main([f"--out_dir={tmp_path / 's'}", str(tmp_path / "s.jsonl")]) == 0
+    assert "\U0001f600".encode() in b"".join(
+        get_tokenizer("byte").decode_bytes(t.tolist()) for t in _read_split(tmp_path / "s", "val"))
 
 
 @pytest.mark.parametrize(
@@ -860,6 +872,8 @@ def test_adopt_refuses_a_gap_or_a_repeat_in_the_shard_numbers_naming_the_missing
               "fineweb_train_000001.bin is missing"),
              (["train_001.bin", "val_000.bin"], "train_000.bin is missing"),  # ours start at 000
              (["val_000.bin", "val_002.bin", "train_000.bin"], "val_001.bin is missing"),
+             # llm.c's val is 000000 (only its train starts at 000001)
+             (["fineweb_val_000001.bin", "fineweb_train_000001.bin"], "fineweb_val_000000.bin is missing"),
              (["fineweb_val_000000.bin", "fineweb_train_000001.bin", "train_001.bin"],
               "fineweb_train_000001.bin and train_001.bin are both train shard 1")]
     for k, (names, fact) in enumerate(cases):
@@ -1194,6 +1208,19 @@ def test_a_single_txt_like_nanogpts_input_txt_is_split_into_its_paragraphs(tmp_p
     ]
     assert sorted(docs) == sorted(["\n\n" + speeches[0]] + speeches[1:] + ["END"])
     assert data.read_meta(str(tmp_path / "o"))["n_docs_val"] == 3
+    # a last blank line without its newline stays with the paragraph before it (no document of spaces)
+    (tmp_path / "end.txt").write_bytes(b"Para one.\n\nPara two.\n\n  ")
+    assert prepare.main([f"--out_dir={tmp_path / 'e'}", "--val_every=2", "--clean=none",
+                         str(tmp_path / "end.txt")]) == 0
+    assert "the 2 paragraphs of" in capsys.readouterr().out
+    assert [tok.decode(s.tolist()) for s in _read_split(tmp_path / "e", "val")] == ["Para two.\n\n  "]
+    # the paragraphs counted are the file's, before cleaning removed any (two exact duplicates here)
+    p = " ".join(f"w{i}" for i in range(60))
+    (tmp_path / "dup.txt").write_text("\n\n".join([p, p, p.upper(), " ".join(f"v{i}" for i in range(60))]))
+    assert prepare.main([f"--out_dir={tmp_path / 'd'}", "--val_every=2", "--clean=dedup",
+                         str(tmp_path / "dup.txt")]) == 0
+    out = capsys.readouterr().out
+    assert "4 documents in, 2 removed" in out and "the 4 paragraphs of" in out, out
     # beside another file, a .txt is one document
     (tmp_path / "two.txt").write_text("one paragraph only\n")
     prepare.prepare([str(tmp_path / "input.txt"), str(tmp_path / "two.txt")],

@@ -125,8 +125,8 @@ def _check_numbering(src, split, shards):
         return os.path.join(src, m.string[:m.start(2)] + number + m.string[m.end(2):])
 
     first, path = shards[0]
-    # ours start at 000, llm.c's train at 000001
-    start = 0 if os.path.basename(path).startswith(split) else 1
+    # ours start at 000, llm.c's val at 000000 and its train at 000001
+    start = 1 if split == "train" and not os.path.basename(path).startswith(split) else 0
     if first > start:
         missing = named(path, start)
     else:

@@ -66,7 +66,7 @@ SHAKESPEARE = os.path.join(DATA_DIR, "shakespeare.jsonl.gz")
 PYTHON = os.path.join(DATA_DIR, "python.jsonl.gz")
 # the shipped corpora (data/README.md): name -> (file, default --clean). The plays are deduplicated
 # but not quality-filtered: Gopher's repeated-lines rule, written for web text, would drop The Merry
-# Wives of Windsor, whose speaker names ("FALSTAFF.") are 32% of its lines (python -m lessons.clean
+# Wives of Windsor, whose speaker names ("FALSTAFF.") repeat: 30.3% of its lines (python -m lessons.clean
 # --kind=prose data/shakespeare.jsonl.gz shows it)
 CORPORA = {"shakespeare": (SHAKESPEARE, "dedup"), "python": (PYTHON, "code")}
 # quality rules (lessons/clean.py) and deduplication, for prose or code; deduplication only; nothing
@@ -207,7 +207,8 @@ def prepare(sources=None, tokenizer="byte", out_dir=None, val_every=20, shard_to
                          f"--out_dir; nothing in {out_dir} was changed") from None
     seconds = time.time() - t0
     cleaned = cleaner.report() if cleaner else "cleaning: none (--clean=prose|code|dedup to filter)"
-    docs = f"documents: the {i:,} paragraphs of {paths[0]} (one .txt source)\n" if split_txt else ""
+    n_in = cleaner.docs_in if cleaner else i  # paragraphs read, before cleaning removed any
+    docs = f"documents: the {n_in:,} paragraphs of {paths[0]} (one .txt source)\n" if split_txt else ""
     rate = (train.ntok + val.ntok) / seconds
     print(f"{cleaned}\n{docs}{tok.name} tokens of {len(paths)} file(s) -> {out_dir} in "
           f"{seconds:.1f}s, {rate:,.0f} tokens/s\n"

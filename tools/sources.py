@@ -72,6 +72,9 @@ def paragraphs(text):
         if m.end() < len(text) and text[start:m.end()].strip():  # blank lines first: the next one's
             out.append(text[start:m.end()])
             start = m.end()
+    if out and not text[start:].strip():  # a last blank line without its newline: the paragraph before's
+        out[-1] += text[start:]
+        return out
     return out + [text[start:]] if text else []
 
 
@@ -95,6 +98,9 @@ def iter_documents(paths, progress=None, split_txt=False):
             yield from _jsonl_documents(path, progress)
 
 
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads joins a valid pair into one character
+
+
 def _jsonl_documents(path, progress=None):
     offset = 0
     with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
@@ -112,6 +118,10 @@ def _jsonl_documents(path, progress=None):
             if not isinstance(text, str):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object with a string \"text\" "
                                  f"field")
+            if "\\u" in line and LONE_SURROGATE.search(text):  # only a JSON escape can make one
+                raise ValueError(f"{path}:{lineno}: its \"text\" holds a lone UTF-16 surrogate (an "
+                                 "unpaired \\ud800-\\udfff escape): not Unicode text, which a tokenizer "
+                                 "would alter or refuse; fix or remove that line")
             if text:
                 yield text
 
