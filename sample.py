@@ -156,7 +156,7 @@ def sample_dlm(model, tok, args, device):
         y = dlm.generate(model, x, gen_len, min(args["steps"], gen_len),
                          model.config.vocab_size - 1, shift=model.dlm_shift,
                          temperature=args["temperature"], top_k=args["top_k"],
-                         remasking=args["remasking"], generator=g)
+                         remasking=args["remasking"], generator=g, vocab=tok.vocab_size)
         print(tok.decode(y[0, 1:].tolist()))
         print("---------------")
 

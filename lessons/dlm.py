@@ -106,12 +106,12 @@ def masked_diffusion_loss(model, x, mask_id, shift=False, generator=None, t=None
     return loss, info
 
 
-def predictions(model, idx, mask_id, shift=False):
-    """Logits for every position of idx (B, L), the mask id excluded; with shift, position i reads i
-    - 1."""
+def predictions(model, idx, mask_id, shift=False, vocab=None):
+    """Logits for every position of idx (B, L), the mask id excluded (and with vocab, the padding rows
+    from vocab on: ids no tokenizer decodes); with shift, position i reads i - 1."""
     logits = model.forward_with_states(idx, all_logits=True)[0]         # (B, L, V), bidirectional
-    is_mask = torch.arange(logits.size(-1), device=idx.device) == mask_id
-    logits = logits.masked_fill(is_mask, float("-inf"))
+    ids = torch.arange(logits.size(-1), device=idx.device)
+    logits = logits.masked_fill((ids == mask_id) | (ids >= (vocab or logits.size(-1))), float("-inf"))
     if shift:  # position 0 keeps its own (it is never masked); i >= 1 takes i - 1's
         logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
     return logits
@@ -119,10 +119,10 @@ def predictions(model, idx, mask_id, shift=False):
 
 @torch.no_grad()
 def generate(model, prompt, gen_len, steps, mask_id, shift=False, temperature=0.0, top_k=None,
-             remasking="low_confidence", generator=None):
+             remasking="low_confidence", generator=None, vocab=None):
     """prompt (1, P) -> (1, P + gen_len): the continuation filled in `steps` steps, k tokens a step,
     the k chosen by remasking ("low_confidence": the most confident; "random": uniformly).
-    temperature 0 is greedy.
+    temperature 0 is greedy; vocab: the tokenizer's size, the model's rows past it (--pad_vocab) never drawn.
 
     Which k (LLaDA sec. 2.4): uniformly at random is the reverse process itself; the k most
     confident is LLaDA's annealing-like heuristic. Low-confidence remasking needs a model whose
@@ -145,7 +145,7 @@ def generate(model, prompt, gen_len, steps, mask_id, shift=False, temperature=0.
         left = int(masked.sum())
         if left == 0:
             break
-        logits = predictions(model, x, mask_id, shift).float()          # (1, L, V)
+        logits = predictions(model, x, mask_id, shift, vocab).float()   # (1, L, V)
         if top_k is not None and top_k < logits.size(-1):
             kth = logits.topk(top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))

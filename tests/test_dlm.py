@@ -192,6 +192,29 @@ def test_top_k_keeps_sampling_to_the_k_likeliest_tokens():
     assert picks[1] == [2] * 20 and len(set(picks[None])) > 1
 
 
+def test_the_rows_past_the_tokenizers_vocabulary_are_never_drawn(monkeypatch, capsys):
+    """A --pad_vocab model has rows past its tokenizer's vocabulary (ids 3 here, the mask 4) that no tokenizer
+    decodes (gpt2's raised KeyError, the byte tokenizer dropped them unsaid): with vocab they never win, at any
+    temperature, as sample_next's; without it a padding row this likely is drawn. sample.py passes its tokenizer's."""
+    logits = torch.zeros(1, 3, 5)
+    logits[..., 3] = 4.0  # the padding id, far likelier than 0..2
+    for t in (0.0, 1.0):
+        got = {tuple(dlm.generate(_Recording(logits), torch.tensor([[1]]), gen_len=2, steps=2, mask_id=4,
+                                  temperature=t, vocab=3, generator=torch.Generator().manual_seed(s))[0, 1:].tolist())
+               for s in range(20)}
+        assert all(i < 3 for ids in got for i in ids), got
+    drawn = dlm.generate(_Recording(logits), torch.tensor([[1]]), gen_len=2, steps=2, mask_id=4)
+    assert drawn[0, 1:].tolist() == [3, 3]
+    import sample
+    seen = {}
+    monkeypatch.setattr(dlm, "generate", lambda *a, **k: seen.update(k) or torch.zeros(1, 2, dtype=torch.long))
+    fake = type("M", (), {"config": type("C", (), {"block_size": 8, "vocab_size": 300})(), "dlm_shift": True})()
+    from tokenizer import get_tokenizer
+    sample.sample_dlm(fake, get_tokenizer("byte"), dict(start="", max_new_tokens=2, seed=0, num_samples=1, steps=2,
+                                                        temperature=1.0, top_k=None, remasking="random"), "cpu")
+    assert seen["vocab"] == 257
+
+
 def _flat(gen_len, hot=None):
     """A _Recording of 1 + gen_len positions over tokens 0..3 (4 is the mask): all logits 0, or token `hot` at +1."""
     logits = torch.zeros(1, 1 + gen_len, 5)
