@@ -390,6 +390,20 @@ def test_quant_start_outside_stage_2_is_refused(capsys):
     assert "stage 1" in fails(capsys, "--stage=1", "--quant_start=0.5", code=2)
 
 
+@pytest.mark.parametrize("argv, needs", [
+    (["--stage=2", "--kd_logits=1"], "stage 3"), (["--stage=1", "--teacher=t.pt"], "stage 3"),
+    (["--stage=2", "--kd_hidden=10"], "stage 3"), (["--zclip=False", "--zclip_z_thresh=3"], "ZClip"),
+    (["--two_phase_lr_drop=0.3"], "two-phase"), (["--avg_alpha=0.5"], "averaging"),
+    (["--stage=2", "--dlm_mask_init=random"], "--stage=dlm")])
+def test_a_flag_for_something_the_run_does_not_do_is_refused_not_ignored(capsys, argv, needs):
+    """--kd_logits in stage 2 trained without distillation and said nothing: a flag that acts only under another
+    stage or switch is one line naming it and what it needs; under that switch it is taken."""
+    line = fails(capsys, *argv, code=2)
+    assert argv[-1] in line and needs in line, line
+    assert checks.build_config({"stage": 3, "kd_logits": 2.0, "device": "cpu"}).kd_logits == 2.0
+    assert checks.build_config({"zclip_z_thresh": 3.0, "device": "cpu"}).zclip_z_thresh == 3.0
+
+
 def test_constant_and_moderate_schedules():
     """constant: warmup then the peak to the end; moderate: WSD ending at 1/3 of the peak (Luo et al.'s preset),
     its end movable with --min_lr_frac like any WSD."""
@@ -602,8 +616,8 @@ def test_a_checkpoint_named_in_a_models_tokenizer_keeps_the_pretrained_preset_an
     from tools.checks import build_config
     model = "HuggingFaceTB/SmolLM2-135M"  # a hub id: a pretrained model by name (nothing is downloaded here)
     for stage in (2, 3):
-        c = build_config({"stage": stage, "init_from": "out/stage1/ckpt.pt", "tokenizer": model, "teacher": "t.pt",
-                          "device": "cpu"})
+        c = build_config({"stage": stage, "init_from": "out/stage1/ckpt.pt", "tokenizer": model, "device": "cpu",
+                          **({"teacher": "t.pt"} if stage == 3 else {})})
         assert (c.optimizer, c.lr) == ("adamw", 1e-4), stage
     for flags in ({"stage": 1, "tokenizer": model}, {"stage": 1, "init_from": "out/stage1/ckpt.pt", "tokenizer": model}):
         c = build_config({**flags, "device": "cpu"})

@@ -59,7 +59,30 @@ def build_config(overrides, base=None):
         cfg["tokenizer"] = os.path.abspath(cfg["tokenizer"])
     cfg = TrainConfig(**cfg)
     check_config(cfg)
+    if not base:  # a resume's flags meet check_resume, which names the saved value
+        check_applies(cfg, overrides)
     return cfg
+
+
+# flags that only act under another flag: (what they need, whether cfg has it, how to get it)
+DISTILL_FLAGS = ("teacher", "teacher_weights", "distill_preset", "kd_logits", "kd_relation", "kd_hidden",
+                 "distill_tau", "distill_layer", "distill_relation_heads")
+NEEDS = {**{k: ("stage 3 (distillation)", lambda c: c.stage == 3, "pass --stage=3") for k in DISTILL_FLAGS},
+         "zclip_z_thresh": ("ZClip", lambda c: c.zclip, "drop --zclip=False"),
+         "two_phase_lr_drop": ("the two-phase schedule", lambda c: c.two_phase, "pass --two_phase=True"),
+         "avg_interval": ("checkpoint averaging", lambda c: c.avg_checkpoints > 0, "pass --avg_checkpoints=k"),
+         "avg_alpha": ("checkpoint averaging", lambda c: c.avg_checkpoints > 0, "pass --avg_checkpoints=k"),
+         "dlm_mask_init": ("--stage=dlm", lambda c: c.stage == DLM_STAGE, "pass --stage=dlm"),
+         "dlm_shift": ("--stage=dlm", lambda c: c.stage == DLM_STAGE, "pass --stage=dlm")}
+
+
+def check_applies(cfg, overrides):
+    """A flag given for something this run does not do (--kd_logits in stage 2: no distillation
+    happens) is refused, not ignored: one line naming the flag and what it needs."""
+    for key, (what, on, fix) in NEEDS.items():
+        if key in overrides and not on(cfg):
+            die(f"--{key}={overrides[key]} acts only under {what}, which this run does not use: "
+                f"{fix}, or drop --{key}", 2)
 
 
 def pretrained_run(overrides):
