@@ -381,6 +381,40 @@ def test_corrupt_checkpoint_is_refused_and_left_as_it_was(saved, tmp_path, capsy
     assert digest(ck) == before
 
 
+@pytest.mark.parametrize("use", ["resume", "init_from", "sample", "export"])
+def test_a_checkpoint_whose_bytes_changed_inside_is_refused_not_trained_on(saved, tmp_path, capsys, use):
+    """Eight floats of the first weight overwritten in place (a disk or copy error: the zip still reads, torch.load
+    does not check CRCs, and the run trained on the damage and saved over it): refused with one line naming the
+    file and the record that fails its CRC-32; the file left as it was. A record written without a CRC is not
+    checked, so checkpoints saved with torch's CRCs off still load."""
+    import struct
+    import zipfile
+    import sample
+    from tools import export
+    out, ck = copy_run(saved, tmp_path)
+    with zipfile.ZipFile(ck) as z:
+        info = next(i for i in z.infolist() if "/data/" in i.filename and i.file_size >= 64)
+    with open(ck, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        f.write(struct.pack("8f", *[1.0] * 8))
+    before = digest(ck)
+    argv, main = {"resume": (["--stage=1", "--resume=True", f"--out_dir={out}"], None),
+                  "init_from": (["--stage=2", f"--init_from={ck}", *TINY, f"--out_dir={out}/b"], None),
+                  "sample": ([f"--ckpt={ck}", "--max_new_tokens=2", "--num_samples=1"], sample.main),
+                  "export": ([f"--ckpt={ck}", f"--out={tmp_path}/p.pt"], export.main)}[use]
+    msg = fails(capsys, *argv, main=main)
+    assert ck in msg and info.filename in msg and "CRC-32" in msg, msg
+    assert digest(ck) == before
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(checkpoint.load(str(saved)), tmp_path / "nocrc.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert checkpoint.load(str(tmp_path / "nocrc.pt"))["step"] == checkpoint.load(str(saved))["step"]
+
+
 def make_shards(d, tokenizer="byte", n=2000):
     """A small prepared-looking dataset: train and val shards of random byte tokens and a meta.json."""
     os.makedirs(d, exist_ok=True)

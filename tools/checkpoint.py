@@ -403,6 +403,23 @@ def save_run(run, step, val_loss=None):
     run.rt.barrier()
 
 
+def crc_failure(path):
+    """The first record of a torch.save zip whose bytes fail their recorded CRC-32 (torch.load reads
+    them unchecked), or None. A record written without a CRC (torch.serialization.set_crc32_options(
+    False) records 0) is not checked."""
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if info.CRC == 0:
+                continue
+            try:
+                with z.open(info) as f:  # zipfile compares the CRC once the record is read to its end
+                    while f.read(1 << 24):
+                        pass
+            except zipfile.BadZipFile:
+                return info.filename
+    return None
+
+
 def load(path, required=("model", "model_args"), mmap=False):
     """torch.load(weights_only=True) with one clear error for a missing, truncated, corrupt or
     foreign file. mmap=True maps the tensors instead of reading them (a look at model_args costs
@@ -420,6 +437,12 @@ def load(path, required=("model", "model_args"), mmap=False):
         hint = f"; older checkpoints beside it: {', '.join(older)}" if older else ""
         raise CheckpointError(f"{path}: cannot load checkpoint, the file is corrupt or truncated "
                               f"({why}){hint}") from None
+    bad = None if mmap else crc_failure(path)  # a peek (mmap) reads too little to check
+    if bad:
+        older = [os.path.basename(p) for p in numbered(os.path.dirname(path) or ".") if not os.path.samefile(p, path)]
+        hint = f"; older checkpoints beside it: {', '.join(older)}" if older else ""
+        raise CheckpointError(f"{path}: the checkpoint is damaged: {bad} fails the CRC-32 torch.save recorded "
+                              f"(a disk or copy error changed its bytes){hint}")
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a training checkpoint (missing {', '.join(missing)})")
