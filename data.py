@@ -109,6 +109,9 @@ class DataLoader:
         self.lengths = [[len(read_shard(p, i)) for p, i in zip(ps, ids)]  # validates every header
                         for ps, ids in zip(self.shards, self.identities)]
         _check_meta(self.dirs, split, self.lengths)
+        # per source: the vocabulary its meta.json records (None: shards alone), which every id read must be below
+        self.vocab = [read_meta(d).get("vocab_size") if os.path.exists(os.path.join(d, "meta.json")) else None
+                      for d in self.dirs]
         _check_block_size(self.shards, self.lengths, T)
         self.windows = [_windows(ns, T) for ns in self.lengths]  # per source: (shard index, offset) arrays
         self.scores = [window_difficulty(p, ns, T) for p, ns in zip(self.shards, self.lengths)] \
@@ -158,6 +161,18 @@ class DataLoader:
             self._mapped[s] = (k, read_shard(self.shards[s][k], self.identities[s][k]))
         return self._mapped[s][1]
 
+    def _check_ids(self, s, k, off, row):
+        """row, after checking its ids are below source s's recorded vocabulary: a damaged shard (or one
+        written over with another tokenizer's ids) stops with BadTokens naming the shard and the position,
+        where the embedding would raise IndexError (a device-side assert on a GPU)."""
+        top = int(row.max())
+        if self.vocab[s] is not None and top >= self.vocab[s]:
+            path = self.shards[s][k]
+            raise BadTokens(f"{path}: token id {top} at token {off + int(row.argmax())} is outside the vocabulary "
+                            f"of {self.vocab[s]} its meta.json records (a damaged shard, or written over by another "
+                            f"tokenizer); {_fix(path)}")
+        return row
+
     def next_batch(self):
         B, T = self.B, self.T
         src = self.rng.choice(len(self.dirs), size=B * self.world_size, p=self.weights)  # (B*world_size,)
@@ -167,7 +182,7 @@ class DataLoader:
             if self.rank * B <= g < (self.rank + 1) * B:  # this rank's rows; every rank counts all of them
                 w = self.window(s, j)
                 k, off = int(self.windows[s][0][w]), int(self.windows[s][1][w])
-                rows.append(self._tokens(s, k)[off:off + T + 1])
+                rows.append(self._check_ids(s, k, off, self._tokens(s, k)[off:off + T + 1]))
         buf = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
         x = buf[:, :-1].contiguous()  # (B, T)
         y = buf[:, 1:].contiguous()  # (B, T) next-token targets
@@ -182,8 +197,9 @@ class DataLoader:
         n, B, T = len(self.windows[0][0]), self.B, self.T
         for start in range(0, n, B * self.world_size):
             ids = np.arange(start + self.rank * B, start + (self.rank + 1) * B)
-            rows = [self._tokens(0, int(self.windows[0][0][w]))[off:off + T + 1]
-                    for w, off in ((w, int(self.windows[0][1][w])) for w in np.where(ids < n, ids, 0))]
+            rows = [self._check_ids(0, k, off, self._tokens(0, k)[off:off + T + 1])
+                    for k, off in ((int(self.windows[0][0][w]), int(self.windows[0][1][w]))
+                                   for w in np.where(ids < n, ids, 0))]
             buf = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
             x, y = buf[:, :-1].contiguous(), buf[:, 1:].contiguous()
             y[torch.from_numpy(ids >= n)] = -1
@@ -391,6 +407,10 @@ class DataChanged(ValueError):
     came from the files the loader opened, never from a mix. The position of the loader that raised it is then
     partway through that call, so a training loop stops without saving that loader's state_dict() (its last
     checkpoint, or a state_dict() taken before the step, resumes exactly)."""
+
+
+class BadTokens(DataChanged):
+    """A shard holds a token id at or past the vocabulary its meta.json records (DataLoader._check_ids)."""
 
 
 def shard_identity(path):

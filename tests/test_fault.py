@@ -462,6 +462,32 @@ def test_bad_data_directory_is_refused_with_one_line(tmp_path, capsys, case, fac
     assert all(f in msg for f in facts), msg
 
 
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_token_id_past_the_recorded_vocabulary_stops_the_run_in_one_line(tmp_path, capsys, split):
+    """A shard whose ids were overwritten past the vocabulary its meta.json records (its header and size intact)
+    was an IndexError traceback at the first step (train) or at the first evaluation (val), a device-side assert
+    on a GPU: the loader checks every row it reads and names the shard, the id and where it is. The loader alone:
+    next_batch and sweep, and shards without a meta.json (no vocabulary recorded) unchecked."""
+    d = make_shards(str(tmp_path / "shards"))
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    json.dump({**meta, "vocab_size": 257}, open(os.path.join(d, "meta.json"), "w"))
+    shard = os.path.join(d, f"{split}_000.bin")
+    tokens = data.read_shard(shard).copy()
+    tokens[40] = 300  # in the first batch either split reads
+    data.write_shard(shard, tokens)
+    msg = fails(capsys, "--stage=1", *TINY, f"--data={d}", "--max_iters=2", "--eval_interval=1",
+                "--eval_whole=True", "--data_order=sequential", f"--out_dir={tmp_path / 'o'}")
+    assert shard in msg and "token id 300 at token 40" in msg and "257" in msg and "tools.prepare" in msg, msg
+    loader = data.DataLoader(d, split, 4, 16, order="sequential")
+    with pytest.raises(data.BadTokens, match="token 40"):
+        for _ in range(100):
+            loader.next_batch()
+    with pytest.raises(data.BadTokens, match="token 40"):
+        list(loader.sweep())
+    os.remove(os.path.join(d, "meta.json"))
+    assert len(list(data.DataLoader(d, split, 4, 16).sweep())) > 0
+
+
 def test_block_size_larger_than_the_val_split_names_the_val_shard(tmp_path, capsys):
     # the shipped val split is 218,305 tokens (2 plays); the train split is 4.8M
     msg = fails(capsys, "--stage=1", *TINY, "--block_size=300000", f"--out_dir={tmp_path}")
