@@ -190,6 +190,21 @@ def test_a_gguf_export_on_a_full_disk_names_out_and_the_disk_and_keeps_the_old_f
         assert not [h for h in held if h.startswith(out)], held
 
 
+def test_an_out_named_gguf_is_a_gguf_and_a_name_of_another_format_is_refused(tmp_path, capsys):
+    """--out=model.gguf without --format wrote our torch packed file under that name (and --format=gguf
+    --out=model.pt a GGUF named .pt), exit 0: the name decides when --format is not given, and an --out whose
+    extension names another format than --format's is one line, nothing written."""
+    ckpt = _save_ckpt(str(tmp_path / "ckpt.pt"))
+    gguf_export.main([f"--ckpt={ckpt}", f"--out={tmp_path / 'm.gguf'}"])
+    assert open(tmp_path / "m.gguf", "rb").read(4) == b"GGUF" and "verified" in capsys.readouterr().out
+    for argv, named in ((["--format=gguf", f"--out={tmp_path / 'm.pt'}"], ".pt file"),
+                        (["--format=packed", f"--out={tmp_path / 'p.gguf'}"], "GGUF file"),
+                        (["--format=hf", f"--out={tmp_path / 'h.gguf'}"], "GGUF file")):
+        err = fails(capsys, f"--ckpt={ckpt}", *argv, code=2, main=gguf_export.main)
+        assert argv[1] in err and named in err and argv[0] in err, err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt", "m.gguf"]
+
+
 @pytest.mark.slow
 def test_export_command_line_gguf_and_its_refusals(tmp_path, capsys):
     out = str(tmp_path / "o")

@@ -59,7 +59,7 @@ class ExportConfig:
     out: str = ""                # the file to write; "" = packed.pt (or model.gguf, or the
                                  # directory hf) beside --ckpt
     format: str = "packed"       # packed (our 2-bit export, sample.py reads it), gguf (llama.cpp's
-                                 # bitnet) or hf
+                                 # bitnet; the default for an --out named *.gguf) or hf
                                  # (a directory for transformers' BitNetForCausalLM)
     overwrite: bool = False      # replace what --out holds even if it is a checkpoint or another
                                  # run's file
@@ -122,11 +122,19 @@ def export(ckpt_path, out_path):
 
 
 def main(argv):
-    args = dataclasses.asdict(ExportConfig(**parse(argv, ExportConfig, __doc__)))
+    given = parse(argv, ExportConfig, __doc__)
+    if "format" not in given and given.get("out", "").endswith(".gguf"):  # the file's name says which
+        given["format"] = "gguf"
+    args = dataclasses.asdict(ExportConfig(**given))
     ckpt, fmt = args["ckpt"], args["format"]
     if fmt not in ("packed", "gguf", "hf"):
         die(f"--format={fmt}: expected packed (our 2-bit export), gguf (llama.cpp) or hf "
             "(transformers)", 2)
+    named = os.path.splitext(args["out"])[1].lower()
+    if (named == ".gguf") != (fmt == "gguf") and named in (".gguf", ".pt", ".pth", ".bin", ".safetensors"):
+        die(f"--out={args['out']} names a {'GGUF' if named == '.gguf' else named} file, but --format={fmt} "
+            f"writes {'a GGUF file' if fmt == 'gguf' else 'a directory' if fmt == 'hf' else 'a torch file'}: "
+            f"pass an --out that matches --format (or the --format it names)", 2)
     out_path = args["out"] or os.path.join(os.path.dirname(ckpt), {"packed": "packed.pt", "gguf": "model.gguf",
                                                                    "hf": "hf"}[fmt])
     outputs.check_input("--ckpt", ckpt)
