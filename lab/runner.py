@@ -512,6 +512,17 @@ class LabFlags:
     rerun: bool = False          # train every run here: none taken from the committed <table>.json
 
 
+def dataset_around(path):
+    """The prepared shard directory (one holding a meta.json) that path is, or is inside; else None."""
+    d = os.path.realpath(path)
+    while True:
+        if os.path.isfile(os.path.join(d, "meta.json")):
+            return d
+        if os.path.dirname(d) == d:
+            return None
+        d = os.path.dirname(d)
+
+
 def main(argv):
     flags, names = parse(argv, LabFlags, __doc__,
                          positional="TABLE  one of: list, " + ", ".join(tables.TABLES))
@@ -530,6 +541,11 @@ def main(argv):
     table = tables.TABLES[names[0]]()
     if args.seeds < 1:
         print(f"error: --seeds={args.seeds}: expected an integer >= 1", file=sys.stderr)
+        return 2
+    inside = dataset_around(args.root) if args.root else None
+    if inside:  # its runs' logs and checkpoints would land among the shards (train.py refuses only later)
+        print(f"error: --root={args.root} is inside the prepared dataset {inside} (its meta.json): the runs would "
+              "write into it; pass another --root (default out/lab/<table>)", file=sys.stderr)
         return 2
     lab = Lab(table, seeds=range(args.seeds), root=args.root or None, rerun=args.rerun)
     wanted = args.rows.split(",") if args.rows else [r.name for r in table.rows]

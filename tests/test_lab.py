@@ -181,6 +181,19 @@ def test_unknown_table_row_or_option_is_one_line_exit_2(capsys):
     assert len(err) == 4 and all(line.startswith("error: ") for line in err)
 
 
+def test_a_root_inside_a_prepared_dataset_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--root=data/shakespeare_byte made seed0/<row>/train.log and argv.json among the shards before train.py
+    refused its --out_dir, and tools.prepare then refused to re-make the dataset: one line, nothing written."""
+    d = tmp_path / "shards"
+    d.mkdir()
+    (d / "meta.json").write_text('{"tokenizer": "byte"}')
+    for root in (d, d / "a" / "b"):
+        assert runner.main(["order", "--seeds=1", f"--root={root}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--root={root}" in err[0] and str(d) in err[0] and "meta.json" in err[0], err
+    assert sorted(os.listdir(d)) == ["meta.json"]
+
+
 @pytest.mark.slow
 def test_a_dlm_table_scores_masked_val_losses_and_the_conversion_diagnostics(tmp_path):
     _shards(str(tmp_path / "shards"), 1000)
