@@ -52,7 +52,7 @@ from tools.runtime import check_device
 class SampleConfig:
     ckpt: str = "out/stage2/ckpt.pt"  # a training checkpoint (any stage) or a packed export; --dlm:
                                       # out/dlm/ckpt.pt
-    start: str = "\n"             # the prompt
+    start: str = "\n"             # the prompt; FILE:path reads it from a UTF-8 file (nanoGPT's)
     num_samples: int = 2         # samples to print (or documents to write with --jsonl)
     max_new_tokens: int = 200    # tokens generated per sample (--dlm: at most block_size minus the
                                  # prompt)
@@ -219,6 +219,15 @@ def _check_args(args):
         die(f"--remasking={args['remasking']}: expected random or low_confidence", 2)
     if not 0 <= args["seed"] < 2**64:
         die(f"--seed={args['seed']}: expected an integer >= 0 and below 2**64", 2)
+    if args["start"].startswith("FILE:"):  # nanoGPT's --start=FILE:prompt.txt
+        path = args["start"][5:]
+        try:
+            with open(path, "rb") as f:
+                args["start"] = f.read().decode("utf-8")
+        except OSError as e:
+            die(f"--start=FILE:{path}: cannot read the prompt file ({e.strerror or e})", 2)
+        except UnicodeDecodeError as e:
+            die(f"--start=FILE:{path}: not UTF-8 text (byte {e.start}); save the prompt as UTF-8", 2)
     try:
         args["start"].encode("utf-8")
     # an undecodable byte on the command line arrives as a lone surrogate

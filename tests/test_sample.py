@@ -113,6 +113,21 @@ def test_sample_runs_on_the_test_files(files, capsys):
         assert capsys.readouterr().out.count("---------------") == 1
 
 
+def test_start_file_reads_the_prompt_from_a_file_as_nanogpt_does(files, tmp_path, capsys):
+    """--start=FILE:prompt.txt (nanoGPT's) was taken as the literal prompt "FILE:prompt.txt": it is the file's
+    text, the same samples as the text given inline; a missing or non-UTF-8 file is one line, exit 2."""
+    (tmp_path / "p.txt").write_bytes("ROMEO: é\n".encode())
+    argv = [f"--ckpt={files / 'ckpt.pt'}", "--max_new_tokens=5", "--num_samples=1", "--device=cpu", "--seed=3"]
+    sample.main([*argv, f"--start=FILE:{tmp_path / 'p.txt'}"])
+    from_file = capsys.readouterr().out
+    sample.main([*argv, "--start=ROMEO: é\n"])
+    assert from_file == capsys.readouterr().out and from_file.startswith("ROMEO: é\n")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
+    for path, fact in ((tmp_path / "none.txt", "cannot read"), (tmp_path / "bad.txt", "not UTF-8")):
+        err = fails(capsys, *argv, f"--start=FILE:{path}", code=2, main=sample.main)
+        assert f"--start=FILE:{path}" in err and fact in err, err
+
+
 def _truncated(d, files):
     data = (files / "ckpt.pt").read_bytes()
     (d / "ckpt.pt").write_bytes(data[: len(data) // 2])
