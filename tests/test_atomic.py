@@ -99,6 +99,12 @@ def test_a_symlinked_output_is_written_through_and_stays_a_link(tmp_path):
     assert sorted(os.listdir(links)) == ["hf", "out.txt"]  # nothing left beside the links
     why, disk, fix = atomic.write_failed(OSError(errno.ENOSPC, "No space left on device"), str(links / "out.txt"))
     assert f"the disk holding {keep} has" in disk and fix == "free disk space"
+    # a write refused for permission or a read-only mount is not blamed on the disk's space
+    for code, cause in ((errno.EACCES, "does not let this user write"), (errno.EPERM, "immutable flag"),
+                        (errno.EROFS, "read-only")):
+        why, what, fix = atomic.write_failed(OSError(code, os.strerror(code)), str(links / "out.txt"))
+        assert why == os.strerror(code) and cause in what and "free" not in what + fix, (what, fix)
+        assert fix == f"make {keep / 'out.txt'} and its directory writable", fix
 
 
 def test_written_turns_a_failed_write_into_one_line_and_keeps_the_old_file(tmp_path, capsys):

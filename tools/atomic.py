@@ -341,8 +341,8 @@ def write_failed(e, path):
     """(why, cause, fix) for the error line of a write of path that raised e (an OSError): the
     error's words; the file-size limit (EFBIG: `ulimit -f`), a mount point (EBUSY, atomic_dir) or
     the free space of the disk holding path (measured now, after the partial file is gone); and the
-    fix: "raise the limit (ulimit -f unlimited)", a directory inside the mount point, or "free disk
-    space"."""
+    fix: "raise the limit (ulimit -f unlimited)", a directory inside the mount point, making the path
+    writable (EACCES, EPERM, EROFS: not a matter of space), or "free disk space"."""
     why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
     if getattr(e, "errno", None) == errno.EFBIG:
         limit = size_limit()
@@ -352,6 +352,10 @@ def write_failed(e, path):
     if getattr(e, "errno", None) == errno.EBUSY:
         return why, "a whole directory is swapped in by renames, which cannot move a mount point", \
             f"pass a directory inside it (e.g. {os.path.join(path, 'out')})"
+    if getattr(e, "errno", None) in (errno.EACCES, errno.EPERM, errno.EROFS):  # not a matter of space
+        what = "the file system is mounted read-only" if e.errno == errno.EROFS else \
+            "the file or its directory does not let this user write (permissions, or an immutable flag)"
+        return why, what, f"make {os.path.realpath(path)} and its directory writable"
     where = os.path.dirname(os.path.realpath(path))  # a symlink's target's disk: where the write went
     try:
         disk = f"the disk holding {where} has {_bytes(shutil.disk_usage(where).free)} free"
