@@ -488,6 +488,17 @@ def test_a_token_id_past_the_recorded_vocabulary_stops_the_run_in_one_line(tmp_p
     assert len(list(data.DataLoader(d, split, 4, 16).sweep())) > 0
 
 
+def test_a_data_path_that_is_not_a_directory_is_named_as_such(tmp_path, capsys):
+    """--data=shakespear (a typo) said "no meta.json; make shards with ... --out_dir=shakespear", and a shard file
+    given as --data was offered as the --out_dir of a new dataset: it does not exist, or is a file, and the
+    shipped corpora are named."""
+    d = make_shards(str(tmp_path / "shards"))
+    for path, what in ((str(tmp_path / "shakespear"), "does not exist"),
+                       (os.path.join(d, "train_000.bin"), "is a file, not a directory")):
+        msg = fails(capsys, "--stage=1", *TINY, f"--data={path}", f"--out_dir={tmp_path / 'o'}")
+        assert f"--data={path}" in msg and what in msg and "shakespeare, python" in msg and "--out_dir" not in msg, msg
+
+
 def test_block_size_larger_than_the_val_split_names_the_val_shard(tmp_path, capsys):
     # the shipped val split is 218,305 tokens (2 plays); the train split is 4.8M
     msg = fails(capsys, "--stage=1", *TINY, "--block_size=300000", f"--out_dir={tmp_path}")

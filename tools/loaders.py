@@ -77,6 +77,10 @@ def resolve_data(cfg):
             prepare.check_not_mid_swap(path)
         except ValueError as e:
             die(str(e))
+        if not os.path.isdir(path):  # a typo, or a file of a dataset: not a place to make shards in
+            what = "is a file, not a directory of shards" if os.path.exists(path) else "does not exist"
+            die(f"--data={cfg.data}: {path} {what}; pass a directory tools.prepare made (it holds meta.json) "
+                f"or a shipped corpus: {', '.join(SHIPPED)}")
         if not os.path.exists(os.path.join(path, "meta.json")):
             die(f"{path}: no meta.json; make shards with: python -m tools.prepare "
                 f"--tokenizer={cfg.tokenizer} --out_dir={path} <files>")
