@@ -23,7 +23,7 @@ import torch
 from kernels.packed_linear import freeze_fp, freeze_ternary
 from model import GPT, GPTConfig
 from tools import decode
-from tools.flags import parse
+from tools.flags import die, parse
 
 SMOLLM2 = dict(vocab_size=49152, block_size=256, n_layer=30, n_head=9, n_kv_head=3, n_embd=576, mlp_hidden=1536,
                tie_embeddings=True)
@@ -38,6 +38,9 @@ class DecodeFlags:
 
 def main(argv):
     args = DecodeFlags(**parse(argv, DecodeFlags, __doc__))
+    for key in ("tokens", "reps", "n_layer"):
+        if getattr(args, key) < 1:
+            die(f"--{key}={getattr(args, key)}: expected an integer >= 1", 2)
     torch.manual_seed(0)
     shape = {**SMOLLM2, "n_layer": args.n_layer}
     fp = freeze_fp(GPT(GPTConfig(**shape, quant=False, subln=False)).eval())

@@ -102,6 +102,13 @@ def test_every_command_has_help_and_the_same_error_path(capsys, module, func, ho
     assert e.value.code == 2 and len(err) == 1 and "--no_such_flag=1" in err[0] and err[0].startswith("error: ")
 
 
+@pytest.mark.parametrize("flag", ["--n_layer=0", "--n_layer=-1", "--tokens=0", "--reps=0"])
+def test_packed_decode_refuses_counts_below_one_in_one_line(capsys, flag):
+    """lab.packed_decode's counts (a ValueError, a ZeroDivisionError and a StatisticsError traceback before)."""
+    from lab import packed_decode
+    assert flag in fails(capsys, flag, code=2, main=packed_decode.main)
+
+
 @pytest.mark.slow
 def test_train_py_help_from_the_command_line():
     p = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True,
