@@ -23,6 +23,10 @@ def test_plot_draws_a_run_and_reads_what_it_logged(tmp_path, capsys):
     assert "6 steps, 2 evaluations" in out
     with open(os.path.join(d, "curves.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # the log itself named (it was read as a directory: ".../metrics.jsonl/metrics.jsonl: no such file")
+    os.remove(os.path.join(d, "curves.png"))
+    plot.main([os.path.join(d, "metrics.jsonl")])
+    assert "6 steps, 2 evaluations" in capsys.readouterr().out and os.path.exists(os.path.join(d, "curves.png"))
 
 
 def test_steps_a_resume_ran_again_are_read_as_the_resume_logged_them(tmp_path):

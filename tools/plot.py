@@ -4,6 +4,7 @@ gradient norm before and after clipping (clipped steps marked), to one PNG besid
 
     python -m tools.plot out/stage2                  -> out/stage2/curves.png
     python -m tools.plot out/stage2 --out=run.png
+    python -m tools.plot out/stage2/metrics.jsonl    (the log itself: the same)
 
 The PNG names the metrics.jsonl it was drawn from (its Source text chunk): plotting the same run again replaces it;
 any other PNG (another run's, a committed figure) is replaced only with --overwrite=True, and a file of another
@@ -149,6 +150,8 @@ def main(argv):
     flags, dirs = parse(argv, PlotFlags, __doc__, positional="RUN_DIR  a run directory holding metrics.jsonl")
     if len(dirs) != 1:
         die("give one run directory, e.g. python -m tools.plot out/stage2", 2)
+    if os.path.basename(dirs[0]) == "metrics.jsonl" and os.path.isfile(dirs[0]):  # the log itself: its run
+        dirs[0] = os.path.dirname(dirs[0]) or "."
     out = flags.get("out") or os.path.join(dirs[0], "curves.png")
     if not out.endswith(".png"):
         die(f"--out={out}: expected a .png file name", 2)
