@@ -214,6 +214,19 @@ def copy_run(saved, tmp_path):
     return str(tmp_path), str(tmp_path / "stage1" / "ckpt.pt")
 
 
+def test_a_resume_whose_ckpt_pt_link_was_deleted_continues_from_the_newest_checkpoint(saved, tmp_path, capsys):
+    """ckpt.pt deleted (a link to the newest ckpt_<step>.pt): --resume=True said there was no checkpoint and, without
+    it, that the directory holds a run to continue with --resume=True. It resumes from the newest numbered one, says
+    so, and the next save links ckpt.pt again."""
+    out, ck = copy_run(saved, tmp_path)
+    step = checkpoint.load(ck)["step"]
+    os.replace(ck, os.path.join(out, "stage1", f"ckpt_{step:06d}.pt"))
+    train.main(["--stage=1", "--resume=True", f"--max_iters={step + 1}", f"--out_dir={out}"])
+    printed = capsys.readouterr().out
+    assert f"{ck} is missing; resuming from the newest checkpoint" in printed and f"ckpt_{step:06d}.pt" in printed
+    assert checkpoint.load(ck)["step"] == step + 1
+
+
 # another tokenizer is refused by its vocabulary (tokenizer.fingerprint, exit 2) before the shapes are compared
 @pytest.mark.parametrize("flag,facts,code", [("--n_embd=64", ("n_embd=32", "n_embd=64"), 1),
                                              ("--tokenizer=gpt2", ("--tokenizer=gpt2", "(byte, fingerprint"), 2)])

@@ -80,6 +80,11 @@ def read_config(argv):
     resume, saved, notes = None, None, []
     if given.resume:  # the saved run's config, the flags given now on top
         path = os.path.join(out_dir, checkpoint.LATEST)
+        if not os.path.exists(path) and checkpoint.numbered(out_dir):  # the link alone lost: its target is the newest
+            newest = checkpoint.numbered(out_dir)[-1]
+            notes.append(f"note: {path} is missing; resuming from the newest checkpoint, {newest} (the next save "
+                         f"links {checkpoint.LATEST} again)")
+            path = newest
         if not os.path.exists(path):
             if checkpoint.before_first_save(out_dir):
                 die(f"--resume=True: the run in {out_dir} ended before its first checkpoint (only its "
