@@ -111,6 +111,7 @@ def main(argv):
     if args["dlm"] and args["ckpt"] == SampleConfig.ckpt:
         args["ckpt"] = os.path.join("out", "dlm", checkpoint.LATEST)
     model, tok = load_model(args["ckpt"], device, args["packed"])
+    stale_export_note(args["ckpt"])
     if args["dlm"] != (not model.config.causal):
         die(f"{args['ckpt']} is "
             f"{'an autoregressive' if model.config.causal else 'a masked-diffusion'} model; sample "
@@ -133,6 +134,19 @@ def main(argv):
                              top_k=args["top_k"], vocab=tok.vocab_size)
         print(tok.decode(y[0, 1:].tolist()))
         print("---------------")
+
+
+def stale_export_note(path):
+    """A packed export beside a training checkpoint of another run (train.py --overwrite=True since it was
+    exported): one note on stderr, since the samples are the earlier run's model."""
+    beside = os.path.join(os.path.dirname(path) or ".", checkpoint.LATEST)
+    if outputs.file_kind(path)[0] != "packed" or not os.path.exists(beside):
+        return
+    made, now = outputs.export_run(path, "packed"), outputs.checkpoint_run(beside)
+    if made and now and made != now:
+        print(f"note: {path} was exported from an earlier run than {beside} (run {made}, not {now}): these are the "
+              f"earlier model's samples; re-export it: python -m tools.export --ckpt={beside} --out={path} "
+              "--overwrite=True", file=sys.stderr)
 
 
 def sample_dlm(model, tok, args, device):

@@ -128,6 +128,24 @@ def test_start_file_reads_the_prompt_from_a_file_as_nanogpt_does(files, tmp_path
         assert f"--start=FILE:{path}" in err and fact in err, err
 
 
+def test_a_packed_export_of_an_earlier_run_than_the_checkpoint_beside_it_is_said(files, tmp_path, capsys):
+    """After train.py --overwrite=True the old packed.pt stayed beside the new ckpt.pt and sample.py sampled the
+    earlier model without a word: a note names both runs and the re-export; the same run, or a packed file alone or
+    of an unknown run, samples without one."""
+    from tools.checkpoint import RUN_ID
+    from tools.outputs import SOURCE_RUN
+    ck = torch.load(files / "ckpt.pt", weights_only=True)
+    packed = torch.load(files / "packed.pt", weights_only=True)
+    argv = [f"--ckpt={tmp_path / 'packed.pt'}", "--max_new_tokens=2", "--num_samples=1", "--device=cpu"]
+    for made, now, said in (("aaaa", "bbbb", True), ("aaaa", "aaaa", False), (None, "bbbb", False)):
+        torch.save({**packed, **({SOURCE_RUN: made} if made else {})}, tmp_path / "packed.pt")
+        torch.save({**ck, "config": {**ck["config"], RUN_ID: now}}, tmp_path / "ckpt.pt")
+        sample.main(argv)
+        err = capsys.readouterr().err
+        assert ("was exported from an earlier run" in err and "run aaaa, not bbbb" in err
+                and "--overwrite=True" in err) == said, (made, now, err)
+
+
 def _truncated(d, files):
     data = (files / "ckpt.pt").read_bytes()
     (d / "ckpt.pt").write_bytes(data[: len(data) // 2])
