@@ -227,6 +227,18 @@ def test_a_resume_whose_ckpt_pt_link_was_deleted_continues_from_the_newest_check
     assert checkpoint.load(ck)["step"] == step + 1
 
 
+@pytest.mark.parametrize("how", [["--resume=True"], ["--overwrite=True", *TINY]])
+def test_a_directory_where_the_run_keeps_metrics_jsonl_is_one_line(saved, tmp_path, capsys, how):
+    """metrics.jsonl made a directory: an IsADirectoryError traceback after a step (resume) or from the removal of
+    the earlier run (--overwrite=True): one line naming it, the checkpoint kept."""
+    out, ck = copy_run(saved, tmp_path)
+    os.mkdir(os.path.join(out, "stage1", "metrics.jsonl"))
+    before = digest(ck)
+    msg = fails(capsys, "--stage=1", *how, f"--out_dir={out}")
+    assert os.path.join(out, "stage1", "metrics.jsonl") in msg and "is a directory" in msg, msg
+    assert digest(ck) == before
+
+
 # another tokenizer is refused by its vocabulary (tokenizer.fingerprint, exit 2) before the shapes are compared
 @pytest.mark.parametrize("flag,facts,code", [("--n_embd=64", ("n_embd=32", "n_embd=64"), 1),
                                              ("--tokenizer=gpt2", ("--tokenizer=gpt2", "(byte, fingerprint"), 2)])

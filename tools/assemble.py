@@ -110,6 +110,10 @@ def open_run(run, notes):
             run.rt.log(line)
     teachers = teacher_paths(run.cfg)
     check_run(run.cfg, run.rt, run.out_dir, teachers)
+    for name in (checkpoint.LATEST, "metrics.jsonl"):  # files the run writes: a directory there is not its own
+        if os.path.isdir(os.path.join(run.out_dir, name)):
+            die(f"{os.path.join(run.out_dir, name)} is a directory, where the run keeps its {name} file; move "
+                "it out of the way (nothing was changed)")
     if run.rt.master:
         run.unlock = checkpoint.lock(run.out_dir)
     return teachers
