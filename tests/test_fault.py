@@ -406,6 +406,20 @@ def test_corrupt_checkpoint_is_refused_and_left_as_it_was(saved, tmp_path, capsy
     assert digest(ck) == before
 
 
+def test_a_file_of_another_kind_given_as_a_checkpoint_is_named_as_such(tmp_path):
+    """A metrics log, a meta.json or a PNG given where a checkpoint is read was "corrupt or truncated (N bytes, not
+    a torch.save zip archive)": it is named for what it is; a damaged checkpoint (text where ckpt.pt was) is still
+    called damaged."""
+    cases = {"metrics.jsonl": (b'{"step": 1}\n', "a run's metrics log"), "meta.json": (b'{"tokenizer": "byte"}',
+             "a text file"), "curves.png": (b"\x89PNG\r\n\x1a\n" + bytes(40), "a PNG image"),
+             "ckpt.pt": (b"\x00 not a checkpoint", "corrupt or truncated")}
+    for name, (raw, what) in cases.items():
+        (tmp_path / name).write_bytes(raw)
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.load(str(tmp_path / name))
+        assert str(tmp_path / name) in str(e.value) and what in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("use", ["resume", "init_from", "sample", "export"])
 def test_a_checkpoint_whose_bytes_changed_inside_is_refused_not_trained_on(saved, tmp_path, capsys, use):
     """Eight floats of the first weight overwritten in place (a disk or copy error: the zip still reads, torch.load

@@ -430,6 +430,12 @@ def load(path, required=("model", "model_args"), mmap=False):
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     # a truncated zip, random bytes, an unsafe pickle: one line, never a traceback
     except Exception as e:
+        from tools.outputs import KINDS, file_kind
+        kind = file_kind(path)[0]
+        kind = "corrupt" if kind == "text" and path.endswith((".pt", ".pth")) else kind  # a damaged checkpoint
+        if kind in ("metrics", "text", "png", "gzip", "directory", "safetensors"):  # whole, but not a checkpoint
+            raise CheckpointError(f"{path}: {KINDS[kind]}, not a training checkpoint (a torch.save zip archive); "
+                                  "pass a ckpt.pt that train.py wrote") from None
         why = (f"{type(e).__name__}: "
                f"{(str(e).splitlines() or [''])[0][:120]}" if zipfile.is_zipfile(path)
                else f"{os.path.getsize(path)} bytes, not a torch.save zip archive")
