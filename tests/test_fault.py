@@ -527,6 +527,16 @@ def test_a_token_id_past_the_recorded_vocabulary_stops_the_run_in_one_line(tmp_p
     assert len(list(data.DataLoader(d, split, 4, 16).sweep())) > 0
 
 
+def test_a_run_refused_during_set_up_leaves_no_empty_directories(tmp_path):
+    """A refusal after the run directory was made (a --data that does not exist) left an empty out/stage<N>: the
+    directories the run made are removed at exit while empty; one that was there before stays."""
+    p = run("--stage=1", *TINY, "--data=/nonexistent", f"--out_dir={tmp_path / 'new' / 'deep'}", rc=1)
+    assert "does not exist" in p.stderr and os.listdir(tmp_path) == []
+    (tmp_path / "mine").mkdir()
+    run("--stage=1", *TINY, "--data=/nonexistent", f"--out_dir={tmp_path / 'mine'}", rc=1)
+    assert os.listdir(tmp_path) == ["mine"] and os.listdir(tmp_path / "mine") == []
+
+
 def test_a_data_path_that_is_not_a_directory_is_named_as_such(tmp_path, capsys):
     """--data=shakespear (a typo) said "no meta.json; make shards with ... --out_dir=shakespear", and a shard file
     given as --data was offered as the --out_dir of a new dataset: it does not exist, or is a file, and the

@@ -43,6 +43,7 @@ This file imports only torch, numpy, the standard library, tokenizer.py (save_ru
 tokenizer's fingerprint), tools/atomic.py and tools/flags.py.
 """
 
+import atexit
 import copy
 import dataclasses
 import errno
@@ -181,11 +182,26 @@ def restore(ckpt, optimizer, clipper=None):
 
 
 def check_writable(d):
-    """Create d if needed and prove a file can be written in it; OSError otherwise."""
+    """Create d if needed and prove a file can be written in it; OSError otherwise. The directories made
+    here are removed at exit if still empty (a run refused during set-up leaves no empty out/stage<N>)."""
+    made, p = [], os.path.abspath(d)
+    while not os.path.exists(p):
+        made, p = made + [p], os.path.dirname(p)
     os.makedirs(d, exist_ok=True)
+    if made:
+        atexit.register(_remove_empty, made)
     probe = os.path.join(d, f".write_test.{os.getpid()}")
     open(probe, "w").close()
     os.remove(probe)
+
+
+def _remove_empty(dirs):
+    """Remove dirs, deepest first, while each is empty."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:  # not empty (the run wrote something), or gone
+            return
 
 
 def atomic_save(obj, path):
