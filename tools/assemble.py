@@ -103,11 +103,8 @@ def read_config(argv):
 
 
 def open_run(run, notes):
-    """Log the notes, check every input of the run against its outputs, then lock out_dir (rank 0):
-    a second run into the same out_dir stops here. Returns the teachers' paths."""
-    for line in notes:
-        if line:
-            run.rt.log(line)
+    """Check every input of the run against its outputs, lock out_dir (rank 0): a second run into
+    the same out_dir stops here; then log the notes. Returns the teachers' paths."""
     teachers = teacher_paths(run.cfg)
     check_run(run.cfg, run.rt, run.out_dir, teachers)
     for name in (checkpoint.LATEST, "metrics.jsonl"):  # files the run writes: a directory there is not its own
@@ -116,6 +113,9 @@ def open_run(run, notes):
                 "it out of the way (nothing was changed)")
     if run.rt.master:
         run.unlock = checkpoint.lock(run.out_dir)
+    for line in notes:  # after the refusals above: a refused run prints its error line alone
+        if line:
+            run.rt.log(line)
     return teachers
 
 
