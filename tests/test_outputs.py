@@ -64,7 +64,7 @@ def test_a_re_export_replaces_its_own_export_but_not_another_checkpoints(runs, c
     assert "another checkpoint" in msg and s2 in msg and "--overwrite=True" in msg and _sha(out) == first
     gguf = str(tmp_path / "m.gguf")
     export.main([f"--ckpt={s2}", "--format=gguf", f"--out={gguf}"])
-    msg = fails(capsys, f"--ckpt={s2}", f"--out={gguf}", code=2, main=export.main)  # a packed export over a GGUF
+    msg = fails(capsys, f"--ckpt={s2}", "--format=packed", f"--out={gguf}", code=2, main=export.main)  # packed over a GGUF
     assert "GGUF" in msg and "another kind" in msg
     export.main([f"--ckpt={other}", f"--out={out}", "--overwrite=True"])  # asked for: replaced
     assert outputs.file_kind(out) == ("packed", os.path.abspath(other))

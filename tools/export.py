@@ -130,19 +130,16 @@ def main(argv):
     if fmt not in ("packed", "gguf", "hf"):
         die(f"--format={fmt}: expected packed (our 2-bit export), gguf (llama.cpp) or hf "
             "(transformers)", 2)
-    named = os.path.splitext(args["out"])[1].lower()
-    if (named == ".gguf") != (fmt == "gguf") and named in (".gguf", ".pt", ".pth", ".bin", ".safetensors"):
-        die(f"--out={args['out']} names a {'GGUF' if named == '.gguf' else named} file, but --format={fmt} "
-            f"writes {'a GGUF file' if fmt == 'gguf' else 'a directory' if fmt == 'hf' else 'a torch file'}: "
-            f"pass an --out that matches --format (or the --format it names)", 2)
     out_path = args["out"] or os.path.join(os.path.dirname(ckpt), {"packed": "packed.pt", "gguf": "model.gguf",
                                                                    "hf": "hf"}[fmt])
     outputs.check_input("--ckpt", ckpt)
     if fmt == "hf":
+        check_named(args["out"], fmt)
         # Ctrl-C while the checkpoint and its tokenizer load: one line
         with atomic.stoppable("--out", out_path):
             return export_hf(ckpt, out_path, args["overwrite"])
     outputs.check_output("--out", out_path, fmt, os.path.abspath(ckpt), args["overwrite"], [("--ckpt", ckpt)], ckpt)
+    check_named(args["out"], fmt)  # after check_output: what a file there is comes first
     with atomic.stoppable("--out", out_path):
         if fmt == "gguf":
             return export_gguf(ckpt, out_path)
@@ -154,6 +151,15 @@ def main(argv):
           f"{len(obj['packed'])} packed matrices, hidden-matrix bytes {packed:,} vs {bf16:,} in "
           f"bf16 (1/{bf16 / packed:.3g}), plus {4 * len(obj['packed'])} bytes of fp32 gammas; "
           f"other weights (embedding, head, norms) {other:,} bytes")
+
+
+def check_named(out, fmt):
+    """Refuse an --out whose extension names another format than fmt's (model.gguf written as a torch file)."""
+    named = os.path.splitext(out)[1].lower()
+    if (named == ".gguf") != (fmt == "gguf") and named in (".gguf", ".pt", ".pth", ".bin", ".safetensors"):
+        die(f"--out={out} names a {'GGUF' if named == '.gguf' else named} file, but --format={fmt} "
+            f"writes {'a GGUF file' if fmt == 'gguf' else 'a directory' if fmt == 'hf' else 'a torch file'}: "
+            f"pass an --out that matches --format (or the --format it names)", 2)
 
 
 def export_gguf(ckpt_path, out_path, flag="--out"):
