@@ -107,7 +107,11 @@ def _log_relation(x_hat, allowed, temperature):
 def attention_relation_loss(student_qkv, teacher_qkv, n_relation_heads, temperature=1.0, mask=None,
                             causal=True):
     """MiniLM-v2 relation KD summed over Q, K, V and divided by A_r. *_qkv: (q, k, v), each (B, H, T, d).
-    mask: (B, T), True = valid token; invalid tokens are excluded as queries (rows) and as keys."""
+    mask: (B, T), True = valid token; invalid tokens are excluded as queries (rows) and as keys.
+    Departure from MiniLM-v2 and the paper's printed L_AD (softmax(X X^T / sqrt(d_r)) of the vectors as they are):
+    each relation head is L2-normalised and t = 1, as the authors' trainer computes it. On a tiny teacher/student
+    pair that loss is ~10x smaller than the printed form's, so kd_relation weights (the presets' 1e3, 1e5) are on
+    the trainer's scale."""
     if len(student_qkv) != 3 or len(teacher_qkv) != 3:
         raise ValueError("student_qkv and teacher_qkv must each be a (q, k, v) tuple of (B, H, T, d) tensors")
     sizes = {}
@@ -191,7 +195,7 @@ class BitDistillLoss:
 
     def __init__(self, preset="logits", kd_logits=None, kd_relation=None, kd_hidden=0.0,
                  temperature=5.0, relation_temperature=1.0, n_relation_heads=32, distill_layer=-1,
-                 relation_causal=True, teacher_weights=None):
+                 relation_causal=True, teacher_weights=None, vocab=None):
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
         self.kd_logits = float(PRESETS[preset]["kd_logits"] if kd_logits is None else kd_logits)
@@ -203,7 +207,9 @@ class BitDistillLoss:
         self.distill_layer = distill_layer          # attention layer for AD; negative counts from the end
         self.relation_causal = relation_causal      # see attention_relation_loss
         self.preset = preset
-        self.teacher_weights = teacher_weights      # several teachers: weights of their logits mixture (None = equal)
+        self.teacher_weights = teacher_weights      # several teachers: weights of their tempered distributions' mixture
+        self.vocab = vocab                          # the tokenizer's ids: logits KD over them (a --pad_vocab model's
+                                                    # rows past them are no token); None = every row
 
     def layer_index(self, n_layer):
         """Resolve distill_layer for a model with n_layer blocks (call once per model if depths differ)."""
@@ -218,8 +224,10 @@ class BitDistillLoss:
         V = student_logits.size(-1)
         zero = torch.zeros((), device=student_logits.device)
         ce = F.cross_entropy(student_logits.float().view(-1, V), targets.view(-1), ignore_index=ignore_index)
-        ld = logits_kd_loss(student_logits, teacher_logits, self.temperature, mask=targets != ignore_index,
-                            weights=self.teacher_weights)
+        tokens = slice(0, self.vocab)  # None: all V
+        ld = logits_kd_loss(student_logits[..., tokens], [z[..., tokens] for z in teacher_logits]
+                            if isinstance(teacher_logits, (list, tuple)) else teacher_logits[..., tokens],
+                            self.temperature, mask=targets != ignore_index, weights=self.teacher_weights)
         ad = hidden = zero
         if self.kd_relation != 0:
             if student_qkv is None or teacher_qkv is None:

@@ -302,7 +302,7 @@ def make_loss_fn(run, teachers):
         return run.lesson.loss_fn(run)
     if run.cfg.stage < 3:
         return lambda x, y: (run.train_model(x, y)[1], None)
-    models, crit = start.make_teachers(run.cfg, teachers, run.model.config, run.rt.device)
+    models, crit = start.make_teachers(run.cfg, teachers, run.model.config, run.rt.device, run.vocab)
     if not models:
         run.rt.log("stage 3: all distillation weights are 0, so this is plain CE (the control run)")
         return lambda x, y: (run.train_model(x, y)[1], None)

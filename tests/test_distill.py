@@ -377,3 +377,26 @@ def test_teachers_run_without_targets_and_give_every_positions_logits():
     logits, loss_none, _ = teachers[0].forward_with_states(x, all_logits=True)
     assert loss_none is None and torch.equal(logits, GPT.forward_with_states(teachers[0], x, y)[0])
     assert torch.isfinite(loss) and parts["kd_relation"] > 0
+
+
+def test_logits_kd_is_over_the_tokenizers_ids_not_the_padding_rows(monkeypatch):
+    """A --pad_vocab model has rows past its tokenizer's ids (no token); at tau = 5 an untrained teacher's padding
+    rows held ~11 % of its mass, all of it distilled. BitDistillLoss(vocab=n) takes the logits KD over ids < n, for
+    one teacher or several; vocab=None keeps every row; train.py gives it the tokenizer's size."""
+    torch.manual_seed(0)
+    zs, zt, zt2 = (torch.randn(2, 3, 8) for _ in range(3))
+    zt[..., 5:] += 3.0  # the teacher's padding rows likely
+    y = torch.randint(0, 5, (2, 3))
+    got = BitDistillLoss(vocab=5)(zs, zt, y)["kd_logits"]
+    assert torch.allclose(got, logits_kd_loss(zs[..., :5], zt[..., :5], 5.0)) and not torch.allclose(
+        got, BitDistillLoss()(zs, zt, y)["kd_logits"])
+    two = BitDistillLoss(vocab=5, teacher_weights=[0.3, 0.7])(zs, [zt, zt2], y)["kd_logits"]
+    assert torch.allclose(two, logits_kd_loss(zs[..., :5], [zt[..., :5], zt2[..., :5]], 5.0, weights=[0.3, 0.7]))
+    import train
+    from tools import start
+    seen = {}
+    monkeypatch.setattr(start, "make_teachers", lambda *a: seen.update(vocab=a[4]) or ([], BitDistillLoss()))
+    run = type("R", (), dict(lesson=None, vocab=257, cfg=type("C", (), {"stage": 3})(),
+                             model=type("M", (), {"config": None})(), rt=type("T", (), {"device": "cpu", "log": lambda *a: None})(), train_model=None))()
+    train.make_loss_fn(run, ["t.pt"])
+    assert seen["vocab"] == 257

@@ -40,6 +40,7 @@ class Run:
     given: dict = dataclasses.field(default_factory=dict)  # the flags given on the command line,
                                                            # {name: value}
     model: GPT = None            # the model itself: its weights are what checkpoints hold
+    vocab: int = 0               # the tokenizer's ids (the model's rows past them: --pad_vocab's padding)
     train_model: object = None   # what the step calls: model, compiled and/or wrapped in DDP
     optimizer: object = None
     clipper: ZClip = None
@@ -141,6 +142,7 @@ def starting_model(run, resume):
             "--teacher" if cfg.tokenizer in cfg.teacher.split(",") else "--tokenizer"
         die(f"{flag}={cfg.tokenizer}: {e}", 2)
     model_conf = model_config(cfg, tok.vocab_size, tok.eot)
+    run.vocab = tok.vocab_size
     run.lesson = seams.stage_lesson(cfg)  # --stage=dlm brings its own start, model shape and loss
     if run.lesson is not None:
         model_conf = run.lesson.model_config(model_conf)

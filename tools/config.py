@@ -44,7 +44,7 @@ class TrainConfig:
     # relation KD + ...
     teacher: str = ""            # teacher checkpoint(s), "a.pt" or "a.pt,b.pt"; "" =
                                  # <out_dir>/stage1/ckpt.pt
-    teacher_weights: str = ""    # several teachers: weights of their logits mixture, "0.7,0.3"; ""
+    teacher_weights: str = ""    # several teachers: weights of their mixture (of tempered distributions), "0.7,0.3"; ""
                                  # = equal
     distill_preset: str = "logits"  # kd_logits 1, kd_relation 0 (measured best here); the paper's
                                     # summarization: kd_logits 1, kd_relation 1e3; classification:

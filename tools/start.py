@@ -385,10 +385,10 @@ def report_conversion(run):
 # stage 3's teachers: frozen full-precision models, and the BitDistill loss against them
 
 
-def make_teachers(cfg, paths, student_conf, device):
+def make_teachers(cfg, paths, student_conf, device, vocab=None):
     """Stage 3: the frozen full-precision teachers (eval mode, no grad, bf16 on CUDA) and the
-    BitDistill loss. With every distillation weight 0 there is no teacher: ([], crit), plain CE, the
-    control run."""
+    BitDistill loss (its logits KD over the tokenizer's vocab ids, not --pad_vocab's padding rows).
+    With every distillation weight 0 there is no teacher: ([], crit), plain CE, the control run."""
     try:
         crit = BitDistillLoss(cfg.distill_preset,
                               kd_logits=None if cfg.kd_logits < 0 else cfg.kd_logits,
@@ -396,7 +396,7 @@ def make_teachers(cfg, paths, student_conf, device):
                               kd_hidden=cfg.kd_hidden, temperature=cfg.distill_tau,
                               n_relation_heads=cfg.distill_relation_heads,
                               distill_layer=cfg.distill_layer,
-                              teacher_weights=parse_teacher_weights(cfg, len(paths)))
+                              teacher_weights=parse_teacher_weights(cfg, len(paths)), vocab=vocab)
     except ValueError as e:
         die(str(e), 2)
     if crit.kd_logits == crit.kd_relation == crit.kd_hidden == 0:
