@@ -239,6 +239,38 @@ def test_a_directory_where_the_run_keeps_metrics_jsonl_is_one_line(saved, tmp_pa
     assert digest(ck) == before
 
 
+def test_a_resume_takes_the_optimizer_and_clipper_settings_it_is_given_with_the_saved_state():
+    """--beta1, --beta2, --muon_adjust_lr and --zclip_z_thresh given on resume were logged as taking effect, but
+    torch's load_state_dict put back the saved groups' betas and lr adjustment, and ZClip's its saved threshold: the
+    run went on unchanged. restore keeps the state (moments, momentum, ZClip's statistics) and takes the settings of
+    the optimizer and clipper built for this run."""
+    import muon
+    from zclip import ZClip
+    torch.manual_seed(0)
+    w, v = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))
+
+    def built(betas, adjust, z):
+        opt = muon.Muon([dict(params=[w], kind="muon", adjust_lr_fn=adjust),
+                         dict(params=[v], kind="adamw", lr=3e-4, betas=betas)], lr=0.02)
+        for g in opt.param_groups:
+            g["initial_lr"], g["initial_wd"] = g["lr"], g["weight_decay"]
+        return opt, ZClip(z_thresh=z)
+    opt, clip = built((0.9, 0.95), "match_rms_adamw", 2.5)
+    for _ in range(3):
+        (w.sum() ** 2 + v.sum() ** 2).backward()
+        clip.clip([w, v])
+        opt.step()
+        opt.zero_grad()
+    saved = {"optimizer": opt.state_dict(), "zclip": clip.state_dict()}
+    opt2, clip2 = built((0.5, 0.6), "original", 0.1)
+    checkpoint.restore(saved, opt2, clip2)
+    groups = {g["kind"]: g for g in opt2.param_groups}
+    assert groups["adamw"]["betas"] == (0.5, 0.6) and groups["muon"]["adjust_lr_fn"] == "original"
+    assert clip2.z_thresh == 0.1 and clip2.n_seen == clip.n_seen
+    assert all(torch.equal(a, b) for k in opt.state[v] for a, b in [(opt.state[v][k], opt2.state[v][k])])
+    assert torch.equal(opt.state[w]["momentum_buffer"], opt2.state[w]["momentum_buffer"])
+
+
 # another tokenizer is refused by its vocabulary (tokenizer.fingerprint, exit 2) before the shapes are compared
 @pytest.mark.parametrize("flag,facts,code", [("--n_embd=64", ("n_embd=32", "n_embd=64"), 1),
                                              ("--tokenizer=gpt2", ("--tokenizer=gpt2", "(byte, fingerprint"), 2)])

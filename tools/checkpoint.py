@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from tokenizer import fingerprint, get_tokenizer
+from zclip import CONFIG_KEYS as ZCLIP_CONFIG
 from tools import atomic
 from tools.flags import die
 
@@ -160,20 +161,25 @@ def averaged_state(state, model, average):
 
 def restore(ckpt, optimizer, clipper=None):
     """Load the optimizer (then cut it into FSDP2 shards where the parameters are DTensors), ZClip
-    and RNG states of ckpt. The lr and wd each group starts from (initial_lr, initial_wd) keep their
-    current values, so a --lr given on resume takes effect; without one they equal the saved
-    ones."""
-    fresh = [(g["initial_lr"], g["initial_wd"]) for g in optimizer.param_groups]
+    and RNG states of ckpt: their state (moments, momentum, ZClip's statistics) is the saved one,
+    their settings this run's. torch's load_state_dict puts back the saved groups' settings and
+    ZClip's its saved config; each group's settings (initial_lr, initial_wd, betas, Muon's lr
+    adjustment, ...) and ZClip's config are then set to the ones this optimizer and clipper were
+    built with, so a flag given on resume takes effect; without one they equal the saved ones."""
+    fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         optimizer.load_state_dict(ckpt["optimizer"])
     except (ValueError, KeyError) as e:
         raise CheckpointError("the saved optimizer state does not fit this optimizer "
                               f"({type(e).__name__}: {e})")
-    for g, (lr, wd) in zip(optimizer.param_groups, fresh):
-        g["initial_lr"], g["initial_wd"] = lr, wd
+    for g, settings in zip(optimizer.param_groups, fresh):
+        g.update(settings)
     shard_optimizer_state(optimizer)
     if clipper is not None and ckpt.get("zclip") is not None:
+        built = {k: getattr(clipper, k) for k in ZCLIP_CONFIG}
         clipper.load_state_dict(ckpt["zclip"])
+        for k, v in built.items():
+            setattr(clipper, k, v)
     if ckpt.get("rng") is not None:
         set_rng_state(ckpt["rng"])  # rank 0's states, on every rank
 
