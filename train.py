@@ -69,7 +69,7 @@ def _schedule(step, cfg):
     if cfg.schedule == "cosine":
         progress = min((step - cfg.warmup_steps) / max(cfg.max_iters - cfg.warmup_steps, 1), 1.0)
         return cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
-    decay_start = int(cfg.max_iters * (1 - cfg.decay_frac))
+    decay_start = int(round(cfg.max_iters * (1 - cfg.decay_frac), 9))  # 90 * (1 - 0.3) is 62.99999999999999
     if step < decay_start:
         return 1.0
     progress = min((step - decay_start) / max(cfg.max_iters - decay_start, 1), 1.0)

@@ -178,6 +178,20 @@ def test_lr_schedule_shapes(schedule):
         assert m[550] == pytest.approx(0.55) and all(a >= b for a, b in zip(m[100:], m[101:]))
 
 
+def test_wsd_decays_over_exactly_its_fraction_of_the_steps():
+    """The decay starts at floor(max_iters * (1 - decay_frac)) of the decimals given: 90 * (1 - 0.3) is
+    62.99999999999999 in floats, which started the decay a step early (28 steps, not 27) at 2,336 lengths below
+    100k for 0.3 alone. Checked against exact decimal arithmetic."""
+    import math
+    from fractions import Fraction
+    for frac in (0.1, 0.2, 0.3, 0.8, 0.9):
+        for n in (10, 90, 91, 100, 170, 330, 1000):
+            cfg = config.TrainConfig(schedule="wsd", max_iters=n, warmup_steps=0, decay_frac=frac)
+            start = math.floor(n * (1 - Fraction(str(frac))))
+            # the decay's first step (progress 0) is at start
+            assert train.lr_mult(start, cfg) == 1.0 and train.lr_mult(start + 1, cfg) < 1.0, (frac, n)
+
+
 def test_lambda_warmup_is_linear_then_one():
     cfg = config.TrainConfig(stage=2, lambda_warmup_steps=200)
     assert [train.lambda_at(s, cfg) for s in (0, 50, 200, 999)] == [0.0, 0.25, 1.0, 1.0]
@@ -393,6 +407,7 @@ def test_quant_start_outside_stage_2_is_refused(capsys):
 @pytest.mark.parametrize("argv, needs", [
     (["--stage=2", "--kd_logits=1"], "stage 3"), (["--stage=1", "--teacher=t.pt"], "stage 3"),
     (["--stage=2", "--kd_hidden=10"], "stage 3"), (["--zclip=False", "--zclip_z_thresh=3"], "ZClip"),
+    (["--grad_clip=0.5"], "--zclip=False"),
     (["--two_phase_lr_drop=0.3"], "two-phase"), (["--avg_alpha=0.5"], "averaging"),
     (["--stage=2", "--dlm_mask_init=random"], "--stage=dlm")])
 def test_a_flag_for_something_the_run_does_not_do_is_refused_not_ignored(capsys, argv, needs):
@@ -402,6 +417,7 @@ def test_a_flag_for_something_the_run_does_not_do_is_refused_not_ignored(capsys,
     assert argv[-1] in line and needs in line, line
     assert checks.build_config({"stage": 3, "kd_logits": 2.0, "device": "cpu"}).kd_logits == 2.0
     assert checks.build_config({"zclip_z_thresh": 3.0, "device": "cpu"}).zclip_z_thresh == 3.0
+    assert checks.build_config({"zclip": False, "grad_clip": 0.5, "device": "cpu"}).grad_clip == 0.5
 
 
 def test_constant_and_moderate_schedules():

@@ -69,6 +69,7 @@ DISTILL_FLAGS = ("teacher", "teacher_weights", "distill_preset", "kd_logits", "k
                  "distill_tau", "distill_layer", "distill_relation_heads")
 NEEDS = {**{k: ("stage 3 (distillation)", lambda c: c.stage == 3, "pass --stage=3") for k in DISTILL_FLAGS},
          "zclip_z_thresh": ("ZClip", lambda c: c.zclip, "drop --zclip=False"),
+         "grad_clip": ("the fixed clipping of --zclip=False", lambda c: not c.zclip, "pass --zclip=False"),
          "two_phase_lr_drop": ("the two-phase schedule", lambda c: c.two_phase, "pass --two_phase=True"),
          "avg_interval": ("checkpoint averaging", lambda c: c.avg_checkpoints > 0, "pass --avg_checkpoints=k"),
          "avg_alpha": ("checkpoint averaging", lambda c: c.avg_checkpoints > 0, "pass --avg_checkpoints=k"),
