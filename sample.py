@@ -142,8 +142,8 @@ def stale_export_note(path):
     beside = os.path.join(os.path.dirname(path) or ".", checkpoint.LATEST)
     if outputs.file_kind(path)[0] != "packed" or not os.path.exists(beside):
         return
-    made, now = outputs.export_run(path, "packed"), outputs.checkpoint_run(beside)
-    if made and now and made != now:
+    if not outputs.same_run(path, "packed", beside):
+        made, now = outputs.export_run(path, "packed"), outputs.checkpoint_run(beside)
         print(f"note: {path} was exported from an earlier run than {beside} (run {made}, not {now}): these are the "
               f"earlier model's samples; re-export it: python -m tools.export --ckpt={beside} --out={path} "
               "--overwrite=True", file=sys.stderr)

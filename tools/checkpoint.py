@@ -442,6 +442,12 @@ def crc_failure(path):
     return None
 
 
+def _older_beside(path):
+    """"; older checkpoints beside it: ..." for an error line about the checkpoint at path ("" if none)."""
+    older = [os.path.basename(p) for p in numbered(os.path.dirname(path) or ".") if not os.path.samefile(p, path)]
+    return f"; older checkpoints beside it: {', '.join(older)}" if older else ""
+
+
 def load(path, required=("model", "model_args"), mmap=False):
     """torch.load(weights_only=True) with one clear error for a missing, truncated, corrupt or
     foreign file. mmap=True maps the tensors instead of reading them (a look at model_args costs
@@ -461,16 +467,12 @@ def load(path, required=("model", "model_args"), mmap=False):
         why = (f"{type(e).__name__}: "
                f"{(str(e).splitlines() or [''])[0][:120]}" if zipfile.is_zipfile(path)
                else f"{os.path.getsize(path)} bytes, not a torch.save zip archive")
-        older = [os.path.basename(p) for p in numbered(os.path.dirname(path) or ".") if not os.path.samefile(p, path)]
-        hint = f"; older checkpoints beside it: {', '.join(older)}" if older else ""
         raise CheckpointError(f"{path}: cannot load checkpoint, the file is corrupt or truncated "
-                              f"({why}){hint}") from None
+                              f"({why}){_older_beside(path)}") from None
     bad = None if mmap else crc_failure(path)  # a peek (mmap) reads too little to check
     if bad:
-        older = [os.path.basename(p) for p in numbered(os.path.dirname(path) or ".") if not os.path.samefile(p, path)]
-        hint = f"; older checkpoints beside it: {', '.join(older)}" if older else ""
         raise CheckpointError(f"{path}: the checkpoint is damaged: {bad} fails the CRC-32 torch.save recorded "
-                              f"(a disk or copy error changed its bytes){hint}")
+                              f"(a disk or copy error changed its bytes){_older_beside(path)}")
     missing = [k for k in required if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: not a training checkpoint (missing {', '.join(missing)})")

@@ -254,7 +254,7 @@ def export_run(path, kind):
     return None
 
 
-def _same_run(path, kind, source):
+def same_run(path, kind, source):
     """Whether the export at path came from the run whose checkpoint is now at source (unknown on
     either side, a file written without run ids, counts as the same)."""
     made, now = export_run(path, kind), checkpoint_run(source)
@@ -353,7 +353,7 @@ def check_output(flag, path, kind, source=None, overwrite=False, inputs=(), ckpt
             f"of another kind, not even with --overwrite=True; pass another {flag}, or move that "
             "file away first", 2)
     same_path = bool(source and have_source and os.path.abspath(have_source) == os.path.abspath(source))
-    if overwrite or (same_path and _same_run(path, have, source)):
+    if overwrite or (same_path and same_run(path, have, source)):
         return
     made = f" made from another {'run' if kind == 'png' else 'checkpoint'} ({have_source})" if have_source else ""
     if same_path:  # a run replaced since (train.py --overwrite=True): this may be all that is left of it
