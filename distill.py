@@ -109,9 +109,8 @@ def attention_relation_loss(student_qkv, teacher_qkv, n_relation_heads, temperat
     """MiniLM-v2 relation KD summed over Q, K, V and divided by A_r. *_qkv: (q, k, v), each (B, H, T, d).
     mask: (B, T), True = valid token; invalid tokens are excluded as queries (rows) and as keys.
     Departure from MiniLM-v2 and the paper's printed L_AD (softmax(X X^T / sqrt(d_r)) of the vectors as they are):
-    each relation head is L2-normalised and t = 1, as the authors' trainer computes it. On a tiny teacher/student
-    pair that loss is ~10x smaller than the printed form's, so kd_relation weights (the presets' 1e3, 1e5) are on
-    the trainer's scale."""
+    each relation head is L2-normalised and t = 1, as the authors' trainer computes it: another scale than the
+    printed form's, and kd_relation's weights (the presets' 1e3, 1e5) are on the trainer's."""
     if len(student_qkv) != 3 or len(teacher_qkv) != 3:
         raise ValueError("student_qkv and teacher_qkv must each be a (q, k, v) tuple of (B, H, T, d) tensors")
     sizes = {}

@@ -66,7 +66,7 @@ SHAKESPEARE = os.path.join(DATA_DIR, "shakespeare.jsonl.gz")
 PYTHON = os.path.join(DATA_DIR, "python.jsonl.gz")
 # the shipped corpora (data/README.md): name -> (file, default --clean). The plays are deduplicated
 # but not quality-filtered: Gopher's repeated-lines rule, written for web text, would drop The Merry
-# Wives of Windsor, whose speaker names ("FALSTAFF.") repeat: 30.3% of its lines (python -m lessons.clean
+# Wives of Windsor, whose speaker names ("FALSTAFF.") repeat past its limit (python -m lessons.clean
 # --kind=prose data/shakespeare.jsonl.gz shows it)
 CORPORA = {"shakespeare": (SHAKESPEARE, "dedup"), "python": (PYTHON, "code")}
 # quality rules (lessons/clean.py) and deduplication, for prose or code; deduplication only; nothing
