@@ -239,6 +239,22 @@ def test_a_directory_where_the_run_keeps_metrics_jsonl_is_one_line(saved, tmp_pa
     assert digest(ck) == before
 
 
+def test_a_refused_resume_prints_its_error_line_without_the_resume_notes_before_it(saved, tmp_path, capsys):
+    """A resume whose run directory is refused (metrics.jsonl a directory) printed the note on what it changes
+    ("resuming with --beta2=...") before its error line: the notes come after the run's refusals; a resume that
+    goes on still prints them."""
+    out, ck = copy_run(saved, tmp_path)
+    os.mkdir(os.path.join(out, "stage1", "metrics.jsonl"))
+    with pytest.raises(SystemExit):
+        train.main(["--stage=1", "--resume=True", "--beta2=0.9", f"--out_dir={out}"])
+    printed = capsys.readouterr()
+    assert "is a directory" in printed.err and "--beta2" not in printed.out, printed.out
+    os.rmdir(os.path.join(out, "stage1", "metrics.jsonl"))
+    step = checkpoint.load(ck)["step"]
+    train.main(["--stage=1", "--resume=True", "--beta2=0.9", f"--max_iters={step + 1}", f"--out_dir={out}"])
+    assert "--beta2=0.9" in capsys.readouterr().out
+
+
 def test_a_resume_takes_the_optimizer_and_clipper_settings_it_is_given_with_the_saved_state():
     """--beta1, --beta2, --muon_adjust_lr and --zclip_z_thresh given on resume were logged as taking effect, but
     torch's load_state_dict put back the saved groups' betas and lr adjustment, and ZClip's its saved threshold: the
