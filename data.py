@@ -108,10 +108,8 @@ class DataLoader:
         self.identities = [[shard_identity(p) for p in paths] for paths in self.shards]  # to notice a re-prepare
         self.lengths = [[len(read_shard(p, i)) for p, i in zip(ps, ids)]  # validates every header
                         for ps, ids in zip(self.shards, self.identities)]
-        _check_meta(self.dirs, split, self.lengths)
         # per source: the vocabulary its meta.json records (None: shards alone), which every id read must be below
-        self.vocab = [read_meta(d).get("vocab_size") if os.path.exists(os.path.join(d, "meta.json")) else None
-                      for d in self.dirs]
+        self.vocab = _check_meta(self.dirs, split, self.lengths)
         _check_block_size(self.shards, self.lengths, T)
         self.windows = [_windows(ns, T) for ns in self.lengths]  # per source: (shard index, offset) arrays
         self.scores = [window_difficulty(p, ns, T) for p, ns in zip(self.shards, self.lengths)] \
@@ -341,9 +339,11 @@ def _check_block_size(shards, lengths, T):
 
 def _check_meta(dirs, split, lengths):
     """Each meta.json (optional: a directory of shards alone is fine) against the shards found beside it, then
-    one tokenizer across sources. A meta.json without a shard count has its token count checked alone."""
-    tokenizers = {}
+    one tokenizer across sources. A meta.json without a shard count has its token count checked alone. Returns
+    each source's recorded vocab_size (None without one)."""
+    tokenizers, vocab = {}, []
     for d, ns in zip(dirs, lengths):
+        vocab.append(None)
         if not os.path.exists(os.path.join(d, "meta.json")):
             continue
         meta = read_meta(d)
@@ -356,6 +356,7 @@ def _check_meta(dirs, split, lengths):
                              f"{_fix(path)}")
     if len({os.path.realpath(t) if os.path.exists(t) else t for t in tokenizers.values()}) > 1:  # 1 model, 2 paths: 1
         raise ValueError(f"sources were made by different tokenizers {tokenizers}; mix only one tokenizer")
+    return vocab
 
 
 def _check_meta_json(path):
