@@ -347,7 +347,7 @@ def _check_meta(dirs, split, lengths):
         if not os.path.exists(os.path.join(d, "meta.json")):
             continue
         meta = read_meta(d)
-        tokenizers[d] = meta["tokenizer"]
+        tokenizers[d], vocab[-1] = meta["tokenizer"], meta.get("vocab_size")
         want = (meta.get(f"{split}_tokens", sum(ns)), meta.get(f"{split}_shards", len(ns)))
         if want != (sum(ns), len(ns)):
             path = os.path.join(d, "meta.json")
