@@ -14,6 +14,7 @@ arXiv 2012.15828 (relations); TinyBERT, arXiv 1909.10351, section 3.1 (hidden st
                The paper writes lambda for kd_logits and gamma for kd_relation; here those two letters are BitNet's
                quantisation blend and weight scale (quant.py), so the distillation weights say what they weigh.
     L_LD     = tau^2 * mean_{valid tokens} sum_v p_t(v) (log p_t(v) - log p_s(v)),  p = softmax(z / tau), tau = 5
+               v over the tokenizer's ids (BitDistillLoss(vocab=): not a --pad_vocab model's padding rows)
                K teachers: p_t = sum_k w_k softmax(z_k / tau), sum_k w_k = 1 (default w_k = 1/K)
     L_AD     = (1/A_r) * sum_{X in Q,K,V} mean_{b, a, i} KL(R_t[b,a,i,:] || R_s[b,a,i,:])
                R = softmax(X_hat X_hat^T / t) over keys, t = 1, where X (B, H, T, d) is concatenated to
